@@ -1,0 +1,1 @@
+"""data feature of megatron_ext."""

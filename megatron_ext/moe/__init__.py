@@ -1,0 +1,1 @@
+"""moe feature of megatron_ext."""

@@ -1,0 +1,1 @@
+"""replay feature of megatron_ext."""

@@ -1,0 +1,1 @@
+"""training feature of megatron_ext."""
