@@ -1,0 +1,75 @@
+"""megatron_ext's command-line flags, for Megatron's ``extra_args_provider``.
+
+Flags are derived from the feature dataclasses in :mod:`megatron_ext.config` by Megatron's own
+``ArgumentGroupFactory`` (``--`` + kebab-case field name, help = the field's docstring, one group per
+feature), so they look and parse exactly like Megatron's flags.
+
+Example::
+
+    from megatron.training import pretrain
+    from megatron_ext.arguments import add_megatron_ext_args, configs_from_args
+
+    args = parse_args(extra_args_provider=add_megatron_ext_args)   # our flags parse with Megatron's
+    cfgs = configs_from_args(args)                                # frozen dataclasses, validated
+    cfgs[PaddingConfig].pad_policy
+"""
+
+import argparse
+import dataclasses
+from typing import Any
+
+from megatron_ext import config as _config
+
+
+def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds one argument group per megatron_ext feature to Megatron's parser and returns it.
+
+    Usable directly as ``extra_args_provider`` of ``megatron.training.pretrain`` / ``parse_args``.
+    """
+    from megatron.training.argument_utils import ArgumentGroupFactory
+
+    for cls, title in _config.FEATURE_CONFIGS.items():
+        ArgumentGroupFactory(cls).build_group(parser, title=f"megatron_ext: {title}")
+    return parser
+
+
+def configs_from_args(args: argparse.Namespace) -> dict[type, Any]:
+    """Builds every feature config from parsed arguments and validates them against Megatron's.
+
+    Args:
+        args: The namespace from ``megatron.training.arguments.parse_args`` (or any parser that ran
+            :func:`add_megatron_ext_args`).
+
+    Returns:
+        ``{ConfigClass: instance}`` for every registered feature.
+
+    Raises:
+        ValueError: A flag's value, or a combination with Megatron's own flags, is not supported; the
+            message names the flag(s).
+    """
+    configs: dict[type, Any] = {}
+    for cls in _config.FEATURE_CONFIGS:
+        kwargs = {f.name: getattr(args, f.name, _MISSING) for f in dataclasses.fields(cls) if f.init}
+        missing = [_config.flag(name) for name, value in kwargs.items() if value is _MISSING]
+        if missing:
+            raise ValueError(f"arguments lack megatron_ext flags {missing}: add add_megatron_ext_args")
+        instance = cls(**kwargs)
+        check = getattr(instance, "check_megatron_args", None)
+        if check is not None:
+            check(args)
+        configs[cls] = instance
+    return configs
+
+
+def megatron_ext_option_strings() -> set[str]:
+    """Every option string megatron_ext adds (``--pad-policy``, ``--no-...``), for clash checks."""
+    parser = add_megatron_ext_args(argparse.ArgumentParser(add_help=False))
+    return {opt for action in parser._actions for opt in action.option_strings}
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING = _Missing()

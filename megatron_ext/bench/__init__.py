@@ -1,0 +1,1 @@
+"""Benchmarks: each module registers side-by-side measurements with :mod:`.registry`."""

@@ -1,0 +1,227 @@
+"""Makes Megatron-Core's real MoE stack run on CPU over gloo (tests, the demo, CI); a no-op with CUDA.
+
+Megatron-Core 0.19.2 hard-codes a few CUDA calls on paths that are otherwise device-agnostic. Each patch
+below replaces exactly one such call, names the Megatron function it works around, and fails loudly when the
+symbol it patches has moved (so an upgrade is noticed, not silently half-patched). The patches never change
+numerics: they only swap CUDA streams, CUDA RNG state and ``torch.cuda.current_device()`` for their CPU
+equivalents, and hand gloo plain split sizes.
+
+Example::
+
+    from megatron_ext.cpu import enable_cpu_mode
+    enable_cpu_mode()          # before building any Megatron module
+    # MoELayer (alltoall / allgather dispatcher), GPTModel, RouterReplay now run on CPU / gloo.
+
+``tests/test_cpu.py`` runs every patched call *unpatched* in a fresh process and asserts it still fails on
+CPU, so a Megatron release that fixes one of them is noticed and its patch can go.
+"""
+
+import contextlib
+import functools
+import importlib
+import logging
+import types
+from typing import Any, Callable
+
+import torch
+
+_ENABLED = False
+
+
+class _NullStream:
+    """Stands in for ``torch.cuda.Stream`` / ``Event``: CPU work is already ordered."""
+
+    def wait_stream(self, stream: Any) -> None:
+        del stream
+
+    def record_event(self, event: Any = None) -> "_NullStream":
+        del event
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        del event
+
+    def query(self) -> bool:
+        return True
+
+
+class _CudaProxy(types.SimpleNamespace):
+    """``torch.cuda`` with selected attributes overridden; everything else falls through."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+class _TorchProxy(types.ModuleType):
+    """A ``torch`` module whose ``cuda`` attribute is a :class:`_CudaProxy`, for one Megatron module."""
+
+    def __init__(self, cuda_overrides: dict[str, Any]) -> None:
+        super().__init__("torch")
+        self.cuda = _CudaProxy(**cuda_overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _module_with(module_name: str, *symbols: str) -> types.ModuleType:
+    """Imports ``module_name`` and checks it still defines ``symbols``; raises if Megatron moved them."""
+    module = importlib.import_module(module_name)
+    for symbol in symbols:
+        obj: Any = module
+        for part in symbol.split("."):
+            if not hasattr(obj, part):
+                raise RuntimeError(
+                    f"megatron_ext.cpu: {module_name}.{symbol} is gone; this megatron-core version "
+                    "needs a new CPU patch (see megatron_ext/cpu.py)"
+                )
+            obj = getattr(obj, part)
+    return module
+
+
+def _patch_rng_tracker() -> None:
+    """``tensor_parallel.random``: CUDA RNG state -> the CPU generator.
+
+    ``model_parallel_cuda_manual_seed`` and ``CudaRNGStatesTracker.add/fork`` read and write CUDA RNG state
+    (``torch.cuda.get_rng_state``, ``_get_cuda_rng_state``, ``_set_cuda_rng_state``), which fails without a
+    CUDA driver. Mapping them onto the CPU generator keeps Megatron's per-TP/EP-rank seeding and its
+    forked dropout streams working, so expert weights differ per EP rank exactly as on GPU.
+    """
+    random = _module_with(
+        "megatron.core.tensor_parallel.random", "_get_cuda_rng_state", "_set_cuda_rng_state"
+    )
+
+    def get_state(device: Any = None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+        del device, clone, graph_safe
+        return torch.get_rng_state()
+
+    def set_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+        del device, graph_safe
+        torch.set_rng_state(new_state)
+
+    random._get_cuda_rng_state = get_state
+    random._set_cuda_rng_state = set_state
+    random.torch = _TorchProxy(
+        {
+            "get_rng_state": lambda device="cuda": torch.get_rng_state(),
+            "set_rng_state": lambda state, device="cuda": torch.set_rng_state(state),
+            "manual_seed": torch.manual_seed,
+        }
+    )
+    # fork() warns whenever the forked (here: CPU) stream was used, which on CPU is every forked init.
+    logging.getLogger(random.__name__).setLevel(logging.ERROR)
+
+
+def _patch_dispatcher_streams() -> None:
+    """``MoEAlltoAllTokenDispatcher``: CUDA side stream and events -> no-ops.
+
+    ``__init__`` creates ``torch.cuda.Stream()`` for its batched device-to-host copies and
+    ``_maybe_dtoh_and_synchronize`` enters ``torch.cuda.stream(...)`` and records events. On CPU every
+    copy is already synchronous, so a null stream is exact.
+    """
+    dispatcher = _module_with(
+        "megatron.core.transformer.moe.token_dispatcher",
+        "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
+    )
+    null = _NullStream()
+    dispatcher.torch = _TorchProxy(
+        {
+            "Stream": lambda *a, **k: null,
+            "Event": lambda *a, **k: null,
+            "current_stream": lambda *a, **k: null,
+            "stream": lambda *a, **k: contextlib.nullcontext(),
+        }
+    )
+
+
+def _patch_split_sizes() -> None:
+    """``moe_utils.maybe_move_tensor_to_cpu``: also turn CPU split tensors into numpy.
+
+    It converts only CUDA tensors, so on CPU the all-to-all split sizes stay tensors and gloo's
+    ``all_to_all_single`` raises ``TypeError`` at EP >= 2. The patched version converts CPU tensors the same way.
+    """
+    moe_utils = _module_with("megatron.core.transformer.moe.moe_utils", "maybe_move_tensor_to_cpu")
+    dispatcher = _module_with(
+        "megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu"
+    )
+    original: Callable[..., Any] = moe_utils.maybe_move_tensor_to_cpu
+
+    def move_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy() if as_numpy else tensor
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = move_to_cpu
+    dispatcher.maybe_move_tensor_to_cpu = move_to_cpu
+
+
+#: Megatron modules that place tensors on ``torch.cuda.current_device()`` on the CPU-capable path, and where.
+_CURRENT_DEVICE_USERS: dict[str, str] = {
+    "megatron.core.transformer.moe.router": "Router.gating",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding": "RotaryEmbedding.get_emb",
+    "megatron.core.transformer.dot_product_attention": "DotProductAttention",
+    "megatron.core.utils": "GlobalMemoryBuffer.get_tensor",
+    "megatron.core.tensor_parallel.mappings": "_gather_along_first_dim",
+}
+
+
+def _patch_current_device() -> None:
+    """``torch.cuda.current_device()`` -> ``"cpu"`` inside the modules of :data:`_CURRENT_DEVICE_USERS`.
+
+    ``Router.gating`` moves CPU-initialised router weights there, ``TopKRouter.__init__`` places its
+    aux-loss / expert-bias buffers there, and ``RotaryEmbedding.get_emb`` moves ``inv_freq`` there on the
+    first forward, ``GlobalMemoryBuffer.get_tensor`` (used by the local ``DotProductAttention``) allocates
+    its scratch buffer there, and the TP/EP gather and reduce-scatter helpers in ``tensor_parallel.mappings``
+    allocate their outputs there. Only these modules see the change; ``torch.cuda`` itself is untouched.
+    """
+    for module_name, symbol in _CURRENT_DEVICE_USERS.items():
+        module = _module_with(module_name, symbol)
+        module.torch = _TorchProxy({"current_device": lambda: "cpu"})
+
+
+def _patch_default_causal_mask() -> None:
+    """``fused_softmax.get_default_causal_mask``: build the causal mask on CPU.
+
+    ``transformer.utils.get_default_causal_mask`` hard-codes ``device="cuda"``; the local attention
+    backend (``FusedScaleMaskSoftmax.forward_torch_softmax``) calls it whenever no mask is passed.
+    """
+    fused_softmax = _module_with("megatron.core.fusions.fused_softmax", "get_default_causal_mask")
+
+    @functools.lru_cache(maxsize=8)
+    def causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+    fused_softmax.get_default_causal_mask = causal_mask
+
+
+#: Every patch, in the order applied. Names are used by the tests that prove each is still needed.
+PATCHES: dict[str, Callable[[], None]] = {
+    "rng_tracker": _patch_rng_tracker,
+    "dispatcher_streams": _patch_dispatcher_streams,
+    "split_sizes": _patch_split_sizes,
+    "current_device": _patch_current_device,
+    "default_causal_mask": _patch_default_causal_mask,
+}
+
+
+def enable_cpu_mode() -> bool:
+    """Patches Megatron-Core so its MoE stack runs on CPU / gloo. Idempotent.
+
+    Returns:
+        True if the patches are in place, False if CUDA is available (then nothing is patched).
+    """
+    global _ENABLED
+    if torch.cuda.is_available():
+        return False
+    if not _ENABLED:
+        for patch in PATCHES.values():
+            patch()
+        _ENABLED = True
+    return True
+
+
+def cpu_mode_enabled() -> bool:
+    """True once :func:`enable_cpu_mode` has patched Megatron in this process."""
+    return _ENABLED

@@ -1,0 +1,270 @@
+"""Self-token padding of packed sequences (pure numpy; never imports megatron).
+
+Why: every framework pads packs with one constant id. Identical pad tokens get identical hidden
+states, so the MoE router sends all of a pack's pads to the same experts and one expert-parallel
+rank receives the whole pad run. Filling pads with the pack's own tokens, cycled from its first
+real token, makes pads route like real text. Pads stay loss-masked and form their own segment
+after every real token, so no real token can see them and the loss is unchanged.
+
+Worked example (two documents ``[a b c]`` and ``[d e]``, target length 8, ``policy="self"``)::
+
+    tokens_S      = [a  b  c  d  e  a  b  c ]     pads cycle the real tokens from the first
+    src_index_S   = [0  1  2  3  4  0  1  2 ]     real index each position holds or copies
+    labels_S      = [b  c  -  e  -  -  -  - ]     "-" = IGNORE_INDEX (never compared with ids)
+    loss_mask_S   = [1  1  0  1  0  0  0  0 ]     the last token of a document predicts nothing
+    position_ids  = [0  1  2  0  1  0  1  2 ]     pads restart at 0: their own segment
+    pad_mask_S    = [F  F  F  F  F  T  T  T ]     True = pad (Megatron's MoE padding_mask)
+    cu_seqlens    = [0  3  5  8  8  8  8  8  8]   fixed length S+1, trailing entries = S
+
+With ``policy="constant"`` the pads are ``pad_id`` and ``src_index_S`` is -1 there. A pack that
+contains a multimodal placeholder id always gets the constant id, so a placeholder never
+appears outside its item.
+
+Contract used by route replay: ``src_index_S`` (int64) gives, for every output position, the
+index into the pack's concatenated real tokens that the position holds or copies (-1 for a
+constant pad). Any per-token payload (routes, loss weights) is padded as
+``payload[src_index_S]`` through :func:`gather_by_src_index`.
+
+Legend: N real tokens in the pack, B documents in the pack, S padded pack length,
+W per-token payload width.
+"""
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+
+PadPolicy = Literal["self", "constant"]
+PAD_POLICIES: tuple[str, ...] = ("self", "constant")
+
+#: Label written wherever there is nothing to predict (pads, the last token of each document).
+#: Masked by ``loss_mask`` (never by comparing ids) and ignored by Megatron's cross entropy.
+IGNORE_INDEX = -100
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddedPack:
+    """One pack padded to its target length (all arrays numpy, length S unless stated)."""
+
+    tokens_S: np.ndarray
+    """int64 input ids: the real tokens, then the pads."""
+    labels_S: np.ndarray
+    """int64 next-token targets inside each document, IGNORE_INDEX elsewhere."""
+    loss_mask_S: np.ndarray
+    """float32, 1 where the label is a training target; always 0 on pads."""
+    position_ids_S: np.ndarray
+    """int64 positions, restarting at 0 in each document and in the pad segment."""
+    pad_mask_S: np.ndarray
+    """bool, True = pad (Megatron's ``padding_mask`` convention)."""
+    src_index_S: np.ndarray
+    """int64 index into the pack's real tokens that each position holds or copies; -1 = none."""
+    cu_seqlens: np.ndarray
+    """int32 [S + 1] segment boundaries (documents, then the pad segment), trailing entries = S."""
+    num_segments: int
+    """Number of real entries in ``cu_seqlens`` minus one (documents plus a pad segment if any)."""
+    max_seqlen: int
+    """Longest segment (0 for an empty pack)."""
+
+
+def round_up(n: int, multiple: int) -> int:
+    """Returns the smallest multiple of ``multiple`` that is >= ``n``."""
+    return -(-n // multiple) * multiple
+
+
+def target_length(
+    num_tokens: int, *, seq_length: int, pad_to_seq_len: bool, pad_to_multiple_of: int
+) -> int:
+    """Length a pack of ``num_tokens`` real tokens is padded to.
+
+    Args:
+        num_tokens: Real tokens in the pack (0..seq_length).
+        seq_length: The run's sequence length; packs never exceed it.
+        pad_to_seq_len: Pad every pack to exactly ``seq_length`` (static shapes).
+        pad_to_multiple_of: Otherwise pad to the next multiple of this (1 = no padding).
+
+    Returns:
+        The padded length S, ``num_tokens <= S <= seq_length``.
+
+    Raises:
+        ValueError: On a non-positive length/multiple, too many tokens, or a multiple that would
+            push a full pack past ``seq_length``.
+    """
+    if seq_length < 1:
+        raise ValueError(f"--seq-length must be >= 1, got {seq_length}")
+    if pad_to_multiple_of < 1:
+        raise ValueError(f"--pad-to-multiple-of must be >= 1, got {pad_to_multiple_of}")
+    if not 0 <= num_tokens <= seq_length:
+        raise ValueError(f"a pack holds {num_tokens} tokens, outside 0..--seq-length={seq_length}")
+    if pad_to_seq_len:
+        return seq_length
+    if seq_length % pad_to_multiple_of:
+        raise ValueError(
+            f"--seq-length={seq_length} is not a multiple of "
+            f"--pad-to-multiple-of={pad_to_multiple_of}: a full pack could not be padded"
+        )
+    return round_up(num_tokens, pad_to_multiple_of)
+
+
+def derive_pad_multiple(
+    *,
+    context_parallel_size: int = 1,
+    tensor_parallel_size: int = 1,
+    sequence_parallel: bool = False,
+    fp8: bool = False,
+) -> int:
+    """Smallest pack-length multiple the run needs.
+
+    2*CP (each CP rank takes two load-balanced chunks), TP under sequence parallelism (the
+    sequence is split across TP ranks) and 16 under fp8 (GEMM M dimension); the lcm of those
+    that apply, 1 if none.
+
+    Example: ``derive_pad_multiple(context_parallel_size=2, fp8=True) == 16``.
+    """
+    multiple = 1
+    if context_parallel_size > 1:
+        multiple = math.lcm(multiple, 2 * context_parallel_size)
+    if sequence_parallel and tensor_parallel_size > 1:
+        multiple = math.lcm(multiple, tensor_parallel_size)
+    if fp8:
+        multiple = math.lcm(multiple, 16)
+    return multiple
+
+
+def _check_pack_inputs(
+    tokens_N: np.ndarray, doc_lens_B: np.ndarray, target_mask_N: np.ndarray | None, policy: str
+) -> None:
+    if policy not in PAD_POLICIES:
+        raise ValueError(f"unknown --pad-policy {policy!r}; choose one of {PAD_POLICIES}")
+    if tokens_N.ndim != 1 or doc_lens_B.ndim != 1:
+        raise ValueError("tokens and document lengths must be 1-D")
+    if not np.issubdtype(tokens_N.dtype, np.integer) or not np.issubdtype(
+        doc_lens_B.dtype, np.integer
+    ):
+        raise ValueError("tokens and document lengths must be integer arrays")
+    if doc_lens_B.size and doc_lens_B.min() < 1:
+        raise ValueError(f"every document needs >= 1 token, got lengths {doc_lens_B.tolist()}")
+    if int(doc_lens_B.sum()) != tokens_N.size:
+        raise ValueError(
+            f"document lengths sum to {int(doc_lens_B.sum())} but the pack has "
+            f"{tokens_N.size} tokens"
+        )
+    if target_mask_N is not None and target_mask_N.shape != tokens_N.shape:
+        raise ValueError(
+            f"loss-mask sidecar has {target_mask_N.size} entries for {tokens_N.size} tokens"
+        )
+
+
+def pad_pack(
+    tokens_N: np.ndarray,
+    doc_lens_B: np.ndarray,
+    length: int,
+    *,
+    policy: PadPolicy = "self",
+    pad_id: int = 0,
+    placeholder_ids: Sequence[int] = (),
+    target_mask_N: np.ndarray | None = None,
+) -> PaddedPack:
+    """Pads one pack of whole documents to ``length`` tokens.
+
+    Args:
+        tokens_N: The pack's real tokens, documents concatenated.
+        doc_lens_B: Length of each document (each >= 1, summing to N).
+        length: Target length S >= N (see :func:`target_length`).
+        policy: ``"self"`` repeats the pack's own tokens cycled from its first real token;
+            ``"constant"`` writes ``pad_id``.
+        pad_id: Id of a constant pad (``policy="constant"``, multimodal packs, empty packs).
+        placeholder_ids: Multimodal placeholder ids; a pack containing any of them is padded
+            with ``pad_id`` whatever the policy.
+        target_mask_N: Optional per-token training-target mask (1 = learn to predict this
+            token; 0 = e.g. a prompt token). None = every token is a target.
+
+    Returns:
+        The :class:`PaddedPack`.
+
+    Raises:
+        ValueError: On an unknown policy, inconsistent lengths or ``length < N``.
+    """
+    tokens_N = np.asarray(tokens_N)
+    doc_lens_B = np.asarray(doc_lens_B)
+    _check_pack_inputs(tokens_N, doc_lens_B, target_mask_N, policy)
+    n = tokens_N.size
+    if length < n:
+        raise ValueError(f"cannot pad a pack of {n} tokens to length {length}")
+    num_pads = length - n
+
+    # Which real index each position holds or copies. Pads never copy a placeholder: a
+    # multimodal pack (or an empty one, which has nothing to copy) pads with the constant id.
+    is_multimodal = bool(np.isin(tokens_N, np.asarray(placeholder_ids, dtype=np.int64)).any())
+    copy_pads = policy == "self" and not is_multimodal and n > 0
+    src_index_S = np.empty(length, dtype=np.int64)
+    src_index_S[:n] = np.arange(n)
+    src_index_S[n:] = np.arange(num_pads) % n if copy_pads else -1
+
+    tokens_S = np.full(length, pad_id, dtype=np.int64)
+    tokens_S[:n] = tokens_N
+    if copy_pads:
+        tokens_S[n:] = tokens_N[src_index_S[n:]]
+
+    # Segments: one per document, then one for the pads, so no real token attends to a pad.
+    doc_starts_B = np.cumsum(doc_lens_B) - doc_lens_B
+    seg_lens = np.concatenate([doc_lens_B, [num_pads] if num_pads else []]).astype(np.int64)
+    cu_seqlens = np.full(length + 1, length, dtype=np.int32)
+    cu_seqlens[0] = 0
+    cu_seqlens[1 : seg_lens.size + 1] = np.cumsum(seg_lens)
+    seg_starts = np.repeat(np.cumsum(seg_lens) - seg_lens, seg_lens)
+    position_ids_S = np.arange(length, dtype=np.int64) - seg_starts
+
+    # Labels and loss mask by position: position i < N predicts token i+1 when i+1 is in the
+    # same document. Never derived from ids, so pad_id == eos is safe.
+    has_next_N = np.ones(n, dtype=bool)
+    has_next_N[doc_starts_B[1:] - 1] = False
+    if n:
+        has_next_N[-1] = False
+    next_N = np.minimum(np.arange(n) + 1, max(n - 1, 0))
+    labels_S = np.full(length, IGNORE_INDEX, dtype=np.int64)
+    labels_S[:n] = np.where(has_next_N, tokens_N[next_N], IGNORE_INDEX)
+    loss_mask_S = np.zeros(length, dtype=np.float32)
+    loss_mask_S[:n] = has_next_N
+    if target_mask_N is not None and n:
+        loss_mask_S[:n] *= np.asarray(target_mask_N, dtype=np.float32)[next_N]
+
+    pad_mask_S = np.zeros(length, dtype=bool)
+    pad_mask_S[n:] = True
+    return PaddedPack(
+        tokens_S=tokens_S,
+        labels_S=labels_S,
+        loss_mask_S=loss_mask_S,
+        position_ids_S=position_ids_S,
+        pad_mask_S=pad_mask_S,
+        src_index_S=src_index_S,
+        cu_seqlens=cu_seqlens,
+        num_segments=int(seg_lens.size),
+        max_seqlen=int(seg_lens.max()) if seg_lens.size else 0,
+    )
+
+
+def gather_by_src_index(values_NW: np.ndarray, src_index_S: np.ndarray, fill: int) -> np.ndarray:
+    """Pads any per-token payload exactly like the tokens: ``values_NW[src_index_S]``.
+
+    Args:
+        values_NW: Payload of the pack's N real tokens, shape [N] or [N, W] (e.g. routes
+            flattened to W = layers * topk).
+        src_index_S: From :attr:`PaddedPack.src_index_S`.
+        fill: Value for positions with ``src_index_S == -1`` (constant pads).
+
+    Returns:
+        Array of shape [S] or [S, W] with ``values_NW``'s dtype.
+    """
+    values_NW = np.asarray(values_NW)
+    if src_index_S.size and src_index_S.max(initial=-1) >= values_NW.shape[0]:
+        raise ValueError(
+            f"payload has {values_NW.shape[0]} rows but the pack indexes row "
+            f"{int(src_index_S.max())}"
+        )
+    if values_NW.shape[0] == 0:  # nothing to copy: every position must be a constant pad
+        return np.full((src_index_S.size, *values_NW.shape[1:]), fill, dtype=values_NW.dtype)
+    out = values_NW[np.maximum(src_index_S, 0)]
+    out[src_index_S < 0] = fill
+    return out

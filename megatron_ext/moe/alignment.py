@@ -1,0 +1,227 @@
+"""Sync-free grouped-GEMM alignment of dispatched MoE tokens (pure torch, never imports megatron).
+
+Low-precision grouped GEMMs need every expert's group of rows to start and end on a multiple of
+the quantization block: 16 rows for fp8, 32 for mxfp8 (the 1x32 scale blocks run along M in the
+weight-gradient GEMM ``dW = dO^T @ X``), 128 for nvfp4. bf16/fp16 need nothing, and padding them
+only costs time, so their alignment is 0 and every function here is then the identity (no copy).
+
+After the token dispatcher has received its rows, this module lays them out expert-major with each
+expert's group starting at an aligned offset and zero rows filling the gaps, and strips the pads
+again on the way back. The rows may arrive in source-chunk order (Megatron's all-to-all delivers
+``[source rank][local expert]`` chunks), so the same scatter also does the sort by local expert.
+
+Worked example (align 4, one source chunk, 2 experts with 3 and 1 tokens)::
+
+    received rows    [a b c | d]               tokens_per_expert_E = [3, 1]
+    aligned buffer   [a b c _ | d _ _ _]       aligned counts      = [4, 4]
+    dest_idx_N       [0 1 2 4]                 (row i of the input lands at dest_idx_N[i])
+
+Everything is computed on the device from device counts with sync-free ops (``cumsum``,
+``searchsorted``, ``index_copy``). The one host integer needed, the buffer length, comes either
+from counts the dispatcher already holds on the host (exact, no new sync) or from a static bound
+(``static_aligned_rows``; the last expert's group absorbs the slack so all groups stay aligned).
+
+Shape legend: N rows received (unaligned), P rows of the aligned buffer, E local experts,
+R source chunks the rows arrive in (TP x EP ranks; 1 when already expert-major), C = R*E chunks,
+D hidden size.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+#: Alignment multiple per precision. 0 means no alignment (identity, no copy).
+ALIGN_BY_PRECISION: dict[str, int] = {
+    "fp32": 0,
+    "bf16": 0,
+    "fp16": 0,
+    "fp8": 16,
+    "mxfp8": 32,
+    "nvfp4": 128,
+}
+
+
+def align_size_for(precision: str, override: int | None = None) -> int:
+    """Returns the row multiple each expert group must be padded to.
+
+    Args:
+        precision: One of ``ALIGN_BY_PRECISION`` (``"bf16"``, ``"fp8"``, ``"mxfp8"``, ...).
+        override: A user-chosen multiple that wins over the precision's default; 0 or 1 disables.
+
+    Returns:
+        The alignment multiple; 0 means no alignment.
+
+    Raises:
+        ValueError: Unknown precision or a negative override.
+    """
+    if precision not in ALIGN_BY_PRECISION:
+        raise ValueError(
+            f"unknown precision {precision!r} for MoE alignment; "
+            f"expected one of {sorted(ALIGN_BY_PRECISION)}"
+        )
+    if override is not None:
+        if override < 0:
+            raise ValueError(f"--moe-dispatch-align-size must be >= 0, got {override}")
+        return 0 if override <= 1 else override
+    return ALIGN_BY_PRECISION[precision]
+
+
+def is_identity(align: int) -> bool:
+    """True when ``align`` asks for no padding at all (bf16/fp16, 0 or 1)."""
+    return align <= 1
+
+
+def round_up(n: torch.Tensor, align: int) -> torch.Tensor:
+    """Rounds each count up to a multiple of ``align`` (identity when ``align <= 1``)."""
+    if is_identity(align):
+        return n
+    return (n + (align - 1)) // align * align
+
+
+def aligned_rows_from_host_counts(
+    tokens_per_expert_E: torch.Tensor | Sequence[int], align: int
+) -> int:
+    """Exact aligned buffer length from counts the caller already holds on the host.
+
+    Args:
+        tokens_per_expert_E: Per-expert counts as a CPU tensor or a Python sequence. Passing a
+            device tensor is a bug: reading it would be a new device-to-host sync.
+        align: Alignment multiple.
+
+    Returns:
+        ``sum(round_up(tokens_per_expert_E, align))``.
+    """
+    if isinstance(tokens_per_expert_E, torch.Tensor):
+        assert tokens_per_expert_E.device.type == "cpu", "host counts must already be on the host"
+        counts = tokens_per_expert_E.tolist()
+    else:
+        counts = list(tokens_per_expert_E)
+    if is_identity(align):
+        return int(sum(counts))
+    return int(sum(-(-int(c) // align) * align for c in counts))
+
+
+def static_aligned_rows(num_rows: int, num_experts: int, align: int) -> int:
+    """Smallest static buffer length that fits any split of ``num_rows`` rows over the experts.
+
+    ``sum_e A*ceil(c_e/A) <= A*floor((N + E*(A-1))/A)``, because each ceil adds at most A-1.
+
+    Args:
+        num_rows: Rows received (N), known on the host from the received tensor's shape.
+        num_experts: Local experts (E).
+        align: Alignment multiple (A).
+
+    Returns:
+        The bound P; a multiple of ``align``.
+    """
+    if is_identity(align):
+        return num_rows
+    return (num_rows + num_experts * (align - 1)) // align * align
+
+
+@dataclass(frozen=True)
+class AlignedLayout:
+    """Where each received row sits in the aligned expert-major buffer.
+
+    Attributes:
+        dest_idx_N: Buffer row of each received row (device, int64).
+        tokens_per_expert_E: Aligned group sizes (device, int64), each a multiple of the
+            alignment, summing to ``num_rows``.
+        num_rows: Buffer length P (host int).
+        align: The alignment multiple used.
+    """
+
+    dest_idx_N: torch.Tensor
+    tokens_per_expert_E: torch.Tensor
+    num_rows: int
+    align: int
+
+
+def plan_aligned_layout(
+    counts_RE: torch.Tensor, align: int, num_received: int, num_rows: int
+) -> AlignedLayout:
+    """Plans the aligned expert-major layout of rows arriving in ``[source chunk][expert]`` order.
+
+    Rows arrive as chunks ``(r=0,e=0), (r=0,e=1), ..., (r=1,e=0), ...`` of sizes ``counts_RE``
+    (Megatron's all-to-all order; pass ``counts.view(1, E)`` for rows already sorted by expert).
+    Chunk ``(r, e)`` goes to ``aligned_start[e] + sum_{r' < r} counts_RE[r', e]``, so the scatter
+    that pads also sorts by expert.
+
+    Sync-free: only ``cumsum``/``searchsorted``/gathers on device tensors; the two lengths are
+    host ints the caller already has.
+
+    Args:
+        counts_RE: Rows per (source chunk, local expert); device tensor, shape [R, E], summing
+            to ``num_received``.
+        align: Alignment multiple (> 1).
+        num_received: Rows received N (the received tensor's ``shape[0]``).
+        num_rows: Buffer length P, from ``aligned_rows_from_host_counts`` or
+            ``static_aligned_rows``; must be at least the exact aligned total (a smaller value
+            cannot be detected without a sync and would corrupt the last group).
+
+    Returns:
+        The layout. With a static bound, the last expert's group absorbs the slack rows.
+    """
+    assert counts_RE.dim() == 2, "counts_RE must be [R, E]"
+    assert not is_identity(align), "identity alignment needs no layout"
+    counts_RE = counts_RE.long()
+    counts_C = counts_RE.reshape(-1)
+    src_end_C = counts_C.cumsum(0)
+    src_start_C = src_end_C - counts_C
+
+    aligned_E = round_up(counts_RE.sum(0), align)
+    aligned_start_E = aligned_E.cumsum(0) - aligned_E
+    # Offset of chunk (r, e) inside expert e's group: rows of the same expert in earlier chunks.
+    within_RE = counts_RE.cumsum(0) - counts_RE
+    dest_start_C = (aligned_start_E.unsqueeze(0) + within_RE).reshape(-1)
+
+    row_N = torch.arange(num_received, device=counts_RE.device)
+    # Chunk of each row: the first chunk whose end lies beyond it (empty chunks are skipped).
+    chunk_N = torch.searchsorted(src_end_C, row_N, right=True)
+    dest_idx_N = dest_start_C.gather(0, chunk_N) + (row_N - src_start_C.gather(0, chunk_N))
+
+    # The slack of a static bound goes to the last group; P and the aligned total are both
+    # multiples of `align`, so every group stays aligned.
+    slack_E = torch.zeros_like(aligned_E)
+    slack_E[-1:] = num_rows - aligned_E.sum()
+    return AlignedLayout(
+        dest_idx_N=dest_idx_N,
+        tokens_per_expert_E=aligned_E + slack_E,
+        num_rows=num_rows,
+        align=align,
+    )
+
+
+def pad_to_layout(x_N: torch.Tensor, layout: AlignedLayout) -> torch.Tensor:
+    """Scatters received rows into the zero-padded aligned buffer.
+
+    Differentiable: the gradient of ``x_N`` is the buffer gradient gathered at ``dest_idx_N``;
+    pad rows receive nothing.
+
+    Args:
+        x_N: Received rows, shape [N, ...] (hidden states ``[N, D]`` or probs ``[N]``).
+        layout: From ``plan_aligned_layout``.
+
+    Returns:
+        ``x_P`` of shape [P, ...] with zero pad rows.
+    """
+    assert x_N.shape[0] == layout.dest_idx_N.shape[0], "x_N rows differ from the planned layout"
+    x_P = x_N.new_zeros((layout.num_rows, *x_N.shape[1:]))
+    return x_P.index_copy(0, layout.dest_idx_N, x_N)
+
+
+def strip_layout(y_P: torch.Tensor, layout: AlignedLayout) -> torch.Tensor:
+    """Drops pad rows and restores the received row order (undoing the sort by expert too).
+
+    Differentiable: the gradient of ``y_P`` is zero on pad rows.
+
+    Args:
+        y_P: Rows of the aligned buffer, shape [P, ...].
+        layout: The layout ``pad_to_layout`` used.
+
+    Returns:
+        ``y_N`` of shape [N, ...] in the order the rows were received.
+    """
+    assert y_P.shape[0] == layout.num_rows, "y_P rows differ from the planned layout"
+    return y_P.index_select(0, layout.dest_idx_N)

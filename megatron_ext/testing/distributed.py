@@ -1,0 +1,223 @@
+"""Run a function on N gloo ranks with Megatron's parallel_state initialised; workers are reused.
+
+Spawning a rank costs ~5 s (torch + Megatron imports), so each world size gets one pool of worker processes
+for the whole pytest session. Every call re-initialises Megatron's model-parallel groups with the sizes it
+asks for, seeds Megatron's RNG tracker and clears RouterReplay's process-global instance list, so calls do
+not leak state into each other.
+
+Example::
+
+    def _check(x):                       # module level, so spawned workers can import it
+        from megatron.core import parallel_state
+        return parallel_state.get_expert_model_parallel_rank(), x
+
+    run_distributed(_check, 2, 7, ep=2)  # -> [(0, 7), (1, 7)]
+
+A rank that raises fails the call with that rank's traceback; a rank that hangs (e.g. its peer died inside a
+collective) fails it by timeout, and the pool is torn down and rebuilt on the next call.
+"""
+
+import atexit
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+_SEQUENCE_PARALLEL = False
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    """Megatron model-parallel sizes for one call."""
+
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+    cp: int = 1
+    sp: bool = False
+    seed: int = 1234
+
+
+def sequence_parallel() -> bool:
+    """Whether the current ``run_distributed`` call asked for sequence parallelism (read in workers)."""
+    return _SEQUENCE_PARALLEL
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _setup_parallel(sizes: ParallelSizes) -> None:
+    global _SEQUENCE_PARALLEL
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=sizes.tp,
+        pipeline_model_parallel_size=sizes.pp,
+        context_parallel_size=sizes.cp,
+        expert_model_parallel_size=sizes.ep,
+    )
+    torch.manual_seed(sizes.seed)
+    model_parallel_cuda_manual_seed(sizes.seed, force_reset_rng=True)
+    RouterReplay.clear_global_router_replay_instances()
+    _SEQUENCE_PARALLEL = sizes.sp
+
+
+def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import torch
+
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=10)
+    )
+    from megatron_ext.cpu import enable_cpu_mode
+
+    enable_cpu_mode()
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        task_id, fn, args, kwargs, sizes = task
+        try:
+            _setup_parallel(sizes)
+            results.put((task_id, rank, True, fn(*args, **kwargs)))
+        except BaseException:  # report anything, including assertion errors, to the parent
+            results.put((task_id, rank, False, traceback.format_exc()))
+
+
+class _Pool:
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = _free_port()
+        self.procs = [
+            ctx.Process(
+                target=_worker,
+                args=(rank, world_size, port, self.tasks[rank], self.results),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for proc in self.procs:
+            proc.start()
+        self.next_id = 0
+
+    def alive(self) -> bool:
+        return all(proc.is_alive() for proc in self.procs)
+
+    def run(self, fn: Callable, args: tuple, kwargs: dict, sizes: ParallelSizes, timeout: float):
+        task_id = self.next_id
+        self.next_id += 1
+        for q in self.tasks:
+            q.put((task_id, fn, args, kwargs, sizes))
+        done: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(done) < self.world_size:
+            if any(not ok for ok, _ in done.values()):
+                # A failed rank's peers may be stuck in a collective: give them a moment, no more.
+                deadline = min(deadline, time.monotonic() + 5.0)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self.alive():
+                break
+            try:
+                tid, rank, ok, value = self.results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                continue
+            if tid == task_id:
+                done[rank] = (ok, value)
+        return done
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            for q in self.tasks:
+                q.put(None)
+        for proc in self.procs:
+            proc.join(timeout=0 if force else 5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+
+_POOLS: dict[int, _Pool] = {}
+
+
+def _pool(world_size: int) -> _Pool:
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.close(force=True)
+        pool = _POOLS[world_size] = _Pool(world_size)
+    return pool
+
+
+@atexit.register
+def shutdown_pools() -> None:
+    """Stops every worker pool (also runs at interpreter exit)."""
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    tp: int = 1,
+    ep: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    sp: bool = False,
+    seed: int = 1234,
+    timeout: float = 240.0,
+    **kwargs: Any,
+) -> list[Any]:
+    """Runs ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks with Megatron parallel state set up.
+
+    Args:
+        fn: A module-level (picklable) function.
+        world_size: Number of ranks (1, 2 or 4 in practice).
+        *args: Positional arguments for ``fn`` (picklable; CPU tensors are fine).
+        tp, ep, pp, cp: Tensor-, expert-, pipeline- and context-parallel sizes for Megatron.
+        sp: Sequence parallelism; read by :func:`sequence_parallel` and the tiny model config.
+        seed: Seed for torch and Megatron's model-parallel RNG tracker.
+        timeout: Seconds before a hung call fails (the pool is then rebuilt).
+        **kwargs: Keyword arguments for ``fn``.
+
+    Returns:
+        ``fn``'s return value from each rank, in rank order.
+
+    Raises:
+        RuntimeError: A rank raised (its traceback is included) or did not answer in time.
+    """
+    sizes = ParallelSizes(tp=tp, ep=ep, pp=pp, cp=cp, sp=sp, seed=seed)
+    pool = _pool(world_size)
+    done = pool.run(fn, args, kwargs, sizes, timeout)
+    failed = {rank: value for rank, (ok, value) in done.items() if not ok}
+    missing = [rank for rank in range(world_size) if rank not in done]
+    if failed or missing:
+        pool.close(force=True)
+        _POOLS.pop(world_size, None)
+        name = getattr(fn, "__qualname__", repr(fn))
+        parts = [f"rank {rank} of {world_size} failed in {name}:\n{tb}" for rank, tb in failed.items()]
+        if missing:
+            parts.append(
+                f"ranks {missing} of {world_size} did not finish {name} within {timeout:.0f} s "
+                "(hung, or a peer died inside a collective)"
+            )
+        raise RuntimeError("\n".join(parts))
+    return [done[rank][1] for rank in range(world_size)]

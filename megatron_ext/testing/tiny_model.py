@@ -1,0 +1,85 @@
+"""A tiny MoE ``GPTModel`` built from Megatron's real classes (local layer spec), sized for CPU tests.
+
+Call inside :func:`megatron_ext.testing.run_distributed` (Megatron's parallel state must be initialised); the
+expert-parallel size is read from it.
+
+Example::
+
+    config = tiny_moe_config(moe_token_dispatcher_type="allgather")
+    model = build_tiny_gpt(config)                  # 2 layers, 8 experts, top-2, rope
+    logits = model(tokens, position_ids, attention_mask=None)
+"""
+
+from typing import Any, Optional
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_ext.testing.distributed import sequence_parallel
+
+
+def tiny_moe_config(**overrides: Any) -> TransformerConfig:
+    """A fp32, dropout-free, dropless 8-expert top-2 MoE config; ``overrides`` win.
+
+    ``num_moe_experts=None`` in ``overrides`` gives a dense model.
+    """
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    fields: dict[str, Any] = dict(
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+        num_moe_experts=8,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=64,
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=1e-2,
+        moe_router_dtype="fp32",
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        sequence_parallel=sequence_parallel() and tp > 1,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=False,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        add_bias_linear=False,
+    )
+    fields.update(overrides)
+    if fields["num_moe_experts"] is None:
+        for key in [k for k in fields if k.startswith("moe_")]:
+            fields.pop(key)
+    return TransformerConfig(**fields)
+
+
+def build_tiny_gpt(
+    config: TransformerConfig,
+    *,
+    vocab_size: int = 128,
+    max_seq_len: int = 64,
+    layer_spec: Optional[ModuleSpec] = None,
+    position_embedding_type: str = "rope",
+) -> GPTModel:
+    """Builds Megatron's ``GPTModel`` on CPU with the local (non-TE) layer spec unless one is given."""
+    if layer_spec is None:
+        layer_spec = get_gpt_layer_local_spec(
+            num_experts=config.num_moe_experts, moe_grouped_gemm=False
+        )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=vocab_size,
+        max_sequence_length=max_seq_len,
+        position_embedding_type=position_embedding_type,
+    )
