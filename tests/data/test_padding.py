@@ -1,0 +1,324 @@
+"""Tests for megatron_ext.data.padding. Tier: pure (numpy only, no Megatron, no processes but one
+subprocess that checks the module never imports megatron)."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_ext.data.padding import (
+    IGNORE_INDEX,
+    derive_pad_multiple,
+    gather_by_src_index,
+    pad_pack,
+    round_up,
+    target_length,
+)
+
+X = IGNORE_INDEX
+
+
+def test_module_never_imports_megatron() -> None:
+    code = (
+        "import sys, megatron_ext.data.padding, megatron_ext.data.pack_planning;"
+        "bad = [m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')];"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_hand_worked_self_padding() -> None:
+    # docs [a b c] [d e] with a..e = 10..14, S = 8: 3 pads copy real tokens 0, 1, 2.
+    p = pad_pack(np.array([10, 11, 12, 13, 14]), np.array([3, 2]), 8)
+    assert p.tokens_S.tolist() == [10, 11, 12, 13, 14, 10, 11, 12]
+    assert p.src_index_S.tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert p.labels_S.tolist() == [11, 12, X, 14, X, X, X, X]
+    assert p.loss_mask_S.tolist() == [1, 1, 0, 1, 0, 0, 0, 0]
+    assert p.position_ids_S.tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
+    assert p.pad_mask_S.tolist() == [False] * 5 + [True] * 3
+    assert p.cu_seqlens.tolist() == [0, 3, 5, 8, 8, 8, 8, 8, 8]
+    assert p.cu_seqlens.dtype == np.int32 and p.src_index_S.dtype == np.int64
+    assert (p.num_segments, p.max_seqlen) == (3, 3)
+
+
+def test_pads_cycle_past_the_real_tokens() -> None:
+    # [a b c] -> [a b c a b c a], the issue's example.
+    p = pad_pack(np.array([1, 2, 3]), np.array([3]), 7)
+    assert p.tokens_S.tolist() == [1, 2, 3, 1, 2, 3, 1]
+    assert p.position_ids_S.tolist() == [0, 1, 2, 0, 1, 2, 3]
+
+
+def test_constant_policy() -> None:
+    p = pad_pack(np.array([10, 11, 12]), np.array([3]), 5, policy="constant", pad_id=7)
+    assert p.tokens_S.tolist() == [10, 11, 12, 7, 7]
+    assert p.src_index_S.tolist() == [0, 1, 2, -1, -1]
+    assert p.labels_S.tolist() == [11, 12, X, X, X]
+
+
+def test_multimodal_pack_pads_with_constant_id() -> None:
+    # 99 is an image placeholder: self policy must not copy it (or anything) into the pads.
+    p = pad_pack(
+        np.array([5, 99, 99, 6]), np.array([4]), 6, pad_id=0, placeholder_ids=[99]
+    )
+    assert p.tokens_S.tolist() == [5, 99, 99, 6, 0, 0]
+    assert p.src_index_S.tolist() == [0, 1, 2, 3, -1, -1]
+    text = pad_pack(np.array([5, 7, 8, 6]), np.array([4]), 6, placeholder_ids=[99])
+    assert text.tokens_S.tolist() == [
+        5,
+        7,
+        8,
+        6,
+        5,
+        7,
+    ]  # text-only packs still self-pad
+
+
+def test_pad_id_equal_to_eos_keeps_real_eos_labels() -> None:
+    # eos = 0 = pad id: labels and loss mask come from positions, so the real eos is learned.
+    p = pad_pack(np.array([4, 5, 0]), np.array([3]), 6, policy="constant", pad_id=0)
+    assert p.labels_S.tolist() == [5, 0, X, X, X, X]
+    assert p.loss_mask_S.tolist() == [1, 1, 0, 0, 0, 0]
+
+
+def test_target_mask_sidecar_masks_prompt_labels() -> None:
+    # prompt [p1 p2] then response [r1 r2]: only positions whose label is a response token learn.
+    p = pad_pack(
+        np.array([1, 2, 3, 4]), np.array([4]), 6, target_mask_N=np.array([0, 0, 1, 1])
+    )
+    assert p.labels_S.tolist() == [2, 3, 4, X, X, X]
+    assert p.loss_mask_S.tolist() == [0, 1, 1, 0, 0, 0]
+
+
+def test_edge_cases_zero_pads_empty_pack_one_token() -> None:
+    full = pad_pack(np.array([1, 2, 3, 4]), np.array([2, 2]), 4)
+    assert not full.pad_mask_S.any() and full.cu_seqlens.tolist() == [0, 2, 4, 4, 4]
+    assert full.num_segments == 2
+    empty = pad_pack(
+        np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), 3, pad_id=9
+    )
+    assert (
+        empty.tokens_S.tolist() == [9, 9, 9] and empty.src_index_S.tolist() == [-1] * 3
+    )
+    assert empty.loss_mask_S.sum() == 0 and empty.cu_seqlens.tolist() == [0, 3, 3, 3]
+    none = pad_pack(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), 0)
+    assert (
+        none.tokens_S.size == 0
+        and none.cu_seqlens.tolist() == [0]
+        and none.num_segments == 0
+    )
+    one = pad_pack(np.array([42]), np.array([1]), 4)
+    assert one.tokens_S.tolist() == [42] * 4 and one.loss_mask_S.sum() == 0
+
+
+def naive_pad(tokens, doc_lens, length, policy, pad_id, placeholders, target_mask):
+    """Per-token loop reference, written from the issue's wording."""
+    n = len(tokens)
+    mm = any(t in placeholders for t in tokens)
+    toks, src, lab, lm, pos, pad = [], [], [], [], [], []
+    doc_end = []
+    for d, ln in enumerate(doc_lens):
+        for k in range(ln):
+            doc_end.append(k == ln - 1)
+    for i in range(n):
+        toks.append(tokens[i])
+        src.append(i)
+        if doc_end[i]:
+            lab.append(X)
+            lm.append(0.0)
+        else:
+            lab.append(tokens[i + 1])
+            lm.append(1.0 if target_mask is None else float(target_mask[i + 1]))
+        pad.append(False)
+    p = 0
+    for d, ln in enumerate(doc_lens):
+        pos.extend(range(ln))
+    for j in range(length - n):
+        if policy == "self" and not mm and n > 0:
+            toks.append(tokens[j % n])
+            src.append(j % n)
+        else:
+            toks.append(pad_id)
+            src.append(-1)
+        lab.append(X)
+        lm.append(0.0)
+        pos.append(j)
+        pad.append(True)
+        p += 1
+    bounds = [0]
+    for ln in doc_lens:
+        bounds.append(bounds[-1] + ln)
+    if p:
+        bounds.append(length)
+    cu = bounds + [length] * (length + 1 - len(bounds))
+    return toks, src, lab, lm, pos, pad, cu
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_matches_naive_loop_reference(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    doc_lens = rng.integers(1, 9, size=rng.integers(0, 6))
+    n = int(doc_lens.sum())
+    tokens = rng.integers(0, 12, size=n)
+    length = n + int(rng.integers(0, 2 * n + 3))
+    policy = ["self", "constant"][seed % 2]
+    placeholders = [11] if seed % 3 == 0 else []
+    target_mask = rng.integers(0, 2, size=n) if seed % 4 < 2 else None
+    got = pad_pack(
+        tokens,
+        doc_lens,
+        length,
+        policy=policy,
+        pad_id=3,
+        placeholder_ids=placeholders,
+        target_mask_N=target_mask,
+    )
+    toks, src, lab, lm, pos, pad, cu = naive_pad(
+        tokens.tolist(), doc_lens.tolist(), length, policy, 3, placeholders, target_mask
+    )
+    assert got.tokens_S.tolist() == toks
+    assert got.src_index_S.tolist() == src
+    assert got.labels_S.tolist() == lab
+    assert got.loss_mask_S.tolist() == lm
+    assert got.position_ids_S.tolist() == pos
+    assert got.pad_mask_S.tolist() == pad
+    assert got.cu_seqlens.tolist() == cu
+
+
+@st.composite
+def packs(draw):
+    doc_lens = draw(st.lists(st.integers(1, 12), min_size=0, max_size=6))
+    n = sum(doc_lens)
+    tokens = draw(st.lists(st.integers(0, 20), min_size=n, max_size=n))
+    length = n + draw(st.integers(0, 40))
+    policy = draw(st.sampled_from(["self", "constant"]))
+    placeholders = draw(st.lists(st.integers(15, 20), max_size=2))
+    return (
+        np.array(tokens, dtype=np.int64),
+        np.array(doc_lens, dtype=np.int64),
+        length,
+        policy,
+        placeholders,
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(packs())
+def test_invariants(case) -> None:
+    tokens, doc_lens, length, policy, placeholders = case
+    n = tokens.size
+    p = pad_pack(
+        tokens, doc_lens, length, policy=policy, pad_id=0, placeholder_ids=placeholders
+    )
+    for arr in (p.tokens_S, p.labels_S, p.loss_mask_S, p.position_ids_S, p.pad_mask_S):
+        assert arr.shape == (length,)
+    assert p.cu_seqlens.shape == (length + 1,) and p.cu_seqlens[-1] == length
+    assert p.cu_seqlens[p.num_segments] == length and np.all(np.diff(p.cu_seqlens) >= 0)
+    # Pads only after every real token, never trained on, never ignored-label-free.
+    assert p.pad_mask_S.tolist() == [False] * n + [True] * (length - n)
+    assert (
+        not p.loss_mask_S[p.pad_mask_S].any() and (p.labels_S[p.pad_mask_S] == X).all()
+    )
+    assert np.array_equal(p.tokens_S[:n], tokens)
+    # The pad segment is its own: positions restart at 0 and a boundary sits at n.
+    if length > n:
+        assert n in p.cu_seqlens[: p.num_segments + 1]
+        assert p.position_ids_S[n:].tolist() == list(range(length - n))
+    # Contents: real or copied tokens agree with src_index; constant pads only where required.
+    copied = p.src_index_S >= 0
+    assert np.array_equal(p.tokens_S[copied], tokens[p.src_index_S[copied]])
+    multimodal = bool(np.isin(tokens, placeholders).any())
+    if policy == "self" and not multimodal and n:
+        assert copied.all()
+        assert np.array_equal(p.src_index_S[n:], np.arange(length - n) % n)
+    else:
+        assert (p.tokens_S[n:] == 0).all() and (p.src_index_S[n:] == -1).all()
+    # Never copies a placeholder id into a pad.
+    assert not np.isin(p.tokens_S[n:], placeholders).any() or not multimodal
+
+
+def test_gather_by_src_index_pads_payload_like_tokens() -> None:
+    routes_NW = np.array([[0, 1], [2, 3], [4, 5]], dtype=np.int16)
+    p = pad_pack(np.array([7, 8, 9]), np.array([3]), 5)
+    assert gather_by_src_index(routes_NW, p.src_index_S, -1).tolist() == [
+        [0, 1],
+        [2, 3],
+        [4, 5],
+        [0, 1],
+        [2, 3],
+    ]
+    c = pad_pack(np.array([7, 8, 9]), np.array([3]), 5, policy="constant")
+    out = gather_by_src_index(routes_NW, c.src_index_S, -1)
+    assert out.dtype == np.int16 and out[3:].tolist() == [[-1, -1]] * 2
+    empty = gather_by_src_index(np.zeros((0, 2)), np.array([-1, -1]), 5)
+    assert empty.tolist() == [[5, 5], [5, 5]]
+    with pytest.raises(ValueError, match="payload has 2 rows"):
+        gather_by_src_index(routes_NW[:2], p.src_index_S, -1)
+
+
+def test_target_length_and_derived_multiple() -> None:
+    assert (
+        target_length(5, seq_length=16, pad_to_seq_len=True, pad_to_multiple_of=1) == 16
+    )
+    assert (
+        target_length(5, seq_length=16, pad_to_seq_len=False, pad_to_multiple_of=4) == 8
+    )
+    assert (
+        target_length(8, seq_length=16, pad_to_seq_len=False, pad_to_multiple_of=4) == 8
+    )
+    assert (
+        target_length(3, seq_length=16, pad_to_seq_len=False, pad_to_multiple_of=1) == 3
+    )
+    assert (
+        target_length(0, seq_length=16, pad_to_seq_len=False, pad_to_multiple_of=8) == 0
+    )
+    assert round_up(17, 16) == 32
+    assert derive_pad_multiple() == 1
+    assert derive_pad_multiple(context_parallel_size=2) == 4
+    assert derive_pad_multiple(tensor_parallel_size=4, sequence_parallel=True) == 4
+    assert derive_pad_multiple(tensor_parallel_size=4, sequence_parallel=False) == 1
+    assert (
+        derive_pad_multiple(
+            context_parallel_size=3,
+            tensor_parallel_size=4,
+            sequence_parallel=True,
+            fp8=True,
+        )
+        == 48
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"policy": "zeros"}, "unknown --pad-policy 'zeros'"),
+        ({"length": 2}, "cannot pad a pack of 3 tokens to length 2"),
+        ({"doc_lens_B": np.array([2, 2])}, "sum to 4 but the pack has 3"),
+        ({"doc_lens_B": np.array([3, 0])}, "every document needs >= 1 token"),
+        ({"target_mask_N": np.ones(2)}, "loss-mask sidecar has 2 entries for 3 tokens"),
+        ({"tokens_N": np.array([1.0, 2.0, 3.0])}, "must be integer arrays"),
+    ],
+)
+def test_bad_pack_inputs(kwargs: dict, match: str) -> None:
+    args = {"tokens_N": np.array([1, 2, 3]), "doc_lens_B": np.array([3]), "length": 5}
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        pad_pack(**args)
+
+
+@pytest.mark.parametrize(
+    "n, seq, multiple, match",
+    [
+        (1, 0, 1, "--seq-length must be >= 1"),
+        (1, 8, 0, "--pad-to-multiple-of must be >= 1"),
+        (9, 8, 1, "a pack holds 9 tokens"),
+        (1, 10, 4, "--seq-length=10 is not a multiple of --pad-to-multiple-of=4"),
+    ],
+)
+def test_bad_target_length(n: int, seq: int, multiple: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        target_length(
+            n, seq_length=seq, pad_to_seq_len=False, pad_to_multiple_of=multiple
+        )
