@@ -1,0 +1,131 @@
+"""Where each route row goes in Megatron's parallel layout (pure torch, never imports megatron).
+
+A micro-batch's routes arrive as ``routes_BSLK`` (the data layout, one row per token of each
+sample). A router on one rank sees ``hidden [S_local, B, H]`` flattened to rows ``s * B + b``,
+where ``S_local`` is this rank's part of the sequence after context parallelism (Megatron's
+per-sequence zigzag: the sequence is cut into ``2 * cp`` chunks and CP rank r keeps chunks r and
+``2 * cp - 1 - r``) and then sequence parallelism (TP rank t keeps the t-th contiguous slice).
+This module computes, for every router row, which ``b * S + s`` position of the micro-batch it
+holds, and maps absolute layer numbers to MoE-layer ordinals (the L axis of a route buffer).
+
+Worked example: B = 1, S = 8, CP = 2, TP = 2 with SP. Chunks of 2: CP rank 1 keeps chunks 1 and 2,
+i.e. positions ``[2 3 4 5]``; TP rank 0 then keeps ``[2 3]`` and TP rank 1 keeps ``[4 5]``.
+
+Legend: B samples of a micro-batch, S sequence length, N router rows on this rank, L MoE layers,
+K top-k, R ranks gathered.
+"""
+
+from collections.abc import Sequence
+
+import torch
+
+
+def cp_zigzag_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Sequence positions CP rank ``cp_rank`` holds under Megatron's per-sequence zigzag.
+
+    Raises:
+        ValueError: ``seq_len`` not divisible by ``2 * cp_size``.
+    """
+    if cp_size == 1:
+        return torch.arange(seq_len)
+    if seq_len % (2 * cp_size):
+        raise ValueError(
+            f"sequence length {seq_len} must be divisible by 2 * --context-parallel-size "
+            f"({2 * cp_size}) for zigzag context parallelism"
+        )
+    chunk = seq_len // (2 * cp_size)
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
+    second_chunk = 2 * cp_size - 1 - cp_rank
+    second = torch.arange(second_chunk * chunk, (second_chunk + 1) * chunk)
+    return torch.cat([first, second])
+
+
+def router_row_positions(
+    batch_size: int,
+    seq_len: int,
+    *,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    sequence_parallel: bool = False,
+) -> torch.Tensor:
+    """For each router row on this rank, its flat position ``b * S + s`` in the micro-batch.
+
+    Args:
+        batch_size: B.
+        seq_len: S, the full (un-sharded) sequence length.
+        cp_size: Context-parallel size.
+        cp_rank: This rank's context-parallel rank.
+        tp_size: Tensor-parallel size.
+        tp_rank: This rank's tensor-parallel rank.
+        sequence_parallel: Whether the MoE layer input is scattered along the sequence over TP.
+
+    Returns:
+        ``positions_N`` (int64), N = B * S / cp (/ tp with SP), in router row order ``s * B + b``.
+
+    Raises:
+        ValueError: The local sequence does not split evenly over TP ranks.
+    """
+    seq_positions = cp_zigzag_positions(seq_len, cp_size, cp_rank)
+    if sequence_parallel and tp_size > 1:
+        local_len = seq_positions.numel()
+        if local_len % tp_size:
+            raise ValueError(
+                f"local sequence length {local_len} must be divisible by "
+                f"--tensor-model-parallel-size ({tp_size}) with --sequence-parallel"
+            )
+        piece = local_len // tp_size
+        seq_positions = seq_positions[tp_rank * piece : (tp_rank + 1) * piece]
+    batch = torch.arange(batch_size)
+    # Router rows are s-major (hidden is [s, b, h]); positions in the data layout are b-major.
+    return (batch.unsqueeze(0) * seq_len + seq_positions.unsqueeze(1)).reshape(-1)
+
+
+def rows_for_router(routes_BSLK: torch.Tensor, positions_N: torch.Tensor) -> torch.Tensor:
+    """Selects this rank's router rows: ``routes_NLK`` (same dtype, no host sync)."""
+    batch_size, seq_len = routes_BSLK.shape[:2]
+    flat_XLK = routes_BSLK.reshape(batch_size * seq_len, *routes_BSLK.shape[2:])
+    return flat_XLK.index_select(0, positions_N.to(routes_BSLK.device))
+
+
+def assemble_from_ranks(
+    rows_RNLK: torch.Tensor, positions_RN: torch.Tensor, batch_size: int, seq_len: int
+) -> torch.Tensor:
+    """Inverse of :func:`rows_for_router` over the ranks that split a micro-batch.
+
+    Args:
+        rows_RNLK: Router rows of each rank (gathered over the TP and CP groups).
+        positions_RN: Each rank's :func:`router_row_positions`.
+        batch_size: B.
+        seq_len: S.
+
+    Returns:
+        ``routes_BSLK``.
+    """
+    assert positions_RN.numel() == batch_size * seq_len, "ranks must cover the micro-batch once"
+    flat_XLK = torch.empty(
+        (batch_size * seq_len, *rows_RNLK.shape[2:]), dtype=rows_RNLK.dtype, device=rows_RNLK.device
+    )
+    flat_XLK[positions_RN.reshape(-1).to(rows_RNLK.device)] = rows_RNLK.reshape(-1, *rows_RNLK.shape[2:])
+    return flat_XLK.reshape(batch_size, seq_len, *rows_RNLK.shape[2:])
+
+
+def moe_layer_numbers(num_layers: int, moe_layer_freq: int | Sequence[int]) -> list[int]:
+    """Absolute (1-based) numbers of the MoE layers of the decoder, MTP layers excluded.
+
+    Follows Megatron's ``moe_layer_freq``: an int N puts an MoE layer at every layer index
+    divisible by N (counting from 0); a list gives 1 (MoE) or 0 (dense) per layer.
+
+    Raises:
+        ValueError: A list whose length is not ``num_layers``.
+    """
+    if isinstance(moe_layer_freq, int):
+        pattern = [1 if i % moe_layer_freq == 0 else 0 for i in range(num_layers)]
+    else:
+        pattern = list(moe_layer_freq)
+        if len(pattern) != num_layers:
+            raise ValueError(
+                f"--moe-layer-freq has {len(pattern)} entries for {num_layers} layers"
+            )
+    return [i + 1 for i, is_moe in enumerate(pattern) if is_moe]

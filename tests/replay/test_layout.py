@@ -1,0 +1,75 @@
+"""Tier: pure (torch only). Router-row layout under CP zigzag and SP, MoE layer numbering."""
+
+import pytest
+import torch
+
+from megatron_ext.replay.layout import (
+    assemble_from_ranks,
+    cp_zigzag_positions,
+    moe_layer_numbers,
+    router_row_positions,
+    rows_for_router,
+)
+
+
+def test_worked_example_cp2_tp2_sp():
+    # S = 8 in 4 chunks of 2; CP rank 1 keeps chunks 1 and 2 -> [2 3 4 5]; SP halves that.
+    assert cp_zigzag_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert cp_zigzag_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    kw = {"cp_size": 2, "cp_rank": 1, "tp_size": 2, "sequence_parallel": True}
+    assert router_row_positions(1, 8, tp_rank=0, **kw).tolist() == [2, 3]
+    assert router_row_positions(1, 8, tp_rank=1, **kw).tolist() == [4, 5]
+
+
+def test_rows_are_s_major_like_megatron_hidden_states():
+    # hidden [S, B, H] flattened: row = s * B + b; data position = b * S + s.
+    assert router_row_positions(2, 3).tolist() == [0, 3, 1, 4, 2, 5]
+
+
+def test_tp_without_sp_keeps_the_whole_sequence():
+    full = router_row_positions(2, 4)
+    assert torch.equal(router_row_positions(2, 4, tp_size=2, tp_rank=1), full)
+
+
+def _loop_reference(batch, seq, cp, cp_rank, tp, tp_rank, sp):
+    chunk = seq // (2 * cp)
+    seq_pos = list(range(cp_rank * chunk, (cp_rank + 1) * chunk))
+    seq_pos += list(range((2 * cp - 1 - cp_rank) * chunk, (2 * cp - cp_rank) * chunk))
+    if sp:
+        piece = len(seq_pos) // tp
+        seq_pos = seq_pos[tp_rank * piece : (tp_rank + 1) * piece]
+    return [b * seq + s for s in seq_pos for b in range(batch)]
+
+
+@pytest.mark.parametrize("cp, tp, sp", [(1, 1, False), (2, 1, False), (1, 2, True), (2, 2, True),
+                                        (4, 2, True), (2, 4, False)])
+def test_ranks_partition_the_micro_batch_and_match_a_loop(cp, tp, sp):
+    batch, seq = 3, 32
+    routes_BSLK = torch.randint(0, 200, (batch, seq, 2, 2), dtype=torch.uint8)
+    rows, positions = [], []
+    for cp_rank in range(cp):
+        for tp_rank in range(tp if sp else 1):
+            pos = router_row_positions(batch, seq, cp_size=cp, cp_rank=cp_rank, tp_size=tp,
+                                       tp_rank=tp_rank, sequence_parallel=sp)
+            assert pos.tolist() == _loop_reference(batch, seq, cp, cp_rank, tp, tp_rank, sp)
+            positions.append(pos)
+            rows.append(rows_for_router(routes_BSLK, pos))
+    positions_RN = torch.stack(positions)
+    assert sorted(positions_RN.reshape(-1).tolist()) == list(range(batch * seq))
+    rebuilt = assemble_from_ranks(torch.stack(rows), positions_RN, batch, seq)
+    assert torch.equal(rebuilt, routes_BSLK)
+
+
+def test_indivisible_lengths_name_the_flag():
+    with pytest.raises(ValueError, match="--context-parallel-size"):
+        cp_zigzag_positions(10, 2, 0)
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size"):
+        router_row_positions(1, 6, tp_size=4, sequence_parallel=True)
+
+
+def test_moe_layer_numbers():
+    assert moe_layer_numbers(4, 1) == [1, 2, 3, 4]
+    assert moe_layer_numbers(5, 2) == [1, 3, 5]
+    assert moe_layer_numbers(4, [0, 1, 1, 0]) == [2, 3]
+    with pytest.raises(ValueError, match="--moe-layer-freq"):
+        moe_layer_numbers(3, [1, 0])

@@ -1,0 +1,217 @@
+"""Tier: pure (numpy only). Route format, validation, padding, missing-route policies, T-1."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_ext.replay.routes import (
+    apply_missing_policy,
+    balanced_experts,
+    fill_missing_balanced,
+    missing_mask,
+    missing_routes,
+    missing_value,
+    pad_routes,
+    rank_counts,
+    reconcile_t_minus_1,
+    route_dtype,
+    validate_routes,
+)
+
+
+def _routes(num_tokens: int, num_layers: int, topk: int, num_experts: int, seed: int = 0):
+    """Random valid routes: each row a distinct top-k."""
+    rng = np.random.default_rng(seed)
+    out = np.empty((num_tokens, num_layers, topk), dtype=route_dtype(num_experts, topk))
+    for t in range(num_tokens):
+        for layer in range(num_layers):
+            out[t, layer] = rng.permutation(num_experts)[:topk]
+    return out
+
+
+def test_pure_module_never_imports_megatron():
+    code = (
+        "import sys, megatron_ext.replay.routes, megatron_ext.replay.layout; "
+        "bad = [m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    "num_experts, topk, dtype",
+    [(1, 1, np.uint8), (8, 2, np.uint8), (255, 1, np.uint8), (256, 8, np.uint8),
+     (256, 1, np.uint16), (257, 2, np.uint16), (65535, 4, np.uint16)],
+)
+def test_route_dtype_is_the_narrowest_that_keeps_the_missing_marker(num_experts, topk, dtype):
+    assert route_dtype(num_experts, topk) == dtype
+
+
+@pytest.mark.parametrize("num_experts, topk", [(65536, 2), (4, 5), (0, 1)])
+def test_route_dtype_rejects_impossible_shapes(num_experts, topk):
+    with pytest.raises(ValueError):
+        route_dtype(num_experts, topk)
+
+
+def test_validate_accepts_real_and_missing_rows():
+    routes = _routes(6, 3, 2, 8)
+    routes[5] = missing_value(routes.dtype)
+    validate_routes(routes, num_layers=3, num_experts=8, topk=2)
+    assert missing_mask(routes).sum() == 3  # the one missing token, at all 3 layers
+
+
+def test_validate_accepts_id_255_with_256_experts_in_uint8():
+    routes = np.array([[[255, 3]], [[255, 255]]], dtype=np.uint8)  # row 1 is the missing marker
+    validate_routes(routes, num_layers=1, num_experts=256, topk=2)
+    assert missing_mask(routes)[:, 0].tolist() == [False, True]
+
+
+@pytest.mark.parametrize(
+    "mutate, kwargs, match",
+    [
+        (None, {"num_layers": 4}, "has 3 MoE layers, the model has 4"),
+        (None, {"topk": 3}, "top-k 2"),
+        (lambda r: r.__setitem__((4, 1, 0), 9), {}, r"token 4, MoE layer 1 has an expert id >= "),
+        (lambda r: r.__setitem__((2, 2), [5, 5]), {}, "token 2, MoE layer 2 has duplicate"),
+        (lambda r: r.__setitem__((3, 0, 1), 255), {}, "token 3, MoE layer 0 mixes the missing"),
+    ],
+)
+def test_validate_names_layer_and_token(mutate, kwargs, match):
+    routes = _routes(6, 3, 2, 8)
+    if mutate is not None:
+        mutate(routes)
+    args = {"num_layers": 3, "num_experts": 8, "topk": 2, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        validate_routes(routes, **args)
+
+
+def test_validate_token_offset_and_name_reach_the_message():
+    routes = _routes(3, 1, 2, 4)
+    routes[1, 0] = [1, 1]
+    with pytest.raises(ValueError, match=r"doc 7: token 101, MoE layer 0"):
+        validate_routes(routes, num_layers=1, num_experts=4, topk=2, name="doc 7", token_offset=100)
+
+
+def test_validate_rejects_bad_rank_and_dtype():
+    with pytest.raises(ValueError, match="tokens, moe_layers, topk"):
+        validate_routes(np.zeros((3, 2), np.uint8), num_layers=2, num_experts=4, topk=2)
+    with pytest.raises(ValueError, match="uint8 or uint16"):
+        validate_routes(np.zeros((3, 1, 2), np.int32), num_layers=1, num_experts=4, topk=2)
+
+
+def test_validate_empty_buffer():
+    validate_routes(missing_routes(0, 2, 2, np.uint8), num_layers=2, num_experts=4, topk=2)
+
+
+def test_pad_routes_hand_worked():
+    # tokens [a b c] padded to [a b c a b] (self-token) and [a b c _ _] (constant id).
+    routes = np.array([[[0, 1]], [[2, 3]], [[4, 5]]], dtype=np.uint8)
+    self_padded = pad_routes(routes, np.array([0, 1, 2, 0, 1]))
+    assert self_padded[:, 0].tolist() == [[0, 1], [2, 3], [4, 5], [0, 1], [2, 3]]
+    const_padded = pad_routes(routes, np.array([0, 1, 2, -1, -1]))
+    assert missing_mask(const_padded)[:, 0].tolist() == [False, False, False, True, True]
+    assert const_padded[:3].tolist() == routes.tolist()
+
+
+def test_pad_routes_matches_a_loop_reference():
+    rng = np.random.default_rng(3)
+    routes = _routes(17, 4, 3, 16, seed=1)
+    src = rng.integers(-1, 17, size=40)
+    got = pad_routes(routes, src)
+    for s, i in enumerate(src):
+        want = missing_routes(1, 4, 3, routes.dtype)[0] if i < 0 else routes[i]
+        assert np.array_equal(got[s], want)
+    assert (src < 0).any() and (src >= 0).any()  # both kinds of pad occurred
+
+
+def test_pad_routes_rejects_out_of_range_and_handles_empty():
+    routes = _routes(3, 1, 2, 4)
+    with pytest.raises(ValueError, match=r"\[-1, 3\)"):
+        pad_routes(routes, np.array([0, 3]))
+    empty = pad_routes(missing_routes(0, 1, 2, np.uint8), np.array([-1, -1]))
+    assert missing_mask(empty).all() and empty.shape == (2, 1, 2)
+    assert pad_routes(routes, np.array([], dtype=np.int64)).shape == (0, 1, 2)
+
+
+def test_fill_missing_balanced_hand_worked():
+    # E = 8, K = 2, three missing rows at layer 0 -> 6 slots, 6 evenly spaced experts.
+    routes = missing_routes(3, 1, 2, np.uint8)
+    filled = fill_missing_balanced(routes, num_experts=8)
+    assert filled[:, 0].tolist() == [[0, 1], [2, 4], [5, 6]]
+    assert rank_counts(filled, 8, 2).tolist() == [3, 3]
+    assert rank_counts(filled, 8, 4).tolist() == [2, 1, 2, 1]
+
+
+def test_fill_missing_balanced_keeps_real_rows_and_fills_only_missing():
+    routes = _routes(20, 3, 2, 8, seed=4)
+    routes[[3, 7, 19], 1] = missing_value(routes.dtype)
+    routes[0] = missing_value(routes.dtype)
+    filled = fill_missing_balanced(routes, num_experts=8)
+    was_missing = missing_mask(routes)
+    assert np.array_equal(filled[~was_missing], routes[~was_missing])
+    assert not missing_mask(filled).any()
+    validate_routes(filled, num_layers=3, num_experts=8, topk=2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    num_experts=st.integers(1, 256),
+    topk_frac=st.floats(0.0, 1.0),
+    missing_rows=st.integers(0, 300),
+    layer=st.integers(0, 5),
+)
+def test_balanced_rows_meet_the_per_ep_rank_bound_for_every_ep_size(
+    num_experts, topk_frac, missing_rows, layer
+):
+    topk = 1 + int(topk_frac * (min(num_experts, 8) - 1))
+    routes = missing_routes(missing_rows, layer + 1, topk, route_dtype(num_experts, topk))
+    filled = fill_missing_balanced(routes, num_experts)
+    validate_routes(filled, num_layers=layer + 1, num_experts=num_experts, topk=topk)  # distinct
+    for ep in range(1, 65):
+        if num_experts % ep == 0:
+            counts = rank_counts(filled[:, layer], num_experts, ep)
+            assert counts.max() - counts.min() <= 1, (ep, counts)
+
+
+def test_balanced_property_covers_the_interesting_cases():
+    # Non-vacuity: a remainder that is not a multiple of any rank count, at a non-power-of-2 E.
+    filled = fill_missing_balanced(missing_routes(7, 1, 2, np.uint8), num_experts=12)
+    for ep, want in [(2, [7, 7]), (3, [5, 5, 4]), (4, [4, 3, 4, 3]), (6, [3, 2, 3, 2, 2, 2])]:
+        counts = rank_counts(filled, 12, ep)
+        assert sorted(counts.tolist()) == sorted(want), (ep, counts)
+    # Contrast: the zero-byte fill many frameworks use puts every slot on rank 0.
+    zeros = np.zeros((7, 1, 2), dtype=np.uint8)
+    assert rank_counts(zeros, 12, 2).tolist() == [14, 0]
+
+
+def test_balanced_experts_windows_are_distinct_across_cycles():
+    seq = balanced_experts(3 * 8 + 5, 8, phase=0.5)
+    for start in range(len(seq) - 8):
+        assert len(set(seq[start : start + 8].tolist())) == 8
+
+
+def test_balanced_single_expert_and_everything_on_one_expert():
+    filled = fill_missing_balanced(missing_routes(4, 2, 1, np.uint8), num_experts=1)
+    assert (filled == 0).all()
+
+
+def test_apply_missing_policy():
+    routes = missing_routes(2, 1, 2, np.uint8)
+    assert apply_missing_policy(routes, "native", 8) is routes
+    assert not missing_mask(apply_missing_policy(routes, "balanced", 8)).any()
+    with pytest.raises(ValueError, match="--replay-missing-route-policy"):
+        apply_missing_policy(routes, "zeros", 8)
+
+
+def test_reconcile_t_minus_1():
+    routes = _routes(4, 2, 2, 8)
+    full = reconcile_t_minus_1(routes, 5)
+    assert full.shape == (5, 2, 2) and np.array_equal(full[:4], routes)
+    assert missing_mask(full)[4].all() and not missing_mask(full)[:4].any()
+    assert reconcile_t_minus_1(routes, 4) is routes
+    with pytest.raises(ValueError, match="3 route rows for 5 tokens"):
+        reconcile_t_minus_1(routes[:3], 5)
