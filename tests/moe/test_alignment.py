@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_ext.moe import alignment as al
+from megatron_ext.testing.host_sync import assert_no_host_sync, count_host_syncs
 
 
 # ---------------------------------------------------------------- naive reference (loops)
@@ -216,20 +217,38 @@ def test_pad_and_strip_are_autograd_correct():
 
 
 # ---------------------------------------------------------------- no host sync, purity
+def _align_round_trip(counts_RE: torch.Tensor, align: int, num_rows: int, x_N: torch.Tensor):
+    layout = al.plan_aligned_layout(counts_RE, align, x_N.shape[0], num_rows)
+    y_P = al.pad_to_layout(x_N, layout) * 2
+    out = al.strip_layout(y_P, layout)
+    out.sum().backward()
+    return layout, y_P, out
+
+
 @pytest.mark.parametrize("precision", ["fp8", "mxfp8", "nvfp4"])
-def test_alignment_path_is_sync_free(precision):
-    """Value reads and data-dependent shapes raise on meta tensors, so running is the proof."""
+def test_alignment_path_makes_no_host_sync(precision):
     align = al.align_size_for(precision)
-    counts_RE = torch.tensor([[3, 0, 7], [1, 4, 2]], device="meta")
+    counts_RE = torch.tensor([[3, 0, 7], [1, 4, 2]])
     n, e = 17, 3  # host ints the dispatcher has from the received tensor's shape
     for num_rows in (al.static_aligned_rows(n, e, align), 3 * align):
-        layout = al.plan_aligned_layout(counts_RE, align, n, num_rows)
-        x_N = torch.empty(n, 8, device="meta", requires_grad=True)
-        y_P = al.pad_to_layout(x_N, layout) * 2
-        out = al.strip_layout(y_P, layout)
-        out.sum().backward()
-        assert out.shape == (n, 8) and y_P.shape == (num_rows, 8)
-    with pytest.raises(NotImplementedError):  # the detector works: a value read fails on meta
+        x_N = torch.randn(n, 8, requires_grad=True)
+        layout, y_P, out = assert_no_host_sync(_align_round_trip, counts_RE, align, num_rows, x_N)
+        assert y_P.shape[0] == layout.num_rows == num_rows
+        assert torch.equal(out, 2 * x_N) and torch.equal(x_N.grad, torch.full_like(x_N, 2.0))
+    # The detector is live: the host-count helper reads values, and it is flagged.
+    _, syncs = count_host_syncs(al.aligned_rows_from_host_counts, counts_RE.sum(0), align)
+    assert len(syncs) == 1 and ".tolist()" in syncs[0]
+
+
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8", "nvfp4"])
+def test_alignment_path_runs_on_meta_tensors(precision):
+    """Value reads and data-dependent shapes raise on meta tensors: a second, independent proof."""
+    align = al.align_size_for(precision)
+    counts_RE = torch.tensor([[3, 0, 7], [1, 4, 2]], device="meta")
+    x_N = torch.empty(17, 8, device="meta", requires_grad=True)
+    _, y_P, out = _align_round_trip(counts_RE, align, al.static_aligned_rows(17, 3, align), x_N)
+    assert out.shape == (17, 8) and y_P.shape[0] % align == 0
+    with pytest.raises(RuntimeError, match="meta"):  # a value read does fail on meta
         counts_RE.sum().item()
 
 
