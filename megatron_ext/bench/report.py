@@ -1,0 +1,116 @@
+"""Runs registered benchmarks and writes docs/BENCHMARKS.md (+ JSON) with date, machine and command."""
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from megatron_ext.bench.registry import BenchResult, discover
+
+
+def machine_description() -> str:
+    """CPU model, core count, memory and accelerator, as measured on this machine."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return f"{cpu}, {os.cpu_count()} cores, {mem_gb:.0f} GiB, {device}; torch {torch.__version__}"
+
+
+def run_benchmarks(names: list[str] | None, quick: bool) -> list[tuple[str, BenchResult, float]]:
+    """Runs the named benchmarks (all when None); returns (name, result, seconds) in order."""
+    registry = discover()
+    unknown = sorted(set(names or []) - set(registry))
+    if unknown:
+        raise ValueError(f"--only: unknown benchmark(s) {unknown}; known: {sorted(registry)}")
+    results = []
+    for name, fn in registry.items():
+        if names and name not in names:
+            continue
+        print(f"[bench] {name} ...", flush=True)
+        start = time.perf_counter()
+        result = fn(quick)
+        seconds = time.perf_counter() - start
+        print(f"[bench] {name} done in {seconds:.1f} s", flush=True)
+        results.append((name, result, seconds))
+    return results
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def to_markdown(results: list[tuple[str, BenchResult, float]], command: str) -> str:
+    """Renders results as docs/BENCHMARKS.md."""
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        "# megatron_ext benchmarks",
+        "",
+        "Written by the benchmark command; do not edit by hand. Every figure below was measured in the run",
+        "described here, ours beside Megatron's path and a baseline in the same process.",
+        "",
+        f"- date: {now}",
+        f"- machine: {machine_description()}",
+        f"- command: `{command}`",
+        "",
+    ]
+    for name, result, seconds in results:
+        lines += [f"## {result.title}", "", f"benchmark `{name}`, {seconds:.1f} s", ""]
+        lines.append("| " + " | ".join(result.columns) + " |")
+        lines.append("|" + "---|" * len(result.columns))
+        for row in result.rows:
+            lines.append("| " + " | ".join(_cell(v) for v in row) + " |")
+        if result.notes:
+            lines += ["", result.notes]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def to_json(results: list[tuple[str, BenchResult, float]], command: str) -> dict[str, Any]:
+    """Machine-readable twin of :func:`to_markdown`."""
+    return {
+        "command": command,
+        "machine": machine_description(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "benchmarks": {
+            name: {
+                "title": r.title,
+                "columns": r.columns,
+                "rows": r.rows,
+                "notes": r.notes,
+                "extra": r.extra,
+                "seconds": s,
+            }
+            for name, r, s in results
+        },
+    }
+
+
+def main(args: Any) -> int:
+    """``megatron-ext bench``: runs, prints and writes the report."""
+    command = "megatron-ext " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    results = run_benchmarks(args.only, args.quick)
+    markdown = to_markdown(results, command)
+    print(markdown)
+    if args.markdown:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.markdown).write_text(markdown)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(to_json(results, command), indent=2, default=str))
+    return 0

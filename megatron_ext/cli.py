@@ -1,0 +1,41 @@
+"""The ``megatron-ext`` command: ``bench`` (writes docs/BENCHMARKS.md) and ``demo`` (the CPU main job)."""
+
+import argparse
+import os
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Parser for ``megatron-ext``."""
+    parser = argparse.ArgumentParser(prog="megatron-ext", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    bench = sub.add_parser("bench", help="run benchmarks side by side and write docs/BENCHMARKS.md")
+    bench.add_argument("--quick", action="store_true", help="CI-sized runs (seconds per benchmark)")
+    bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    bench.add_argument(
+        "--markdown", metavar="PATH", default="docs/BENCHMARKS.md", help="report path"
+    )
+    bench.add_argument("--only", nargs="+", metavar="NAME", help="run only these benchmarks")
+
+    demo = sub.add_parser("demo", help="the CPU main job: 2 gloo ranks, EP=2, tiny MoE GPTModel")
+    demo.add_argument("--steps", type=int, default=4, help="training steps per run")
+    demo.add_argument("--json", metavar="PATH", help="write the summary as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``megatron-ext`` console script."""
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        from megatron_ext.bench.report import main as bench_main
+
+        return bench_main(args)
+    from megatron_ext.training.demo import main as demo_main
+
+    return demo_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
