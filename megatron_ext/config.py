@@ -50,5 +50,96 @@ def flag(field_name: str) -> str:
 # === data (issue 3) ===
 
 # === moe (issue 4) ===
+import argparse as _moe_argparse  # section-local imports keep feature sections independent
+import warnings as _moe_warnings
+from dataclasses import dataclass as _moe_dataclass
+from typing import Literal as _MoeLiteral
+
+from megatron_ext.moe.alignment import align_size_for as _align_size_for
+from megatron_ext.moe.alignment import precision_of as _precision_of
+
+
+@feature_config("moe: grouped-GEMM alignment after dispatch and expert load metrics (issue 4)")
+@_moe_dataclass(frozen=True, kw_only=True)
+class MoEAlignmentConfig:
+    """Sync-free fp8/mxfp8/nvfp4 group alignment in the token dispatcher (megatron_ext.moe)."""
+
+    moe_dispatch_align: bool = False
+    """Align every local expert's token group after dispatch to the multiple its grouped GEMM
+    needs (fp8 16, mxfp8 32, nvfp4 128; bf16/fp16 none: identity, no copy), with zero pad rows,
+    no extra host sync and no extra all-to-all traffic. Replaces
+    --moe-router-padding-for-quantization (refused together)."""
+
+    moe_dispatch_align_size: int | None = None
+    """Override the alignment multiple (e.g. 256 for CUTLASS grouped kernels); 0 or 1 disables
+    it. Default: derived from --fp8-recipe / --fp4-recipe."""
+
+    moe_dispatch_align_buffer: _MoeLiteral["host_counts", "static_bound"] = "host_counts"
+    """Size of the aligned buffer: 'host_counts' is exact, from the token counts the dispatcher
+    already copied to the host; 'static_bound' reads nothing (N + E*(A-1) rows, the last expert
+    absorbs the slack), for paths that keep counts on the device."""
+
+    moe_expert_load_metrics: bool = False
+    """Track per-layer token counts per expert and per EP rank (with and without pad tokens),
+    max/mean and max_vio = (max - mean) / mean, on device; reduced only when logged."""
+
+    def __post_init__(self) -> None:
+        if self.moe_dispatch_align_size is not None and self.moe_dispatch_align_size < 0:
+            raise ValueError(
+                f"--moe-dispatch-align-size must be >= 0, got {self.moe_dispatch_align_size}"
+            )
+        if self.moe_dispatch_align_buffer not in ("host_counts", "static_bound"):
+            raise ValueError(
+                "--moe-dispatch-align-buffer must be 'host_counts' or 'static_bound', "
+                f"got {self.moe_dispatch_align_buffer!r}"
+            )
+
+    def align_size(
+        self, *, fp8: object, fp8_recipe: object, fp4: object, fp4_recipe: object
+    ) -> int:
+        """The multiple groups are padded to for these precision settings (0: no alignment)."""
+        if not self.moe_dispatch_align:
+            return 0
+        precision = _precision_of(fp8, fp8_recipe, fp4, fp4_recipe)
+        return _align_size_for(precision, self.moe_dispatch_align_size)
+
+    def check_megatron_args(self, args: _moe_argparse.Namespace) -> None:
+        """Refuses combinations with Megatron's flags that would double-pad or cannot align."""
+        if not self.moe_dispatch_align:
+            return
+        if getattr(args, "moe_router_padding_for_quantization", False):
+            raise ValueError(
+                "--moe-dispatch-align and --moe-router-padding-for-quantization both pad expert "
+                "groups; use only --moe-dispatch-align (no extra all-to-all rows, no host sync)"
+            )
+        if getattr(args, "moe_pad_expert_input_to_capacity", False):
+            raise ValueError(
+                "--moe-dispatch-align cannot be combined with --moe-pad-expert-input-to-capacity: "
+                "capacity padding already fixes every group's size; choose a capacity whose "
+                "per-expert rows are a multiple of the alignment instead"
+            )
+        precision = {
+            "fp8": getattr(args, "fp8", None),
+            "fp8_recipe": getattr(args, "fp8_recipe", None),
+            "fp4": getattr(args, "fp4", None),
+            "fp4_recipe": getattr(args, "fp4_recipe", None),
+        }
+        dispatcher = getattr(args, "moe_token_dispatcher_type", "allgather")
+        if dispatcher == "flex" and self.moe_dispatch_align_size is not None:
+            derived = MoEAlignmentConfig(moe_dispatch_align=True).align_size(**precision)
+            quantized = precision["fp8"] or precision["fp4"]
+            if quantized and self.align_size(**precision) != derived:
+                raise ValueError(
+                    f"--moe-dispatch-align-size {self.moe_dispatch_align_size} with "
+                    "--moe-token-dispatcher-type flex under fp8/fp4: HybridEP re-derives its "
+                    f"pad_multiple ({derived}) from the recipe, so an override cannot be honoured"
+                )
+        if self.moe_dispatch_align_size and not (precision["fp8"] or precision["fp4"]):
+            _moe_warnings.warn(
+                f"--moe-dispatch-align-size {self.moe_dispatch_align_size} pads bf16/fp16 expert "
+                "groups, which need no padding (it only costs time)",
+                stacklevel=2,
+            )
+
 
 # === replay (issue 5) ===

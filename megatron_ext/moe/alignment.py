@@ -67,6 +67,33 @@ def align_size_for(precision: str, override: int | None = None) -> int:
     return ALIGN_BY_PRECISION[precision]
 
 
+def precision_of(
+    fp8: str | None, fp8_recipe: object = None, fp4: str | None = None, fp4_recipe: object = None
+) -> str:
+    """Names the GEMM precision of a run from Megatron's fp8/fp4 settings.
+
+    Args:
+        fp8: Megatron's ``fp8`` (a format such as ``"e4m3"``/``"hybrid"``, or None when off).
+        fp8_recipe: ``fp8_recipe`` (``"delayed"``, ``"tensorwise"``, ``"blockwise"``, ``"mxfp8"``,
+            or Megatron's ``Fp8Recipe`` enum).
+        fp4: Megatron's ``fp4`` format, or None when off.
+        fp4_recipe: ``fp4_recipe``; every fp4 recipe aligns to 128 in Megatron 0.19.
+
+    Returns:
+        ``"nvfp4"``, ``"mxfp8"``, ``"fp8"`` or ``"bf16"`` (no quantized GEMM).
+    """
+
+    def name(recipe: object) -> str:
+        return str(getattr(recipe, "value", recipe))
+
+    del fp4_recipe  # every fp4 recipe of Megatron 0.19 aligns like nvfp4 (128)
+    if fp4:
+        return "nvfp4"
+    if fp8:
+        return "mxfp8" if name(fp8_recipe) == "mxfp8" else "fp8"
+    return "bf16"
+
+
 def is_identity(align: int) -> bool:
     """True when ``align`` asks for no padding at all (bf16/fp16, 0 or 1)."""
     return align <= 1

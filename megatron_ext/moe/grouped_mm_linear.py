@@ -1,0 +1,111 @@
+"""A grouped-linear expert backend for Megatron's ``TEGroupedMLP`` built on ``torch._grouped_mm``.
+
+Megatron-Core 0.19's ``TEGroupedMLP`` takes pluggable ``linear_fc1``/``linear_fc2`` builders;
+this one runs without Transformer Engine (CPU or GPU) and, when the config says the GEMM is
+quantized (fp8, mxfp8, nvfp4), refuses unaligned groups the way the real low-precision grouped
+kernels do. That turns "every group reached the GEMM aligned" into something a CPU test can
+observe: Megatron's router padding raises here for nvfp4 when a rank has fewer tokens than 128,
+megatron_ext's aligning dispatcher does not. The math itself stays in the config's dtype (the
+fp8 kernel is exercised on a GPU by tools/gpu_check.sh).
+
+Example::
+
+    submodules = GroupedMLPSubmodules(linear_fc1=GroupedMMLinear, linear_fc2=GroupedMMLinear)
+    experts = ModuleSpec(module=TEGroupedMLP, submodules=submodules)
+"""
+
+import torch
+from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class UnalignedGroupError(RuntimeError):
+    """A quantized grouped GEMM was handed a group whose row count is not a multiple."""
+
+
+def check_groups_aligned(tokens_per_expert: list[int], align: int, where: str) -> None:
+    """Raises like a low-precision grouped kernel when a group is not a multiple of ``align``.
+
+    Args:
+        tokens_per_expert: Host split sizes (the kernels take them on the host too).
+        align: Required multiple (0 or 1: anything goes).
+        where: Module name for the message.
+    """
+    if align <= 1:
+        return
+    bad = [(e, n) for e, n in enumerate(tokens_per_expert) if n % align]
+    if bad:
+        raise UnalignedGroupError(
+            f"{where}: quantized grouped GEMM needs every group's rows to be a multiple of "
+            f"{align}; got (expert, rows) {bad} of {list(tokens_per_expert)}"
+        )
+
+
+class GroupedMMLinear(torch.nn.Module):
+    """One weight per local expert, applied to contiguous row groups with ``torch._grouped_mm``.
+
+    Matches Megatron's ``GroupedLinearFc1Builder``/``GroupedLinearFc2Builder`` signature. Expert
+    tensor parallelism and biases are not supported (refused).
+    """
+
+    def __init__(
+        self,
+        num_gemms: int,
+        input_size: int,
+        output_size: int,
+        /,
+        *,
+        config: TransformerConfig,
+        init_method,
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool,
+        tp_comm_buffer_name: str | None,
+        pg_collection=None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__()
+        del skip_bias_add, is_expert, tp_comm_buffer_name
+        if bias:
+            raise ValueError("GroupedMMLinear: --add-bias-linear is not supported")
+        if config.expert_tensor_parallel_size not in (None, 1):
+            raise ValueError("GroupedMMLinear: --expert-tensor-parallel-size > 1 is not supported")
+        self.config = config
+        self.name = name or "GroupedMMLinear"
+        weight = torch.empty(num_gemms, output_size, input_size, dtype=config.params_dtype)
+        for w in weight:
+            init_method(w)
+        # Stored [G, in, out] so the grouped GEMM reads it without a transpose copy.
+        self.weight = torch.nn.Parameter(weight.transpose(1, 2).contiguous())
+        self.weight.allreduce = False  # expert weights: no DP all-reduce over EP
+
+    def required_align(self) -> int:
+        """The group multiple the configured GEMM precision needs (Megatron's own rule)."""
+        if not (self.config.fp8 or self.config.fp4):
+            return 0
+        return get_align_size_for_quantization(self.config)
+
+    def forward(
+        self, x: torch.Tensor, tokens_per_expert: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Applies expert ``g``'s weight to its group of rows.
+
+        Args:
+            x: Rows grouped by expert, [sum(tokens_per_expert), in].
+            tokens_per_expert: Host group sizes.
+
+        Returns:
+            ``(y, None)``; y is [rows, out].
+        """
+        check_groups_aligned(tokens_per_expert, self.required_align(), self.name)
+        assert x.shape[0] == sum(tokens_per_expert), "rows differ from the group sizes"
+        offs = torch.tensor(tokens_per_expert).cumsum(0, dtype=torch.int32).to(x.device)
+        w = self.weight.to(x.dtype)
+        y = torch._grouped_mm(x, w, offs=offs)
+        if y.requires_grad:
+            # _grouped_mm's backward rejects stride-0 (expanded) gradients.
+            y.register_hook(lambda g: g.contiguous())
+        return y, None
+
+    def backward_dw(self) -> None:
+        """Weight gradients are computed in the normal backward (no delayed wgrad)."""

@@ -1,0 +1,132 @@
+"""Per-layer expert load: token counts per expert and per EP rank, kept on the device.
+
+Load imbalance is what decides MoE step time: the busiest expert (and the busiest EP rank) sets
+the pace. This tracker adds each MoE layer's routing counts on the device at every forward (no
+host sync) and reduces across ranks and reads them only when a caller logs them. With a pad mask
+(True = pad, as Megatron's router treats it) it also counts real tokens only, which shows whether
+pads form a hot spot.
+
+Example (one layer, 4 experts on 2 EP ranks, 3 tokens of top-2, the last token a pad)::
+
+    routing_map_TE = [[1,1,0,0], [1,0,1,0], [1,1,0,0]]    pad_mask_T = [0, 0, 1]
+    tokens per expert        [3, 2, 1, 0]   per EP rank [5, 1]   max/mean 3/1.5 -> max_vio 1.0
+    real tokens per expert   [2, 1, 1, 0]
+
+Shape legend: T tokens, E experts (global), L recorded MoE layers, R EP ranks.
+"""
+
+import torch
+import torch.distributed as dist
+
+
+def load_stats(counts_LE: torch.Tensor, ep_size: int) -> dict[str, torch.Tensor]:
+    """Max, mean and ``max_vio = (max - mean) / mean`` per layer, per expert and per EP rank.
+
+    Sync-free: device tensor math only.
+
+    Args:
+        counts_LE: Tokens routed to each expert, per layer.
+        ep_size: EP ranks; experts are split into contiguous blocks of ``E / ep_size``.
+
+    Returns:
+        Tensors of shape [L]: ``expert_max``, ``expert_mean``, ``expert_max_vio``, ``rank_max``,
+        ``rank_mean``, ``rank_max_vio``, plus ``rank_counts_LR``.
+    """
+    num_layers, num_experts = counts_LE.shape
+    if num_experts % ep_size:
+        raise ValueError(f"{num_experts} experts do not split over {ep_size} EP ranks")
+    counts_LE = counts_LE.double()
+    counts_LR = counts_LE.view(num_layers, ep_size, num_experts // ep_size).sum(-1)
+    stats: dict[str, torch.Tensor] = {"rank_counts_LR": counts_LR}
+    for unit, c in (("expert", counts_LE), ("rank", counts_LR)):
+        peak, mean = c.amax(-1), c.mean(-1)
+        stats[f"{unit}_max"] = peak
+        stats[f"{unit}_mean"] = mean
+        # An empty layer (no tokens) is perfectly balanced, not NaN.
+        stats[f"{unit}_max_vio"] = torch.where(mean > 0, (peak - mean) / mean.clamp_min(1e-12), 0)
+    return stats
+
+
+class ExpertLoadMetrics:
+    """Accumulates per-layer routing counts on the device; reduce and read with :meth:`summary`.
+
+    Args:
+        num_experts: Global number of experts E.
+        ep_size: Expert-parallel ranks, for per-rank load.
+    """
+
+    def __init__(self, num_experts: int, ep_size: int = 1) -> None:
+        if num_experts % ep_size:
+            raise ValueError(f"{num_experts} experts do not split over {ep_size} EP ranks")
+        self.num_experts = num_experts
+        self.ep_size = ep_size
+        self._tokens: dict[int, torch.Tensor] = {}
+        self._real_tokens: dict[int, torch.Tensor] = {}
+
+    def record(
+        self, layer: int, routing_map_TE: torch.Tensor, pad_mask_T: torch.Tensor | None = None
+    ) -> None:
+        """Adds one forward's routing of ``layer`` (device ops only, no sync).
+
+        Args:
+            layer: Layer number (Megatron's 1-based ``layer_number``).
+            routing_map_TE: Boolean token-to-expert map of this rank's tokens.
+            pad_mask_T: True where a token is a pad, or None.
+        """
+        if routing_map_TE.shape[-1] != self.num_experts:
+            raise ValueError(
+                f"layer {layer}: routing map has {routing_map_TE.shape[-1]} experts, "
+                f"expected {self.num_experts}"
+            )
+        tokens_E = routing_map_TE.sum(0, dtype=torch.long)
+        self._tokens[layer] = self._tokens.get(layer, 0) + tokens_E
+        if pad_mask_T is not None:
+            real_TE = routing_map_TE & ~pad_mask_T.bool().reshape(-1, 1)
+            self._real_tokens[layer] = self._real_tokens.get(layer, 0) + real_TE.sum(
+                0, dtype=torch.long
+            )
+
+    def reset(self) -> None:
+        """Forgets everything recorded (call after logging)."""
+        self._tokens.clear()
+        self._real_tokens.clear()
+
+    @property
+    def layers(self) -> list[int]:
+        """Layer numbers recorded so far, sorted."""
+        return sorted(self._tokens)
+
+    def device_stats(self, group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+        """Stacks, optionally all-reduces across ``group`` and computes stats, all on device.
+
+        Returns:
+            ``tokens_LE`` and ``load_stats`` of it; with a pad mask recorded on every layer also
+            ``real_tokens_LE`` and its stats under ``real_`` keys.
+        """
+        layers = self.layers
+        if not layers:
+            return {}
+        sets = {"": torch.stack([self._tokens[layer] for layer in layers])}
+        if all(layer in self._real_tokens for layer in layers):
+            sets["real_"] = torch.stack([self._real_tokens[layer] for layer in layers])
+        out: dict[str, torch.Tensor] = {}
+        for prefix, counts_LE in sets.items():
+            if group is not None and dist.get_world_size(group) > 1:
+                counts_LE = counts_LE.clone()
+                dist.all_reduce(counts_LE, group=group)
+            out[f"{prefix}tokens_LE"] = counts_LE
+            out.update({prefix + k: v for k, v in load_stats(counts_LE, self.ep_size).items()})
+        return out
+
+    def summary(self, group: dist.ProcessGroup | None = None) -> dict[str, float | list[float]]:
+        """Reduced, host-side metrics per layer, for a logger: ``layer{n}/expert_max_vio`` etc.
+
+        NOTE: device-to-host sync (one ``tolist``), by design only when metrics are logged.
+        """
+        stats = self.device_stats(group)
+        host = {k: v.tolist() for k, v in stats.items()}  # NOTE: device-to-host sync
+        flat: dict[str, float | list[float]] = {}
+        for i, layer in enumerate(self.layers):
+            for key, values in host.items():
+                flat[f"layer{layer}/{key.replace('_LE', '').replace('_LR', '')}"] = values[i]
+        return flat
