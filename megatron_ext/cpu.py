@@ -161,7 +161,6 @@ def _patch_split_sizes() -> None:
 _CURRENT_DEVICE_USERS: dict[str, str] = {
     "megatron.core.transformer.moe.router": "Router.gating",
     "megatron.core.models.common.embeddings.rotary_pos_embedding": "RotaryEmbedding.get_emb",
-    "megatron.core.transformer.dot_product_attention": "DotProductAttention",
     "megatron.core.utils": "GlobalMemoryBuffer.get_tensor",
     "megatron.core.tensor_parallel.mappings": "_gather_along_first_dim",
 }
@@ -172,7 +171,7 @@ def _patch_current_device() -> None:
 
     ``Router.gating`` moves CPU-initialised router weights there, ``TopKRouter.__init__`` places its
     aux-loss / expert-bias buffers there, and ``RotaryEmbedding.get_emb`` moves ``inv_freq`` there on the
-    first forward, ``GlobalMemoryBuffer.get_tensor`` (used by the local ``DotProductAttention``) allocates
+    first forward, ``GlobalMemoryBuffer.get_tensor`` (the local ``DotProductAttention``'s scratch) allocates
     its scratch buffer there, and the TP/EP gather and reduce-scatter helpers in ``tensor_parallel.mappings``
     allocate their outputs there. Only these modules see the change; ``torch.cuda`` itself is untouched.
     """

@@ -57,7 +57,7 @@ def _frame() -> str:
     """The innermost stack frame outside torch and this module, for the report."""
     for frame in reversed(traceback.extract_stack()[:-2]):
         path = frame.filename
-        if "/torch/" not in path and not path.endswith("host_sync.py"):
+        if "/torch/" not in path and path != __file__:
             return f"{path}:{frame.lineno} in {frame.name}"
     return "<unknown>"
 

@@ -1,0 +1,86 @@
+"""Runs each patched Megatron call with its CPU patch removed, on 2 fresh gloo ranks (used by test_cpu.py).
+
+Rank 0 prints one JSON line: {check: "ok" | "<exception text>"}. Each check is a real training step of the
+tiny MoE GPTModel at EP=2 (alltoall dispatcher), so the all-to-all split sizes and the EP gathers are
+exercised too. ``all_patches`` is the positive control: with every patch the same step must succeed.
+Removing a patch fails symmetrically on both ranks before any collective, so nothing hangs.
+"""
+
+import datetime
+import importlib
+import json
+import os
+import sys
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _probe(rank: int, port: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, TORCHDYNAMO_DISABLE="1")
+    torch.distributed.init_process_group(
+        "gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
+    from megatron.core import parallel_state
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    import megatron_ext.cpu as cpu
+
+    # Every (module, attribute) a patch replaces, so a check can put the original back.
+    touched = [
+        (mrandom, "_get_cuda_rng_state"),
+        (mrandom, "_set_cuda_rng_state"),
+        (mrandom, "torch"),
+        (token_dispatcher, "torch"),
+        (token_dispatcher, "maybe_move_tensor_to_cpu"),
+        (moe_utils, "maybe_move_tensor_to_cpu"),
+        (fused_softmax, "get_default_causal_mask"),
+    ] + [(importlib.import_module(name), "torch") for name in cpu._CURRENT_DEVICE_USERS]
+    original = {(m.__name__, a): getattr(m, a) for m, a in touched}
+
+    def apply(skip: str = "", unpatch_module: str = "") -> None:
+        for module, attr in touched:
+            setattr(module, attr, original[(module.__name__, attr)])
+        token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None
+        parallel_state._GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()  # else a CPU buffer is cached
+        for name, patch in cpu.PATCHES.items():
+            if name != skip:
+                patch()
+        if unpatch_module:
+            setattr(sys.modules[unpatch_module], "torch", torch)
+
+    def train_step() -> str:
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
+
+        try:
+            model_parallel_cuda_manual_seed(1, force_reset_rng=True)
+            model = build_tiny_gpt(tiny_moe_config(moe_token_dispatcher_type="alltoall"))
+            tokens = torch.randint(0, 128, (2, 16))
+            loss = model(tokens, torch.arange(16).expand(2, 16), attention_mask=None, labels=tokens)
+            loss.sum().backward()
+            return "ok"
+        except Exception as exc:  # the probe reports, the test decides
+            return f"{type(exc).__name__}: {exc}"[:300]
+
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
+    results = {}
+    apply()
+    results["all_patches"] = train_step()
+    for name in cpu.PATCHES:
+        if name != "current_device":
+            apply(skip=name)
+            results[name] = train_step()
+    for module_name in cpu._CURRENT_DEVICE_USERS:
+        apply(unpatch_module=module_name)
+        results[f"current_device:{module_name}"] = train_step()
+    if rank == 0:
+        print("PROBE " + json.dumps(results), flush=True)
+
+
+if __name__ == "__main__":
+    mp.spawn(_probe, args=(sys.argv[1],), nprocs=2)

@@ -1,0 +1,66 @@
+"""Tier: gloo ranks. The rank-pool harness: results, parallel sizes, failures and hangs."""
+
+import time
+
+import pytest
+import torch
+
+from megatron_ext.testing import run_distributed
+
+
+def _sizes_and_sum(value: int) -> dict:
+    from megatron.core import parallel_state as ps
+
+    total = torch.tensor([value + torch.distributed.get_rank()])
+    torch.distributed.all_reduce(total)
+    return {
+        "rank": torch.distributed.get_rank(),
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "ep_rank": ps.get_expert_model_parallel_rank(),
+        "sum": int(total),
+    }
+
+
+def test_results_come_back_in_rank_order_with_requested_sizes() -> None:
+    out = run_distributed(_sizes_and_sum, 2, 10, ep=2)
+    assert [o["rank"] for o in out] == [0, 1]
+    assert [o["ep_rank"] for o in out] == [0, 1]
+    assert all(o["ep"] == 2 and o["tp"] == 1 and o["sum"] == 21 for o in out)
+    # Same pool, different sizes: parallel state is rebuilt per call.
+    out = run_distributed(_sizes_and_sum, 2, 0, tp=2)
+    assert all(o["tp"] == 2 and o["ep"] == 1 for o in out)
+
+
+def test_four_ranks_tp2_ep2() -> None:
+    out = run_distributed(_sizes_and_sum, 4, 1, tp=2, ep=2)
+    assert [o["rank"] for o in out] == [0, 1, 2, 3]
+    assert all(o["tp"] == 2 and o["ep"] == 2 and o["sum"] == 10 for o in out)
+
+
+def _fail_on_rank_one() -> int:
+    if torch.distributed.get_rank() == 1:
+        raise ValueError("planted failure on rank one")
+    return 0
+
+
+def test_a_failing_rank_fails_the_call_with_its_traceback() -> None:
+    with pytest.raises(RuntimeError, match=r"rank 1 of 2 failed(.|\n)*planted failure on rank one"):
+        run_distributed(_fail_on_rank_one, 2)
+    # The pool is rebuilt and usable afterwards.
+    assert [o["rank"] for o in run_distributed(_sizes_and_sum, 2, 0)] == [0, 1]
+
+
+def _hang_on_rank_one() -> int:
+    if torch.distributed.get_rank() == 1:
+        time.sleep(600)
+    return 0
+
+
+def test_a_hung_rank_fails_by_timeout() -> None:
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] of 2 did not finish"):
+        run_distributed(_hang_on_rank_one, 2, timeout=3)
+    assert time.monotonic() - start < 60
+    assert [o["rank"] for o in run_distributed(_sizes_and_sum, 2, 0)] == [0, 1]
