@@ -1,0 +1,113 @@
+"""Batch -> Megatron ``GPTModel.forward`` glue for packed, padded samples (sync-free).
+
+A collated batch of :class:`~megatron_ext.data.packed_dataset.PackedDataset` samples carries
+``padding_mask`` (True = pad) and padded ``cu_seqlens`` [B, S+1]. This module turns them into
+what Megatron-Core 0.19.2 consumes:
+
+- ``padding_mask`` goes to ``GPTModel.forward(padding_mask=...)`` unchanged: Megatron's router
+  treats True as pad (``valid = ~padding_mask`` in ``compute_routing_scores_for_aux_loss``,
+  ``routing_map & ~padding_mask`` in ``_apply_expert_bias``) although some docstrings say the
+  opposite, so pads stay out of aux loss, z-loss and expert-bias counts.
+- document boundaries become either ``PackedSeqParams`` (THD, for attention backends that read
+  ``cu_seqlens``) or an equivalent causal per-document boolean mask [B, 1, S, S] (True = masked,
+  Megatron's convention) for the local backend on CPU.
+
+Example (two samples of S = 4; sample 0 = documents [2, 1] + 1 pad)::
+
+    cu_seqlens = [[0, 2, 3, 4, 4], [0, 4, 4, 4, 4]]
+    document_attention_mask(cu_seqlens, 4)[0, 0] ->  rows = queries, False = may attend
+        [[F T T T], [F F T T], [T T F T], [T T T F]]
+    packed_seq_params(cu_seqlens, 4).cu_seqlens_q -> [0, 2, 3, 4, 4, 8, 8, 8, 8]
+    (trailing repeats are empty segments: no host sync is needed to trim them)
+
+Legend: B samples in the micro-batch, S padded sample length, C = S + 1 cu_seqlens entries.
+"""
+
+from typing import Any, Literal
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+AttentionLayout = Literal["mask", "thd"]
+
+
+def segment_ids(cu_seqlens_BC: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``[B, S]`` index of the segment (document or pad run) holding each position."""
+    pos_BS = torch.arange(seq_len, device=cu_seqlens_BC.device).expand(
+        cu_seqlens_BC.shape[0], -1
+    )
+    bounds = cu_seqlens_BC[:, 1:].to(pos_BS.dtype).contiguous()
+    return torch.searchsorted(bounds, pos_BS.contiguous(), right=True)
+
+
+def document_attention_mask(cu_seqlens_BC: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Causal attention restricted to each segment: ``[B, 1, S, S]`` bool, True = masked."""
+    seg_BS = segment_ids(cu_seqlens_BC, seq_len)
+    pos_S = torch.arange(seq_len, device=cu_seqlens_BC.device)
+    causal_SS = pos_S[:, None] >= pos_S[None, :]
+    allowed_BSS = (seg_BS[:, :, None] == seg_BS[:, None, :]) & causal_SS
+    return ~allowed_BSS.unsqueeze(1)
+
+
+def packed_seq_params(cu_seqlens_BC: torch.Tensor, seq_len: int) -> PackedSeqParams:
+    """THD ``PackedSeqParams`` for the batch flattened to one row of ``B * S`` tokens.
+
+    ``max_seqlen`` is the static bound ``S`` (reading the true maximum would sync).
+    """
+    batch = cu_seqlens_BC.shape[0]
+    offsets_B1 = torch.arange(batch, device=cu_seqlens_BC.device)[:, None] * seq_len
+    starts = (cu_seqlens_BC[:, :-1].to(torch.int64) + offsets_B1).reshape(-1)
+    total = torch.full(
+        (1,), batch * seq_len, dtype=torch.int64, device=cu_seqlens_BC.device
+    )
+    cu = torch.cat([starts, total]).to(torch.int32)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=seq_len,
+        max_seqlen_kv=seq_len,
+    )
+
+
+def gpt_forward_kwargs(
+    batch: dict[str, torch.Tensor], *, layout: AttentionLayout = "mask"
+) -> dict[str, Any]:
+    """Keyword arguments for Megatron ``GPTModel.forward`` from a collated packed batch.
+
+    Args:
+        batch: ``tokens``, ``labels``, ``position_ids``, ``padding_mask`` [B, S] and
+            ``cu_seqlens`` [B, S+1] (as :class:`PackedDataset` returns them, collated).
+        layout: ``"mask"``: [B, S] tensors with a per-document causal mask (local backend);
+            ``"thd"``: one [1, B*S] row plus ``packed_seq_params`` (THD backends).
+
+    Returns:
+        ``input_ids``, ``position_ids``, ``attention_mask``, ``labels``, ``padding_mask`` and,
+        for THD, ``packed_seq_params``.
+    """
+    if layout not in ("mask", "thd"):
+        raise ValueError(f"unknown attention layout {layout!r}; choose 'mask' or 'thd'")
+    tokens_BS = batch["tokens"]
+    seq_len = tokens_BS.shape[1]
+    kwargs: dict[str, Any] = {
+        "input_ids": tokens_BS,
+        "position_ids": batch["position_ids"],
+        "labels": batch["labels"],
+        "padding_mask": batch["padding_mask"].to(torch.bool),
+    }
+    if layout == "mask":
+        kwargs["attention_mask"] = document_attention_mask(batch["cu_seqlens"], seq_len)
+        return kwargs
+    for key in ("input_ids", "position_ids", "labels", "padding_mask"):
+        kwargs[key] = kwargs[key].reshape(1, -1)
+    kwargs["attention_mask"] = None
+    kwargs["packed_seq_params"] = packed_seq_params(batch["cu_seqlens"], seq_len)
+    return kwargs
+
+
+def masked_mean_loss(
+    per_token_loss_BS: torch.Tensor, loss_mask_BS: torch.Tensor
+) -> torch.Tensor:
+    """Mean loss over the positions whose ``loss_mask`` is 1 (pads and prompts excluded)."""
+    mask = loss_mask_BS.reshape(per_token_loss_BS.shape).to(per_token_loss_BS.dtype)
+    return (per_token_loss_BS * mask).sum() / mask.sum().clamp_min(1.0)

@@ -1,0 +1,386 @@
+"""Packed Megatron dataset: whole documents packed into self-padded packs of <= seq_length tokens.
+
+Thin Megatron glue over the pure modules: :mod:`~megatron_ext.data.pack_planning` decides which
+document pieces form each pack (numpy, cached atomically on disk by
+:mod:`~megatron_ext.data.pack_index_cache`), :mod:`~megatron_ext.data.padding` pads each pack.
+Built through Megatron's ``BlendedMegatronDatasetBuilder`` exactly like ``GPTDataset``, so
+``--data-path`` blends with weights and train/valid/test splits keep working::
+
+    config = PackedDatasetConfig(random_seed=1, sequence_length=64, blend=(["/d/a", "/d/b"],
+                                 [0.3, 0.7]), split="98,1,1", tokenizer=tok, ...)
+    train, valid, test = BlendedMegatronDatasetBuilder(
+        PackedDataset, [1000, 10, 10], lambda: True, config).build()
+    train[0]  # {"tokens", "labels", "loss_mask", "position_ids", "padding_mask", "cu_seqlens",
+              #  "max_seqlen", "num_segments", "src_index", "dataset_id", ...sidecars}
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import struct
+from typing import Any
+
+import numpy as np
+import torch
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.megatron_dataset import MegatronDataset
+from megatron.core.datasets.utils import Split
+
+from megatron_ext.data import pack_index_cache
+from megatron_ext.data.pack_planning import plan_packs
+from megatron_ext.data.padding import gather_by_src_index, pad_pack, target_length
+
+logger = logging.getLogger(__name__)
+
+_PLAN_KEYS = (
+    "piece_doc_Q",
+    "piece_start_Q",
+    "piece_len_Q",
+    "pack_offsets_P1",
+    "counts",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sidecar:
+    """A per-token IndexedDataset beside the tokens: document d holds ``width * len(d)`` values
+    (row-major [len(d), width]) at ``<data prefix><suffix>``; constant pads get ``fill``."""
+
+    suffix: str
+    width: int = 1
+    fill: int = -1
+
+
+def check_dataset_config(config: GPTDatasetConfig) -> None:
+    """ValueErrors for inputs Megatron would accept silently or fail on obscurely."""
+    if config.sequence_length < 1:
+        raise ValueError(f"--seq-length must be >= 1, got {config.sequence_length}")
+    blends = [config.blend] + list(config.blend_per_split or [])
+    for blend in (b for b in blends if b is not None):
+        prefixes, weights = blend
+        if weights is None:
+            continue
+        if any(w < 0 for w in weights):
+            raise ValueError(
+                f"--data-path weights must be >= 0, got {weights} for {prefixes}"
+            )
+        if not any(w > 0 for w in weights):
+            raise ValueError(f"--data-path weights are all zero for {prefixes}")
+
+
+@dataclasses.dataclass
+class PackedDatasetConfig(GPTDatasetConfig):
+    """``GPTDatasetConfig`` plus packing and padding (mirrors ``PaddingConfig``'s flags)."""
+
+    pad_policy: str = "self"
+    """'self' or 'constant' (see megatron_ext.data.padding)."""
+    pad_constant_id: int = 0
+    """Id of constant pads."""
+    pad_to_seq_len: bool = False
+    """Pad every pack to sequence_length."""
+    pad_to_multiple_of: int = 1
+    """Otherwise pad each pack to a multiple of this (resolved: user value or derived)."""
+    packing_algorithm: str = "best_fit"
+    """'sequential' or 'best_fit'."""
+    packing_window: int = 1000
+    """Window of documents for best_fit."""
+    pack_overlong_policy: str = "split"
+    """'split', 'truncate' or 'drop' documents longer than sequence_length."""
+    loss_mask_suffix: str | None = None
+    """Per-token loss-mask sidecar (width 1, 1 = train on the token) at prefix + suffix."""
+    sidecars: dict[str, Sidecar] = dataclasses.field(default_factory=dict)
+    """Extra per-token sidecars, returned under their name padded via ``src_index``."""
+    multimodal_placeholder_ids: list[int] = dataclasses.field(default_factory=list)
+    """Packs containing one of these pad with pad_constant_id."""
+
+    def __post_init__(self) -> None:
+        check_dataset_config(self)
+        super().__post_init__()
+        # Catch bad values at build time with the flag's name, before any index is computed.
+        target_length(
+            0,
+            seq_length=self.sequence_length,
+            pad_to_seq_len=self.pad_to_seq_len,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        )
+        plan_packs(
+            np.zeros(0, dtype=np.int64),
+            self.sequence_length,
+            algorithm=self.packing_algorithm,  # type: ignore[arg-type]
+            window=self.packing_window,
+            overlong=self.pack_overlong_policy,  # type: ignore[arg-type]
+        )
+        pad_pack(
+            np.zeros(0, dtype=np.int64),
+            np.zeros(0, dtype=np.int64),
+            0,
+            policy=self.pad_policy,
+        )  # type: ignore[arg-type]
+        for name, sidecar in self.sidecars.items():
+            if sidecar.width < 1:
+                raise ValueError(
+                    f"sidecar {name!r} width must be >= 1, got {sidecar.width}"
+                )
+
+
+def _open_indexed(path_prefix: str, what: str) -> IndexedDataset:
+    for ext in (".idx", ".bin"):
+        if not os.path.isfile(path_prefix + ext):
+            raise ValueError(f"{what} file {path_prefix + ext} does not exist")
+    try:
+        return IndexedDataset(path_prefix, multimodal=False, mmap=True)
+    except (AssertionError, ValueError, struct.error) as err:
+        raise ValueError(f"{what} {path_prefix}.idx/.bin is corrupt: {err}") from err
+
+
+@dataclasses.dataclass
+class PackedLowLevelDataset:
+    """The token IndexedDataset and its aligned sidecars (one sequence = one document)."""
+
+    tokens: IndexedDataset
+    loss_mask: IndexedDataset | None
+    sidecars: dict[str, IndexedDataset]
+    path_prefix: str
+
+
+def _check_aligned(
+    tokens: IndexedDataset, side: IndexedDataset, width: int, path: str
+) -> None:
+    lens, side_lens = tokens.sequence_lengths, side.sequence_lengths
+    if side_lens.shape != lens.shape:
+        raise ValueError(
+            f"sidecar {path} has {side_lens.size} documents, the tokens have {lens.size}"
+        )
+    bad = np.flatnonzero(side_lens != width * lens)
+    if bad.size:
+        d = int(bad[0])
+        raise ValueError(
+            f"sidecar {path} document {d} has {int(side_lens[d])} values, expected "
+            f"{width} x {int(lens[d])} tokens"
+        )
+
+
+class PackedDataset(MegatronDataset):
+    """Packs whole documents of an IndexedDataset into self-padded packs (one pack per sample).
+
+    Per-token sidecar hook (loss mask, routes): ANY IndexedDataset aligned with the tokens --
+    document d holding ``W * len(d)`` values, i.e. ``[len(d), W]`` flattened -- is gathered,
+    split/truncated and padded by the same code as the tokens: pieces are read with offsets
+    ``start * W`` / lengths ``len * W``, concatenated in pack order, then padded with
+    ``values[src_index]`` (:func:`~megatron_ext.data.padding.gather_by_src_index`). Register one
+    with ``PackedDatasetConfig.sidecars = {"routes": Sidecar("_routes", width=L * K)}``; the
+    sample then carries ``sample["routes"]`` of shape [S, W]. The loss mask (``loss_mask_suffix``,
+    W = 1) goes the same way and feeds the label logic instead.
+
+    Determinism: document order per epoch comes from ``numpy.random.default_rng((seed, epoch))``
+    and the plan from pure numpy, so every rank and run computes the same packs; the index is
+    cached under ``path_to_cache`` (else ``<data dir>/cache/PackedDataset_indices``).
+    """
+
+    def __init__(
+        self,
+        dataset: PackedLowLevelDataset,
+        dataset_path: str | None,
+        indices: np.ndarray,
+        num_samples: int | None,
+        index_split: Split,
+        config: PackedDatasetConfig,
+    ) -> None:
+        super().__init__(
+            dataset, dataset_path, indices, num_samples, index_split, config
+        )
+        self.config: PackedDatasetConfig = config
+        self.plan, self.cache_hit = pack_index_cache.load_or_build(
+            self._cache_path(), self._build_plan, self.unique_description
+        )
+        counts = json.loads(str(self.plan["counts"]))
+        self.stats: dict[str, int] = counts
+        if counts["num_split"] or counts["num_truncated"] or counts["num_dropped"]:
+            logger.info(
+                "%s %s over-long documents: %s", dataset_path, index_split.name, counts
+            )
+        self._check_plan()
+
+    @staticmethod
+    def numel_low_level_dataset(low_level_dataset: PackedLowLevelDataset) -> int:
+        return int(low_level_dataset.tokens.sequence_lengths.shape[0])
+
+    @staticmethod
+    def build_low_level_dataset(
+        dataset_path: str, config: PackedDatasetConfig
+    ) -> PackedLowLevelDataset:
+        tokens = _open_indexed(dataset_path, "--data-path")
+        loss_mask = None
+        if config.loss_mask_suffix is not None:
+            path = dataset_path + config.loss_mask_suffix
+            loss_mask = _open_indexed(path, "loss-mask sidecar")
+            _check_aligned(tokens, loss_mask, 1, path)
+        sidecars = {}
+        for name, spec in config.sidecars.items():
+            path = dataset_path + spec.suffix
+            sidecars[name] = _open_indexed(path, f"{name} sidecar")
+            _check_aligned(tokens, sidecars[name], spec.width, path)
+        return PackedLowLevelDataset(tokens, loss_mask, sidecars, dataset_path)
+
+    @staticmethod
+    def _key_config_attributes() -> list[str]:
+        return MegatronDataset._key_config_attributes() + [
+            "packing_algorithm",
+            "packing_window",
+            "pack_overlong_policy",
+        ]
+
+    def _cache_path(self) -> str | None:
+        cache_dir = self.config.path_to_cache
+        if cache_dir is None:
+            cache_dir = os.path.join(
+                os.path.dirname(self.dataset.path_prefix),
+                "cache",
+                "PackedDataset_indices",
+            )
+        return pack_index_cache.cache_path(
+            cache_dir,
+            self.unique_description_hash,
+            type(self).__name__,
+            self.index_split.name,
+        )
+
+    def _build_plan(self) -> dict[str, np.ndarray]:
+        """Epochs of shuffled documents, each planned into packs, until num_samples packs."""
+        doc_lens_all = self.dataset.tokens.sequence_lengths.astype(np.int64)
+        cfg = self.config
+        parts: list[tuple[np.ndarray, ...]] = []
+        counts = {"num_split": 0, "num_truncated": 0, "num_dropped": 0, "num_empty": 0}
+        num_packs, epoch = 0, 0
+        target = self.num_samples if self.num_samples is not None else 1
+        while num_packs < target or epoch == 0:
+            rng = np.random.default_rng((cfg.random_seed, epoch))
+            docs_D = rng.permutation(self.indices.astype(np.int64))
+            plan = plan_packs(
+                doc_lens_all[docs_D],
+                cfg.sequence_length,
+                algorithm=cfg.packing_algorithm,  # type: ignore[arg-type]
+                window=cfg.packing_window,
+                overlong=cfg.pack_overlong_policy,  # type: ignore[arg-type]
+            )
+            if plan.num_packs == 0:
+                break  # nothing to pack (empty split): more epochs cannot help
+            order_P = np.arange(plan.num_packs)
+            if (
+                cfg.packing_algorithm == "best_fit"
+            ):  # undo the longest-first order of packs
+                order_P = rng.permutation(plan.num_packs)
+            sizes = np.diff(plan.pack_offsets_P1)[order_P]
+            # Piece indices of the reordered packs, without a per-pack loop.
+            first = plan.pack_offsets_P1[order_P] - (np.cumsum(sizes) - sizes)
+            take = np.repeat(first, sizes) + np.arange(int(sizes.sum()))
+            parts.append(
+                (
+                    docs_D[plan.piece_doc_Q[take]],
+                    plan.piece_start_Q[take],
+                    plan.piece_len_Q[take],
+                    sizes,
+                )
+            )
+            for k in counts:
+                counts[k] += getattr(plan, k)
+            num_packs += plan.num_packs
+            epoch += 1
+            if self.num_samples is None:
+                break
+        if not parts:
+            parts.append((np.zeros(0, np.int64),) * 4)
+        sizes_P = np.concatenate([p[3] for p in parts])
+        return {
+            "piece_doc_Q": np.concatenate([p[0] for p in parts]),
+            "piece_start_Q": np.concatenate([p[1] for p in parts]),
+            "piece_len_Q": np.concatenate([p[2] for p in parts]),
+            "pack_offsets_P1": np.concatenate([[0], np.cumsum(sizes_P)]).astype(
+                np.int64
+            ),
+            "counts": np.array(json.dumps(counts)),
+        }
+
+    def _check_plan(self) -> None:
+        off = self.plan["pack_offsets_P1"]
+        lens = self.plan["piece_len_Q"]
+        ok = (
+            off.ndim == 1
+            and off.size >= 1
+            and off[0] == 0
+            and off[-1] == lens.size
+            and np.all(np.diff(off) >= 1)
+            and np.all(lens >= 1)
+            and np.all(lens <= self.config.sequence_length)
+        )
+        if not ok:
+            raise ValueError(
+                f"pack-index cache {self._cache_path()} is inconsistent; delete it"
+            )
+
+    def __len__(self) -> int:
+        return int(self.plan["pack_offsets_P1"].size - 1)
+
+    def _gather(
+        self, source: IndexedDataset, width: int, q0: int, q1: int
+    ) -> np.ndarray:
+        doc, start, ln = (self.plan[k][q0:q1] for k in _PLAN_KEYS[:3])
+        parts = [
+            source.get(int(d), offset=int(s) * width, length=int(n) * width)
+            for d, s, n in zip(doc, start, ln)
+        ]
+        flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return flat.reshape(-1, width) if width > 1 else flat
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        if not 0 <= idx < len(self):
+            raise IndexError(
+                f"PackedDataset index {idx} out of range 0..{len(self) - 1}"
+            )
+        cfg = self.config
+        q0, q1 = (
+            int(self.plan["pack_offsets_P1"][idx]),
+            int(self.plan["pack_offsets_P1"][idx + 1]),
+        )
+        tokens_N = self._gather(self.dataset.tokens, 1, q0, q1).astype(np.int64)
+        target_mask_N = None
+        if self.dataset.loss_mask is not None:
+            target_mask_N = self._gather(self.dataset.loss_mask, 1, q0, q1)
+        length = target_length(
+            tokens_N.size,
+            seq_length=cfg.sequence_length,
+            pad_to_seq_len=cfg.pad_to_seq_len,
+            pad_to_multiple_of=cfg.pad_to_multiple_of,
+        )
+        pack = pad_pack(
+            tokens_N,
+            self.plan["piece_len_Q"][q0:q1],
+            length,
+            policy=cfg.pad_policy,  # type: ignore[arg-type]
+            pad_id=cfg.pad_constant_id,
+            placeholder_ids=cfg.multimodal_placeholder_ids,
+            target_mask_N=target_mask_N,
+        )
+        # cu_seqlens at a fixed length across samples (seq_length + 1) so default_collate works.
+        cu_seqlens = np.full(cfg.sequence_length + 1, length, dtype=np.int32)
+        cu_seqlens[: pack.cu_seqlens.size] = pack.cu_seqlens
+        sample: dict[str, Any] = {
+            "tokens": torch.from_numpy(pack.tokens_S),
+            "labels": torch.from_numpy(pack.labels_S),
+            "loss_mask": torch.from_numpy(pack.loss_mask_S),
+            "position_ids": torch.from_numpy(pack.position_ids_S),
+            "padding_mask": torch.from_numpy(pack.pad_mask_S),
+            "src_index": torch.from_numpy(pack.src_index_S),
+            "cu_seqlens": torch.from_numpy(cu_seqlens),
+            "num_segments": torch.tensor(pack.num_segments, dtype=torch.int32),
+            "max_seqlen": torch.tensor(pack.max_seqlen, dtype=torch.int32),
+        }
+        for name, source in self.dataset.sidecars.items():
+            spec = cfg.sidecars[name]
+            values = self._gather(source, spec.width, q0, q1)
+            sample[name] = torch.from_numpy(
+                gather_by_src_index(values, pack.src_index_S, spec.fill)
+            )
+        return sample
