@@ -1,0 +1,60 @@
+"""Tier: pure (report writing) and gloo ranks (the hot-spot benchmark, quick size)."""
+
+import argparse
+import json
+
+import pytest
+
+from megatron_ext.bench import report
+from megatron_ext.bench.registry import BENCHMARKS, BenchResult, discover, register_benchmark
+
+
+def test_rows_must_match_columns() -> None:
+    with pytest.raises(ValueError, match="does not match columns"):
+        BenchResult(title="t", columns=["a", "b"], rows=[[1]])
+
+
+def test_duplicate_registration_is_refused() -> None:
+    discover()
+    name = next(iter(BENCHMARKS))
+    with pytest.raises(ValueError, match="registered twice"):
+        register_benchmark(name)(lambda quick: None)
+
+
+def test_markdown_and_json_carry_date_machine_command_and_values(tmp_path, monkeypatch) -> None:
+    @register_benchmark("_toy_for_report_test")
+    def toy(quick: bool) -> BenchResult:
+        return BenchResult(title="Toy", columns=["case", "ratio"], rows=[["x", 1.25]], notes="n")
+
+    try:
+        monkeypatch.setattr("sys.argv", ["megatron-ext", "bench", "--only", "_toy_for_report_test"])
+        md, js = tmp_path / "B.md", tmp_path / "b.json"
+        args = argparse.Namespace(only=["_toy_for_report_test"], quick=True, markdown=str(md), json=str(js))
+        assert report.main(args) == 0
+        text = md.read_text()
+        for needle in ("- date:", "- machine:", "command: `megatron-ext bench --only", "| x | 1.25 |"):
+            assert needle in text
+        data = json.loads(js.read_text())
+        assert data["benchmarks"]["_toy_for_report_test"]["rows"] == [["x", 1.25]]
+    finally:
+        BENCHMARKS.pop("_toy_for_report_test")
+
+
+def test_unknown_benchmark_name_is_an_error() -> None:
+    with pytest.raises(ValueError, match="--only: unknown benchmark"):
+        report.run_benchmarks(["no_such_bench"], quick=True)
+
+
+def test_hot_spot_ratios_are_computed_from_the_same_run() -> None:
+    from megatron_ext.bench.hot_spot import hot_spot
+
+    result = hot_spot(quick=True)
+    rows = {row[0]: row for row in result.rows}
+    assert set(rows) == {"no padding", "constant id", "self tokens"}
+    base = rows["no padding"]
+    for row in rows.values():
+        assert row[2] == pytest.approx(row[1] / base[1])
+        assert row[4] == pytest.approx(row[3] / base[3])
+    # Raw counts are kept: every routed slot is accounted for (tokens x top-2 x ranks).
+    per_rank = result.extra["constant id"]["per_rank"]
+    assert all(sum(layer) == 2 * 4 * 128 * 2 for layer in per_rank)
