@@ -99,7 +99,7 @@ class GroupedMMLinear(torch.nn.Module):
         """
         check_groups_aligned(tokens_per_expert, self.required_align(), self.name)
         assert x.shape[0] == sum(tokens_per_expert), "rows differ from the group sizes"
-        offs = torch.tensor(tokens_per_expert).cumsum(0, dtype=torch.int32).to(x.device)
+        offs = torch.tensor(tokens_per_expert, device=x.device).cumsum(0, dtype=torch.int32)
         w = self.weight.to(x.dtype)
         y = torch._grouped_mm(x, w, offs=offs)
         if y.requires_grad:
