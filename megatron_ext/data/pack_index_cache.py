@@ -46,8 +46,8 @@ def save_atomically(path: str, arrays: dict[str, np.ndarray], description: str) 
             os.unlink(tmp)
 
 
-def load(path: str, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """Loads a cache file written by :func:`save_atomically`.
+def load(path: str, keys: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
+    """Loads a cache file written by :func:`save_atomically` (``keys`` None = all arrays).
 
     Raises:
         ValueError: The file is not a readable pack index or lacks one of ``keys``; the message
@@ -55,22 +55,24 @@ def load(path: str, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
     """
     try:
         with np.load(path, allow_pickle=False) as npz:
-            missing = [k for k in keys if k not in npz.files]
-            if missing:
-                raise ValueError(
-                    f"pack-index cache {path} lacks {missing}; delete it to rebuild"
-                )
-            return {k: npz[k] for k in keys}
-    except (zipfile.BadZipFile, OSError, EOFError) as err:
+            arrays = {k: npz[k] for k in npz.files if k != "description"}
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, AttributeError) as err:
         raise ValueError(
             f"pack-index cache {path} is corrupt ({err}); delete it to rebuild"
         ) from err
+    missing = [k for k in keys or () if k not in arrays]
+    if missing:
+        raise ValueError(
+            f"pack-index cache {path} lacks {missing}; delete it to rebuild"
+        )
+    return arrays
 
 
 def load_or_build(
     path: str | None,
     build: Callable[[], dict[str, np.ndarray]],
     description: str,
+    keys: tuple[str, ...] | None = None,
 ) -> tuple[dict[str, np.ndarray], bool]:
     """Returns the cached arrays at ``path`` or builds, saves and returns them.
 
@@ -78,13 +80,12 @@ def load_or_build(
         path: Cache file, or None to always build without saving.
         build: Computes the arrays.
         description: Saved alongside (what the hash stands for).
+        keys: Arrays a cached file must hold.
 
     Returns:
         ``(arrays, cache_hit)``.
     """
     if path is not None and os.path.isfile(path):
-        with np.load(path, allow_pickle=False) as npz:
-            keys = tuple(k for k in npz.files if k != "description")
         return load(path, keys), True
     arrays = build()
     if path is not None:

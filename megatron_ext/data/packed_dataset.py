@@ -193,7 +193,7 @@ class PackedDataset(MegatronDataset):
         )
         self.config: PackedDatasetConfig = config
         self.plan, self.cache_hit = pack_index_cache.load_or_build(
-            self._cache_path(), self._build_plan, self.unique_description
+            self._cache_path(), self._build_plan, self.unique_description, _PLAN_KEYS
         )
         counts = json.loads(str(self.plan["counts"]))
         self.stats: dict[str, int] = counts
@@ -284,8 +284,10 @@ class PackedDataset(MegatronDataset):
                     sizes,
                 )
             )
-            for k in counts:
-                counts[k] += getattr(plan, k)
+            if (
+                epoch == 0
+            ):  # per pass over the split's documents (later epochs repeat it)
+                counts = {k: getattr(plan, k) for k in counts}
             num_packs += plan.num_packs
             epoch += 1
             if self.num_samples is None:
@@ -300,7 +302,7 @@ class PackedDataset(MegatronDataset):
             "pack_offsets_P1": np.concatenate([[0], np.cumsum(sizes_P)]).astype(
                 np.int64
             ),
-            "counts": np.array(json.dumps(counts)),
+            "counts": np.array(json.dumps({**counts, "num_epochs": epoch})),
         }
 
     def _check_plan(self) -> None:
