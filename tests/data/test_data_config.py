@@ -1,0 +1,122 @@
+"""Tests for the data section of megatron_ext.config (PaddingConfig). Tier: Megatron on one rank
+(its real argument parser, no process group)."""
+
+import sys
+
+import pytest
+from megatron.training.arguments import parse_args
+
+from megatron_ext.arguments import add_megatron_ext_args, configs_from_args
+from megatron_ext.config import PaddingConfig
+
+
+def configs(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> PaddingConfig:
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
+    return configs_from_args(parse_args(extra_args_provider=add_megatron_ext_args))[
+        PaddingConfig
+    ]
+
+
+def test_flags_parse_into_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = configs(
+        [
+            "--pad-policy",
+            "constant",
+            "--pad-constant-id",
+            "3",
+            "--pad-to-seq-len",
+            "--pack-documents",
+            "--packing-algorithm",
+            "sequential",
+            "--packing-window",
+            "50",
+            "--pack-overlong-policy",
+            "drop",
+            "--pack-loss-mask-suffix",
+            "_lm",
+            "--multimodal-placeholder-ids",
+            "7",
+            "9",
+            "--seq-length",
+            "64",
+        ],
+        monkeypatch,
+    )
+    assert cfg == PaddingConfig(
+        pad_policy="constant",
+        pad_constant_id=3,
+        pad_to_seq_len=True,
+        pack_documents=True,
+        packing_algorithm="sequential",
+        packing_window=50,
+        pack_overlong_policy="drop",
+        pack_loss_mask_suffix="_lm",
+        multimodal_placeholder_ids=[7, 9],
+    )
+    assert (
+        PaddingConfig().pad_policy == "self"
+    )  # the strictly better behaviour is the default
+
+
+def test_pad_multiple_is_derived_from_the_run() -> None:
+    cfg = PaddingConfig()
+    assert cfg.pad_multiple() == 1
+    assert cfg.pad_multiple(context_parallel_size=4) == 8
+    assert cfg.pad_multiple(tensor_parallel_size=2, sequence_parallel=True) == 2
+    assert cfg.pad_multiple(context_parallel_size=2, fp8=True) == 16
+    assert (
+        PaddingConfig(pad_to_multiple_of=32).pad_multiple(context_parallel_size=2) == 32
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (
+            ["--pad-to-multiple-of", "6", "--context-parallel-size", "2"],
+            r"--pad-to-multiple-of 6 conflicts with --context-parallel-size 2 .* multiple of 4",
+        ),
+        (
+            ["--pad-to-multiple-of", "8", "--fp8-format", "e4m3"],
+            r"--pad-to-multiple-of 8 conflicts with --fp8-format \(needs 16\)",
+        ),
+        (
+            [
+                "--pad-to-multiple-of",
+                "3",
+                "--tensor-model-parallel-size",
+                "2",
+                "--sequence-parallel",
+            ],
+            r"conflicts with --sequence-parallel with --tensor-model-parallel-size 2",
+        ),
+        (
+            ["--seq-length", "100", "--context-parallel-size", "4"],
+            r"--seq-length 100 is not a multiple of the pack-length multiple 8",
+        ),
+    ],
+)
+def test_conflicts_with_megatron_flags_are_refused(argv, match, monkeypatch) -> None:
+    with pytest.raises(ValueError, match=match):
+        configs(argv, monkeypatch)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"pad_policy": "zeros"}, "--pad-policy must be 'self' or 'constant'"),
+        ({"pad_to_multiple_of": 0}, "--pad-to-multiple-of must be >= 1"),
+        ({"packing_algorithm": "first_fit"}, "--packing-algorithm must be"),
+        ({"packing_window": 0}, "--packing-window must be >= 1"),
+        ({"pack_overlong_policy": "wrap"}, "--pack-overlong-policy must be"),
+        ({"pad_constant_id": -1}, "--pad-constant-id must be >= 0"),
+        (
+            {"pad_constant_id": 7, "multimodal_placeholder_ids": [7]},
+            "--pad-constant-id 7 is one of --multimodal-placeholder-ids",
+        ),
+        ({"pack_loss_mask_suffix": ""}, "--pack-loss-mask-suffix must not be empty"),
+    ],
+)
+def test_bad_values_name_the_flag(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        PaddingConfig(**kwargs)

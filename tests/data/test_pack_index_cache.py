@@ -1,0 +1,81 @@
+"""Tests for megatron_ext.data.pack_index_cache. Tier: pure (numpy + files, threads)."""
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from megatron_ext.data import pack_index_cache
+from megatron_ext.data.pack_index_cache import (
+    cache_path,
+    load,
+    load_or_build,
+    save_atomically,
+)
+
+
+def test_round_trip_and_cache_hit(tmp_path) -> None:
+    path = cache_path(str(tmp_path / "c"), "abc", "PackedDataset", "train")
+    assert path.endswith("abc-PackedDataset-train-packs.npz")
+    calls = []
+
+    def build() -> dict:
+        calls.append(1)
+        return {
+            "pack_offsets_P1": np.array([0, 2, 3]),
+            "piece_len_Q": np.array([4, 5, 6]),
+        }
+
+    first, hit1 = load_or_build(path, build, "desc", ("pack_offsets_P1",))
+    second, hit2 = load_or_build(path, build, "desc", ("pack_offsets_P1",))
+    assert (hit1, hit2) == (False, True) and len(calls) == 1
+    assert second.keys() == first.keys()
+    assert all(np.array_equal(first[k], second[k]) for k in first)
+    assert os.listdir(tmp_path / "c") == [os.path.basename(path)]  # no temp files left
+    _uncached, hit = load_or_build(None, build, "desc")
+    assert not hit and len(calls) == 2
+
+
+def test_concurrent_writers_leave_one_valid_file(tmp_path) -> None:
+    path = str(tmp_path / "x-packs.npz")
+    arrays = {"a": np.arange(200_000)}
+    threads = [
+        threading.Thread(target=save_atomically, args=(path, arrays, "d"))
+        for _ in range(6)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert np.array_equal(load(path, ("a",))["a"], arrays["a"])
+    assert os.listdir(tmp_path) == ["x-packs.npz"]
+
+
+def test_killed_writer_leaves_no_cache(tmp_path, monkeypatch) -> None:
+    path = str(tmp_path / "k-packs.npz")
+
+    def dies_midway(
+        f, **arrays
+    ) -> None:  # a writer killed after writing part of the file
+        f.write(b"PK partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pack_index_cache.np, "savez", dies_midway)
+    with pytest.raises(KeyboardInterrupt):
+        save_atomically(path, {"a": np.arange(3)}, "d")
+    monkeypatch.undo()
+    assert not os.path.exists(path)  # readers never see a partial cache
+    _arrays, hit = load_or_build(path, lambda: {"a": np.arange(3)}, "d")
+    assert not hit and np.array_equal(load(path)["a"], np.arange(3))
+
+
+def test_bad_cache_files_are_named(tmp_path) -> None:
+    path = str(tmp_path / "bad-packs.npz")
+    with open(path, "wb") as f:
+        f.write(b"\x00garbage")
+    with pytest.raises(ValueError, match=f"pack-index cache {path} is corrupt"):
+        load(path)
+    save_atomically(path, {"a": np.arange(3)}, "d")
+    with pytest.raises(ValueError, match=r"lacks \['b'\]"):
+        load(path, ("a", "b"))
