@@ -271,3 +271,83 @@ class MoEAlignmentConfig:
 
 
 # === replay (issue 5) ===
+import argparse as _argparse  # section-local imports keep feature sections independent
+import os as _os
+from dataclasses import dataclass as _dataclass
+from dataclasses import field as _field
+from typing import Literal as _Literal
+
+from megatron_ext.replay.unsupported import check_replay_supported
+
+
+@feature_config("replay: route record/replay bound to Megatron's RouterReplay (issue 5)")
+@_dataclass(frozen=True, kw_only=True)
+class ReplayConfig:
+    """Route replay (R3): train on the experts the rollout engine chose (megatron_ext.replay)."""
+
+    route_replay_mode: _Literal["off", "record", "replay"] = "off"
+    """'replay' installs each pack's recorded routes into the MoE routers (every MoE layer's
+    top-k equals the recorded one); 'record' captures the routes the forward chose and writes
+    them to --route-record-path; 'off' routes natively."""
+
+    route_data_path: list[str] = _field(default_factory=list)
+    """Route sidecar IndexedDataset prefixes (tools/convert_routes.py output), one per
+    --data-path prefix, same order; documents and tokens must align with the token data."""
+
+    route_record_path: str | None = None
+    """Output prefix of the route sidecar written by --route-replay-mode record."""
+
+    replay_missing_route_policy: _Literal["native", "balanced"] = "native"
+    """Tokens with no recorded route (vLLM's last token, tool tokens, constant-id pads):
+    'native' lets the router decide them; 'balanced' fills a distinct top-k spread evenly over
+    EP ranks for every EP size dividing the expert count."""
+
+    def __post_init__(self) -> None:
+        if self.route_replay_mode not in ("off", "record", "replay"):
+            raise ValueError(
+                "--route-replay-mode must be 'off', 'record' or 'replay', "
+                f"got {self.route_replay_mode!r}"
+            )
+        if self.replay_missing_route_policy not in ("native", "balanced"):
+            raise ValueError(
+                "--replay-missing-route-policy must be 'native' or 'balanced', "
+                f"got {self.replay_missing_route_policy!r}"
+            )
+        if self.route_replay_mode == "replay" and not self.route_data_path:
+            raise ValueError("--route-replay-mode replay needs --route-data-path")
+        if self.route_replay_mode == "record" and not self.route_record_path:
+            raise ValueError("--route-replay-mode record needs --route-record-path")
+        if self.route_replay_mode == "replay":
+            for prefix in self.route_data_path:
+                for ext in (".bin", ".idx"):
+                    if not _os.path.isfile(prefix + ext):
+                        raise ValueError(
+                            f"--route-data-path: route file {prefix + ext} does not exist"
+                        )
+        if self.route_replay_mode == "record":
+            parent = _os.path.dirname(_os.path.abspath(self.route_record_path))
+            if not _os.path.isdir(parent):
+                raise ValueError(
+                    f"--route-record-path: directory {parent} does not exist"
+                )
+
+    def check_megatron_args(self, args: _argparse.Namespace) -> None:
+        """Refuses every Megatron setting under which 0.19.2 would silently skip replay."""
+        if self.route_replay_mode == "off":
+            return
+        check_replay_supported(args, f"--route-replay-mode {self.route_replay_mode}")
+        if self.route_replay_mode == "replay":
+            prefixes = [p for p in (getattr(args, "data_path", None) or []) if not _is_number(p)]
+            if prefixes and len(prefixes) != len(self.route_data_path):
+                raise ValueError(
+                    f"--route-data-path has {len(self.route_data_path)} prefixes, "
+                    f"--data-path has {len(prefixes)}: give one route sidecar per data prefix"
+                )
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True

@@ -123,6 +123,27 @@ def get_aligned_gpt_layer_local_spec(
     return with_aligned_moe(spec, alignment, load_metrics)
 
 
+class LocalHybridStack(HybridStack):
+    """``HybridStack`` whose final norm is a local module instead of TE's ``TENorm``.
+
+    Megatron 0.19's ``HybridStack`` builds ``TENorm`` unconditionally for its final norm; this
+    subclass builds the stack without it and adds the norm of the local GPT spec instead, so a
+    ``HybridModel`` runs without Transformer Engine (CPU tests, demo).
+    """
+
+    def __init__(self, config: Any, submodules: Any, *args: Any, **kwargs: Any) -> None:
+        post_layer_norm = kwargs.pop("post_layer_norm", True)
+        super().__init__(config, submodules, *args, post_layer_norm=False, **kwargs)
+        self.post_layer_norm = post_layer_norm
+        if self.post_process and post_layer_norm:
+            norm = get_gpt_layer_local_spec().submodules.input_layernorm
+            self.final_norm = norm(
+                config=self.config,
+                hidden_size=self.config.hidden_size,
+                eps=self.config.layernorm_epsilon,
+            )
+
+
 def get_local_hybrid_stack_spec(
     num_experts: int,
     *,
@@ -154,7 +175,7 @@ def get_local_hybrid_stack_spec(
         ),
     )
     stack = ModuleSpec(
-        module=HybridStack,
+        module=LocalHybridStack,
         submodules=HybridStackSubmodules(attention_layer=attention, moe_layer=moe),
     )
     return stack if alignment is None else with_aligned_moe(stack, alignment, load_metrics)

@@ -83,10 +83,13 @@ def router_row_positions(
 
 
 def rows_for_router(routes_BSLK: torch.Tensor, positions_N: torch.Tensor) -> torch.Tensor:
-    """Selects this rank's router rows: ``routes_NLK`` (same dtype, no host sync)."""
+    """Selects this rank's router rows: ``routes_NLK`` (same dtype, no host sync).
+
+    ``positions_N`` must be on the device of ``routes_BSLK`` (cache it there once per shape).
+    """
     batch_size, seq_len = routes_BSLK.shape[:2]
     flat_XLK = routes_BSLK.reshape(batch_size * seq_len, *routes_BSLK.shape[2:])
-    return flat_XLK.index_select(0, positions_N.to(routes_BSLK.device))
+    return flat_XLK.index_select(0, positions_N)
 
 
 def assemble_from_ranks(

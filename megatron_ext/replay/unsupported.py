@@ -1,0 +1,80 @@
+"""Megatron 0.19.2 settings under which route replay would be silently skipped or undone.
+
+Megatron's ``RouterReplay`` hooks only the unfused top-k inside
+``moe_utils.topk_routing_with_score_function``. Every path that routes around that hook, or that
+changes the routing map after it, would train on routes other than the replayed ones without any
+error. This module lists them, so they are refused when arguments are parsed and again when the
+binding sees the model's ``TransformerConfig`` (never imports megatron: it reads attributes, and
+Megatron's argument names equal its config field names).
+
+=============================================  ===============================================
+setting                                        why replay does not hold
+=============================================  ===============================================
+``--moe-router-fusion``                        TE's fused top-k returns before the replay hook
+``--moe-router-load-balancing-type sinkhorn``  sinkhorn routing never calls the hook
+``... quantile_balancing``                     top-k is precomputed and passed past the hook
+``--moe-expert-capacity-factor``               token dropping edits the routing map afterwards
+``--cuda-graph-impl`` (not ``none``)           a captured graph replays the captured indices
+``--hybrid-context-parallel``                  its per-rank token layout is not the zigzag one
+=============================================  ===============================================
+
+Example::
+
+    replay_blockers(argparse.Namespace(num_experts=8, moe_router_fusion=True))
+    # -> ['--moe-router-fusion (the fused TE top-k returns before RouterReplay is consulted)']
+"""
+
+from typing import Any
+
+
+def _load_balancing_types(settings: Any) -> list[str]:
+    value = getattr(settings, "moe_router_load_balancing_type", "aux_loss") or "aux_loss"
+    return [value] if isinstance(value, str) else list(value)
+
+
+def replay_blockers(settings: Any) -> list[str]:
+    """Returns one line per setting that would bypass or undo route replay (empty: supported).
+
+    Args:
+        settings: Megatron's parsed ``args`` or a ``TransformerConfig`` (same attribute names).
+    """
+    blockers = []
+    if getattr(settings, "moe_router_fusion", False):
+        blockers.append(
+            "--moe-router-fusion (the fused TE top-k returns before RouterReplay is consulted)"
+        )
+    for kind in ("sinkhorn", "quantile_balancing"):
+        if kind in _load_balancing_types(settings):
+            blockers.append(
+                f"--moe-router-load-balancing-type {kind} (its routing bypasses RouterReplay)"
+            )
+    if getattr(settings, "moe_expert_capacity_factor", None) is not None:
+        blockers.append(
+            "--moe-expert-capacity-factor (token dropping rewrites replayed routes afterwards)"
+        )
+    cuda_graph_impl = getattr(settings, "cuda_graph_impl", "none") or "none"
+    if cuda_graph_impl != "none":
+        blockers.append(
+            f"--cuda-graph-impl {cuda_graph_impl} (a captured router replays captured indices)"
+        )
+    if getattr(settings, "hybrid_context_parallel", False):
+        blockers.append("--hybrid-context-parallel (routes are laid out for zigzag CP only)")
+    # Megatron's args call it num_experts, its TransformerConfig num_moe_experts.
+    if not (getattr(settings, "num_moe_experts", None) or getattr(settings, "num_experts", None)):
+        blockers.append("no --num-experts (a dense model has no routers to replay)")
+    return blockers
+
+
+def check_replay_supported(settings: Any, mode_flag: str) -> None:
+    """Raises ``ValueError`` naming ``mode_flag`` and every blocking Megatron flag.
+
+    Args:
+        settings: Megatron's ``args`` or a ``TransformerConfig``.
+        mode_flag: How replay was turned on, e.g. ``"--route-replay-mode replay"``.
+    """
+    blockers = replay_blockers(settings)
+    if blockers:
+        raise ValueError(
+            f"{mode_flag} is not supported with: " + "; ".join(blockers)
+            + ". Megatron 0.19.2 would silently route natively there."
+        )
