@@ -109,6 +109,27 @@ def target_length(
     return round_up(num_tokens, pad_to_multiple_of)
 
 
+def padded_lengths(
+    pack_lens_P: np.ndarray,
+    *,
+    seq_length: int,
+    pad_to_seq_len: bool,
+    pad_to_multiple_of: int,
+) -> np.ndarray:
+    """Vectorised :func:`target_length` over packs (for statistics and benchmarks)."""
+    pack_lens_P = np.asarray(pack_lens_P, dtype=np.int64)
+    for n in (pack_lens_P.min(initial=0), pack_lens_P.max(initial=0)):
+        target_length(
+            int(n),
+            seq_length=seq_length,
+            pad_to_seq_len=pad_to_seq_len,
+            pad_to_multiple_of=pad_to_multiple_of,
+        )
+    if pad_to_seq_len:
+        return np.full_like(pack_lens_P, seq_length)
+    return -(-pack_lens_P // pad_to_multiple_of) * pad_to_multiple_of
+
+
 def derive_pad_multiple(
     *,
     context_parallel_size: int = 1,

@@ -1,0 +1,143 @@
+"""Packing statistics of an IndexedDataset: pad fraction, pack-length histogram, over-long docs.
+
+    python tools/pack_stats.py --data-path /data/sft --seq-length 4096 --png pack_stats.png
+    python tools/pack_stats.py --data-path /data/sft --seq-length 4096 \\
+        --packing-algorithm sequential --pad-to-multiple-of 8
+
+Uses exactly the planner of the training run (megatron_ext.data.pack_planning) over one pass of
+the documents in a seeded shuffle, so the numbers are what --pack-documents will see.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from tqdm import tqdm
+
+from megatron_ext.data.pack_planning import (
+    OVERLONG_POLICIES,
+    PACKING_ALGORITHMS,
+    plan_packs,
+)
+from megatron_ext.data.padding import padded_lengths
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The tool's arguments."""
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    p.add_argument(
+        "--data-path", required=True, help="IndexedDataset prefix (PREFIX.bin/.idx)"
+    )
+    p.add_argument(
+        "--seq-length", type=int, required=True, help="pack capacity in tokens"
+    )
+    p.add_argument(
+        "--packing-algorithm", choices=PACKING_ALGORITHMS, default="best_fit"
+    )
+    p.add_argument("--packing-window", type=int, default=1000)
+    p.add_argument("--pack-overlong-policy", choices=OVERLONG_POLICIES, default="split")
+    p.add_argument(
+        "--pad-to-seq-len", action="store_true", help="pad every pack to --seq-length"
+    )
+    p.add_argument("--pad-to-multiple-of", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1234, help="document shuffle seed")
+    p.add_argument("--png", help="write a pack-length histogram here")
+    p.add_argument("--json", help="write the statistics as JSON here")
+    return p
+
+
+def pack_statistics(doc_lens_D: np.ndarray, args: argparse.Namespace) -> dict:
+    """The numbers the tool reports, for one seeded pass over the documents."""
+    order = np.random.default_rng(args.seed).permutation(doc_lens_D.size)
+    plan = plan_packs(
+        doc_lens_D[order],
+        args.seq_length,
+        algorithm=args.packing_algorithm,
+        window=args.packing_window,
+        overlong=args.pack_overlong_policy,
+    )
+    real_P = plan.pack_lengths_P()
+    padded_P = padded_lengths(
+        real_P,
+        seq_length=args.seq_length,
+        pad_to_seq_len=args.pad_to_seq_len,
+        pad_to_multiple_of=args.pad_to_multiple_of,
+    )
+    edges = np.linspace(0, args.seq_length, 11).astype(int)
+    hist, _ = np.histogram(real_P, bins=edges)
+    return {
+        "documents": int(doc_lens_D.size),
+        "packs": plan.num_packs,
+        "real_tokens": int(real_P.sum()),
+        "padded_tokens": int(padded_P.sum()),
+        "pad_fraction": float(1 - real_P.sum() / max(padded_P.sum(), 1)),
+        "mean_pack_length": float(real_P.mean()) if real_P.size else 0.0,
+        "documents_split": plan.num_split,
+        "documents_truncated": plan.num_truncated,
+        "documents_dropped": plan.num_dropped,
+        "documents_empty": plan.num_empty,
+        "histogram_edges": edges.tolist(),
+        "histogram_counts": hist.tolist(),
+        "_pack_lengths": real_P,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Prints (and optionally plots / dumps) the statistics; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    for ext in (".idx", ".bin"):
+        if not os.path.isfile(args.data_path + ext):
+            raise ValueError(f"--data-path file {args.data_path + ext} does not exist")
+    if args.seq_length < 1:
+        raise ValueError(f"--seq-length must be >= 1, got {args.seq_length}")
+    dataset = IndexedDataset(
+        args.data_path
+    )  # keep it alive: sequence_lengths views its mmap
+    lens = np.array(dataset.sequence_lengths, dtype=np.int64)
+    with tqdm(total=1, desc="planning packs") as bar:
+        stats = pack_statistics(lens, args)
+        bar.update()
+    pack_lengths = stats.pop("_pack_lengths")
+    for key, value in stats.items():
+        if not key.startswith("histogram"):
+            print(
+                f"{key:>22}: {value:.4f}"
+                if isinstance(value, float)
+                else f"{key:>22}: {value}"
+            )
+    print("pack length histogram (real tokens):")
+    edges, counts = stats["histogram_edges"], stats["histogram_counts"]
+    top = max(counts, default=0) or 1
+    for lo, hi, c in zip(edges[:-1], edges[1:], counts):
+        print(f"  {lo:>7}-{hi:<7} {c:>8} {'#' * round(40 * c / top)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(stats, f, indent=2)
+    if args.png:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.hist(pack_lengths, bins=edges, color="tab:blue")
+        ax.set_xlabel("real tokens per pack")
+        ax.set_ylabel("packs")
+        ax.set_title(
+            f"{args.packing_algorithm}: pad fraction {stats['pad_fraction']:.1%}, "
+            f"{stats['packs']} packs"
+        )
+        fig.tight_layout()
+        fig.savefig(args.png, dpi=100)
+        plt.close(fig)
+        print(f"wrote {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
