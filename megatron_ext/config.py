@@ -274,7 +274,6 @@ class MoEAlignmentConfig:
 import argparse as _argparse  # section-local imports keep feature sections independent
 import os as _os
 from dataclasses import dataclass as _dataclass
-from dataclasses import field as _field
 from typing import Literal as _Literal
 
 from megatron_ext.replay.unsupported import check_replay_supported
@@ -290,9 +289,10 @@ class ReplayConfig:
     top-k equals the recorded one); 'record' captures the routes the forward chose and writes
     them to --route-record-path; 'off' routes natively."""
 
-    route_data_path: list[str] = _field(default_factory=list)
-    """Route sidecar IndexedDataset prefixes (tools/convert_routes.py output), one per
-    --data-path prefix, same order; documents and tokens must align with the token data."""
+    route_data_suffix: str | None = None
+    """Route sidecars: every --data-path prefix P has a route IndexedDataset at P + suffix
+    (tools/convert_routes.py output, e.g. '_routes'), aligned document by document and token by
+    token with P; the packer gathers, packs and pads it exactly as the tokens."""
 
     route_record_path: str | None = None
     """Output prefix of the route sidecar written by --route-replay-mode record."""
@@ -313,17 +313,10 @@ class ReplayConfig:
                 "--replay-missing-route-policy must be 'native' or 'balanced', "
                 f"got {self.replay_missing_route_policy!r}"
             )
-        if self.route_replay_mode == "replay" and not self.route_data_path:
-            raise ValueError("--route-replay-mode replay needs --route-data-path")
+        if self.route_replay_mode == "replay" and not self.route_data_suffix:
+            raise ValueError("--route-replay-mode replay needs --route-data-suffix")
         if self.route_replay_mode == "record" and not self.route_record_path:
             raise ValueError("--route-replay-mode record needs --route-record-path")
-        if self.route_replay_mode == "replay":
-            for prefix in self.route_data_path:
-                for ext in (".bin", ".idx"):
-                    if not _os.path.isfile(prefix + ext):
-                        raise ValueError(
-                            f"--route-data-path: route file {prefix + ext} does not exist"
-                        )
         if self.route_replay_mode == "record":
             parent = _os.path.dirname(_os.path.abspath(self.route_record_path))
             if not _os.path.isdir(parent):
@@ -337,12 +330,23 @@ class ReplayConfig:
             return
         check_replay_supported(args, f"--route-replay-mode {self.route_replay_mode}")
         if self.route_replay_mode == "replay":
-            prefixes = [p for p in (getattr(args, "data_path", None) or []) if not _is_number(p)]
-            if prefixes and len(prefixes) != len(self.route_data_path):
+            if not getattr(args, "pack_documents", False):
                 raise ValueError(
-                    f"--route-data-path has {len(self.route_data_path)} prefixes, "
-                    f"--data-path has {len(prefixes)}: give one route sidecar per data prefix"
+                    "--route-replay-mode replay reads route sidecars through the packed dataset: "
+                    "add --pack-documents"
                 )
+            paths = [getattr(args, name, None) or [] for name in _DATA_PATH_ARGS]
+            for prefix in (p for group in paths for p in group if not _is_number(p)):
+                for ext in (".bin", ".idx"):
+                    path = prefix + self.route_data_suffix + ext
+                    if not _os.path.isfile(path):
+                        raise ValueError(
+                            f"--route-data-suffix {self.route_data_suffix}: route file {path} "
+                            f"for --data-path prefix {prefix} does not exist"
+                        )
+
+
+_DATA_PATH_ARGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 
 
 def _is_number(text: str) -> bool:

@@ -1,0 +1,187 @@
+"""Tier: Megatron on one rank (real IndexedDataset, BlendedMegatronDatasetBuilder, pack cache).
+
+Routes ride the data blender's sidecar hook: packed, split and self-padded by the tokens' own code
+path, validated per pack, missing rows handled by the policy, and recorded routes written back
+document-aligned.
+"""
+
+import os
+
+import numpy as np
+import pytest
+from megatron.core.datasets.blended_dataset import BlendedDataset
+from megatron.core.datasets.blended_megatron_dataset_builder import (
+    BlendedMegatronDatasetBuilder,
+)
+from megatron.core.tokenizers import MegatronTokenizer
+
+from megatron_ext.data.indexed_writer import write_documents
+from megatron_ext.replay.route_dataset import (
+    RoutedPackedDataset,
+    RoutedPackedDatasetConfig,
+    RouteRecorder,
+)
+from megatron_ext.replay.routes import missing_mask, rank_counts, validate_routes
+
+SEQ, LAYERS, TOPK, EXPERTS = 32, 2, 2, 8
+
+
+def route_of(tokens: np.ndarray) -> np.ndarray:
+    """Routes derived from the token id, so any position's route can be checked: [T, L, K]."""
+    layer = np.arange(LAYERS)[None, :, None]
+    slot = np.arange(TOPK)[None, None, :]
+    return ((tokens[:, None, None] + layer + slot) % EXPERTS).astype(np.uint8)
+
+
+def doc_routes(doc: np.ndarray) -> np.ndarray:
+    """vLLM-like: the last token has no route (missing marker)."""
+    routes = route_of(doc)
+    routes[-1] = 255
+    return routes
+
+
+def write_corpus(prefix: str, seed: int, num_docs: int = 80) -> list:
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(1, 100, size=int(n)) for n in rng.integers(2, 45, size=num_docs)]
+    write_documents(prefix, docs)
+    write_documents(prefix + "_routes", [doc_routes(d) for d in docs], dtype=np.uint8)
+    return docs
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("routed")
+    docs = {name: write_corpus(str(root / name), seed) for seed, name in enumerate("ab")}
+    return {"root": str(root), "docs": docs}
+
+
+def make_config(corpus: dict, **overrides) -> RoutedPackedDatasetConfig:
+    tok = MegatronTokenizer.from_pretrained(metadata_path={"library": "null-text"}, vocab_size=128)
+    kwargs = {
+        "random_seed": 3,
+        "sequence_length": SEQ,
+        "blend": ([os.path.join(corpus["root"], "a")], None),
+        "split": "100,0,0",
+        "tokenizer": tok,
+        "reset_position_ids": False,
+        "reset_attention_mask": False,
+        "eod_mask_loss": False,
+        "create_attention_mask": False,
+        "path_to_cache": os.path.join(corpus["root"], "cache"),
+        "pad_to_seq_len": True,
+        "route_num_layers": LAYERS,
+        "route_topk": TOPK,
+        "route_num_experts": EXPERTS,
+    }
+    kwargs.update(overrides)
+    return RoutedPackedDatasetConfig(**kwargs)
+
+
+def build(config: RoutedPackedDatasetConfig, size: int = 60):
+    return BlendedMegatronDatasetBuilder(RoutedPackedDataset, [size, 0, 0], lambda: True,
+                                         config).build()[0]
+
+
+def test_pads_replay_the_routes_of_the_tokens_they_copy(corpus):
+    ds = build(make_config(corpus))
+    pads_seen = 0
+    for i in range(len(ds)):
+        s = ds[i]
+        tokens, routes, src = s["tokens"].numpy(), s["routes"].numpy(), s["src_index"].numpy()
+        assert routes.shape == (SEQ, LAYERS, TOPK) and routes.dtype == np.uint8
+        doc_Q, start_Q, len_Q = ds.pack_pieces(i)
+        # Real positions: the document's routes (last token of a document missing); pads: the
+        # routes of the real position they copy.
+        real = np.concatenate([doc_routes(corpus["docs"]["a"][d])[st : st + n]
+                               for d, st, n in zip(doc_Q, start_Q, len_Q)])
+        n = real.shape[0]
+        assert np.array_equal(routes[:n], real)
+        assert np.array_equal(routes[n:], real[src[n:]])
+        pads_seen += SEQ - n
+        has_route = ~missing_mask(routes)[:, 0]  # every route belongs to the token at its position
+        assert np.array_equal(routes[has_route], route_of(tokens)[has_route])
+        assert int(s["pack_index"]) == i
+    assert pads_seen > 0
+
+
+def test_balanced_policy_fills_missing_rows_distinct_and_even(corpus):
+    ds = build(make_config(corpus, route_missing_policy="balanced", pad_policy="constant"))
+    native = build(make_config(corpus, pad_policy="constant"))
+    filled_any = False
+    for i in range(len(ds)):
+        routes, before = ds[i]["routes"].numpy(), native[i]["routes"].numpy()
+        was_missing = missing_mask(before)
+        assert not missing_mask(routes).any()
+        validate_routes(routes, num_layers=LAYERS, num_experts=EXPERTS, topk=TOPK)
+        assert np.array_equal(routes[~was_missing], before[~was_missing])
+        for layer in range(LAYERS):
+            fill = routes[was_missing[:, layer], layer]
+            filled_any |= fill.shape[0] > 1
+            for ep in (1, 2, 4, 8):
+                counts = rank_counts(fill, EXPERTS, ep)
+                assert counts.max() - counts.min() <= 1
+    assert filled_any
+
+
+def test_blend_and_pack_cache(corpus):
+    prefixes = [os.path.join(corpus["root"], n) for n in "ab"]
+    blended = build(make_config(corpus, blend=(prefixes, [0.5, 0.5])), size=80)
+    assert isinstance(blended, BlendedDataset)
+    assert {int(blended[i]["dataset_id"]) for i in range(len(blended))} == {0, 1}
+    again = build(make_config(corpus))
+    assert again.cache_hit
+    assert np.array_equal(again[3]["routes"].numpy(), build(make_config(corpus))[3]["routes"])
+
+
+def test_route_and_token_length_mismatch_is_refused(corpus, tmp_path):
+    prefix = str(tmp_path / "c")
+    docs = write_corpus(prefix, seed=9, num_docs=10)
+    routes = [doc_routes(d) for d in docs]
+    routes[4] = routes[4][:-1]
+    write_documents(prefix + "_routes", routes, dtype=np.uint8)
+    with pytest.raises(ValueError, match=r"_routes document 4 has"):
+        build(make_config(corpus, blend=([prefix], None),
+                          path_to_cache=str(tmp_path / "cache")), size=5)
+
+
+def test_bad_route_ids_name_pack_token_and_layer(corpus, tmp_path):
+    prefix = str(tmp_path / "d")
+    docs = write_corpus(prefix, seed=5, num_docs=10)
+    routes = [doc_routes(d) for d in docs]
+    for r in routes:
+        r[0, 1] = [3, 3]  # duplicate top-k in every document's first token, layer 1
+    write_documents(prefix + "_routes", routes, dtype=np.uint8)
+    ds = build(make_config(corpus, blend=([prefix], None), path_to_cache=str(tmp_path / "cache")),
+               size=5)
+    with pytest.raises(ValueError, match=r"d_routes pack 0 .* token 0, MoE layer 1 has duplicate"):
+        ds[0]
+
+
+def test_missing_route_file_is_refused(corpus, tmp_path):
+    prefix = str(tmp_path / "e")
+    write_documents(prefix, [np.arange(1, 5)])
+    with pytest.raises((ValueError, FileNotFoundError), match="e_routes"):
+        build(make_config(corpus, blend=([prefix], None), path_to_cache=str(tmp_path / "cache")),
+              size=2)
+
+
+def test_recorder_writes_routes_aligned_with_documents(corpus, tmp_path):
+    ds = build(make_config(corpus, pad_policy="self"))
+    recorder = RouteRecorder.for_dataset(ds)
+    for i in range(len(ds)):
+        recorded = route_of(ds[i]["tokens"].numpy())  # what a forward "chose" at every position
+        recorder.add_pack(ds.pack_pieces(i), recorded)
+    prefix = str(tmp_path / "recorded")
+    assert recorder.write(prefix) == len(corpus["docs"]["a"])
+    assert recorder.recorded_tokens > 0
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    back = IndexedDataset(prefix)
+    covered = 0
+    for d, doc in enumerate(corpus["docs"]["a"]):
+        got = back[d].reshape(-1, LAYERS, TOPK)
+        seen = ~missing_mask(got)
+        assert np.array_equal(got[seen], route_of(doc)[seen])
+        covered += int(seen[:, 0].sum())
+    in_plan = set(ds.plan["piece_doc_Q"].tolist())
+    assert covered == sum(len(corpus["docs"]["a"][d]) for d in in_plan) > 0
