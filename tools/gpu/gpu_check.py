@@ -27,9 +27,7 @@ class ScaledGroupedFp8Linear(torch.nn.Module):
     receiving aligned groups; fp8 wgrad needs the same alignment and is not exercised here).
     """
 
-    def __init__(
-        self, num_gemms, input_size, output_size, /, *, config, init_method, **kwargs
-    ):
+    def __init__(self, num_gemms, input_size, output_size, /, *, config, init_method, **kwargs):
         super().__init__()
         w = torch.empty(num_gemms, output_size, input_size, dtype=torch.bfloat16)
         for wi in w:
@@ -39,9 +37,7 @@ class ScaledGroupedFp8Linear(torch.nn.Module):
         self.use_fp8 = True
 
     def forward(self, x, tokens_per_expert):
-        offs = torch.tensor(tokens_per_expert, device=x.device).cumsum(
-            0, dtype=torch.int32
-        )
+        offs = torch.tensor(tokens_per_expert, device=x.device).cumsum(0, dtype=torch.int32)
         return _Fp8GroupedMM.apply(x, self.weight, offs, self.use_fp8), None
 
     def backward_dw(self):
@@ -59,9 +55,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
         w_t = w.transpose(1, 2)  # [G, out, in]
         w_scale = w_t.abs().amax(-1).float().clamp_min(1e-12) / torch.finfo(fp8).max
         xq = (x / x_scale[:, None]).to(fp8)
-        wq = (
-            (w_t / w_scale[..., None]).to(fp8).transpose(1, 2)
-        )  # column-major per group
+        wq = (w_t / w_scale[..., None]).to(fp8).transpose(1, 2)  # column-major per group
         return torch._scaled_grouped_mm(
             xq, wq, x_scale, w_scale, offs=offs, out_dtype=torch.bfloat16
         ).to(x.dtype)
@@ -97,9 +91,7 @@ def _build(aligned: bool, backend, router_padding: bool = False):
     from megatron_ext.moe.layer_specs import with_aligned_moe
     from megatron_ext.testing import tiny_moe_config
 
-    cfg = tiny_moe_config(
-        hidden_size=1024, moe_ffn_hidden_size=2048, num_attention_heads=8
-    )
+    cfg = tiny_moe_config(hidden_size=1024, moe_ffn_hidden_size=2048, num_attention_heads=8)
     spec = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False)
     moe = spec.submodules.mlp
     experts = functools.partial(
@@ -127,9 +119,7 @@ def _build(aligned: bool, backend, router_padding: bool = False):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--cpu-smoke", action="store_true", help="run on CPU with _grouped_mm"
-    )
+    parser.add_argument("--cpu-smoke", action="store_true", help="run on CPU with _grouped_mm")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
@@ -145,9 +135,7 @@ def main() -> None:
     ours = _build(True, backend)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(args.tokens, 1, 1024, generator=g).to(device).requires_grad_()
-    result: dict = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    }
+    result: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
 
     # Our alignment path under the sync detector: pad + strip of the dispatcher.
     from megatron_ext.moe import alignment as al
@@ -159,9 +147,7 @@ def main() -> None:
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
     layout = al.plan_aligned_layout(counts, 16, n, rows)
-    y = al.strip_layout(
-        al.pad_to_layout(torch.ones(n, 8, device=device), layout), layout
-    )
+    y = al.strip_layout(al.pad_to_layout(torch.ones(n, 8, device=device), layout), layout)
     if device == "cuda":
         torch.cuda.set_sync_debug_mode(0)
     result["alignment_sync_free"] = bool(y.shape[0] == n)
