@@ -14,6 +14,7 @@ from megatron_ext.data.padding import (
     derive_pad_multiple,
     gather_by_src_index,
     pad_pack,
+    padded_lengths,
     round_up,
     target_length,
 )
@@ -275,6 +276,12 @@ def test_target_length_and_derived_multiple() -> None:
         target_length(0, seq_length=16, pad_to_seq_len=False, pad_to_multiple_of=8) == 0
     )
     assert round_up(17, 16) == 32
+    lens = np.array([0, 3, 8, 9])
+    kw = {"seq_length": 16, "pad_to_multiple_of": 8}
+    assert padded_lengths(lens, pad_to_seq_len=False, **kw).tolist() == [0, 8, 8, 16]
+    assert padded_lengths(lens, pad_to_seq_len=True, **kw).tolist() == [16] * 4
+    with pytest.raises(ValueError, match="a pack holds 17 tokens"):
+        padded_lengths(np.array([17]), pad_to_seq_len=False, **kw)
     assert derive_pad_multiple() == 1
     assert derive_pad_multiple(context_parallel_size=2) == 4
     assert derive_pad_multiple(tensor_parallel_size=4, sequence_parallel=True) == 4
