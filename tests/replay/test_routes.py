@@ -35,7 +35,8 @@ def _routes(num_tokens: int, num_layers: int, topk: int, num_experts: int, seed:
 
 def test_pure_module_never_imports_megatron():
     code = (
-        "import sys, megatron_ext.replay.routes, megatron_ext.replay.layout; "
+        "import sys, megatron_ext.replay.routes, megatron_ext.replay.layout, "
+        "megatron_ext.replay.rollout_routes, megatron_ext.replay.unsupported; "
         "bad = [m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')]; "
         "assert not bad, bad"
     )

@@ -1,0 +1,82 @@
+"""Tier: pure (numpy only). Decoding rollout route dumps and repairing them into route buffers."""
+
+import base64
+
+import numpy as np
+import pytest
+
+from megatron_ext.replay.rollout_routes import (
+    RepairCounts,
+    decode_routed_experts,
+    encode_routed_experts,
+    read_safetensors,
+    repair_document,
+    write_safetensors,
+)
+from megatron_ext.replay.routes import missing_mask
+
+KW = {"num_layers": 1, "topk": 2, "num_experts": 8, "name": "req 0"}
+
+
+def test_docstring_example_rejects_duplicates_and_appends_the_last_row():
+    rows = np.array([[[1, 2]], [[4, 4]]])
+    routes, counts = repair_document(rows, 3, policy="native", reject_invalid=True, **KW)
+    assert routes[0, 0].tolist() == [1, 2]
+    assert missing_mask(routes)[:, 0].tolist() == [False, True, True]
+    assert (counts.appended_rows, counts.rejected_rows, counts.filled_rows) == (1, 1, 0)
+
+
+def test_invalid_rows_raise_naming_token_and_layer_unless_rejected():
+    rows = np.array([[[1, 2]], [[9, 0]]])
+    with pytest.raises(ValueError, match=r"req 0: token 1, MoE layer 0 has experts \[9, 0\]"):
+        repair_document(rows, None, policy="native", reject_invalid=False, **KW)
+    with pytest.raises(ValueError, match="token 0, MoE layer 0"):
+        repair_document(np.array([[[-1, 2]]]), None, policy="native", reject_invalid=False, **KW)
+
+
+def test_balanced_policy_fills_the_appended_row():
+    rows = np.array([[[1, 2]], [[3, 4]]], dtype=np.uint8)
+    routes, counts = repair_document(rows, 3, policy="balanced", reject_invalid=False, **KW)
+    assert not missing_mask(routes).any() and counts.filled_rows == 1
+    assert len(set(routes[2, 0].tolist())) == 2
+
+
+def test_wrong_shapes_and_counts_are_refused():
+    with pytest.raises(ValueError, match="expected 1 MoE layers x top-2"):
+        repair_document(np.zeros((2, 2, 2), np.int64), None, policy="native",
+                        reject_invalid=False, **KW)
+    with pytest.raises(ValueError, match="2 route rows for 5 tokens"):
+        repair_document(np.array([[[1, 2]], [[3, 4]]]), 5, policy="native",
+                        reject_invalid=False, **KW)
+
+
+def test_single_token_request_has_zero_rows():
+    routes, counts = repair_document(np.zeros((0,)), 1, policy="native", reject_invalid=False,
+                                     **KW)
+    assert routes.shape == (1, 1, 2) and missing_mask(routes).all() and counts.appended_rows == 1
+
+
+def test_base64_round_trip_and_size_check():
+    rows = np.random.default_rng(0).integers(0, 300, size=(5, 3, 4)).astype(np.uint16)
+    assert np.array_equal(decode_routed_experts(encode_routed_experts(rows)), rows)
+    bad = {"data": base64.b64encode(b"\x00" * 7).decode(), "shape": [2, 2, 2], "dtype": "uint8"}
+    with pytest.raises(ValueError, match="7 bytes do not hold shape"):
+        decode_routed_experts(bad)
+    assert np.array_equal(decode_routed_experts(rows.tolist()), rows)
+
+
+def test_safetensors_round_trip(tmp_path):
+    tensors = {"doc0": np.arange(12, dtype=np.uint8).reshape(2, 3, 2),
+               "doc1": np.arange(8, dtype=np.int32).reshape(1, 2, 4)}
+    write_safetensors(str(tmp_path / "r.safetensors"), tensors)
+    back = read_safetensors(str(tmp_path / "r.safetensors"))
+    assert set(back) == set(tensors)
+    for key, value in tensors.items():
+        assert np.array_equal(back[key], value) and back[key].dtype == value.dtype
+
+
+def test_counts_add():
+    total = RepairCounts()
+    total.add(RepairCounts(documents=1, tokens=3, rejected_rows=2))
+    total.add(RepairCounts(documents=1, tokens=4, appended_rows=1))
+    assert (total.documents, total.tokens, total.rejected_rows, total.appended_rows) == (2, 7, 2, 1)

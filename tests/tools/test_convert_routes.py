@@ -1,0 +1,120 @@
+"""Round-trip tests for tools/convert_routes.py. Tier: Megatron on one rank (IndexedDataset files;
+the tool runs in-process via its main())."""
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+from megatron_ext.data.indexed_writer import write_documents
+from megatron_ext.replay.rollout_routes import encode_routed_experts, write_safetensors
+from megatron_ext.replay.routes import missing_mask, validate_routes
+
+TOOL = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "convert_routes.py")
+L, K, E = 3, 2, 8
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("convert_routes", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def random_routes(num_tokens: int, seed: int, num_experts: int = E) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.stack([[rng.permutation(num_experts)[:K] for _ in range(L)]
+                     for _ in range(num_tokens)]).astype(np.int64)
+
+
+def run(tmp_path, inputs, fmt, *extra) -> tuple[list, str]:
+    out = str(tmp_path / "routes")
+    argv = ["--format", fmt, "--output-prefix", out, "--num-layers", str(L), "--topk", str(K),
+            "--num-experts", str(E), "--no-progress", *extra]
+    for path in inputs:
+        argv += ["--input", str(path)]
+    assert load_tool().main(argv) == 0
+    ds = IndexedDataset(out)
+    # Copies: the arrays are views of the mmap that closes with ds.
+    return [np.array(ds[i]).reshape(-1, L, K) for i in range(len(ds))], out
+
+
+def write_jsonl(path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def test_vllm_base64_t_minus_1_round_trip(tmp_path, capsys):
+    lengths = [5, 1, 9]
+    full = [random_routes(n, seed=n) for n in lengths]
+    records = [{"routed_experts": encode_routed_experts(r[:-1].astype(np.uint8)),
+                "token_ids": list(range(n))} for r, n in zip(full, lengths)]
+    write_documents(str(tmp_path / "tokens"), [np.arange(n) for n in lengths])
+    docs, _ = run(tmp_path, [write_jsonl(tmp_path / "in.jsonl", records)], "vllm",
+                  "--tokens-prefix", str(tmp_path / "tokens"))
+    for got, want in zip(docs, full):
+        assert got.dtype == np.uint8 and got.shape == want.shape
+        assert np.array_equal(got[:-1], want[:-1]) and missing_mask(got)[-1].all()
+    assert "3 T-1 rows appended" in capsys.readouterr().out
+
+
+def test_megatron_prompt_and_completion_with_balanced_policy(tmp_path, capsys):
+    full = random_routes(7, seed=3)
+    record = {"prompt_moe_topk_indices": full[:3].tolist(),
+              "moe_topk_indices": full[3:6].tolist(), "num_tokens": 7}
+    docs, _ = run(tmp_path, [write_jsonl(tmp_path / "m.jsonl", [record])], "megatron",
+                  "--missing-route-policy", "balanced")
+    assert np.array_equal(docs[0][:6], full[:6]) and not missing_mask(docs[0]).any()
+    validate_routes(docs[0], num_layers=L, num_experts=E, topk=K)
+    assert f"{L} rows filled (balanced)" in capsys.readouterr().out
+
+
+def test_npy_and_safetensors_are_exact(tmp_path):
+    a, b = random_routes(4, seed=1), random_routes(6, seed=2)
+    np.save(tmp_path / "a.npy", a.astype(np.uint8))
+    np.save(tmp_path / "b.npy", b.astype(np.uint8))
+    docs, _ = run(tmp_path, [tmp_path / "a.npy", tmp_path / "b.npy"], "npy")
+    assert np.array_equal(docs[0], a) and np.array_equal(docs[1], b)
+    write_safetensors(str(tmp_path / "r.safetensors"), {"0": a.astype(np.int32), "1": b})
+    docs, _ = run(tmp_path, [tmp_path / "r.safetensors"], "safetensors")
+    assert np.array_equal(docs[0], a) and np.array_equal(docs[1], b)
+
+
+def test_invalid_rows_fail_or_are_rejected_and_counted(tmp_path, capsys):
+    bad = random_routes(4, seed=5)
+    bad[2, 1] = [E, 0]
+    bad[3, 0] = [1, 1]
+    np.save(tmp_path / "bad.npy", bad)
+    with pytest.raises(ValueError, match="bad.npy: token 2, MoE layer 1"):
+        run(tmp_path, [tmp_path / "bad.npy"], "npy")
+    docs, _ = run(tmp_path, [tmp_path / "bad.npy"], "npy", "--reject-invalid-rows")
+    assert missing_mask(docs[0]).sum() == 2 and missing_mask(docs[0])[2, 1]
+    assert "rejected: 2 invalid rows" in capsys.readouterr().out
+
+
+def test_length_mismatches_and_missing_input_are_refused(tmp_path):
+    write_documents(str(tmp_path / "tokens"), [np.arange(5)])
+    rec = {"routed_experts": random_routes(3, seed=0).tolist(), "num_tokens": 4}
+    path = write_jsonl(tmp_path / "x.jsonl", [rec])
+    with pytest.raises(ValueError, match="num_tokens 4 but token document 0 has 5"):
+        run(tmp_path, [path], "vllm", "--tokens-prefix", str(tmp_path / "tokens"))
+    with pytest.raises(ValueError, match="3 route rows for 5 tokens"):
+        rec["num_tokens"] = 5
+        run(tmp_path, [write_jsonl(tmp_path / "y.jsonl", [rec])], "vllm")
+    with pytest.raises(ValueError, match="does not exist"):
+        run(tmp_path, [tmp_path / "nope.jsonl"], "vllm")
+
+
+def test_uint16_above_256_experts(tmp_path):
+    routes = random_routes(3, seed=9, num_experts=300)
+    np.save(tmp_path / "w.npy", routes)
+    out = str(tmp_path / "wide")
+    argv = ["--format", "npy", "--input", str(tmp_path / "w.npy"), "--output-prefix", out,
+            "--num-layers", str(L), "--topk", str(K), "--num-experts", "300", "--no-progress"]
+    assert load_tool().main(argv) == 0
+    ds = IndexedDataset(out)
+    got = np.array(ds[0]).reshape(-1, L, K)
+    assert got.dtype == np.uint16 and np.array_equal(got, routes)

@@ -1,0 +1,136 @@
+"""Rollout route dumps -> route sidecar IndexedDataset (uint8/uint16 [T, L, K] per document).
+
+    python tools/convert_routes.py --input rollouts.jsonl --format vllm \\
+        --num-layers 48 --topk 8 --num-experts 128 --output-prefix /data/rl_routes \\
+        --tokens-prefix /data/rl --missing-route-policy native
+    # -> /data/rl_routes.bin/.idx; train with --data-path /data/rl --pack-documents
+    #    --route-replay-mode replay --route-data-suffix _routes
+
+Formats (one document per JSONL line, in the order of the token documents):
+  vllm      {"routed_experts": [[[...]]] or {"data": base64, "shape": [T-1, L, K],
+             "dtype": "uint8"}, "num_tokens": T or "token_ids": [...]}
+  megatron  {"prompt_moe_topk_indices": [...], "moe_topk_indices": [...], "num_tokens": T
+             or "token_ids": [...]} (Megatron inference; T - 1 rows in total)
+  npy       one .npy [T, L, K] per --input (repeat --input for several documents)
+  safetensors  one file, one tensor [T, L, K] per document, in key order
+T - 1 rows get a final missing row; the policy decides it (and tool tokens, pads) at train time
+('native') or here ('balanced'). Invalid rows (ids out of range, duplicates) raise, or with
+--reject-invalid-rows become missing and are counted.
+"""
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterator
+
+import numpy as np
+from tqdm import tqdm
+
+from megatron_ext.data.indexed_writer import write_documents
+from megatron_ext.replay.rollout_routes import (
+    RepairCounts,
+    decode_routed_experts,
+    read_safetensors,
+    repair_document,
+)
+from megatron_ext.replay.routes import route_dtype
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The tool's arguments."""
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--input", required=True, action="append", help="input file (repeatable)")
+    p.add_argument("--format", required=True, choices=["vllm", "megatron", "npy", "safetensors"])
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin/.idx")
+    p.add_argument("--num-layers", type=int, required=True, help="MoE layers L (MTP excluded)")
+    p.add_argument("--topk", type=int, required=True, help="experts per token K")
+    p.add_argument("--num-experts", type=int, required=True, help="routed experts E")
+    p.add_argument("--missing-route-policy", default="native", choices=["native", "balanced"],
+                   help="rows with no route: keep missing (router decides) or fill balanced")
+    p.add_argument("--reject-invalid-rows", action="store_true",
+                   help="make invalid rows missing (counted) instead of failing")
+    p.add_argument("--tokens-prefix",
+                   help="token IndexedDataset: check document count and lengths against it")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _num_tokens(record: dict) -> int | None:
+    if "num_tokens" in record:
+        return int(record["num_tokens"])
+    if "token_ids" in record:
+        return len(record["token_ids"])
+    return None
+
+
+def read_documents(paths: list[str], fmt: str) -> Iterator[tuple[str, np.ndarray, int | None]]:
+    """Yields ``(name, rows_TLK, num_tokens or None)`` per document, in order."""
+    for path in paths:
+        if not os.path.isfile(path):
+            raise ValueError(f"--input {path} does not exist")
+        if fmt == "npy":
+            yield path, np.load(path), None
+        elif fmt == "safetensors":
+            for key, array in sorted(read_safetensors(path).items()):
+                yield f"{path}[{key}]", array, None
+        else:
+            with open(path, encoding="utf-8") as f:
+                for line_no, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    yield (f"{path}:{line_no}", *_decode_line(json.loads(line), fmt))
+
+
+def _decode_line(record: dict, fmt: str) -> tuple[np.ndarray, int | None]:
+    if fmt == "vllm":
+        return decode_routed_experts(record["routed_experts"]), _num_tokens(record)
+    parts = [decode_routed_experts(record[key])
+             for key in ("prompt_moe_topk_indices", "moe_topk_indices") if record.get(key)]
+    rows = np.concatenate(parts) if parts else np.zeros((0, 0, 0), dtype=np.int64)
+    return rows, _num_tokens(record)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the conversion; returns the process exit status."""
+    args = build_parser().parse_args(argv)
+    route_dtype(args.num_experts, args.topk)  # rejects impossible E / K early
+    token_lengths = None
+    if args.tokens_prefix:
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        tokens = IndexedDataset(args.tokens_prefix)
+        # Copy while ``tokens`` lives: the lengths are a view of its index mmap.
+        token_lengths = np.array(tokens.sequence_lengths)
+        del tokens
+    totals, docs = RepairCounts(), []
+    stream = tqdm(read_documents(args.input, args.format), desc="routes", unit="doc",
+                  disable=args.no_progress)
+    for index, (name, rows, num_tokens) in enumerate(stream):
+        if token_lengths is not None:
+            if index >= len(token_lengths):
+                raise ValueError(f"{name}: more route documents than --tokens-prefix documents "
+                                 f"({len(token_lengths)})")
+            if num_tokens is not None and num_tokens != token_lengths[index]:
+                raise ValueError(f"{name}: num_tokens {num_tokens} but token document {index} "
+                                 f"has {int(token_lengths[index])} tokens")
+            num_tokens = int(token_lengths[index])
+        routes, counts = repair_document(
+            rows, num_tokens, num_layers=args.num_layers, topk=args.topk,
+            num_experts=args.num_experts, policy=args.missing_route_policy,
+            reject_invalid=args.reject_invalid_rows, name=name)
+        totals.add(counts)
+        docs.append(routes)
+    if token_lengths is not None and len(docs) != len(token_lengths):
+        raise ValueError(f"{len(docs)} route documents for {len(token_lengths)} token documents "
+                         f"in --tokens-prefix {args.tokens_prefix}")
+    write_documents(args.output_prefix, docs, dtype=route_dtype(args.num_experts, args.topk).type)
+    print(f"wrote {args.output_prefix}.bin/.idx: {totals.documents} documents, {totals.tokens} "
+          f"tokens; fixed: {totals.appended_rows} T-1 rows appended, {totals.filled_rows} rows "
+          f"filled ({args.missing_route_policy}); rejected: {totals.rejected_rows} invalid rows")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
