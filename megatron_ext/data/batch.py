@@ -23,12 +23,96 @@ Example (two samples of S = 4; sample 0 = documents [2, 1] + 1 pad)::
 Legend: B samples in the micro-batch, S padded sample length, C = S + 1 cu_seqlens entries.
 """
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from megatron_ext.data.padding import (
+    IGNORE_INDEX,
+    PadPolicy,
+    gather_by_src_index,
+    pad_pack,
+)
+
 AttentionLayout = Literal["mask", "thd"]
+
+
+class PackCollator:
+    """``collate_fn`` for packs of different lengths (``pad_to_multiple_of`` with micro-batch > 1).
+
+    Extends each sample's padding to the longest sample of the batch with the same policy (the
+    cycle continues: ``[a b c a]`` -> ``[a b c a b c]``), so the batch equals what
+    ``pad_pack`` would have produced at that length; sidecars are re-gathered through the new
+    ``src_index``. Runs in the data loader, not in the model's hot path.
+
+    Args:
+        policy, pad_id, placeholder_ids: As given to the dataset (``PackedDatasetConfig``).
+        sidecar_fills: Name -> constant-pad fill of each per-token sidecar in the samples.
+    """
+
+    def __init__(
+        self,
+        policy: PadPolicy = "self",
+        pad_id: int = 0,
+        placeholder_ids: Sequence[int] = (),
+        sidecar_fills: dict[str, int] | None = None,
+    ) -> None:
+        self.policy, self.pad_id, self.placeholder_ids = (
+            policy,
+            pad_id,
+            list(placeholder_ids),
+        )
+        self.sidecar_fills = dict(sidecar_fills or {})
+
+    def extend(self, sample: dict[str, Any], length: int) -> dict[str, Any]:
+        """One sample re-padded to ``length`` (>= its current length)."""
+        n = int((~sample["padding_mask"]).sum())
+        num_segments = int(sample["num_segments"])
+        cu = sample["cu_seqlens"].numpy()[: num_segments + 1]
+        doc_lens = np.diff(
+            cu[cu <= n]
+        )  # real documents only (the pad segment ends past n)
+        pack = pad_pack(
+            sample["tokens"].numpy()[:n],
+            doc_lens,
+            length,
+            policy=self.policy,
+            pad_id=self.pad_id,
+            placeholder_ids=self.placeholder_ids,
+        )
+        out = dict(sample)
+        labels = np.full(length, IGNORE_INDEX, dtype=np.int64)
+        labels[:n] = sample["labels"].numpy()[:n]
+        loss_mask = np.zeros(length, dtype=np.float32)
+        loss_mask[:n] = sample["loss_mask"].numpy()[:n]
+        cu_fixed = np.full(sample["cu_seqlens"].numel(), length, dtype=np.int32)
+        cu_fixed[: pack.num_segments + 1] = pack.cu_seqlens[: pack.num_segments + 1]
+        out.update(
+            tokens=torch.from_numpy(pack.tokens_S),
+            labels=torch.from_numpy(labels),
+            loss_mask=torch.from_numpy(loss_mask),
+            position_ids=torch.from_numpy(pack.position_ids_S),
+            padding_mask=torch.from_numpy(pack.pad_mask_S),
+            src_index=torch.from_numpy(pack.src_index_S),
+            cu_seqlens=torch.from_numpy(cu_fixed),
+            num_segments=torch.tensor(pack.num_segments, dtype=torch.int32),
+            max_seqlen=torch.tensor(pack.max_seqlen, dtype=torch.int32),
+        )
+        for name, fill in self.sidecar_fills.items():
+            real = sample[name].numpy()[:n]
+            out[name] = torch.from_numpy(
+                gather_by_src_index(real, pack.src_index_S, fill)
+            )
+        return out
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        length = max(int(s["tokens"].numel()) for s in samples)
+        return torch.utils.data.default_collate(
+            [self.extend(s, length) for s in samples]
+        )
 
 
 def segment_ids(cu_seqlens_BC: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron_ext.data.batch import (
+    PackCollator,
     document_attention_mask,
     gpt_forward_kwargs,
     masked_mean_loss,
@@ -76,6 +77,65 @@ def test_glue_is_sync_free_and_no_real_token_sees_a_pad() -> None:
     assert thd["input_ids"].shape == (1, 128) and thd["attention_mask"] is None
     with pytest.raises(ValueError, match="unknown attention layout 'bshd'"):
         gpt_forward_kwargs(batch, layout="bshd")  # type: ignore[arg-type]
+
+
+def _sample(pack) -> dict[str, torch.Tensor]:
+    """A dataset-style sample (as PackedDataset returns) from a PaddedPack."""
+    return {
+        "tokens": torch.as_tensor(pack.tokens_S),
+        "labels": torch.as_tensor(pack.labels_S),
+        "loss_mask": torch.as_tensor(pack.loss_mask_S),
+        "position_ids": torch.as_tensor(pack.position_ids_S),
+        "padding_mask": torch.as_tensor(pack.pad_mask_S),
+        "src_index": torch.as_tensor(pack.src_index_S),
+        "cu_seqlens": torch.as_tensor(
+            np.pad(
+                pack.cu_seqlens,
+                (0, 12 - pack.cu_seqlens.size),
+                constant_values=pack.tokens_S.size,
+            )
+        ),
+        "num_segments": torch.tensor(pack.num_segments),
+        "max_seqlen": torch.tensor(pack.max_seqlen),
+        "routes": torch.as_tensor(np.stack([pack.tokens_S, -pack.tokens_S], 1)),
+    }
+
+
+@pytest.mark.parametrize("policy", ["self", "constant"])
+def test_pack_collator_equals_padding_at_the_batch_length(policy: str) -> None:
+    # Packs of 3 (docs [2, 1], padded to 4) and 8 real tokens: the first is extended to 8.
+    short = pad_pack(
+        np.array([5, 6, 7]),
+        np.array([2, 1]),
+        4,
+        policy=policy,
+        pad_id=9,
+        target_mask_N=np.array([1, 0, 1]),
+    )
+    full = pad_pack(np.arange(10, 18), np.array([8]), 8, policy=policy, pad_id=9)
+    samples = [_sample(short), _sample(full)]
+    samples[0]["routes"][short.src_index_S < 0] = -1  # constant pads carry the fill
+    batch = PackCollator(policy, pad_id=9, sidecar_fills={"routes": -1})(samples)
+    ref = pad_pack(
+        np.array([5, 6, 7]),
+        np.array([2, 1]),
+        8,
+        policy=policy,
+        pad_id=9,
+        target_mask_N=np.array([1, 0, 1]),
+    )
+    assert batch["tokens"].shape == (2, 8)
+    assert batch["tokens"][0].tolist() == ref.tokens_S.tolist()
+    assert batch["labels"][0].tolist() == ref.labels_S.tolist()
+    assert batch["loss_mask"][0].tolist() == ref.loss_mask_S.tolist()
+    assert batch["position_ids"][0].tolist() == ref.position_ids_S.tolist()
+    assert batch["padding_mask"][0].tolist() == ref.pad_mask_S.tolist()
+    assert batch["cu_seqlens"][0].tolist()[:4] == [0, 2, 3, 8]
+    assert torch.equal(batch["tokens"][1], samples[1]["tokens"])
+    routes = batch["routes"][0]
+    copied = torch.as_tensor(ref.src_index_S) >= 0
+    assert torch.equal(routes[copied, 0], batch["tokens"][0][copied])
+    assert (routes[~copied] == -1).all() and (policy == "self") == bool(copied.all())
 
 
 def _run_policies(
