@@ -49,6 +49,7 @@ def flag(field_name: str) -> str:
 
 # === data (issue 3) ===
 import argparse  # section-local imports keep feature sections independent
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -169,6 +170,15 @@ class PaddingConfig:
             sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
             fp8=getattr(args, "fp8", None) is not None,
         )
+        if not self.pack_documents:
+            unused = [
+                flag(name)
+                for name in ("packing_algorithm", "packing_window", "pack_overlong_policy",
+                             "pack_loss_mask_suffix")
+                if getattr(self, name) != PaddingConfig.__dataclass_fields__[name].default
+            ]
+            if unused:
+                warnings.warn(f"{unused} have no effect without --pack-documents", stacklevel=2)
         seq_length = getattr(args, "seq_length", None)
         if seq_length is not None and seq_length % multiple:
             raise ValueError(

@@ -120,3 +120,12 @@ def test_conflicts_with_megatron_flags_are_refused(argv, match, monkeypatch) -> 
 def test_bad_values_name_the_flag(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         PaddingConfig(**kwargs)
+
+
+def test_packing_flags_without_pack_documents_warn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.warns(
+        UserWarning, match=r"\['--packing-window'\] have no effect without"
+    ):
+        configs(["--packing-window", "5"], monkeypatch)
