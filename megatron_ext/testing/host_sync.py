@@ -70,7 +70,7 @@ class _FunctionSpy(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = _FUNCTION_SYNCS.get(func)
-        if name is None and func is torch.Tensor.to and _targets_host(args, kwargs):
+        if name is None and func is torch.Tensor.to and _moves_to_host(args, kwargs):
             name = ".to('cpu')"
         if name is None:
             return func(*args, **kwargs)
@@ -98,12 +98,20 @@ class _DispatchSpy(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _targets_host(args: tuple, kwargs: dict) -> bool:
+def _moves_to_host(args: tuple, kwargs: dict) -> bool:
+    """``t.to("cpu")`` from a device tensor. A CPU tensor's ``.to("cpu")`` is not flagged: in CPU mode
+    that is Megatron's ``.to(torch.cuda.current_device())``, a device-to-device no-op on a GPU."""
     device = kwargs.get("device")
     for arg in args[1:]:
         if isinstance(arg, (str, torch.device)):
             device = arg
-    return device is not None and torch.device(device).type == "cpu"
+    source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    return (
+        device is not None
+        and torch.device(device).type == "cpu"
+        and source is not None
+        and source.device.type != "cpu"
+    )
 
 
 def _data_dependent(func: Any, args: tuple, kwargs: dict) -> str | None:

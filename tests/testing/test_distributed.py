@@ -64,3 +64,18 @@ def test_a_hung_rank_fails_by_timeout() -> None:
         run_distributed(_hang_on_rank_one, 2, timeout=3)
     assert time.monotonic() - start < 60
     assert [o["rank"] for o in run_distributed(_sizes_and_sum, 2, 0)] == [0, 1]
+
+
+def _mark_tracker(mark: str) -> str | None:
+    from megatron.core.transformer.moe import moe_logging
+
+    tracker = moe_logging.get_moe_metrics_tracker()
+    previous = getattr(tracker, "_test_mark", None)
+    tracker._test_mark = mark
+    return previous
+
+
+def test_megatron_global_moe_metrics_tracker_is_reset_between_calls() -> None:
+    run_distributed(_mark_tracker, 1, "first call")
+    # A fresh tracker per call, not the one the previous call's model sized.
+    assert run_distributed(_mark_tracker, 1, "second call") == [None]

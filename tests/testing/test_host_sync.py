@@ -96,3 +96,12 @@ def test_detector_can_fail_the_assertion_it_is_used_for() -> None:
 
     with pytest.raises(AssertionError, match="int\\(tensor\\)"):
         assert_no_host_sync(aligned_then_planted, torch.tensor([1, 17, 0]))
+
+
+def test_to_cpu_of_a_cpu_tensor_is_not_a_sync_but_dot_cpu_is() -> None:
+    # In CPU mode Megatron's `.to(torch.cuda.current_device())` becomes `.to("cpu")` on a CPU tensor:
+    # a device-to-device no-op on a GPU, so not flagged. An explicit `.cpu()` states intent and is.
+    x = torch.randn(3)
+    assert count_host_syncs(lambda t: t.to("cpu"), x)[1] == []
+    assert count_host_syncs(lambda t: t.to(device="cpu"), x)[1] == []
+    assert len(count_host_syncs(lambda t: t.cpu(), x)[1]) == 1
