@@ -39,20 +39,27 @@ from megatron_ext.replay.routes import route_dtype
 
 def build_parser() -> argparse.ArgumentParser:
     """The tool's arguments."""
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--input", required=True, action="append", help="input file (repeatable)")
     p.add_argument("--format", required=True, choices=["vllm", "megatron", "npy", "safetensors"])
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin/.idx")
     p.add_argument("--num-layers", type=int, required=True, help="MoE layers L (MTP excluded)")
     p.add_argument("--topk", type=int, required=True, help="experts per token K")
     p.add_argument("--num-experts", type=int, required=True, help="routed experts E")
-    p.add_argument("--missing-route-policy", default="native", choices=["native", "balanced"],
-                   help="rows with no route: keep missing (router decides) or fill balanced")
-    p.add_argument("--reject-invalid-rows", action="store_true",
-                   help="make invalid rows missing (counted) instead of failing")
-    p.add_argument("--tokens-prefix",
-                   help="token IndexedDataset: check document count and lengths against it")
+    p.add_argument(
+        "--missing-route-policy",
+        default="native",
+        choices=["native", "balanced"],
+        help="rows with no route: keep missing (router decides) or fill balanced",
+    )
+    p.add_argument(
+        "--reject-invalid-rows",
+        action="store_true",
+        help="make invalid rows missing (counted) instead of failing",
+    )
+    p.add_argument(
+        "--tokens-prefix", help="token IndexedDataset: check document count and lengths against it"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -86,8 +93,11 @@ def read_documents(paths: list[str], fmt: str) -> Iterator[tuple[str, np.ndarray
 def _decode_line(record: dict, fmt: str) -> tuple[np.ndarray, int | None]:
     if fmt == "vllm":
         return decode_routed_experts(record["routed_experts"]), _num_tokens(record)
-    parts = [decode_routed_experts(record[key])
-             for key in ("prompt_moe_topk_indices", "moe_topk_indices") if record.get(key)]
+    parts = [
+        decode_routed_experts(record[key])
+        for key in ("prompt_moe_topk_indices", "moe_topk_indices")
+        if record.get(key)
+    ]
     rows = np.concatenate(parts) if parts else np.zeros((0, 0, 0), dtype=np.int64)
     return rows, _num_tokens(record)
 
@@ -105,30 +115,45 @@ def main(argv: list[str] | None = None) -> int:
         token_lengths = np.array(tokens.sequence_lengths)
         del tokens
     totals, docs = RepairCounts(), []
-    stream = tqdm(read_documents(args.input, args.format), desc="routes", unit="doc",
-                  disable=args.no_progress)
+    stream = tqdm(
+        read_documents(args.input, args.format), desc="routes", unit="doc", disable=args.no_progress
+    )
     for index, (name, rows, num_tokens) in enumerate(stream):
         if token_lengths is not None:
             if index >= len(token_lengths):
-                raise ValueError(f"{name}: more route documents than --tokens-prefix documents "
-                                 f"({len(token_lengths)})")
+                raise ValueError(
+                    f"{name}: more route documents than --tokens-prefix documents "
+                    f"({len(token_lengths)})"
+                )
             if num_tokens is not None and num_tokens != token_lengths[index]:
-                raise ValueError(f"{name}: num_tokens {num_tokens} but token document {index} "
-                                 f"has {int(token_lengths[index])} tokens")
+                raise ValueError(
+                    f"{name}: num_tokens {num_tokens} but token document {index} "
+                    f"has {int(token_lengths[index])} tokens"
+                )
             num_tokens = int(token_lengths[index])
         routes, counts = repair_document(
-            rows, num_tokens, num_layers=args.num_layers, topk=args.topk,
-            num_experts=args.num_experts, policy=args.missing_route_policy,
-            reject_invalid=args.reject_invalid_rows, name=name)
+            rows,
+            num_tokens,
+            num_layers=args.num_layers,
+            topk=args.topk,
+            num_experts=args.num_experts,
+            policy=args.missing_route_policy,
+            reject_invalid=args.reject_invalid_rows,
+            name=name,
+        )
         totals.add(counts)
         docs.append(routes)
     if token_lengths is not None and len(docs) != len(token_lengths):
-        raise ValueError(f"{len(docs)} route documents for {len(token_lengths)} token documents "
-                         f"in --tokens-prefix {args.tokens_prefix}")
+        raise ValueError(
+            f"{len(docs)} route documents for {len(token_lengths)} token documents "
+            f"in --tokens-prefix {args.tokens_prefix}"
+        )
     write_documents(args.output_prefix, docs, dtype=route_dtype(args.num_experts, args.topk).type)
-    print(f"wrote {args.output_prefix}.bin/.idx: {totals.documents} documents, {totals.tokens} "
-          f"tokens; fixed: {totals.appended_rows} T-1 rows appended, {totals.filled_rows} rows "
-          f"filled ({args.missing_route_policy}); rejected: {totals.rejected_rows} invalid rows")
+    print(
+        f"wrote {args.output_prefix}.bin/.idx: {totals.documents} documents, {totals.tokens} "
+        f"tokens; fixed: {totals.appended_rows} T-1 rows appended, {totals.filled_rows} rows "
+        f"filled ({args.missing_route_policy}); rejected: {totals.rejected_rows} invalid rows"
+    )
     return 0
 
 

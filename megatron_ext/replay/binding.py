@@ -205,7 +205,9 @@ class RouteReplayBinding:
         if self.mode != "replay":
             raise ValueError("install() needs --route-replay-mode replay")
         if routes_BSLK.dim() != 4:
-            raise ValueError(f"routes must be [batch, seq, moe_layers, topk], got {routes_BSLK.shape}")
+            raise ValueError(
+                f"routes must be [batch, seq, moe_layers, topk], got {routes_BSLK.shape}"
+            )
         batch_size, seq_len, num_layers, topk = routes_BSLK.shape
         if num_layers != self.num_moe_layers or topk != self.topk:
             raise ValueError(
@@ -219,13 +221,10 @@ class RouteReplayBinding:
         rows_NLK = rows_for_router(routes_BSLK, self._device_positions[device_key])
         marker = torch.iinfo(rows_NLK.dtype).max
         for ordinal in self.stage_ordinals:
-            rows_NK = rows_NLK[:, ordinal]
+            # Kept narrow (K bytes per token); widened to int64 inside the router call.
+            rows_NK = rows_NLK[:, ordinal].contiguous()
             missing_N = (rows_NK == marker).all(-1) if self.native_missing else None
-            # Missing rows hold the marker: zero it so the gather stays in range before where().
-            idx_NK = rows_NK.to(torch.int64)
-            if missing_N is not None:
-                idx_NK = idx_NK.masked_fill(missing_N.unsqueeze(-1), 0)
-            self._targets[(key, ordinal)] = (idx_NK, missing_N)
+            self._targets[(key, ordinal)] = (rows_NK, missing_N)
         self._shapes[key] = (batch_size, seq_len)
         self._forward_key, self._backward_key = key, None
 
@@ -287,13 +286,15 @@ class RouteReplayBinding:
             raise RuntimeError(
                 f"no routes installed for micro-batch {key!r} at MoE layer {replay.layer_number}"
             )
-        idx_NK, missing_N = target
-        if idx_NK.shape[0] != scores.shape[0]:
+        rows_NK, missing_N = target
+        if rows_NK.shape[0] != scores.shape[0]:
             raise ValueError(
-                f"MoE layer {replay.layer_number}: {idx_NK.shape[0]} installed route rows for "
+                f"MoE layer {replay.layer_number}: {rows_NK.shape[0]} installed route rows for "
                 f"{scores.shape[0]} tokens on this rank (sequence/batch shape mismatch)"
             )
+        idx_NK = rows_NK.to(torch.int64)
         if missing_N is not None:
+            # Missing rows hold the marker id; where() swaps in the router's choice before gather.
             _, native_NK = default_compute_topk(scores, topk, num_groups, group_topk)
             idx_NK = torch.where(missing_N.unsqueeze(-1), native_NK, idx_NK)
         return scores.gather(1, idx_NK), idx_NK
@@ -310,7 +311,8 @@ class RouteReplayBinding:
         missing = torch.iinfo(dtype).max
         rows_NLK = torch.full(
             (batch_size * seq_len // self._ranks_sharing_batch(), self.num_moe_layers, self.topk),
-            missing, dtype=torch.int64,
+            missing,
+            dtype=torch.int64,
         )
         for ordinal in self.stage_ordinals:
             rows_NLK[:, ordinal] = self._recorded[(key, ordinal)].to(rows_NLK.device)
@@ -319,7 +321,8 @@ class RouteReplayBinding:
         if parallel_state.get_pipeline_model_parallel_world_size() > 1:
             stages: list[Any] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
             torch.distributed.all_gather_object(
-                stages, (self.stage_ordinals, routes_BSLK.cpu()),
+                stages,
+                (self.stage_ordinals, routes_BSLK.cpu()),
                 group=parallel_state.get_pipeline_model_parallel_group(),
             )
             for ordinals, stage_routes in stages:

@@ -110,7 +110,9 @@ def assemble_from_ranks(
     flat_XLK = torch.empty(
         (batch_size * seq_len, *rows_RNLK.shape[2:]), dtype=rows_RNLK.dtype, device=rows_RNLK.device
     )
-    flat_XLK[positions_RN.reshape(-1).to(rows_RNLK.device)] = rows_RNLK.reshape(-1, *rows_RNLK.shape[2:])
+    flat_XLK[positions_RN.reshape(-1).to(rows_RNLK.device)] = rows_RNLK.reshape(
+        -1, *rows_RNLK.shape[2:]
+    )
     return flat_XLK.reshape(batch_size, seq_len, *rows_RNLK.shape[2:])
 
 
@@ -128,7 +130,5 @@ def moe_layer_numbers(num_layers: int, moe_layer_freq: int | Sequence[int]) -> l
     else:
         pattern = list(moe_layer_freq)
         if len(pattern) != num_layers:
-            raise ValueError(
-                f"--moe-layer-freq has {len(pattern)} entries for {num_layers} layers"
-            )
+            raise ValueError(f"--moe-layer-freq has {len(pattern)} entries for {num_layers} layers")
     return [i + 1 for i, is_moe in enumerate(pattern) if is_moe]

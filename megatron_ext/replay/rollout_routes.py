@@ -38,9 +38,18 @@ from megatron_ext.replay.routes import (
     validate_routes,
 )
 
-_DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "int16": np.int16, "int32": np.int32,
-           "int64": np.int64, "U8": np.uint8, "U16": np.uint16, "I16": np.int16,
-           "I32": np.int32, "I64": np.int64}
+_DTYPES = {
+    "uint8": np.uint8,
+    "uint16": np.uint16,
+    "int16": np.int16,
+    "int32": np.int32,
+    "int64": np.int64,
+    "U8": np.uint8,
+    "U16": np.uint16,
+    "I16": np.int16,
+    "I32": np.int32,
+    "I64": np.int64,
+}
 
 
 @dataclasses.dataclass
@@ -141,8 +150,11 @@ def repair_document(
             f"{num_layers} MoE layers x top-{topk}"
         )
     wide = rows_TLK.astype(np.int64)
-    was_marker = (wide == missing_value(np.dtype(rows_TLK.dtype))).all(-1) if (
-        rows_TLK.dtype in (np.uint8, np.uint16)) else np.zeros(wide.shape[:2], dtype=bool)
+    was_marker = (
+        (wide == missing_value(np.dtype(rows_TLK.dtype))).all(-1)
+        if (rows_TLK.dtype in (np.uint8, np.uint16))
+        else np.zeros(wide.shape[:2], dtype=bool)
+    )
     bad_TL = ((wide < 0) | (wide >= num_experts)).any(-1)
     sorted_TLK = np.sort(wide, axis=-1)
     bad_TL |= (sorted_TLK[..., 1:] == sorted_TLK[..., :-1]).any(-1)
@@ -166,8 +178,9 @@ def repair_document(
     before = int(missing_mask(routes_TLK).sum())
     routes_TLK = apply_missing_policy(routes_TLK, policy, num_experts)
     counts.filled_rows = before - int(missing_mask(routes_TLK).sum())
-    validate_routes(routes_TLK, num_layers=num_layers, num_experts=num_experts, topk=topk,
-                    name=name)
+    validate_routes(
+        routes_TLK, num_layers=num_layers, num_experts=num_experts, topk=topk, name=name
+    )
     return routes_TLK, counts
 
 
@@ -195,8 +208,11 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
     header, blobs, offset = {}, [], 0
     for name, array in tensors.items():
         blob = np.ascontiguousarray(array).tobytes()
-        header[name] = {"dtype": codes[array.dtype], "shape": list(array.shape),
-                        "data_offsets": [offset, offset + len(blob)]}
+        header[name] = {
+            "dtype": codes[array.dtype],
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + len(blob)],
+        }
         blobs.append(blob)
         offset += len(blob)
     encoded = json.dumps(header).encode("utf-8")

@@ -104,7 +104,9 @@ class RoutedPackedDataset(PackedDataset):
             name=f"{self.dataset.path_prefix}{cfg.route_suffix} pack {idx} "
             f"(first piece starts at document token {first_token}); pack position",
         )
-        routes_SLK = apply_missing_policy(routes_SLK, cfg.route_missing_policy, cfg.route_num_experts)
+        routes_SLK = apply_missing_policy(
+            routes_SLK, cfg.route_missing_policy, cfg.route_num_experts
+        )
         sample[ROUTES_KEY] = torch.from_numpy(np.ascontiguousarray(routes_SLK))
         sample["pack_index"] = torch.tensor(idx, dtype=torch.int64)
         return sample

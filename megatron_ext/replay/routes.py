@@ -111,7 +111,9 @@ def validate_routes(
         ValueError: On the first problem found, naming layer and token.
     """
     if routes_TLK.ndim != 3:
-        raise ValueError(f"{name}: expected [tokens, moe_layers, topk], got shape {routes_TLK.shape}")
+        raise ValueError(
+            f"{name}: expected [tokens, moe_layers, topk], got shape {routes_TLK.shape}"
+        )
     if routes_TLK.dtype not in (np.uint8, np.uint16):
         raise ValueError(f"{name}: route dtype must be uint8 or uint16, got {routes_TLK.dtype}")
     _, n_layers, k = routes_TLK.shape
@@ -130,8 +132,12 @@ def validate_routes(
     if num_experts > marker:
         partial_TL[:] = False
     _raise_first(partial_TL, name, token_offset, "mixes the missing-row marker with real ids")
-    _raise_first(out_of_range_TL & ~missing_TL, name, token_offset,
-                 f"has an expert id >= num_experts ({num_experts})")
+    _raise_first(
+        out_of_range_TL & ~missing_TL,
+        name,
+        token_offset,
+        f"has an expert id >= num_experts ({num_experts})",
+    )
     sorted_TLK = np.sort(routes_TLK, axis=-1)
     duplicate_TL = (sorted_TLK[..., 1:] == sorted_TLK[..., :-1]).any(axis=-1) & ~missing_TL
     _raise_first(duplicate_TL, name, token_offset, "has duplicate expert ids in its top-k")
@@ -165,8 +171,10 @@ def pad_routes(routes_TLK: np.ndarray, src_index_S: np.ndarray) -> np.ndarray:
             f"src_index_S must lie in [-1, {num_tokens}) for {num_tokens} routed tokens, "
             f"got range [{src_index_S.min()}, {src_index_S.max()}]"
         )
-    routes_SLK = routes_TLK[np.clip(src_index_S, 0, None)] if num_tokens else np.empty(
-        (src_index_S.size,) + routes_TLK.shape[1:], dtype=routes_TLK.dtype
+    routes_SLK = (
+        routes_TLK[np.clip(src_index_S, 0, None)]
+        if num_tokens
+        else np.empty((src_index_S.size,) + routes_TLK.shape[1:], dtype=routes_TLK.dtype)
     )
     routes_SLK[src_index_S < 0] = missing_value(routes_TLK.dtype)
     return routes_SLK
@@ -246,7 +254,9 @@ def apply_missing_policy(routes_TLK: np.ndarray, policy: str, num_experts: int) 
     )
 
 
-def reconcile_t_minus_1(routes_TLK: np.ndarray, num_tokens: int, name: str = "routes") -> np.ndarray:
+def reconcile_t_minus_1(
+    routes_TLK: np.ndarray, num_tokens: int, name: str = "routes"
+) -> np.ndarray:
     """Reconciles vLLM-style routes (T - 1 rows for T tokens) with the token count.
 
     vLLM and Megatron inference return routes for the tokens that were fed through the model, which

@@ -75,6 +75,7 @@ def check_replay_supported(settings: Any, mode_flag: str) -> None:
     blockers = replay_blockers(settings)
     if blockers:
         raise ValueError(
-            f"{mode_flag} is not supported with: " + "; ".join(blockers)
+            f"{mode_flag} is not supported with: "
+            + "; ".join(blockers)
             + ". Megatron 0.19.2 would silently route natively there."
         )

@@ -49,11 +49,13 @@ def _model(recompute: bool):
 
     extra = {}
     if recompute:
-        extra = {"recompute_granularity": "full", "recompute_method": "uniform",
-                     "recompute_num_layers": 1}
+        extra = {
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+        }
     config = tiny_moe_config(moe_enable_routing_replay=True, **extra)
-    return build_tiny_gpt(config, vocab_size=VOCAB, max_seq_len=SEQ,
-                          layer_spec=_layer_spec(config))
+    return build_tiny_gpt(config, vocab_size=VOCAB, max_seq_len=SEQ, layer_spec=_layer_spec(config))
 
 
 def _batch(seed: int):
@@ -73,8 +75,10 @@ def _capture_maps(model):
     log: dict[int, list[torch.Tensor]] = {}
     handles = []
     for router in _routers(model):
+
         def hook(module, args, output, number=router.layer_number):
             log.setdefault(number, []).append(output[1].detach().clone())
+
         handles.append(router.register_forward_hook(hook))
     return log, handles
 
@@ -102,7 +106,8 @@ def _expected_maps(binding, routes_BSLK):
     num_experts = binding.config.num_moe_experts
     return {
         r.layer_number: torch.zeros(rows.shape[0], num_experts, dtype=torch.bool).scatter(
-            1, rows[:, r.moe_ordinal], True)
+            1, rows[:, r.moe_ordinal], True
+        )
         for r in binding.replays
     }
 
@@ -146,7 +151,8 @@ def _round_trip(recompute: bool) -> dict:
             expected += [want_b[number], want_a[number]]
         calls[number] = len(maps)
         exact &= len(maps) == len(expected) and all(
-            torch.equal(got, want) for got, want in zip(maps, expected))
+            torch.equal(got, want) for got, want in zip(maps, expected)
+        )
     grad_norm = sum(float(r.weight.grad.norm()) for r in _routers(model))
     binding.remove()
     return {"changed": float(changed), "exact": exact, "calls": calls, "grad": grad_norm}
@@ -181,8 +187,9 @@ def _native_rows_and_errors() -> dict:
         and bool((log[n][0].sum(-1) == 2).all())
         for n in want
     )
-    native_ok &= not torch.equal(log[first][0][rows_replayed], _expected_maps(binding, natural)[
-        first][rows_replayed])  # non-vacuous: the replayed rows are not the natural routing
+    native_ok &= not torch.equal(
+        log[first][0][rows_replayed], _expected_maps(binding, natural)[first][rows_replayed]
+    )  # non-vacuous: the replayed rows are not the natural routing
     native_ok &= bool(rows_replayed.any()) and not bool(rows_replayed.all())
     errors = []
     for bad in (routes[..., :1, :], routes[..., :1]):
@@ -212,8 +219,14 @@ def _host_syncs_of_replay(binding, routes_BSLK) -> list[str]:
     def replay_once():
         binding.install(routes_BSLK, key="sync-check")
         scores = torch.randn(binding._my_positions(BATCH, SEQ).numel(), 8)
-        return binding.route(binding.replays[0], scores, 2, None, None,
-                             lambda s, k, g=None, gk=None: torch.topk(s, k, dim=1))
+        return binding.route(
+            binding.replays[0],
+            scores,
+            2,
+            None,
+            None,
+            lambda s, k, g=None, gk=None: torch.topk(s, k, dim=1),
+        )
 
     (probs, idx), syncs = count_host_syncs(replay_once)
     assert probs.shape[1] == 2 and idx.dtype == torch.int64
@@ -234,10 +247,14 @@ def _zigzag_matches_megatron() -> bool:
     from megatron_ext.replay.layout import router_row_positions, rows_for_router
 
     routes = torch.randint(0, 8, (BATCH, SEQ, 2, 2), dtype=torch.uint8)
-    theirs = get_batch_on_this_cp_rank({"routes": routes, "cu_seqlens": None}, False,
-                                       cp_group=parallel_state.get_context_parallel_group())
-    positions = router_row_positions(BATCH, SEQ, cp_size=2,
-                                     cp_rank=parallel_state.get_context_parallel_rank())
+    theirs = get_batch_on_this_cp_rank(
+        {"routes": routes, "cu_seqlens": None},
+        False,
+        cp_group=parallel_state.get_context_parallel_group(),
+    )
+    positions = router_row_positions(
+        BATCH, SEQ, cp_size=2, cp_rank=parallel_state.get_context_parallel_rank()
+    )
     ours = rows_for_router(routes, positions)
     return torch.equal(ours, theirs["routes"].transpose(0, 1).reshape(-1, 2, 2))
 
@@ -255,8 +272,11 @@ def _cpu_sequence_parallel_backward() -> None:
 
 def _all_checks() -> dict:
     _cpu_sequence_parallel_backward()
-    return {"plain": _round_trip(False), "recompute": _round_trip(True),
-            **_native_rows_and_errors()}
+    return {
+        "plain": _round_trip(False),
+        "recompute": _round_trip(True),
+        **_native_rows_and_errors(),
+    }
 
 
 def _assert_round_trip(result: dict) -> None:

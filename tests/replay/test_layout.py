@@ -41,16 +41,25 @@ def _loop_reference(batch, seq, cp, cp_rank, tp, tp_rank, sp):
     return [b * seq + s for s in seq_pos for b in range(batch)]
 
 
-@pytest.mark.parametrize("cp, tp, sp", [(1, 1, False), (2, 1, False), (1, 2, True), (2, 2, True),
-                                        (4, 2, True), (2, 4, False)])
+@pytest.mark.parametrize(
+    "cp, tp, sp",
+    [(1, 1, False), (2, 1, False), (1, 2, True), (2, 2, True), (4, 2, True), (2, 4, False)],
+)
 def test_ranks_partition_the_micro_batch_and_match_a_loop(cp, tp, sp):
     batch, seq = 3, 32
     routes_BSLK = torch.randint(0, 200, (batch, seq, 2, 2), dtype=torch.uint8)
     rows, positions = [], []
     for cp_rank in range(cp):
         for tp_rank in range(tp if sp else 1):
-            pos = router_row_positions(batch, seq, cp_size=cp, cp_rank=cp_rank, tp_size=tp,
-                                       tp_rank=tp_rank, sequence_parallel=sp)
+            pos = router_row_positions(
+                batch,
+                seq,
+                cp_size=cp,
+                cp_rank=cp_rank,
+                tp_size=tp,
+                tp_rank=tp_rank,
+                sequence_parallel=sp,
+            )
             assert pos.tolist() == _loop_reference(batch, seq, cp, cp_rank, tp, tp_rank, sp)
             positions.append(pos)
             rows.append(rows_for_router(routes_BSLK, pos))

@@ -43,16 +43,17 @@ def test_balanced_policy_fills_the_appended_row():
 
 def test_wrong_shapes_and_counts_are_refused():
     with pytest.raises(ValueError, match="expected 1 MoE layers x top-2"):
-        repair_document(np.zeros((2, 2, 2), np.int64), None, policy="native",
-                        reject_invalid=False, **KW)
+        repair_document(
+            np.zeros((2, 2, 2), np.int64), None, policy="native", reject_invalid=False, **KW
+        )
     with pytest.raises(ValueError, match="2 route rows for 5 tokens"):
-        repair_document(np.array([[[1, 2]], [[3, 4]]]), 5, policy="native",
-                        reject_invalid=False, **KW)
+        repair_document(
+            np.array([[[1, 2]], [[3, 4]]]), 5, policy="native", reject_invalid=False, **KW
+        )
 
 
 def test_single_token_request_has_zero_rows():
-    routes, counts = repair_document(np.zeros((0,)), 1, policy="native", reject_invalid=False,
-                                     **KW)
+    routes, counts = repair_document(np.zeros((0,)), 1, policy="native", reject_invalid=False, **KW)
     assert routes.shape == (1, 1, 2) and missing_mask(routes).all() and counts.appended_rows == 1
 
 
@@ -66,8 +67,10 @@ def test_base64_round_trip_and_size_check():
 
 
 def test_safetensors_round_trip(tmp_path):
-    tensors = {"doc0": np.arange(12, dtype=np.uint8).reshape(2, 3, 2),
-               "doc1": np.arange(8, dtype=np.int32).reshape(1, 2, 4)}
+    tensors = {
+        "doc0": np.arange(12, dtype=np.uint8).reshape(2, 3, 2),
+        "doc1": np.arange(8, dtype=np.int32).reshape(1, 2, 4),
+    }
     write_safetensors(str(tmp_path / "r.safetensors"), tensors)
     back = read_safetensors(str(tmp_path / "r.safetensors"))
     assert set(back) == set(tensors)

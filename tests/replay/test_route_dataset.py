@@ -78,8 +78,9 @@ def make_config(corpus: dict, **overrides) -> RoutedPackedDatasetConfig:
 
 
 def build(config: RoutedPackedDatasetConfig, size: int = 60):
-    return BlendedMegatronDatasetBuilder(RoutedPackedDataset, [size, 0, 0], lambda: True,
-                                         config).build()[0]
+    return BlendedMegatronDatasetBuilder(
+        RoutedPackedDataset, [size, 0, 0], lambda: True, config
+    ).build()[0]
 
 
 def test_pads_replay_the_routes_of_the_tokens_they_copy(corpus):
@@ -92,8 +93,12 @@ def test_pads_replay_the_routes_of_the_tokens_they_copy(corpus):
         doc_Q, start_Q, len_Q = ds.pack_pieces(i)
         # Real positions: the document's routes (last token of a document missing); pads: the
         # routes of the real position they copy.
-        real = np.concatenate([doc_routes(corpus["docs"]["a"][d])[st : st + n]
-                               for d, st, n in zip(doc_Q, start_Q, len_Q)])
+        real = np.concatenate(
+            [
+                doc_routes(corpus["docs"]["a"][d])[st : st + n]
+                for d, st, n in zip(doc_Q, start_Q, len_Q)
+            ]
+        )
         n = real.shape[0]
         assert np.array_equal(routes[:n], real)
         assert np.array_equal(routes[n:], real[src[n:]])
@@ -140,8 +145,10 @@ def test_route_and_token_length_mismatch_is_refused(corpus, tmp_path):
     routes[4] = routes[4][:-1]
     write_documents(prefix + "_routes", routes, dtype=np.uint8)
     with pytest.raises(ValueError, match=r"_routes document 4 has"):
-        build(make_config(corpus, blend=([prefix], None),
-                          path_to_cache=str(tmp_path / "cache")), size=5)
+        build(
+            make_config(corpus, blend=([prefix], None), path_to_cache=str(tmp_path / "cache")),
+            size=5,
+        )
 
 
 def test_bad_route_ids_name_pack_token_and_layer(corpus, tmp_path):
@@ -151,8 +158,9 @@ def test_bad_route_ids_name_pack_token_and_layer(corpus, tmp_path):
     for r in routes:
         r[0, 1] = [3, 3]  # duplicate top-k in every document's first token, layer 1
     write_documents(prefix + "_routes", routes, dtype=np.uint8)
-    ds = build(make_config(corpus, blend=([prefix], None), path_to_cache=str(tmp_path / "cache")),
-               size=5)
+    ds = build(
+        make_config(corpus, blend=([prefix], None), path_to_cache=str(tmp_path / "cache")), size=5
+    )
     with pytest.raises(ValueError, match=r"d_routes pack 0 .* token 0, MoE layer 1 has duplicate"):
         ds[0]
 
@@ -161,8 +169,10 @@ def test_missing_route_file_is_refused(corpus, tmp_path):
     prefix = str(tmp_path / "e")
     write_documents(prefix, [np.arange(1, 5)])
     with pytest.raises((ValueError, FileNotFoundError), match="e_routes"):
-        build(make_config(corpus, blend=([prefix], None), path_to_cache=str(tmp_path / "cache")),
-              size=2)
+        build(
+            make_config(corpus, blend=([prefix], None), path_to_cache=str(tmp_path / "cache")),
+            size=2,
+        )
 
 
 def test_recorder_writes_routes_aligned_with_documents(corpus, tmp_path):

@@ -45,8 +45,15 @@ def test_pure_module_never_imports_megatron():
 
 @pytest.mark.parametrize(
     "num_experts, topk, dtype",
-    [(1, 1, np.uint8), (8, 2, np.uint8), (255, 1, np.uint8), (256, 8, np.uint8),
-     (256, 1, np.uint16), (257, 2, np.uint16), (65535, 4, np.uint16)],
+    [
+        (1, 1, np.uint8),
+        (8, 2, np.uint8),
+        (255, 1, np.uint8),
+        (256, 8, np.uint8),
+        (256, 1, np.uint16),
+        (257, 2, np.uint16),
+        (65535, 4, np.uint16),
+    ],
 )
 def test_route_dtype_is_the_narrowest_that_keeps_the_missing_marker(num_experts, topk, dtype):
     assert route_dtype(num_experts, topk) == dtype

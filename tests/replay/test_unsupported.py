@@ -16,25 +16,44 @@ from megatron_ext.replay.unsupported import replay_blockers
 
 
 def _args(**overrides) -> argparse.Namespace:
-    base = {"num_experts": 8, "moe_router_fusion": False, "moe_router_load_balancing_type":
-            "aux_loss", "moe_expert_capacity_factor": None, "cuda_graph_impl": "none",
-            "hybrid_context_parallel": False, "pack_documents": True, "data_path": []}
+    base = {
+        "num_experts": 8,
+        "moe_router_fusion": False,
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_expert_capacity_factor": None,
+        "cuda_graph_impl": "none",
+        "hybrid_context_parallel": False,
+        "pack_documents": True,
+        "data_path": [],
+    }
     return argparse.Namespace(**{**base, **overrides})
 
 
 def test_flags_parse_into_the_config():
     parser = add_megatron_ext_args(argparse.ArgumentParser())
-    ns = parser.parse_args(["--route-replay-mode", "record", "--route-record-path", "/tmp/r",
-                            "--replay-missing-route-policy", "balanced"])
+    ns = parser.parse_args(
+        [
+            "--route-replay-mode",
+            "record",
+            "--route-record-path",
+            "/tmp/r",
+            "--replay-missing-route-policy",
+            "balanced",
+        ]
+    )
     assert (ns.route_replay_mode, ns.route_record_path, ns.replay_missing_route_policy) == (
-        "record", "/tmp/r", "balanced")
+        "record",
+        "/tmp/r",
+        "balanced",
+    )
     assert ns.route_data_suffix is None
 
 
 def test_supported_config_has_no_blockers():
     assert replay_blockers(_args()) == []
     ReplayConfig(route_replay_mode="record", route_record_path="/tmp/r").check_megatron_args(
-        _args())
+        _args()
+    )
 
 
 @pytest.mark.parametrize(
@@ -42,8 +61,10 @@ def test_supported_config_has_no_blockers():
     [
         ({"moe_router_fusion": True}, "--moe-router-fusion"),
         ({"moe_router_load_balancing_type": "sinkhorn"}, "sinkhorn"),
-        ({"moe_router_load_balancing_type": ["seq_aux_loss", "quantile_balancing"]},
-         "quantile_balancing"),
+        (
+            {"moe_router_load_balancing_type": ["seq_aux_loss", "quantile_balancing"]},
+            "quantile_balancing",
+        ),
         ({"moe_expert_capacity_factor": 1.25}, "--moe-expert-capacity-factor"),
         ({"cuda_graph_impl": "local"}, "--cuda-graph-impl local"),
         ({"hybrid_context_parallel": True}, "--hybrid-context-parallel"),

@@ -26,14 +26,27 @@ def load_tool():
 
 def random_routes(num_tokens: int, seed: int, num_experts: int = E) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    return np.stack([[rng.permutation(num_experts)[:K] for _ in range(L)]
-                     for _ in range(num_tokens)]).astype(np.int64)
+    return np.stack(
+        [[rng.permutation(num_experts)[:K] for _ in range(L)] for _ in range(num_tokens)]
+    ).astype(np.int64)
 
 
 def run(tmp_path, inputs, fmt, *extra) -> tuple[list, str]:
     out = str(tmp_path / "routes")
-    argv = ["--format", fmt, "--output-prefix", out, "--num-layers", str(L), "--topk", str(K),
-            "--num-experts", str(E), "--no-progress", *extra]
+    argv = [
+        "--format",
+        fmt,
+        "--output-prefix",
+        out,
+        "--num-layers",
+        str(L),
+        "--topk",
+        str(K),
+        "--num-experts",
+        str(E),
+        "--no-progress",
+        *extra,
+    ]
     for path in inputs:
         argv += ["--input", str(path)]
     assert load_tool().main(argv) == 0
@@ -50,11 +63,21 @@ def write_jsonl(path, records) -> str:
 def test_vllm_base64_t_minus_1_round_trip(tmp_path, capsys):
     lengths = [5, 1, 9]
     full = [random_routes(n, seed=n) for n in lengths]
-    records = [{"routed_experts": encode_routed_experts(r[:-1].astype(np.uint8)),
-                "token_ids": list(range(n))} for r, n in zip(full, lengths)]
+    records = [
+        {
+            "routed_experts": encode_routed_experts(r[:-1].astype(np.uint8)),
+            "token_ids": list(range(n)),
+        }
+        for r, n in zip(full, lengths)
+    ]
     write_documents(str(tmp_path / "tokens"), [np.arange(n) for n in lengths])
-    docs, _ = run(tmp_path, [write_jsonl(tmp_path / "in.jsonl", records)], "vllm",
-                  "--tokens-prefix", str(tmp_path / "tokens"))
+    docs, _ = run(
+        tmp_path,
+        [write_jsonl(tmp_path / "in.jsonl", records)],
+        "vllm",
+        "--tokens-prefix",
+        str(tmp_path / "tokens"),
+    )
     for got, want in zip(docs, full):
         assert got.dtype == np.uint8 and got.shape == want.shape
         assert np.array_equal(got[:-1], want[:-1]) and missing_mask(got)[-1].all()
@@ -63,10 +86,18 @@ def test_vllm_base64_t_minus_1_round_trip(tmp_path, capsys):
 
 def test_megatron_prompt_and_completion_with_balanced_policy(tmp_path, capsys):
     full = random_routes(7, seed=3)
-    record = {"prompt_moe_topk_indices": full[:3].tolist(),
-              "moe_topk_indices": full[3:6].tolist(), "num_tokens": 7}
-    docs, _ = run(tmp_path, [write_jsonl(tmp_path / "m.jsonl", [record])], "megatron",
-                  "--missing-route-policy", "balanced")
+    record = {
+        "prompt_moe_topk_indices": full[:3].tolist(),
+        "moe_topk_indices": full[3:6].tolist(),
+        "num_tokens": 7,
+    }
+    docs, _ = run(
+        tmp_path,
+        [write_jsonl(tmp_path / "m.jsonl", [record])],
+        "megatron",
+        "--missing-route-policy",
+        "balanced",
+    )
     assert np.array_equal(docs[0][:6], full[:6]) and not missing_mask(docs[0]).any()
     validate_routes(docs[0], num_layers=L, num_experts=E, topk=K)
     assert f"{L} rows filled (balanced)" in capsys.readouterr().out
@@ -112,8 +143,21 @@ def test_uint16_above_256_experts(tmp_path):
     routes = random_routes(3, seed=9, num_experts=300)
     np.save(tmp_path / "w.npy", routes)
     out = str(tmp_path / "wide")
-    argv = ["--format", "npy", "--input", str(tmp_path / "w.npy"), "--output-prefix", out,
-            "--num-layers", str(L), "--topk", str(K), "--num-experts", "300", "--no-progress"]
+    argv = [
+        "--format",
+        "npy",
+        "--input",
+        str(tmp_path / "w.npy"),
+        "--output-prefix",
+        out,
+        "--num-layers",
+        str(L),
+        "--topk",
+        str(K),
+        "--num-experts",
+        "300",
+        "--no-progress",
+    ]
     assert load_tool().main(argv) == 0
     ds = IndexedDataset(out)
     got = np.array(ds[0]).reshape(-1, L, K)
