@@ -221,6 +221,27 @@ def enable_cpu_mode() -> bool:
     return True
 
 
+@contextlib.contextmanager
+def assume_device_capability(capability: tuple[int, int] = (9, 0)) -> Any:
+    """Within the block, Megatron's argument validation sees a GPU of ``capability`` (no-op with CUDA).
+
+    ``megatron.training.arguments.validate_args`` asks ``torch.cuda.get_device_capability()`` for
+    ``--moe-grouped-gemm`` and ``get_device_arch_version()`` with TP or CP > 1; a dry run of a GPU launch on a CPU-only login node has no device to ask, so it
+    validates against the target's capability instead (default 9.0: H100/H200). Restored on exit.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    arguments = _module_with("megatron.training.arguments", "validate_args", "get_device_arch_version")
+    previous = arguments.torch, arguments.get_device_arch_version
+    arguments.torch = _TorchProxy({"get_device_capability": lambda device=None: capability})
+    arguments.get_device_arch_version = lambda: capability[0]
+    try:
+        yield
+    finally:
+        arguments.torch, arguments.get_device_arch_version = previous
+
+
 def cpu_mode_enabled() -> bool:
     """True once :func:`enable_cpu_mode` has patched Megatron in this process."""
     return _ENABLED

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# What: RL-style policy update of a MoE model on rollouts, replaying the experts the inference engine
+#   chose (R3): routes converted from vLLM dumps sit beside the token data, are packed and self-padded
+#   with the tokens (a pad replays the route of the token it copies), validated, sliced for SP/CP and
+#   installed into Megatron's RouterReplay per micro-batch; the vLLM T-1 final token routes natively.
+# Hardware: 1 node x 8 H100/H200 (TP 2 with sequence parallelism, EP 4).
+# Command: bash examples/rl_route_replay.sh
+#   Routes: python tools/convert_routes.py --format vllm --input rollouts.jsonl --out "$DATA/rollouts_text_document_routes" ...
+#   (DRY_RUN=1 validates every flag on any machine and exits.)
+set -euo pipefail
+source "$(dirname "$0")/_launch.sh"
+DATA=${DATA:-/data/rl}
+CKPT=${CKPT:-/checkpoints/moe_rl}
+
+ARGS=(
+  --num-layers 16 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16
+  --seq-length 4096 --max-position-embeddings 4096 --position-embedding-type rope
+  --normalization RMSNorm --swiglu --untie-embeddings-and-output-weights --disable-bias-linear
+  --num-experts 64 --moe-router-topk 6 --moe-ffn-hidden-size 1024 --moe-grouped-gemm
+  --moe-token-dispatcher-type alltoall --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-3
+  --transformer-impl transformer_engine --bf16
+  --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 4
+  # data: packed rollouts, self-padded to --seq-length; routes from tools/convert_routes.py
+  --data-path "$DATA/rollouts_text_document" --split 100,0,0
+  --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$DATA/tokenizer"
+  --pack-documents --packing-algorithm sequential --pad-policy self --pad-to-seq-len
+  --route-replay-mode replay --route-data-suffix _routes --replay-missing-route-policy native
+  --moe-expert-load-metrics
+  --micro-batch-size 1 --global-batch-size 64 --train-iters 500
+  --lr 1e-6 --lr-decay-style constant --weight-decay 0.0 --clip-grad 1.0
+  --load "$CKPT/policy" --save "$CKPT" --save-interval 100 --log-interval 1 --finetune
+)
+launch "${ARGS[@]}" "$@"

@@ -1,0 +1,126 @@
+"""Pretrain / SFT / RL-style training of MoE GPT or Hybrid models with megatron_ext, on megatron.training.
+
+Mirrors Megatron-LM's ``pretrain_gpt.py``: parse and validate Megatron's arguments plus megatron_ext's
+(``extra_args_provider=add_megatron_ext_args``), then ``megatron.training.pretrain`` with
+megatron_ext's model provider (Megatron's builders, our MoE layer spec), datasets provider (self-padded /
+packed datasets, route sidecars) and forward step (pad mask, document boundaries, replay routes).
+
+    torchrun --nproc-per-node 8 -m megatron_ext.pretrain_gpt <Megatron flags> <megatron_ext flags>
+    python -m megatron_ext.pretrain_gpt <flags> --dry-run     # validate and print, no GPU needed
+
+In megatron-core 0.19.2, ``pretrain`` takes a config container instead of ``extra_args_provider``; the
+arguments are parsed first with ``parse_and_validate_args(extra_args_provider=...)`` and the container is
+built with Megatron's ``pretrain_cfg_container_from_args``, as the wheel's own entry points do.
+"""
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from megatron_ext.arguments import add_megatron_ext_args
+
+
+def parse_arguments(dry_run: bool) -> argparse.Namespace:
+    """Megatron's ``parse_args`` + ``validate_args`` with megatron_ext's flags.
+
+    A dry run skips ``set_global_variables`` (tokenizer files, writers) and, without CUDA, validates
+    against the target GPU's compute capability.
+    """
+    from megatron.training.arguments import parse_and_validate_args, parse_args, validate_args
+
+    if not dry_run:
+        return parse_and_validate_args(extra_args_provider=add_megatron_ext_args)
+    from megatron_ext.cpu import assume_device_capability
+
+    args = parse_args(extra_args_provider=add_megatron_ext_args)
+    with assume_device_capability():
+        validate_args(args)
+    return args
+
+
+def resolved_configuration(args: argparse.Namespace) -> dict[str, Any]:
+    """What megatron_ext will do for these arguments, after every check has passed."""
+    from megatron.training.utils import is_hybrid_model
+
+    from megatron_ext.config import MoEAlignmentConfig, PaddingConfig, ReplayConfig
+    from megatron_ext.training import run_state
+    from megatron_ext.training.dataset_provider import pad_multiple_from_args
+    from megatron_ext.training.model_provider import uses_aligned_moe
+
+    cfgs = run_state.configs(args)  # raises ValueError naming the flag on any bad value/combination
+    alignment, padding, replay = cfgs[MoEAlignmentConfig], cfgs[PaddingConfig], cfgs[ReplayConfig]
+    if replay.route_replay_mode == "replay":
+        dataset = "RoutedPackedDataset"
+    elif padding.pack_documents:
+        dataset = "PackedDataset"
+    else:
+        dataset = "MockGPTDataset" if args.mock_data else "SelfPaddedGPTDataset"
+    return {
+        "model": "HybridModel" if is_hybrid_model(args) else "GPTModel",
+        "moe_layer": "AlignedMoELayer"
+        if args.num_experts and uses_aligned_moe(alignment)
+        else "MoELayer" if args.num_experts else "dense",
+        "expert_group_alignment": alignment.align_size(
+            fp8=args.fp8, fp8_recipe=args.fp8_recipe, fp4=args.fp4, fp4_recipe=args.fp4_recipe
+        ),
+        "dataset": dataset,
+        "pack_length": f"multiple of {pad_multiple_from_args(args)}"
+        if padding.pack_documents and not padding.pad_to_seq_len
+        else args.seq_length,
+        "world_size": args.world_size,
+        "parallel": {
+            "tp": args.tensor_model_parallel_size,
+            "pp": args.pipeline_model_parallel_size,
+            "cp": args.context_parallel_size,
+            "ep": args.expert_model_parallel_size,
+            "dp": args.data_parallel_size,
+        },
+        "megatron_ext": {
+            cls.__name__: {k: v for k, v in vars(cfg).items()} for cls, cfg in cfgs.items()
+        },
+    }
+
+
+def main() -> int:
+    """Entry point (``python -m megatron_ext.pretrain_gpt``)."""
+    dry_run = "--dry-run" in sys.argv[1:]
+    args = parse_arguments(dry_run)
+    try:
+        resolved = resolved_configuration(args)
+    except ValueError as err:
+        print(f"megatron_ext: invalid arguments: {err}", file=sys.stderr)
+        return 2
+    if dry_run:
+        print("megatron_ext resolved configuration:")
+        print(json.dumps(resolved, indent=2, default=str))
+        print("megatron_ext: dry run OK, exiting without training")
+        return 0
+    return train(args)
+
+
+def train(args: argparse.Namespace) -> int:
+    """Runs Megatron's training loop with megatron_ext's providers (needs CUDA, like Megatron)."""
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+    from megatron_ext.training.dataset_provider import train_valid_test_datasets_provider
+    from megatron_ext.training.forward_step import forward_step
+    from megatron_ext.training.model_provider import model_provider
+
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    cfg = pretrain_cfg_container_from_args(args)
+    pretrain(
+        cfg,
+        train_valid_test_datasets_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+        model_provider=model_provider,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

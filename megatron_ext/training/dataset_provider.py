@@ -1,0 +1,118 @@
+"""Datasets provider for ``megatron_ext.pretrain_gpt``: Megatron's data arguments plus ours.
+
+Which dataset, from the flags:
+
+| flags | dataset |
+|---|---|
+| ``--route-replay-mode replay`` (needs ``--pack-documents``) | ``RoutedPackedDataset``: packs + route sidecars |
+| ``--pack-documents`` | ``PackedDataset``: whole documents packed, self-padded, boundaries kept |
+| ``--mock-data`` | Megatron's ``MockGPTDataset`` |
+| otherwise | ``SelfPaddedGPTDataset``: Megatron's ``GPTDataset`` with self-token padding |
+
+All are built by Megatron's ``BlendedMegatronDatasetBuilder`` from ``--data-path`` (weights, splits,
+per-split paths) exactly like Megatron's ``pretrain_gpt.py`` does. Every rank of a data-parallel replica
+builds the datasets (they are deterministic and index-cached), so each tensor-parallel rank reads the same
+samples itself instead of relying on Megatron's TP broadcast, which only carries Megatron's own keys.
+
+Example::
+
+    cls, config = dataset_config_from_args(args)
+    train, valid, test = BlendedMegatronDatasetBuilder(cls, [100, 10, 10], lambda: True, config).build()
+"""
+
+import argparse
+import dataclasses
+from typing import Any, Optional
+
+from megatron_ext.config import PaddingConfig, ReplayConfig
+from megatron_ext.training import run_state
+
+
+def pad_multiple_from_args(args: argparse.Namespace) -> int:
+    """The pack-length multiple for the run (user value checked against CP, TP+SP and fp8)."""
+    return run_state.configs(args)[PaddingConfig].pad_multiple(
+        context_parallel_size=args.context_parallel_size,
+        tensor_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=bool(args.sequence_parallel),
+        fp8=args.fp8 is not None,
+    )
+
+
+def num_moe_layers(args: argparse.Namespace) -> int:
+    """MoE layers in the main decoder (MTP excluded), as Megatron's ``--moe-layer-freq`` says."""
+    from megatron_ext.replay.layout import moe_layer_numbers
+
+    return len(moe_layer_numbers(args.num_layers, args.moe_layer_freq))
+
+
+def dataset_config_from_args(
+    args: argparse.Namespace, tokenizer: Any = None
+) -> tuple[type, Any]:
+    """The dataset class and its config for ``args`` (see the module table)."""
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+    from megatron.training.utils.common_utils import get_blend_and_blend_per_split
+
+    from megatron_ext.data.gpt_dataset import SelfPaddedGPTDataset
+    from megatron_ext.data.packed_dataset import PackedDataset
+    from megatron_ext.data.provider import dataset_config
+
+    if tokenizer is None:
+        from megatron.training import get_tokenizer
+
+        tokenizer = get_tokenizer()
+    cfgs = run_state.configs(args)
+    padding, replay = cfgs[PaddingConfig], cfgs[ReplayConfig]
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    common: dict[str, Any] = dict(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=tokenizer,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens,
+    )
+    if padding.pack_documents and replay.route_replay_mode == "replay":
+        from megatron_ext.replay.route_dataset import RoutedPackedDataset, RoutedPackedDatasetConfig
+
+        packed = dataset_config(padding, pad_multiple=pad_multiple_from_args(args), **common)
+        fields = {f.name: getattr(packed, f.name) for f in dataclasses.fields(packed) if f.init}
+        return RoutedPackedDataset, RoutedPackedDatasetConfig(
+            **fields,
+            route_suffix=replay.route_data_suffix,
+            route_num_layers=num_moe_layers(args),
+            route_topk=args.moe_router_topk,
+            route_num_experts=args.num_experts,
+            route_missing_policy=replay.replay_missing_route_policy,
+        )
+    if args.mock_data and not padding.pack_documents:
+        return MockGPTDataset, GPTDatasetConfig(**common)
+    config = dataset_config(padding, pad_multiple=pad_multiple_from_args(args), **common)
+    return (PackedDataset if padding.pack_documents else SelfPaddedGPTDataset), config
+
+
+def train_valid_test_datasets_provider(
+    train_val_test_num_samples: list[int], vp_stage: Optional[int] = None
+) -> tuple[Any, Any, Any]:
+    """Builds train/valid/test datasets (Megatron's ``train_valid_test_dataset_provider`` signature)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.training import get_args, print_rank_0
+
+    args = get_args()
+    dataset_cls, config = dataset_config_from_args(args)
+    print_rank_0(f"> megatron_ext: building {dataset_cls.__name__} train/valid/test datasets")
+    return BlendedMegatronDatasetBuilder(
+        dataset_cls, train_val_test_num_samples, lambda: True, config
+    ).build()
+
+
+# Megatron's training loop builds the data loader on every rank that returns True here.
+train_valid_test_datasets_provider.is_distributed = True

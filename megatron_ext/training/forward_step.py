@@ -1,0 +1,126 @@
+"""Forward step for ``megatron_ext.pretrain_gpt``: pad mask, document boundaries and replay routes reach
+Megatron's model; expert-load metrics reach Megatron's logger and writers.
+
+Per micro-batch:
+1. ``get_batch`` reads this rank's sample dict (``tokens``, ``labels``, ``loss_mask``, ``position_ids``,
+   ``padding_mask`` (True = pad), ``cu_seqlens`` and, with replay, ``routes`` ``[B, S, L, K]``).
+2. With ``--route-replay-mode replay`` the pack's routes are installed into the MoE routers of this stage
+   under a per-micro-batch key (recompute-safe); with ``record`` a record buffer is opened.
+3. ``padding_mask`` goes to ``GPTModel.forward(padding_mask=...)`` so pads stay out of the router's aux
+   loss, z-loss and expert-bias counts; packed document boundaries become a per-document causal mask
+   (``--transformer-impl local``) or THD ``PackedSeqParams`` (Transformer Engine attention).
+4. The loss is Megatron's: sum of per-token loss times ``loss_mask``, with the token count.
+
+Example::
+
+    output, loss_fn = forward_step(iter(loader), model)
+    loss, num_tokens, report = loss_fn(output)
+"""
+
+from functools import partial
+from typing import Any, Iterator
+
+import torch
+
+from megatron_ext.training import run_state
+
+
+def get_batch(data_iterator: Iterator[dict[str, torch.Tensor]] | None) -> dict[str, torch.Tensor]:
+    """This rank's micro-batch on the current device (every rank reads its own copy; see provider)."""
+    if data_iterator is None:
+        return {}
+    batch = next(data_iterator)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    return {
+        key: value.to(device, non_blocking=True) if torch.is_tensor(value) else value
+        for key, value in batch.items()
+    }
+
+
+def loss_func(
+    loss_mask: torch.Tensor, output_tensor: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Megatron's loss contract: (sum of masked per-token loss, token count, report)."""
+    losses = output_tensor.reshape(-1).float()
+    mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().detach().to(torch.int)
+    report = {"lm loss": torch.cat([loss.detach().view(1), num_tokens.view(1)])}
+    return loss, num_tokens, report
+
+
+def _micro_batch_key(args: Any, binding: Any) -> int:
+    """A fresh key per micro-batch; a step's first micro-batch clears the previous step's routes
+    (Megatron finishes every backward of a step before the next step's first forward)."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    run = run_state.state(args)
+    key = getattr(run, "micro_batches_seen", 0)
+    run.micro_batches_seen = key + 1
+    if key % get_num_microbatches() == 0:
+        binding.clear()
+    return key
+
+
+def model_inputs(batch: dict[str, torch.Tensor], args: Any) -> dict[str, Any]:
+    """``GPTModel.forward`` keyword arguments for a batch of megatron_ext samples."""
+    from megatron_ext.data.batch import gpt_forward_kwargs
+
+    if "cu_seqlens" not in batch:  # Megatron's own datasets (e.g. --mock-data)
+        kwargs = {
+            "input_ids": batch["tokens"],
+            "position_ids": batch["position_ids"],
+            "attention_mask": batch.get("attention_mask"),
+            "labels": batch["labels"],
+        }
+        if "padding_mask" in batch:
+            kwargs["padding_mask"] = batch["padding_mask"].to(torch.bool)
+        return kwargs
+    layout = "mask" if args.transformer_impl == "local" else "thd"
+    return gpt_forward_kwargs(batch, layout=layout)
+
+
+def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+    """Megatron ``forward_step_func``: returns the per-token loss and the loss function."""
+    from megatron.training import get_args
+
+    args = get_args()
+    batch = get_batch(data_iterator)
+    binding = run_state.replay_binding(args)
+    if binding is not None:
+        key = _micro_batch_key(args, binding)
+        if binding.mode == "replay":
+            binding.install(batch["routes"], key=key)
+        else:
+            binding.begin_record(key, *batch["tokens"].shape)
+    kwargs = model_inputs(batch, args)
+    output = model(**kwargs, loss_mask=batch["loss_mask"])
+    log_expert_load(args)
+    loss_mask = batch["loss_mask"].reshape(output.shape)
+    return output, partial(loss_func, loss_mask)
+
+
+def log_expert_load(args: Any) -> dict[str, Any] | None:
+    """At log iterations, reduces the load metrics and writes them to Megatron's writers.
+
+    NOTE: device-to-host sync (inside ``ExpertLoadMetrics.summary``), only every ``--log-interval``.
+    """
+    metrics = run_state.load_metrics(args)
+    iteration = getattr(args, "curr_iteration", 0) or 0
+    if metrics is None or not metrics.layers or (iteration + 1) % args.log_interval:
+        return None
+    from megatron.core import parallel_state
+    from megatron.training import get_tensorboard_writer, get_wandb_writer, print_rank_0
+
+    summary = metrics.summary(parallel_state.get_data_parallel_group(with_context_parallel=True))
+    metrics.reset()
+    scalars = {k: v for k, v in summary.items() if isinstance(v, float)}
+    worst = max((v for k, v in scalars.items() if k.endswith("rank_max_vio")), default=0.0)
+    print_rank_0(f"megatron_ext expert load: worst EP-rank max_vio {worst:.3f}")
+    writer, wandb = get_tensorboard_writer(), get_wandb_writer()
+    for name, value in scalars.items():
+        if writer is not None:
+            writer.add_scalar(f"expert_load/{name}", value, iteration + 1)
+    if wandb is not None:
+        wandb.log({f"expert_load/{k}": v for k, v in scalars.items()}, iteration + 1)
+    return summary

@@ -1,0 +1,106 @@
+"""Model provider for ``megatron_ext.pretrain_gpt``: Megatron's own model builders plus our MoE layer spec.
+
+The model class is chosen the way Megatron 0.19's entry points choose it: ``--hybrid-layer-pattern`` set
+means ``HybridModel`` (``megatron.training.utils.is_hybrid_model``), else ``GPTModel``. The model config
+comes from Megatron's ``gpt_config_from_args`` / ``hybrid_config_from_args`` and the model from its
+``GPTModelBuilder`` / ``HybridModelBuilder``; the only change is the layer spec: Megatron's default spec
+for the run (TE or local, as ``--transformer-impl`` says) with every ``MoELayer`` swapped for
+:class:`~megatron_ext.moe.moe_layer.AlignedMoELayer` when ``--moe-dispatch-align`` or
+``--moe-expert-load-metrics`` is on. Route replay binds to the built model (see :mod:`.run_state`).
+
+Example (inside an initialised Megatron run)::
+
+    model = model_provider(pre_process=True, post_process=True)
+"""
+
+import argparse
+from typing import Any, Optional
+
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_ext.config import MoEAlignmentConfig, ReplayConfig
+from megatron_ext.training import run_state
+
+
+def uses_aligned_moe(alignment: MoEAlignmentConfig) -> bool:
+    """Whether the MoE layers must be megatron_ext's (alignment or load metrics requested)."""
+    return alignment.moe_dispatch_align or alignment.moe_expert_load_metrics
+
+
+def _aligned(spec: Any, args: argparse.Namespace) -> Any:
+    alignment = run_state.configs(args)[MoEAlignmentConfig]
+    if args.num_experts is None or not uses_aligned_moe(alignment):
+        return spec
+    from megatron_ext.moe.layer_specs import with_aligned_moe
+
+    return with_aligned_moe(spec, alignment, run_state.load_metrics(args))
+
+
+def model_config_from_args(args: argparse.Namespace, config: Any = None) -> Any:
+    """Megatron's GPT/Hybrid model config for ``args``, with megatron_ext's layer spec."""
+    from megatron.training.argument_utils import gpt_config_from_args, hybrid_config_from_args
+    from megatron.training.utils import is_hybrid_model
+
+    if is_hybrid_model(args):
+        model_cfg = hybrid_config_from_args(args, config)
+        if model_cfg.hybrid_stack_spec is None:
+            model_cfg.hybrid_stack_spec = _default_hybrid_stack_spec(model_cfg)
+        model_cfg.hybrid_stack_spec = _aligned(model_cfg.hybrid_stack_spec, args)
+        return model_cfg
+    model_cfg = gpt_config_from_args(args, config)
+    user_spec = model_cfg.transformer_layer_spec
+
+    def layer_spec(cfg: Any, vp_stage: Optional[int] = None) -> ModuleSpec:
+        from megatron.training.models.gpt import default_layer_spec
+
+        spec = user_spec if user_spec is not None else default_layer_spec(cfg, vp_stage)
+        return _aligned(spec, args)
+
+    model_cfg.transformer_layer_spec = layer_spec
+    return model_cfg
+
+
+def _default_hybrid_stack_spec(model_cfg: Any) -> Any:
+    """Megatron's TE hybrid stack spec, or megatron_ext's local-module one (CPU, no TE)."""
+    if model_cfg.transformer.transformer_impl == "transformer_engine":
+        from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+        return hybrid_stack_spec
+    from megatron_ext.moe.layer_specs import get_local_hybrid_stack_spec
+
+    return get_local_hybrid_stack_spec(num_experts=model_cfg.transformer.num_moe_experts)
+
+
+def model_provider(
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: Optional[int] = None,
+    config: Any = None,
+    pg_collection: Any = None,
+) -> Any:
+    """Builds this rank's model stage (Megatron's ``model_provider`` signature).
+
+    Route replay, when ``--route-replay-mode`` is not off, is bound to the model right here so every
+    MoE router on this stage replays (or records) routes keyed per micro-batch.
+    """
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training import get_args
+
+    args = get_args()
+    model_cfg = model_config_from_args(args, config)
+    if pg_collection is None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    builder_cls = _builder_class(model_cfg)
+    model = builder_cls(model_cfg).build_model(
+        pg_collection, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage
+    )
+    replay = run_state.configs(args)[ReplayConfig]
+    if replay.route_replay_mode != "off":
+        run_state.bind_replay(model, replay)
+    return model
+
+
+def _builder_class(model_cfg: Any) -> type:
+    from megatron.training.models import GPTModelBuilder, GPTModelConfig, HybridModelBuilder
+
+    return GPTModelBuilder if isinstance(model_cfg, GPTModelConfig) else HybridModelBuilder
