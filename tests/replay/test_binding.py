@@ -314,3 +314,101 @@ def test_round_trip_tp2_sequence_parallel():
 
 def test_zigzag_cp_layout_matches_megatron():
     assert all(run_distributed(_zigzag_matches_megatron, 2, cp=2))
+
+
+def _packed_self_padded_replay(root: str) -> dict:
+    """Samples of a RoutedPackedDataset (self-padded packs) replayed on the model: every position,
+    pads included, routes to the experts of the sample's routes; pads = their source token's."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    from megatron_ext.replay.binding import RouteReplayBinding
+    from megatron_ext.replay.route_dataset import RoutedPackedDataset, RoutedPackedDatasetConfig
+
+    seq = 32
+    tok = MegatronTokenizer.from_pretrained(metadata_path={"library": "null-text"}, vocab_size=128)
+    config = RoutedPackedDatasetConfig(
+        random_seed=1,
+        sequence_length=seq,
+        blend=([f"{root}/docs"], None),
+        split="100,0,0",
+        tokenizer=tok,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+        path_to_cache=f"{root}/cache",
+        pad_to_seq_len=True,
+        route_num_layers=2,
+        route_topk=2,
+        route_num_experts=8,
+    )
+    ds = BlendedMegatronDatasetBuilder(
+        RoutedPackedDataset, [4, 0, 0], lambda: True, config
+    ).build()[0]
+    samples = [ds[i] for i in range(BATCH)]
+    tokens = torch.stack([s["tokens"] for s in samples])
+    routes = torch.stack([s["routes"] for s in samples])
+    src = torch.stack([s["src_index"] for s in samples])
+    torch.manual_seed(7)
+    model = build_model_for_seq(seq)
+    binding = RouteReplayBinding(model, "replay")
+    log, handles = _capture_maps(model)
+    binding.install(routes, key=0)
+    model(
+        tokens, torch.arange(seq).expand(BATCH, seq), attention_mask=None, labels=tokens
+    ).sum().backward()
+    for h in handles:
+        h.remove()
+    positions = binding._my_positions(BATCH, seq)
+    n_real = torch.tensor([seq - int(s["padding_mask"].sum()) for s in samples])
+    is_pad_N = (positions % seq) >= n_real[positions // seq]
+    copies_N = src.reshape(-1)[positions]  # the real position each router row copies
+    has_route_N = ~(routes.reshape(-1, 2, 2)[positions] == 255).all(-1).any(-1)
+    pad_rows = is_pad_N & has_route_N
+    ok = True
+    for r in binding.replays:
+        got = log[r.layer_number][0]
+        want = torch.zeros_like(got).scatter(
+            1, routes.reshape(-1, 2, 2)[positions][:, r.moe_ordinal].long().clamp(max=7), True
+        )
+        ok &= torch.equal(got[has_route_N], want[has_route_N])
+        # A pad row's experts equal those of the real token it copies (same sample).
+        sample_N = positions // seq
+        source_rows = sample_N * seq + copies_N
+        source_routes = routes.reshape(-1, 2, 2)[source_rows][:, r.moe_ordinal]
+        ok &= torch.equal(
+            got[pad_rows],
+            torch.zeros_like(got[pad_rows]).scatter(1, source_routes[pad_rows].long(), True),
+        )
+    binding.remove()
+    return {"ok": ok, "pads": int(pad_rows.sum())}
+
+
+def build_model_for_seq(seq: int):
+    from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
+
+    config = tiny_moe_config(moe_enable_routing_replay=True)
+    return build_tiny_gpt(config, vocab_size=VOCAB, max_seq_len=seq)
+
+
+def test_packed_self_padded_data_replays_pad_routes_of_copied_tokens(tmp_path):
+    import numpy as np
+
+    from megatron_ext.data.indexed_writer import write_documents
+
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(1, 100, size=int(n)) for n in rng.integers(3, 20, size=12)]
+    write_documents(str(tmp_path / "docs"), docs)
+    routes = []
+    for doc in docs:
+        r = np.stack(
+            [[[(t + layer + k) % 8 for k in range(2)] for layer in range(2)] for t in doc]
+        ).astype(np.uint8)
+        r[-1] = 255  # vLLM: the last token has no route -> native
+        routes.append(r)
+    write_documents(str(tmp_path / "docs_routes"), routes, dtype=np.uint8)
+    (result,) = run_distributed(_packed_self_padded_replay, 1, str(tmp_path))
+    assert result["ok"] and result["pads"] > 0
