@@ -54,8 +54,9 @@ def route_sidecar(suffix: str, num_layers: int, topk: int, num_experts: int) -> 
 class RoutedPackedDatasetConfig(PackedDatasetConfig):
     """``PackedDatasetConfig`` plus a route sidecar (mirrors ``ReplayConfig``'s flags)."""
 
-    route_suffix: str = "_routes"
-    """Route sidecar at ``<data prefix><route_suffix>`` (--route-data-suffix)."""
+    route_suffix: str | None = "_routes"
+    """Route sidecar at ``<data prefix><route_suffix>`` (--route-data-suffix); None in record
+    mode: samples then carry ``pack_index`` but no routes (a :class:`RouteRecorder` fills them)."""
     route_num_layers: int = 1
     """L: MoE layers of the model (MTP excluded)."""
     route_topk: int = 1
@@ -66,12 +67,16 @@ class RoutedPackedDatasetConfig(PackedDatasetConfig):
     """--replay-missing-route-policy: 'native' keeps missing rows, 'balanced' fills them."""
 
     def __post_init__(self) -> None:
-        self.sidecars = {
-            **self.sidecars,
-            ROUTES_KEY: route_sidecar(
-                self.route_suffix, self.route_num_layers, self.route_topk, self.route_num_experts
-            ),
-        }
+        if self.route_suffix is not None:
+            self.sidecars = {
+                **self.sidecars,
+                ROUTES_KEY: route_sidecar(
+                    self.route_suffix,
+                    self.route_num_layers,
+                    self.route_topk,
+                    self.route_num_experts,
+                ),
+            }
         super().__post_init__()
         apply_missing_policy(  # rejects an unknown policy now, with the flag's name
             missing_routes(0, self.route_num_layers, self.route_topk, np.dtype(np.uint8)),
@@ -87,7 +92,10 @@ class RoutedPackedDataset(PackedDataset):
 
     def __getitem__(self, idx: int) -> dict[str, Any]:
         sample = super().__getitem__(idx)
+        sample["pack_index"] = torch.tensor(idx, dtype=torch.int64)
         cfg = self.config
+        if cfg.route_suffix is None:
+            return sample
         routes_SLK = sample[ROUTES_KEY].numpy().reshape(-1, cfg.route_num_layers, cfg.route_topk)
         expected = route_dtype(cfg.route_num_experts, cfg.route_topk)
         if routes_SLK.dtype != expected:
@@ -108,7 +116,6 @@ class RoutedPackedDataset(PackedDataset):
             routes_SLK, cfg.route_missing_policy, cfg.route_num_experts
         )
         sample[ROUTES_KEY] = torch.from_numpy(np.ascontiguousarray(routes_SLK))
-        sample["pack_index"] = torch.tensor(idx, dtype=torch.int64)
         return sample
 
     def pack_pieces(self, idx: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -176,7 +176,9 @@ def test_missing_route_file_is_refused(corpus, tmp_path):
 
 
 def test_recorder_writes_routes_aligned_with_documents(corpus, tmp_path):
-    ds = build(make_config(corpus, pad_policy="self"))
+    # Record mode: no route sidecar is read; samples carry pack_index for the recorder.
+    ds = build(make_config(corpus, pad_policy="self", route_suffix=None))
+    assert "routes" not in ds[0] and int(ds[1]["pack_index"]) == 1
     recorder = RouteRecorder.for_dataset(ds)
     for i in range(len(ds)):
         recorded = route_of(ds[i]["tokens"].numpy())  # what a forward "chose" at every position
