@@ -506,3 +506,73 @@ def test_record_mode_writes_a_sidecar_that_replays_exactly(tmp_path):
     )
     (result,) = run_distributed(_record_sidecar_then_replay, 1, str(tmp_path))
     assert result["ok"] and result["real"] > 0
+
+
+def _pipeline_stage_with_dense_layer() -> dict:
+    """PP=2, layers [dense, MoE | MoE, MoE]: each stage binds its MoE layers by absolute number
+    (ordinals 0 | 1, 2), replays them exactly, and record gathers all three over the PP group."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from megatron_ext.replay.binding import RouteReplayBinding
+    from megatron_ext.testing import tiny_moe_config
+
+    first = parallel_state.is_pipeline_first_stage()
+    config = tiny_moe_config(
+        num_layers=4,
+        moe_layer_freq=[0, 1, 1, 1],
+        pipeline_model_parallel_size=2,
+        pipeline_dtype=torch.float32,
+        moe_enable_routing_replay=True,
+    )
+    torch.manual_seed(11)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        position_embedding_type="rope",
+        pre_process=first,
+        post_process=not first,
+    )
+    tokens, positions = _batch(5)
+    hidden = torch.randn(SEQ, BATCH, config.hidden_size, generator=torch.Generator().manual_seed(3))
+
+    def run_stage():
+        if first:
+            out = model(tokens, positions, attention_mask=None)
+        else:
+            model.set_input_tensor(hidden.clone().requires_grad_())
+            out = model(None, positions, attention_mask=None, labels=tokens)
+        out.sum().backward()
+
+    record = RouteReplayBinding(model, "record")
+    record.begin_record(0, BATCH, SEQ)
+    run_stage()
+    recorded = record.recorded_routes(0)  # all three MoE layers, gathered over PP
+    ordinals = list(record.stage_ordinals)
+    record.remove()
+    with torch.no_grad():
+        for router in _routers(model):
+            router.weight.add_(torch.randn_like(router.weight) * 3.0)
+    binding = RouteReplayBinding(model, "replay")
+    log, handles = _capture_maps(model)
+    binding.install(recorded, key="pp")
+    run_stage()
+    for h in handles:
+        h.remove()
+    want = _expected_maps(binding, recorded)
+    exact = all(torch.equal(log[n][0], want[n]) for n in want)
+    layers = sorted(log)
+    binding.remove()
+    return {"ordinals": ordinals, "layers": layers, "exact": exact, "recorded": recorded}
+
+
+def test_pipeline_stages_bind_moe_layers_by_absolute_number():
+    stage0, stage1 = run_distributed(_pipeline_stage_with_dense_layer, 2, pp=2)
+    assert (stage0["ordinals"], stage0["layers"]) == ([0], [2])  # layer 1 is dense: skipped
+    assert (stage1["ordinals"], stage1["layers"]) == ([1, 2], [3, 4])
+    assert stage0["exact"] and stage1["exact"]
+    assert torch.equal(stage0["recorded"], stage1["recorded"])  # PP gather: same full buffer
+    assert not (stage0["recorded"] == 255).all(-1).any()  # every layer recorded on some stage
