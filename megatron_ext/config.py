@@ -283,6 +283,7 @@ class MoEAlignmentConfig:
 # === replay (issue 5) ===
 import argparse as _argparse  # section-local imports keep feature sections independent
 import os as _os
+import warnings as _replay_warnings
 from dataclasses import dataclass as _dataclass
 from typing import Literal as _Literal
 
@@ -327,6 +328,16 @@ class ReplayConfig:
             raise ValueError("--route-replay-mode replay needs --route-data-suffix")
         if self.route_replay_mode == "record" and not self.route_record_path:
             raise ValueError("--route-replay-mode record needs --route-record-path")
+        unused = {
+            "off": ("route_data_suffix", "route_record_path"),
+            "record": ("route_data_suffix",),
+            "replay": ("route_record_path",),
+        }[self.route_replay_mode]
+        for name in (n for n in unused if getattr(self, n) is not None):
+            _replay_warnings.warn(
+                f"{flag(name)} has no effect with --route-replay-mode {self.route_replay_mode}",
+                stacklevel=2,
+            )
         if self.route_replay_mode == "record":
             parent = _os.path.dirname(_os.path.abspath(self.route_record_path))
             if not _os.path.isdir(parent):

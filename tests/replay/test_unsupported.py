@@ -108,3 +108,12 @@ def test_replay_needs_the_packed_dataset():
 def test_bad_flag_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ReplayConfig(**kwargs)
+
+
+def test_flags_without_effect_warn():
+    with pytest.warns(
+        UserWarning, match="--route-data-suffix has no effect with --route-replay-mode off"
+    ):
+        ReplayConfig(route_data_suffix="_routes")
+    with pytest.warns(UserWarning, match="--route-record-path has no effect"):
+        ReplayConfig(route_replay_mode="replay", route_data_suffix="_r", route_record_path="/tmp/x")
