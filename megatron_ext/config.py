@@ -376,3 +376,28 @@ def _is_number(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+# === entry points (issue 6) ===
+
+
+@feature_config("entry: megatron_ext.pretrain_gpt")
+@_dataclass(frozen=True, kw_only=True)
+class EntryConfig:
+    """Options of ``python -m megatron_ext.pretrain_gpt`` itself."""
+
+    dry_run: bool = False
+    """Validate every argument (Megatron's and megatron_ext's) for the world size of the launch
+    (WORLD_SIZE), print the resolved configuration and exit, without initialising distributed
+    training or touching a GPU (data files are only checked for existence)."""
+
+    def check_megatron_args(self, args: _argparse.Namespace) -> None:
+        """Refuses what Megatron's data loader cannot run with megatron_ext's datasets."""
+        packs_vary = getattr(args, "pack_documents", False) and not getattr(
+            args, "pad_to_seq_len", False
+        )
+        if packs_vary and getattr(args, "micro_batch_size", 1) > 1:
+            raise ValueError(
+                "--pack-documents without --pad-to-seq-len gives packs of different lengths, which "
+                "Megatron's data loader cannot stack into one micro-batch: use --pad-to-seq-len "
+                f"or --micro-batch-size 1 (got {args.micro_batch_size})"
+            )

@@ -49,17 +49,15 @@ def loss_func(
     return loss, num_tokens, report
 
 
-def _micro_batch_key(args: Any, binding: Any) -> int:
-    """A fresh key per micro-batch; a step's first micro-batch clears the previous step's routes
-    (Megatron finishes every backward of a step before the next step's first forward)."""
+def _next_micro_batch(args: Any) -> tuple[int, int, int]:
+    """``(key, position in the step, micro-batches per step)``; every call is a new micro-batch."""
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
     run = run_state.state(args)
-    key = getattr(run, "micro_batches_seen", 0)
+    key = run.micro_batches_seen
     run.micro_batches_seen = key + 1
-    if key % get_num_microbatches() == 0:
-        binding.clear()
-    return key
+    per_step = get_num_microbatches()
+    return key, key % per_step, per_step
 
 
 def model_inputs(batch: dict[str, torch.Tensor], args: Any) -> dict[str, Any]:
@@ -86,22 +84,29 @@ def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tens
 
     args = get_args()
     batch = get_batch(data_iterator)
+    key, position, per_step = _next_micro_batch(args)
     binding = run_state.replay_binding(args)
     if binding is not None:
-        key = _micro_batch_key(args, binding)
+        if position == 0:
+            # Megatron finishes every backward of a step before the next step's first forward.
+            binding.clear()
         if binding.mode == "replay":
             binding.install(batch["routes"], key=key)
         else:
             binding.begin_record(key, *batch["tokens"].shape)
     kwargs = model_inputs(batch, args)
     output = model(**kwargs, loss_mask=batch["loss_mask"])
-    log_expert_load(args)
+    if position == per_step - 1:  # every micro-batch of the step has been routed
+        log_expert_load(args)
     loss_mask = batch["loss_mask"].reshape(output.shape)
     return output, partial(loss_func, loss_mask)
 
 
 def log_expert_load(args: Any) -> dict[str, Any] | None:
     """At log iterations, reduces the load metrics and writes them to Megatron's writers.
+
+    Counts are summed over the data-parallel (with context-parallel) group: every distinct token of the
+    step once, unless sequence parallelism splits tokens over TP ranks (then this rank's TP slice).
 
     NOTE: device-to-host sync (inside ``ExpertLoadMetrics.summary``), only every ``--log-interval``.
     """
@@ -114,6 +119,7 @@ def log_expert_load(args: Any) -> dict[str, Any] | None:
 
     summary = metrics.summary(parallel_state.get_data_parallel_group(with_context_parallel=True))
     metrics.reset()
+    run_state.state(args).last_load_summary = summary
     scalars = {k: v for k, v in summary.items() if isinstance(v, float)}
     worst = max((v for k, v in scalars.items() if k.endswith("rank_max_vio")), default=0.0)
     print_rank_0(f"megatron_ext expert load: worst EP-rank max_vio {worst:.3f}")

@@ -27,6 +27,8 @@ class RunState:
     configs: dict[type, Any]
     load_metrics: Any = None
     replay_bindings: list[Any] = field(default_factory=list)
+    micro_batches_seen: int = 0
+    last_load_summary: Optional[dict[str, Any]] = None
 
 
 _STATE: Optional[RunState] = None

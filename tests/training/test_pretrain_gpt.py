@@ -1,0 +1,203 @@
+"""Tier: gloo ranks (providers on real parsed arguments) and subprocesses (dry runs of the examples).
+
+The training loop itself needs CUDA; everything it calls from megatron_ext is exercised here with
+arguments parsed and validated by Megatron 0.19.2's own ``parse_and_validate_args``: the model provider
+(GPTModel and HybridModel, our MoE layer), the datasets provider (our datasets through Megatron's builder)
+and the forward step (pad mask, document masks, replay routes, load metrics), forward and backward.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_ext.testing import run_distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+NUM_LAYERS, TOPK, EXPERTS = 2, 2, 8
+
+BASE_ARGS = [
+    "--num-layers", str(NUM_LAYERS), "--hidden-size", "64", "--num-attention-heads", "4",
+    "--ffn-hidden-size", "128", "--seq-length", "64", "--max-position-embeddings", "64",
+    "--position-embedding-type", "rope", "--num-experts", str(EXPERTS), "--moe-router-topk",
+    str(TOPK), "--moe-ffn-hidden-size", "64", "--moe-token-dispatcher-type", "alltoall",
+    "--moe-router-dtype", "fp32", "--expert-model-parallel-size", "2", "--transformer-impl", "local",
+    "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4", "--lr", "1e-3",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--split", "100,0,0",
+    "--attention-dropout", "0", "--hidden-dropout", "0", "--no-gradient-accumulation-fusion",
+    "--no-bias-swiglu-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",
+    "--no-persist-layer-norm", "--no-rope-fusion", "--seed", "7", "--use-cpu-initialization",
+]
+
+
+@pytest.fixture(scope="module")
+def data_prefix(tmp_path_factory) -> str:
+    """Corpus documents as a token IndexedDataset plus an aligned route sidecar (random valid routes)."""
+    from megatron_ext.data.indexed_writer import write_documents
+    from megatron_ext.training.corpus import corpus_documents
+
+    prefix = str(tmp_path_factory.mktemp("data") / "corpus_text_document")
+    docs = [d[:90] for d in corpus_documents()[:80]]
+    write_documents(prefix, docs, np.int32)
+    rng = np.random.default_rng(0)
+    routes = [
+        np.argsort(rng.random((d.size, NUM_LAYERS, EXPERTS)), axis=-1)[..., :TOPK].astype(np.uint8)
+        for d in docs
+    ]
+    write_documents(prefix + "_routes", routes, np.uint8)
+    return prefix
+
+
+def _run_providers(argv: list[str]) -> dict:
+    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.global_vars import unset_global_variables
+
+    from megatron_ext.arguments import add_megatron_ext_args
+    from megatron_ext.training import run_state
+    from megatron_ext.training.dataset_provider import train_valid_test_datasets_provider
+    from megatron_ext.training.forward_step import forward_step
+    from megatron_ext.training.model_provider import model_provider
+
+    unset_global_variables()
+    run_state.reset()
+    sys.argv = ["pretrain_gpt", *argv]
+    args = parse_and_validate_args(extra_args_provider=add_megatron_ext_args)
+    model = model_provider()
+    train, _, _ = train_valid_test_datasets_provider([8, 0, 0])
+    loader = torch.utils.data.DataLoader(train, batch_size=args.micro_batch_size)
+    routing = []
+    for module in model.modules():
+        if type(module).__name__ == "TopKRouter":
+            module.register_forward_hook(lambda m, i, o: routing.append(o[1].detach()))
+    batch = next(iter(loader))
+    output, loss_fn = forward_step(iter([batch]), model)
+    loss, num_tokens, report = loss_fn(output)
+    loss.backward()
+    moe_layers = [type(m).__name__ for m in model.modules() if "MoELayer" in type(m).__name__]
+    result = {
+        "model": type(model).__name__,
+        "dataset": type(train.datasets[0] if hasattr(train, "datasets") else train).__name__,
+        "moe_layers": moe_layers,
+        "loss": float(loss),
+        "num_tokens": int(num_tokens),
+        "grad_norm": float(sum(p.grad.norm() ** 2 for p in model.parameters() if p.grad is not None)),
+        "batch_keys": sorted(batch),
+    }
+    if "routes" in batch:
+        # Replay: every MoE layer's routing map equals the routes of this rank's tokens.
+        routes_BSLK = batch["routes"].long()
+        expected = torch.zeros(*routes_BSLK.shape[:2], NUM_LAYERS, EXPERTS, dtype=torch.bool)
+        expected.scatter_(-1, routes_BSLK, True)
+        expected_SBLE = expected.transpose(0, 1)  # the router sees [s, b] order
+        result["replay_match"] = [
+            bool(torch.equal(routing[layer], expected_SBLE[:, :, layer].reshape(-1, EXPERTS)))
+            for layer in range(NUM_LAYERS)
+        ]
+    # One micro-batch per step here, so forward_step logged (and reset) the load metrics itself.
+    summary = run_state.state(args).last_load_summary
+    result["load_summary_keys"] = sorted(summary) if summary else []
+    return result
+
+
+def test_gpt_providers_and_forward_step_with_self_padded_gpt_dataset(data_prefix) -> None:
+    argv = BASE_ARGS + ["--data-path", data_prefix]
+    for result in run_distributed(_run_providers, 2, argv, ep=2):
+        assert result["model"] == "GPTModel" and result["dataset"] == "SelfPaddedGPTDataset"
+        assert result["moe_layers"] == ["MoELayer"] * NUM_LAYERS  # nothing asked for ours
+        assert np.isfinite(result["loss"]) and result["num_tokens"] > 0 and result["grad_norm"] > 0
+        assert "padding_mask" in result["batch_keys"]
+
+
+def test_aligned_moe_packed_data_and_load_metrics(data_prefix) -> None:
+    argv = BASE_ARGS + [
+        "--data-path", data_prefix, "--pack-documents", "--pad-to-seq-len",
+        "--moe-dispatch-align", "--moe-expert-load-metrics", "--log-interval", "1",
+    ]
+    for result in run_distributed(_run_providers, 2, argv, ep=2):
+        assert result["dataset"] == "PackedDataset"
+        assert result["moe_layers"] == ["AlignedMoELayer"] * NUM_LAYERS
+        assert {"cu_seqlens", "padding_mask"} <= set(result["batch_keys"])
+        assert np.isfinite(result["loss"]) and result["grad_norm"] > 0
+        assert any(key.endswith("rank_max_vio") for key in result["load_summary_keys"])
+        assert any(key.endswith("real_rank_max_vio") for key in result["load_summary_keys"])
+
+
+def test_route_replay_from_sidecar_reaches_every_moe_layer(data_prefix) -> None:
+    argv = BASE_ARGS + [
+        "--data-path", data_prefix, "--pack-documents", "--pad-to-seq-len",
+        "--route-replay-mode", "replay", "--route-data-suffix", "_routes",
+    ]
+    for result in run_distributed(_run_providers, 2, argv, ep=2):
+        assert result["dataset"] == "RoutedPackedDataset"
+        assert result["replay_match"] == [True] * NUM_LAYERS
+        assert np.isfinite(result["loss"]) and result["grad_norm"] > 0
+
+
+def test_hybrid_model_is_chosen_by_layer_pattern(data_prefix) -> None:
+    argv = [a for a in BASE_ARGS] + [
+        "--data-path", data_prefix, "--hybrid-layer-pattern", "*E*E", "--moe-dispatch-align",
+    ]
+    argv[argv.index("--num-layers") + 1] = "4"
+    for result in run_distributed(_run_providers, 2, argv, ep=2):
+        assert result["model"] == "HybridModel"
+        assert result["moe_layers"] == ["AlignedMoELayer"] * 2
+        assert np.isfinite(result["loss"]) and result["grad_norm"] > 0
+
+
+EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.sh") if not p.name.startswith("_"))
+
+
+def _dry_run(script: Path, data_dir: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, DATA=str(data_dir))
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT
+    )
+
+
+@pytest.fixture(scope="module")
+def example_data(tmp_path_factory, data_prefix) -> Path:
+    """DATA for the examples: the files they name exist (the dry run checks route sidecars)."""
+    data = tmp_path_factory.mktemp("example_data")
+    for name in ("rollouts_text_document", "rollouts_text_document_routes"):
+        source = data_prefix + ("_routes" if name.endswith("_routes") else "")
+        for ext in (".bin", ".idx"):
+            shutil.copy(source + ext, data / f"{name}{ext}")
+    return data
+
+
+def test_there_are_three_examples() -> None:
+    assert EXAMPLES == ["pretrain_moe_blended.sh", "rl_route_replay.sh", "sft_fp8_moe_packed.sh"]
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_script_flags_parse_and_validate(name: str, example_data: Path) -> None:
+    proc = _dry_run(ROOT / "examples" / name, example_data)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "megatron_ext: dry run OK" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("broken", "message"),
+    [
+        ("--pad-policy zeros", "--pad-policy: invalid choice"),
+        ("--moe-router-padding-for-quantization", "--moe-router-padding-for-quantization both pad"),
+        ("--no-such-flag 3", "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_a_wrong_flag_in_a_copy_of_an_example_fails_clearly(
+    broken: str, message: str, example_data: Path, tmp_path: Path
+) -> None:
+    original = (ROOT / "examples" / "sft_fp8_moe_packed.sh").read_text()
+    assert "  --moe-dispatch-align" in original
+    copy = tmp_path / "sft_copy.sh"
+    copy.write_text(original.replace("  --moe-dispatch-align", f"  {broken} --moe-dispatch-align"))
+    shutil.copy(ROOT / "examples" / "_launch.sh", tmp_path / "_launch.sh")
+    proc = _dry_run(copy, example_data)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr[-2000:]
