@@ -29,6 +29,7 @@ Example::
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.router import TopKRouter
@@ -41,6 +42,7 @@ from megatron_ext.replay.layout import (
     router_row_positions,
     rows_for_router,
 )
+from megatron_ext.replay.routes import route_dtype
 from megatron_ext.replay.unsupported import check_replay_supported
 
 _TopK = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -300,13 +302,16 @@ class RouteReplayBinding:
         return scores.gather(1, idx_NK), idx_NK
 
     # ----- record mode output ----------------------------------------------------------------
-    def recorded_routes(self, key: Hashable, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    def recorded_routes(self, key: Hashable) -> torch.Tensor:
         """The routes the forward of ``key`` chose, in the data layout ``[B, S, L, K]``.
 
+        uint8 or uint16 as :func:`~megatron_ext.replay.routes.route_dtype` picks for the model.
         All-gathers over the TP group (with SP) and the CP group, so every rank of those groups
         returns the same tensor; layers of other pipeline stages are gathered over the PP group.
         NOTE: device-to-host sync (PP gather of Python objects); record mode only, not a hot path.
         """
+        np_dtype = route_dtype(self.config.num_moe_experts, self.topk)
+        dtype = torch.uint8 if np_dtype == np.uint8 else torch.uint16
         batch_size, seq_len = self._shapes[key]
         missing = torch.iinfo(dtype).max
         rows_NLK = torch.full(
