@@ -163,6 +163,7 @@ _CURRENT_DEVICE_USERS: dict[str, str] = {
     "megatron.core.models.common.embeddings.rotary_pos_embedding": "RotaryEmbedding.get_emb",
     "megatron.core.utils": "GlobalMemoryBuffer.get_tensor",
     "megatron.core.tensor_parallel.mappings": "_gather_along_first_dim",
+    "megatron.core.tensor_parallel.layers": "LinearWithGradAccumulationAndAsyncCommunication",
 }
 
 
@@ -173,7 +174,8 @@ def _patch_current_device() -> None:
     aux-loss / expert-bias buffers there, and ``RotaryEmbedding.get_emb`` moves ``inv_freq`` there on the
     first forward, ``GlobalMemoryBuffer.get_tensor`` (the local ``DotProductAttention``'s scratch) allocates
     its scratch buffer there, and the TP/EP gather and reduce-scatter helpers in ``tensor_parallel.mappings``
-    allocate their outputs there. Only these modules see the change; ``torch.cuda`` itself is untouched.
+    allocate their outputs there, as does the sequence-parallel backward of the TP linear layers
+    (``LinearWithGradAccumulationAndAsyncCommunication``). Only these modules see the change; ``torch.cuda`` itself is untouched.
     """
     for module_name, symbol in _CURRENT_DEVICE_USERS.items():
         module = _module_with(module_name, symbol)

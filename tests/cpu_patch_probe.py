@@ -2,7 +2,8 @@
 
 Rank 0 prints one JSON line: {check: "ok" | "<exception text>"}. Each check is a real training step of the
 tiny MoE GPTModel at EP=2 (alltoall dispatcher), so the all-to-all split sizes and the EP gathers are
-exercised too. ``all_patches`` is the positive control: with every patch the same step must succeed.
+exercised too; the TP linear layers' patch is checked by a TP=2 sequence-parallel step instead.
+``all_patches`` (and ``all_patches_sequence_parallel``) is the positive control: with every patch the same step must succeed.
 Removing a patch fails symmetrically on both ranks before any collective, so nothing hangs.
 """
 
@@ -14,6 +15,8 @@ import sys
 
 import torch
 import torch.multiprocessing as mp
+
+SP_ONLY = "megatron.core.tensor_parallel.layers"
 
 
 def _probe(rank: int, port: str) -> None:
@@ -52,14 +55,17 @@ def _probe(rank: int, port: str) -> None:
         if unpatch_module:
             setattr(sys.modules[unpatch_module], "torch", torch)
 
-    def train_step() -> str:
+    def train_step(sequence_parallel: bool = False) -> str:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
 
         try:
             model_parallel_cuda_manual_seed(1, force_reset_rng=True)
-            model = build_tiny_gpt(tiny_moe_config(moe_token_dispatcher_type="alltoall"))
+            config = tiny_moe_config(
+                moe_token_dispatcher_type="alltoall", sequence_parallel=sequence_parallel
+            )
+            model = build_tiny_gpt(config)
             tokens = torch.randint(0, 128, (2, 16))
             loss = model(tokens, torch.arange(16).expand(2, 16), attention_mask=None, labels=tokens)
             loss.sum().backward()
@@ -76,8 +82,16 @@ def _probe(rank: int, port: str) -> None:
             apply(skip=name)
             results[name] = train_step()
     for module_name in cpu._CURRENT_DEVICE_USERS:
-        apply(unpatch_module=module_name)
-        results[f"current_device:{module_name}"] = train_step()
+        if module_name != SP_ONLY:
+            apply(unpatch_module=module_name)
+            results[f"current_device:{module_name}"] = train_step()
+    # The TP linear layers allocate on the device only in their sequence-parallel backward: TP=2 + SP.
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    apply()
+    results["all_patches_sequence_parallel"] = train_step(sequence_parallel=True)
+    apply(unpatch_module=SP_ONLY)
+    results[f"current_device:{SP_ONLY}"] = train_step(sequence_parallel=True)
     if rank == 0:
         print("PROBE " + json.dumps(results), flush=True)
 

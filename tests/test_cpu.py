@@ -34,6 +34,7 @@ def probe() -> dict[str, str]:
 def test_all_patches_make_a_moe_training_step_run(probe: dict[str, str]) -> None:
     # Positive control: without it, the "still needed" checks below could pass for unrelated reasons.
     assert probe["all_patches"] == "ok"
+    assert probe["all_patches_sequence_parallel"] == "ok"
 
 
 CUDA_ERROR = ("NVIDIA driver", "CUDA", "cuda", "Torch not compiled")

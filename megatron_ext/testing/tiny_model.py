@@ -10,6 +10,7 @@ Example::
     logits = model(tokens, position_ids, attention_mask=None)
 """
 
+import copy
 from typing import Any, Optional
 
 import torch
@@ -17,6 +18,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ext.testing.distributed import sequence_parallel
@@ -63,6 +65,35 @@ def tiny_moe_config(**overrides: Any) -> TransformerConfig:
     return TransformerConfig(**fields)
 
 
+class SequenceParallelLayerNorm(torch.nn.LayerNorm):
+    """``torch.nn.LayerNorm`` with Megatron's norm signature that accepts sequence parallelism.
+
+    Megatron's local torch-norm wrapper asserts ``not config.sequence_parallel`` (TE's norms are the SP
+    path on GPU); a LayerNorm is per token, so it is exact on a sequence shard. Its parameters are marked
+    ``sequence_parallel`` so their gradients are all-reduced over TP as Megatron does for TE norms.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs: Any):
+        del kwargs
+        super().__init__(hidden_size, eps=eps)
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel
+
+
+def local_layer_spec(config: TransformerConfig) -> Any:
+    """Megatron's local GPT spec for ``config``; with sequence parallelism a block spec whose norms
+    are :class:`SequenceParallelLayerNorm`."""
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+    if not config.sequence_parallel:
+        return spec
+    spec = copy.deepcopy(spec)
+    spec.submodules.input_layernorm = SequenceParallelLayerNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelLayerNorm
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * config.num_layers, layer_norm=SequenceParallelLayerNorm
+    )
+
+
 def build_tiny_gpt(
     config: TransformerConfig,
     *,
@@ -71,11 +102,9 @@ def build_tiny_gpt(
     layer_spec: Optional[ModuleSpec] = None,
     position_embedding_type: str = "rope",
 ) -> GPTModel:
-    """Builds Megatron's ``GPTModel`` on CPU with the local (non-TE) layer spec unless one is given."""
+    """Builds Megatron's ``GPTModel`` on CPU with :func:`local_layer_spec` unless a spec is given."""
     if layer_spec is None:
-        layer_spec = get_gpt_layer_local_spec(
-            num_experts=config.num_moe_experts, moe_grouped_gemm=False
-        )
+        layer_spec = local_layer_spec(config)
     return GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,

@@ -17,7 +17,6 @@ from tests.replay.replay_model import (
     VOCAB,
     batch,
     capture_maps,
-    cpu_sequence_parallel_backward,
     expected_maps,
     loss,
     record,
@@ -174,7 +173,6 @@ def _zigzag_matches_megatron() -> bool:
 
 
 def _all_checks() -> dict:
-    cpu_sequence_parallel_backward()
     return {
         "plain": _round_trip(False),
         "recompute": _round_trip(True),
