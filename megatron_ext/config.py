@@ -395,6 +395,16 @@ class EntryConfig:
         packs_vary = getattr(args, "pack_documents", False) and not getattr(
             args, "pad_to_seq_len", False
         )
+        if getattr(args, "route_replay_mode", "off") == "record":
+            prefixes = [p for p in (getattr(args, "data_path", None) or []) if not _is_number(p)]
+            per_split = [getattr(args, n, None) for n in ("train_data_path", "valid_data_path",
+                                                         "test_data_path")]
+            if not getattr(args, "pack_documents", False) or len(prefixes) != 1 or any(per_split):
+                raise ValueError(
+                    "--route-replay-mode record writes one route sidecar aligned with one token "
+                    "dataset: it needs --pack-documents and exactly one --data-path prefix "
+                    f"(got {len(prefixes)} prefixes)"
+                )
         if packs_vary and getattr(args, "micro_batch_size", 1) > 1:
             raise ValueError(
                 "--pack-documents without --pad-to-seq-len gives packs of different lengths, which "

@@ -106,6 +106,7 @@ def train(args: argparse.Namespace) -> int:
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
+    from megatron_ext.training import run_state
     from megatron_ext.training.dataset_provider import train_valid_test_datasets_provider
     from megatron_ext.training.forward_step import forward_step
     from megatron_ext.training.model_provider import model_provider
@@ -119,6 +120,9 @@ def train(args: argparse.Namespace) -> int:
         forward_step,
         model_provider=model_provider,
     )
+    written = run_state.finish_recording(args)
+    if written is not None:
+        print(f"megatron_ext: wrote recorded routes of {written} documents")
     return 0
 
 

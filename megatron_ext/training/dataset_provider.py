@@ -5,6 +5,7 @@ Which dataset, from the flags:
 | flags | dataset |
 |---|---|
 | ``--route-replay-mode replay`` (needs ``--pack-documents``) | ``RoutedPackedDataset``: packs + route sidecars |
+| ``--route-replay-mode record --pack-documents`` | ``RoutedPackedDataset`` without routes (pack indices) |
 | ``--pack-documents`` | ``PackedDataset``: whole documents packed, self-padded, boundaries kept |
 | ``--mock-data`` | Megatron's ``MockGPTDataset`` |
 | otherwise | ``SelfPaddedGPTDataset``: Megatron's ``GPTDataset`` with self-token padding |
@@ -78,14 +79,16 @@ def dataset_config_from_args(
         create_attention_mask=args.create_attention_mask_in_dataloader,
         allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens,
     )
-    if padding.pack_documents and replay.route_replay_mode == "replay":
+    if padding.pack_documents and replay.route_replay_mode != "off":
+        # Replay reads route sidecars; record needs pack indices to scatter routes back to documents.
         from megatron_ext.replay.route_dataset import RoutedPackedDataset, RoutedPackedDatasetConfig
 
         packed = dataset_config(padding, pad_multiple=pad_multiple_from_args(args), **common)
         fields = {f.name: getattr(packed, f.name) for f in dataclasses.fields(packed) if f.init}
+        replaying = replay.route_replay_mode == "replay"
         return RoutedPackedDataset, RoutedPackedDatasetConfig(
             **fields,
-            route_suffix=replay.route_data_suffix,
+            route_suffix=replay.route_data_suffix if replaying else None,
             route_num_layers=num_moe_layers(args),
             route_topk=args.moe_router_topk,
             route_num_experts=args.num_experts,
@@ -109,9 +112,12 @@ def train_valid_test_datasets_provider(
     args = get_args()
     dataset_cls, config = dataset_config_from_args(args)
     print_rank_0(f"> megatron_ext: building {dataset_cls.__name__} train/valid/test datasets")
-    return BlendedMegatronDatasetBuilder(
+    datasets = BlendedMegatronDatasetBuilder(
         dataset_cls, train_val_test_num_samples, lambda: True, config
     ).build()
+    if run_state.configs(args)[ReplayConfig].route_replay_mode == "record":
+        run_state.state(args).record_dataset = datasets[0]
+    return datasets
 
 
 # Megatron's training loop builds the data loader on every rank that returns True here.

@@ -96,6 +96,8 @@ def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tens
             binding.begin_record(key, *batch["tokens"].shape)
     kwargs = model_inputs(batch, args)
     output = model(**kwargs, loss_mask=batch["loss_mask"])
+    if binding is not None and binding.mode == "record":
+        run_state.record_routes(args, binding, key, batch["pack_index"])
     if position == per_step - 1:  # every micro-batch of the step has been routed
         log_expert_load(args)
     loss_mask = batch["loss_mask"].reshape(output.shape)

@@ -29,6 +29,8 @@ class RunState:
     replay_bindings: list[Any] = field(default_factory=list)
     micro_batches_seen: int = 0
     last_load_summary: Optional[dict[str, Any]] = None
+    record_dataset: Any = None
+    recorded_packs: list[tuple[list[int], Any]] = field(default_factory=list)
 
 
 _STATE: Optional[RunState] = None
@@ -78,6 +80,48 @@ def replay_binding(args: argparse.Namespace) -> Any:
     if len(bindings) > 1:
         raise ValueError("route replay with virtual pipeline stages is not supported yet")
     return bindings[0] if bindings else None
+
+
+def record_routes(args: argparse.Namespace, binding: Any, key: Any, pack_index: Any) -> None:
+    """Keeps the routes the forward of micro-batch ``key`` chose, per pack (record mode).
+
+    NOTE: device-to-host sync (the recorded routes and pack indices go to the host); record mode only.
+    """
+    routes_BSLK = binding.recorded_routes(key)
+    state(args).recorded_packs.append((pack_index.tolist(), routes_BSLK.cpu().numpy()))
+
+
+def finish_recording(args: argparse.Namespace) -> Optional[int]:
+    """Gathers every data-parallel rank's recorded packs to rank 0 and writes the route sidecar.
+
+    Routes are already complete on every rank of a model-parallel group (``recorded_routes`` gathers over
+    TP/CP/PP), so only the data-parallel group's distinct packs are merged. Returns the number of
+    documents written on the writing rank, else None.
+    """
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_ext.replay.route_dataset import RouteRecorder
+
+    run = state(args)
+    replay = run.configs[ReplayConfig]
+    if replay.route_replay_mode != "record":
+        return None
+    packs = run.recorded_packs
+    group = parallel_state.get_data_parallel_group()
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
+        gathered: list[Any] = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(gathered, packs, group=group)
+        packs = [pack for part in gathered for pack in part]
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return None
+    if run.record_dataset is None:
+        raise ValueError("--route-replay-mode record: no dataset was built to record against")
+    recorder = RouteRecorder.for_dataset(run.record_dataset)
+    for pack_indices, routes_BSLK in packs:
+        for b, pack in enumerate(pack_indices):
+            recorder.add_pack(run.record_dataset.pack_pieces(pack), routes_BSLK[b])
+    return recorder.write(replay.route_record_path)
 
 
 def reset() -> None:

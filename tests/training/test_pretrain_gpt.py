@@ -201,3 +201,79 @@ def test_a_wrong_flag_in_a_copy_of_an_example_fails_clearly(
     proc = _dry_run(copy, example_data)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-2000:]
+
+
+def _record_then_replay(argv: list[str], record_prefix: str) -> dict:
+    """Record mode through the providers and forward step, write the sidecar, read it back."""
+    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.global_vars import unset_global_variables
+
+    from megatron_ext.arguments import add_megatron_ext_args
+    from megatron_ext.replay.routes import missing_mask
+    from megatron_ext.training import run_state
+    from megatron_ext.training.dataset_provider import train_valid_test_datasets_provider
+    from megatron_ext.training.forward_step import forward_step
+    from megatron_ext.training.model_provider import model_provider
+
+    unset_global_variables()
+    run_state.reset()
+    sys.argv = ["pretrain_gpt", *argv, "--route-replay-mode", "record", "--route-record-path",
+                record_prefix]
+    args = parse_and_validate_args(extra_args_provider=add_megatron_ext_args)
+    model = model_provider()
+    train, _, _ = train_valid_test_datasets_provider([8, 0, 0])
+    rank = torch.distributed.get_rank()
+    samples = [train[i] for i in range(rank * 2, rank * 2 + 2)]  # distinct packs per DP rank
+    batch = torch.utils.data.default_collate(samples)
+    chosen = []
+    for module in model.modules():
+        if type(module).__name__ == "TopKRouter":
+            module.register_forward_hook(lambda m, i, o: chosen.append(o[1].detach()))
+    forward_step(iter([batch]), model)
+    written = run_state.finish_recording(args)
+    torch.distributed.barrier()
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    routes = np.fromfile(record_prefix + ".bin", dtype=np.uint8)
+    written_docs = IndexedDataset(record_prefix)
+    # What the routers chose for this rank's tokens: top-k sets [L, S, B, K] (sorted expert ids).
+    real = ~batch["padding_mask"]
+    seq = batch["tokens"].shape[1]
+    picked = torch.stack(chosen).reshape(NUM_LAYERS, seq, len(samples), EXPERTS)
+    topk_LSBK = picked.nonzero()[:, -1].reshape(NUM_LAYERS, seq, len(samples), TOPK)
+    matches = []
+    for b, pack in enumerate(batch["pack_index"].tolist()):
+        doc_Q, start_Q, len_Q = train.pack_pieces(pack)
+        from_file = np.concatenate([
+            written_docs[int(d)].reshape(-1, NUM_LAYERS, TOPK)[int(s0):int(s0) + int(n)]
+            for d, s0, n in zip(doc_Q, start_Q, len_Q)
+        ])  # [real tokens of the pack, L, K], in pack order
+        n_real = int(real[b].sum())
+        chosen_real = topk_LSBK[:, :n_real, b].permute(1, 0, 2).numpy()
+        matches.append(bool(np.array_equal(np.sort(from_file, -1), chosen_real)))
+    return {
+        "file_matches_router_choice": matches,
+        "written": written,
+        "file_bytes": int(routes.size),
+        "recorded_real_tokens": int(real.sum()),
+        "missing_fraction": float(missing_mask(routes.reshape(-1, NUM_LAYERS, TOPK)).mean()),
+        "pack_index": batch["pack_index"].tolist(),
+    }
+
+
+def test_record_mode_writes_a_route_sidecar_aligned_with_the_tokens(data_prefix, tmp_path) -> None:
+    argv = BASE_ARGS + ["--data-path", data_prefix, "--pack-documents", "--pad-to-seq-len"]
+    record = str(tmp_path / "recorded_routes")
+    results = run_distributed(_record_then_replay, 2, argv, record, ep=2)
+    assert results[0]["written"] == 80 and results[1]["written"] is None  # rank 0 writes, once
+    # One K-byte row per token per MoE layer, aligned with every token of the token dataset.
+    token_count = sum(min(90, d.size) for d in __import__(
+        "megatron_ext.training.corpus", fromlist=["corpus_documents"]).corpus_documents()[:80])
+    assert results[0]["file_bytes"] == token_count * NUM_LAYERS * TOPK
+    recorded = sum(r["recorded_real_tokens"] for r in results)
+    assert 0 < recorded < token_count  # 4 packs recorded, the other documents stay missing
+    assert results[0]["missing_fraction"] == pytest.approx(1 - recorded / token_count)
+    assert sorted(results[0]["pack_index"] + results[1]["pack_index"]) == [0, 1, 2, 3]
+    # The file holds exactly what each rank's routers chose for every real token of its packs.
+    assert all(m for r in results for m in r["file_matches_router_choice"])
+    assert all(len(r["file_matches_router_choice"]) == 2 for r in results)
