@@ -21,7 +21,8 @@ def _load_worker(seq_len: int, num_packs: int, pad_fraction: float) -> dict:
     from megatron_ext.data.padding import pad_pack
     from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
     from megatron_ext.training.corpus import CONSTANT_PAD_ID, VOCAB_SIZE, corpus_stream
-    from megatron_ext.training.router_probe import RouterProbe, peak_over_mean
+    from megatron_ext.moe.load_metrics import ExpertLoadMetrics
+    from megatron_ext.moe.router_observer import observe_routers
 
     rank = torch.distributed.get_rank()
     ep = parallel_state.get_expert_model_parallel_world_size()
@@ -46,15 +47,15 @@ def _load_worker(seq_len: int, num_packs: int, pad_fraction: float) -> dict:
             rows.append((packed.tokens_S, packed.position_ids_S))
         tokens = torch.as_tensor(np.stack([r[0] for r in rows]))
         positions = torch.as_tensor(np.stack([r[1] for r in rows]))
-        with torch.no_grad(), RouterProbe(model) as probe:
+        metrics = ExpertLoadMetrics(model.config.num_moe_experts, ep)
+        with torch.no_grad(), observe_routers(model, metrics):
             model(tokens, positions, attention_mask=None)
-        per_rank = probe.tokens_per_ep_rank(ep)
-        per_expert = probe.global_tokens_per_expert()
+        stats = metrics.device_stats(parallel_state.get_data_parallel_group())
         out[policy] = {
-            "ep_rank_peak_over_mean": peak_over_mean(per_rank),
-            "expert_peak_over_mean": peak_over_mean(per_expert),
-            "per_rank": per_rank.tolist(),
-            "per_expert": per_expert.tolist(),
+            "ep_rank_peak_over_mean": float((stats["rank_max"] / stats["rank_mean"]).max()),
+            "expert_peak_over_mean": float((stats["expert_max"] / stats["expert_mean"]).max()),
+            "per_rank": stats["rank_counts_LR"].tolist(),
+            "per_expert": stats["tokens_LE"].tolist(),
         }
     return out
 

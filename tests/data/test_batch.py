@@ -309,7 +309,8 @@ def _hot_spot_worker(num_packs: int, seq_len: int) -> dict:
 
     from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
     from megatron_ext.training.corpus import VOCAB_SIZE, corpus_documents
-    from megatron_ext.training.router_probe import RouterProbe, peak_over_mean
+    from megatron_ext.moe.load_metrics import ExpertLoadMetrics
+    from megatron_ext.moe.router_observer import observe_routers
 
     rank = torch.distributed.get_rank()
     ep = parallel_state.get_expert_model_parallel_world_size()
@@ -343,9 +344,11 @@ def _hot_spot_worker(num_packs: int, seq_len: int) -> dict:
         }
         kwargs = gpt_forward_kwargs(batch)
         kwargs.pop("labels")
-        with torch.no_grad(), RouterProbe(model) as probe:
+        metrics = ExpertLoadMetrics(model.config.num_moe_experts, ep)
+        with torch.no_grad(), observe_routers(model, metrics):
             model(**kwargs)
-        out[policy] = peak_over_mean(probe.tokens_per_ep_rank(ep))
+        stats = metrics.device_stats(parallel_state.get_data_parallel_group())
+        out[policy] = float((stats["rank_max"] / stats["rank_mean"]).max())
     return out
 
 
