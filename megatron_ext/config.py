@@ -395,6 +395,12 @@ class EntryConfig:
         packs_vary = getattr(args, "pack_documents", False) and not getattr(
             args, "pad_to_seq_len", False
         )
+        if (getattr(args, "context_parallel_size", 1) or 1) > 1:
+            raise ValueError(
+                "megatron_ext.pretrain_gpt does not support --context-parallel-size > 1 yet: its "
+                "forward step does not slice megatron_ext's batches (pad mask, document boundaries, "
+                "routes) for context parallelism"
+            )
         if getattr(args, "route_replay_mode", "off") == "record":
             prefixes = [p for p in (getattr(args, "data_path", None) or []) if not _is_number(p)]
             per_split = [getattr(args, n, None) for n in ("train_data_path", "valid_data_path",

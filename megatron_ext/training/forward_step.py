@@ -85,19 +85,23 @@ def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tens
     args = get_args()
     batch = get_batch(data_iterator)
     key, position, per_step = _next_micro_batch(args)
+    kwargs = model_inputs(batch, args)
+    # The model's [batch, seq] layout: THD flattens the micro-batch to one row of B*S tokens, so routes
+    # are installed (and recorded) in that layout too; router rows then follow the model's token order.
+    model_shape = tuple(kwargs["input_ids"].shape)
     binding = run_state.replay_binding(args)
     if binding is not None:
         if position == 0:
             # Megatron finishes every backward of a step before the next step's first forward.
             binding.clear()
         if binding.mode == "replay":
-            binding.install(batch["routes"], key=key)
+            routes_BSLK = batch["routes"]
+            binding.install(routes_BSLK.reshape(*model_shape, *routes_BSLK.shape[2:]), key=key)
         else:
-            binding.begin_record(key, *batch["tokens"].shape)
-    kwargs = model_inputs(batch, args)
-    output = model(**kwargs, loss_mask=batch["loss_mask"])
+            binding.begin_record(key, *model_shape)
+    output = model(**kwargs, loss_mask=batch["loss_mask"].reshape(model_shape))
     if binding is not None and binding.mode == "record":
-        run_state.record_routes(args, binding, key, batch["pack_index"])
+        run_state.record_routes(args, binding, key, batch["pack_index"], batch["tokens"].shape)
     if position == per_step - 1:  # every micro-batch of the step has been routed
         log_expert_load(args)
     loss_mask = batch["loss_mask"].reshape(output.shape)

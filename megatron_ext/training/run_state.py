@@ -82,12 +82,16 @@ def replay_binding(args: argparse.Namespace) -> Any:
     return bindings[0] if bindings else None
 
 
-def record_routes(args: argparse.Namespace, binding: Any, key: Any, pack_index: Any) -> None:
+def record_routes(
+    args: argparse.Namespace, binding: Any, key: Any, pack_index: Any, batch_shape: tuple[int, int]
+) -> None:
     """Keeps the routes the forward of micro-batch ``key`` chose, per pack (record mode).
 
+    ``batch_shape`` is the data layout ``[B, S]``; the model may have run it flattened (THD).
     NOTE: device-to-host sync (the recorded routes and pack indices go to the host); record mode only.
     """
-    routes_BSLK = binding.recorded_routes(key)
+    routes = binding.recorded_routes(key)
+    routes_BSLK = routes.reshape(*batch_shape, *routes.shape[2:])
     state(args).recorded_packs.append((pack_index.tolist(), routes_BSLK.cpu().numpy()))
 
 

@@ -277,3 +277,26 @@ def test_record_mode_writes_a_route_sidecar_aligned_with_the_tokens(data_prefix,
     # The file holds exactly what each rank's routers chose for every real token of its packs.
     assert all(m for r in results for m in r["file_matches_router_choice"])
     assert all(len(r["file_matches_router_choice"]) == 2 for r in results)
+
+
+def test_context_parallelism_is_refused_at_argument_time(monkeypatch) -> None:
+    from megatron.training.arguments import parse_args
+
+    from megatron_ext.arguments import add_megatron_ext_args, configs_from_args
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt", *BASE_ARGS, "--context-parallel-size", "2"])
+    args = parse_args(extra_args_provider=add_megatron_ext_args)
+    with pytest.raises(ValueError, match="--context-parallel-size > 1"):
+        configs_from_args(args)
+
+
+def test_record_mode_needs_one_data_prefix(monkeypatch, tmp_path) -> None:
+    from megatron.training.arguments import parse_args
+
+    from megatron_ext.arguments import add_megatron_ext_args, configs_from_args
+
+    argv = [*BASE_ARGS, "--pack-documents", "--route-replay-mode", "record",
+            "--route-record-path", str(tmp_path / "r"), "--data-path", "0.5", "/a", "0.5", "/b"]
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt", *argv])
+    with pytest.raises(ValueError, match="exactly one --data-path prefix"):
+        configs_from_args(parse_args(extra_args_provider=add_megatron_ext_args))
