@@ -1,12 +1,15 @@
 """Self-padded ``GPTDataset``: a drop-in subclass whose short samples get self-token padding.
 
 Megatron's ``GPTDataset`` pads a short sample (the last one of an epoch/split when
-``drop_last_partial_validation_sequence`` is off) with the pad id and then maps it to token 0,
-so every pad shares one embedding and, in a MoE model, one set of experts. This subclass fills
-those positions through :func:`megatron_ext.data.padding.pad_pack` instead (the sample's own
-tokens, cycled), masks the loss by position (never by comparing ids) and adds ``padding_mask``
-(True = pad) for Megatron's MoE router. Everything else -- index building, caching, blending via
-``BlendedMegatronDatasetBuilder`` and ``--data-path`` weights -- is Megatron's own::
+``drop_last_partial_validation_sequence`` is off) with the pad id and then maps every token equal
+to the pad id to 0 and loss-masks every label equal to it, so every pad shares one embedding (in a
+MoE model, one set of experts) and, when the pad id equals a real token (``eos`` under
+``allow_ambiguous_pad_tokens``), real tokens are zeroed and masked too. This subclass fills those
+positions through :func:`megatron_ext.data.padding.pad_pack` instead (the sample's own tokens,
+cycled), derives tokens, labels and loss mask from positions only (never by comparing ids with the
+pad id) and adds ``padding_mask`` (True = pad) for Megatron's MoE router. Everything else -- index
+building, caching, blending via ``BlendedMegatronDatasetBuilder`` and ``--data-path`` weights,
+``eod_mask_loss``, ``reset_position_ids`` -- is Megatron's own::
 
     config = SelfPaddedGPTDatasetConfig(random_seed=1, sequence_length=64, blend=(prefixes,
                                         weights), split="98,1,1", tokenizer=tok, ...)
@@ -18,6 +21,9 @@ Example: text ``[a b c]`` (3 real tokens, sequence_length 5, so 6 text slots)::
     Megatron:   tokens [a b c 0 0]   labels [b c 0 0 0]   loss_mask [1 1 0 0 0]
     this class: tokens [a b c a b]   labels [b c a b c]   loss_mask [1 1 0 0 0]  padding_mask
                                                                    [F F F T T]
+
+Megatron's batch-padding sample (``idx=None``) is all pads: ``padding_mask`` all True, loss mask
+all 0, its content self-padded from sample 0 so it does not form one constant-id run.
 """
 
 import dataclasses
@@ -25,7 +31,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.gpt_dataset import (
+    GPTDataset,
+    GPTDatasetConfig,
+    _get_ltor_masks_and_position_ids,
+)
 
 from megatron_ext.data.packed_dataset import check_dataset_config
 from megatron_ext.data.padding import pad_pack
@@ -45,57 +55,86 @@ class SelfPaddedGPTDatasetConfig(GPTDatasetConfig):
     def __post_init__(self) -> None:
         check_dataset_config(self)
         super().__post_init__()
-        pad_pack(
-            np.zeros(0, np.int64), np.zeros(0, np.int64), 0, policy=self.pad_policy
-        )  # type: ignore[arg-type]
+        pad_pack(np.zeros(0, np.int64), np.zeros(0, np.int64), 0, policy=self.pad_policy)  # type: ignore[arg-type]
+
+
+def _segment_bounds(document_lengths: list[int], num_real: int, seq_length: int) -> np.ndarray:
+    """``cu_seqlens`` of the input positions: documents clipped to the ``num_real`` real inputs,
+    then one pad segment (so no real token attends to a pad).
+
+    Example: documents [3, 4] of a full sample with the extra label token, seq_length 6 ->
+    [0, 3, 6]; a short sample of documents [2] (num_real 2), seq_length 5 -> [0, 2, 5].
+    """
+    ends = np.minimum(np.cumsum(np.asarray(document_lengths, dtype=np.int64)), num_real)
+    bounds = np.unique(np.concatenate([[0], ends[ends > 0]]))
+    if num_real < seq_length:
+        bounds = np.concatenate([bounds, [seq_length]])
+    return bounds
 
 
 class SelfPaddedGPTDataset(GPTDataset):
     """``GPTDataset`` with self-token padding of short samples and a ``padding_mask``.
 
-    Padding happens where Megatron's does (``_query_document_sample_shuffle_indices``); the
-    number of real text tokens of the sample last read is kept for ``__getitem__`` to mask by
-    position (one sample at a time per dataset object, as in Megatron's own loaders).
+    ``__getitem__`` reads the sample once through Megatron's
+    ``_query_document_sample_shuffle_indices`` (whose ``document_lengths`` give the number of
+    real tokens) and builds the whole sample from positions, so no state is carried between
+    calls and the dataset is safe to share between threads or workers.
     """
 
     config: SelfPaddedGPTDatasetConfig
 
-    def _query_document_sample_shuffle_indices(
-        self, idx: int
-    ) -> tuple[np.ndarray, np.ndarray, list]:
-        text, document_ids, document_lengths = (
-            super()._query_document_sample_shuffle_indices(idx)
-        )
-        num_real = int(sum(document_lengths))
-        self._num_real_text = num_real
-        if num_real < text.size:
-            # The whole sample is one segment here: Megatron's GPT labels cross documents.
-            pack = pad_pack(
-                text[:num_real],
-                np.array([num_real] if num_real else [], dtype=np.int64),
-                text.size,
-                policy=self.config.pad_policy,  # type: ignore[arg-type]
-                pad_id=self.config.pad_constant_id,
-                placeholder_ids=self.config.multimodal_placeholder_ids,
-            )
-            text = pack.tokens_S
-        return text, document_ids, document_lengths
-
     def __getitem__(self, idx: int | None) -> dict[str, Any]:
-        sample = super().__getitem__(idx)
-        num_real = self._num_real_text
-        seq_length = sample["tokens"].numel()
-        # Input position i is real iff i < num_real; its label (text[i + 1]) iff i + 1 < num_real.
-        sample["loss_mask"][max(num_real - 1, 0) :] = 0.0
+        cfg = self.config
+        seq_length = cfg.sequence_length
+        extra = int(cfg.add_extra_token_to_sequence)
+        # idx None: Megatron's batch-padding sample. Its content is sample 0's, every position a pad.
+        text, _, document_lengths = self._query_document_sample_shuffle_indices(
+            0 if idx is None else idx
+        )
+        num_text = int(sum(document_lengths))  # real text tokens; the rest is Megatron's pad id
+        # Content: the real text, its pad slots refilled by the pad policy (one segment: GPT
+        # labels cross document boundaries).
+        content = pad_pack(
+            text[:num_text],
+            np.array([num_text] if num_text else [], dtype=np.int64),
+            text.size,
+            policy=cfg.pad_policy,  # type: ignore[arg-type]
+            pad_id=cfg.pad_constant_id,
+            placeholder_ids=cfg.multimodal_placeholder_ids,
+        ).tokens_S
+        num_real = 0 if idx is None else num_text
+        tokens = torch.from_numpy(content[:seq_length].copy())
+        if extra:
+            labels = torch.from_numpy(content[1 : seq_length + 1].copy())
+        else:
+            # The last input has no next text token: Megatron writes its pad there (mapped to 0).
+            labels = torch.from_numpy(np.append(content[1:], 0))
+
+        attention_mask, loss_mask, position_ids = _get_ltor_masks_and_position_ids(
+            tokens,
+            cfg.tokenizer.eod,
+            cfg.reset_position_ids,
+            cfg.reset_attention_mask,
+            cfg.eod_mask_loss,  # Megatron's semantics kept: inputs equal to eod are not trained
+            cfg.create_attention_mask,
+        )
+        # By position: input i is real iff i < num_real; its label text[i + 1] iff i + 1 < num_real.
+        loss_mask[max(num_real - 1, 0) :] = 0.0
         padding_mask = torch.zeros(seq_length, dtype=torch.bool)
-        padding_mask[num_real:] = True
-        sample["padding_mask"] = padding_mask
-        if self.config.inter_document_masking and num_real < seq_length:
-            # Megatron folds the pad into the last document; give pads their own segment.
-            cu = sample["cu_seqlens"]
-            j = int(torch.searchsorted(cu, torch.tensor(seq_length, dtype=cu.dtype)))
-            cu[j] = num_real
-            cu[j + 1] = seq_length
-            sample["position_ids"][num_real:] = torch.arange(seq_length - num_real)
-            sample["max_seqlen"] = (cu[1 : j + 2] - cu[: j + 1]).max()
+        padding_mask[min(num_real, seq_length) :] = True
+
+        sample: dict[str, Any] = {"tokens": tokens, "labels": labels}
+        if cfg.inter_document_masking:
+            bounds = _segment_bounds(document_lengths, min(num_real, seq_length), seq_length)
+            seg_lens = np.diff(bounds)
+            position_ids = torch.from_numpy(
+                np.arange(seq_length, dtype=np.int64) - np.repeat(bounds[:-1], seg_lens)
+            )
+            cu_seqlens = torch.full((seq_length + 1,), seq_length, dtype=torch.int32)
+            cu_seqlens[: bounds.size] = torch.from_numpy(bounds.astype(np.int32))
+            sample["cu_seqlens"] = cu_seqlens
+            sample["max_seqlen"] = torch.tensor(int(seg_lens.max()), dtype=torch.int32)
+        elif cfg.create_attention_mask:
+            sample["attention_mask"] = attention_mask
+        sample.update(loss_mask=loss_mask, position_ids=position_ids, padding_mask=padding_mask)
         return sample

@@ -5,19 +5,14 @@ import numpy as np
 import pytest
 import torch
 from megatron.core.datasets.blended_dataset import BlendedDataset
-from megatron.core.datasets.blended_megatron_dataset_builder import (
-    BlendedMegatronDatasetBuilder,
-)
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-from megatron.core.tokenizers import MegatronTokenizer
 
-from megatron_ext.data.gpt_dataset import (
-    SelfPaddedGPTDataset,
-    SelfPaddedGPTDatasetConfig,
-)
+from megatron_ext.data.gpt_dataset import SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig
 from megatron_ext.data.indexed_writer import write_documents
+from tests.data.dataset_helpers import build_splits, gpt_config_kwargs, null_tokenizer
 
 SEQ = 5
+EOD = 127  # the null tokenizer's eod at vocab 128
 
 
 @pytest.fixture(scope="module")
@@ -25,29 +20,23 @@ def prefixes(tmp_path_factory) -> list[str]:
     root = tmp_path_factory.mktemp("gpt")
     write_documents(str(root / "a"), [np.arange(1, 8), np.arange(20, 25)])  # 12 tokens
     write_documents(str(root / "b"), [np.arange(40, 49)])
-    return [str(root / "a"), str(root / "b")]
+    # Documents ending in eod, one with an eod inside: 4 + 5 + 4 = 13 tokens.
+    write_documents(str(root / "eod"), [[3, 4, 5, EOD], [6, EOD, 7, 8, EOD], [9, 10, 11, EOD]])
+    return [str(root / "a"), str(root / "b"), str(root / "eod")]
 
 
-def build(
-    cls, config_cls, prefixes, weights=None, split="0,100,0", sizes=(None,) * 3, **kw
-):
-    tok = MegatronTokenizer.from_pretrained(
-        metadata_path={"library": "null-text"}, vocab_size=128
-    )
+def build(cls, config_cls, prefixes, weights=None, split="0,100,0", sizes=(None,) * 3, **kw):
     config = config_cls(
-        random_seed=1,
-        sequence_length=SEQ,
-        blend=(prefixes, weights),
-        split=split,
-        tokenizer=tok,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,
-        drop_last_partial_validation_sequence=False,  # Megatron then pads the last sample
-        **kw,
+        **gpt_config_kwargs(
+            prefixes,
+            sequence_length=SEQ,
+            weights=weights,
+            split=split,
+            drop_last_partial_validation_sequence=False,  # Megatron then pads the last sample
+            **kw,
+        )
     )
-    return BlendedMegatronDatasetBuilder(cls, list(sizes), lambda: True, config).build()
+    return build_splits(cls, config, list(sizes))
 
 
 @pytest.mark.parametrize("inter_document_masking", [False, True])
@@ -56,21 +45,15 @@ def test_short_sample_is_self_padded_and_matches_megatron_on_real_tokens(
 ) -> None:
     kw = {"inter_document_masking": inter_document_masking}
     ref = build(GPTDataset, GPTDatasetConfig, prefixes[:1], **kw)[1]
-    ours = build(SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig, prefixes[:1], **kw)[
-        1
-    ]
+    ours = build(SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig, prefixes[:1], **kw)[1]
     assert len(ours) == len(ref) == 3
     padded = 0
     for i in range(len(ref)):
         r, o = ref[i], ours[i]
         n = int((~o["padding_mask"]).sum())
         assert torch.equal(r["tokens"][:n], o["tokens"][:n])
-        assert torch.equal(
-            r["loss_mask"], o["loss_mask"]
-        )  # Megatron masks its pads; we match
-        assert torch.equal(
-            r["labels"][r["loss_mask"].bool()], o["labels"][o["loss_mask"].bool()]
-        )
+        assert torch.equal(r["loss_mask"], o["loss_mask"])  # Megatron masks its pads; we match
+        assert torch.equal(r["labels"][r["loss_mask"].bool()], o["labels"][o["loss_mask"].bool()])
         if n < SEQ:
             padded += 1
             # Text [23 24] (one real label), sequence_length 5: pads cycle the sample's tokens.
@@ -80,27 +63,77 @@ def test_short_sample_is_self_padded_and_matches_megatron_on_real_tokens(
             if inter_document_masking:  # pads get their own segment, positions restart
                 assert o["cu_seqlens"].tolist() == [0, 2, 5, 5, 5, 5]
                 assert o["position_ids"].tolist() == [0, 1, 0, 1, 2]
+                assert int(o["max_seqlen"]) == 3
+        elif inter_document_masking:
+            assert torch.equal(r["cu_seqlens"], o["cu_seqlens"])
+            assert torch.equal(r["position_ids"], o["position_ids"])
     assert padded == 1
 
 
 def test_constant_policy_reproduces_megatron(prefixes: list[str]) -> None:
     ref = build(GPTDataset, GPTDatasetConfig, prefixes[:1])[1]
     ours = build(
-        SelfPaddedGPTDataset,
-        SelfPaddedGPTDatasetConfig,
-        prefixes[:1],
-        pad_policy="constant",
+        SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig, prefixes[:1], pad_policy="constant"
     )[1]
     for i in range(len(ref)):
         for key in ("tokens", "labels", "loss_mask", "position_ids"):
             assert torch.equal(ref[i][key], ours[i][key]), key
 
 
+@pytest.mark.parametrize("eod_mask_loss", [False, True])
+def test_eos_equal_to_pad_id_is_kept_and_trained(prefixes: list[str], eod_mask_loss: bool) -> None:
+    # A tokenizer whose pad id is its eod (allowed with allow_ambiguous_pad_tokens): Megatron
+    # compares ids with the pad id, so it zeroes every real eod and masks every eod label.
+    kw = {
+        "tokenizer": null_tokenizer(128, pad_id=EOD),
+        "allow_ambiguous_pad_tokens": True,
+        "eod_mask_loss": eod_mask_loss,
+    }
+    ref = build(GPTDataset, GPTDatasetConfig, prefixes[2:], **kw)[1]
+    ours = build(SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig, prefixes[2:], **kw)[1]
+    real_eod_inputs = real_eod_labels = megatron_zeroed = padded = 0
+    for i in range(len(ours)):
+        o, r = ours[i], ref[i]
+        # Reference: the raw text Megatron reads (its pad slots hold the pad id = EOD).
+        text, _, doc_lens = ours._query_document_sample_shuffle_indices(i)
+        num_text = sum(doc_lens)
+        n = min(num_text, SEQ)
+        padded += num_text < SEQ
+        assert o["padding_mask"].tolist() == [j >= n for j in range(SEQ)]
+        assert o["tokens"][:n].tolist() == text[:n].tolist()  # no real id remapped
+        for j in range(SEQ):
+            real_label = j + 1 < num_text  # by position: the next text token is real
+            if real_label:
+                assert int(o["labels"][j]) == text[j + 1]
+                real_eod_labels += text[j + 1] == EOD
+            expected = float(real_label and not (eod_mask_loss and text[j] == EOD))
+            assert float(o["loss_mask"][j]) == expected, (i, j)  # eod_mask_loss kept
+            if j < n and text[j] == EOD:
+                real_eod_inputs += 1
+                megatron_zeroed += int(r["tokens"][j]) == 0
+    # The interesting cases occurred: real eods as inputs and labels, Megatron zeroed them, and
+    # a short sample was padded.
+    assert real_eod_inputs > 0 and real_eod_labels > 0 and padded > 0
+    assert megatron_zeroed == real_eod_inputs
+
+
+def test_batch_padding_sample_is_all_pads(prefixes: list[str]) -> None:
+    ds = build(
+        SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig, prefixes[:1], inter_document_masking=True
+    )[1]
+    s = ds[None]
+    assert s["padding_mask"].all() and not s["loss_mask"].any()
+    assert s["cu_seqlens"].tolist() == [0, SEQ] + [SEQ] * (SEQ - 1)
+    assert s["position_ids"].tolist() == list(range(SEQ))
+    assert len(set(s["tokens"].tolist())) > 1  # self-padded from sample 0, not one constant id
+    assert not ds[0]["padding_mask"].any()  # a real sample read after it is unaffected
+
+
 def test_blends_with_weights_through_megatrons_builder(prefixes: list[str]) -> None:
     train, _, _ = build(
         SelfPaddedGPTDataset,
         SelfPaddedGPTDatasetConfig,
-        prefixes,
+        prefixes[:2],
         weights=[1.0, 3.0],
         split="100,0,0",
         sizes=(8, 0, 0),
@@ -121,4 +154,4 @@ def test_blends_with_weights_through_megatrons_builder(prefixes: list[str]) -> N
 )
 def test_bad_inputs(prefixes: list[str], kw: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        build(SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig, prefixes, **kw)
+        build(SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig, prefixes[:2], **kw)

@@ -1,0 +1,52 @@
+"""Shared builders for the data tests (not a test file): one place for the tokenizer and the
+``GPTDatasetConfig`` keyword arguments Megatron requires, so every data test builds datasets the
+same way through Megatron's ``BlendedMegatronDatasetBuilder``.
+
+    kw = gpt_config_kwargs([prefix], sequence_length=16)
+    train = build_splits(PackedDataset, PackedDatasetConfig(**kw, pad_to_seq_len=True), [10, 0, 0])[0]
+"""
+
+from typing import Any
+
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.tokenizers import MegatronTokenizer
+
+
+def null_tokenizer(vocab_size: int = 128, **kwargs: Any) -> MegatronTokenizer:
+    """Megatron's null text tokenizer (eod = vocab_size - 1 unless ``eod_id`` is given)."""
+    return MegatronTokenizer.from_pretrained(
+        metadata_path={"library": "null-text"}, vocab_size=vocab_size, **kwargs
+    )
+
+
+def gpt_config_kwargs(
+    prefixes: list[str],
+    *,
+    sequence_length: int,
+    weights: list[float] | None = None,
+    random_seed: int = 1,
+    split: str = "100,0,0",
+    path_to_cache: str | None = None,
+    vocab_size: int = 128,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """Keyword arguments of a ``GPTDatasetConfig`` (or a subclass) over ``prefixes``."""
+    kwargs: dict[str, Any] = {
+        "random_seed": random_seed,
+        "sequence_length": sequence_length,
+        "blend": (prefixes, weights),
+        "split": split,
+        "path_to_cache": path_to_cache,
+        "tokenizer": null_tokenizer(vocab_size),
+        "reset_position_ids": False,
+        "reset_attention_mask": False,
+        "eod_mask_loss": False,
+        "create_attention_mask": False,
+    }
+    kwargs.update(overrides)
+    return kwargs
+
+
+def build_splits(dataset_cls: type, config: Any, sizes: list[int | None]) -> list:
+    """Train/valid/test datasets of ``dataset_cls`` through Megatron's builder."""
+    return BlendedMegatronDatasetBuilder(dataset_cls, list(sizes), lambda: True, config).build()
