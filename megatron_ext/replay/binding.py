@@ -32,13 +32,17 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from megatron.core import parallel_state
+from megatron.core.models.hybrid.hybrid_block import HybridStack
+from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay
 from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.utils import make_viewless_tensor
 
 from megatron_ext.replay.layout import (
     assemble_from_ranks,
     moe_layer_numbers,
+    moe_layer_numbers_from_hybrid_pattern,
     router_row_positions,
     rows_for_router,
 )
@@ -46,6 +50,8 @@ from megatron_ext.replay.routes import route_dtype
 from megatron_ext.replay.unsupported import check_replay_supported
 
 _TopK = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# Decoder stacks whose output carries the backward key marker (GPTModel's, HybridModel's).
+_DECODER_BLOCKS = (TransformerBlock, HybridStack)
 
 
 class KeyedRouterReplay(RouterReplay):
@@ -71,7 +77,10 @@ class KeyedRouterReplay(RouterReplay):
 
 
 class _BackwardKeyMarker(torch.autograd.Function):
-    """Identity on the decoder output; its backward announces which micro-batch is in backward."""
+    """Identity on the decoder output; its backward announces which micro-batch is in backward.
+
+    Apply through :func:`_mark`: the output is a view, and a non-last pipeline stage's output is
+    freed by Megatron's ``deallocate_output_tensor``, which asserts ``out._base is None``."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, binding: "RouteReplayBinding", key: Hashable):
@@ -84,6 +93,21 @@ class _BackwardKeyMarker(torch.autograd.Function):
         return grad, None, None
 
 
+def _mark(hidden: torch.Tensor, binding: "RouteReplayBinding", key: Hashable) -> torch.Tensor:
+    """``hidden`` through :class:`_BackwardKeyMarker`, returned viewless (``_base is None``)."""
+    marked = _BackwardKeyMarker.apply(hidden, binding, key)
+    # Shares marked's storage; keep_graph keeps the marker's backward on the graph.
+    return make_viewless_tensor(marked, requires_grad=True, keep_graph=True)
+
+
+def _moe_layer_numbers(model: torch.nn.Module) -> list[int]:
+    """The decoder's MoE layer numbers: a ``HybridModel`` from its layer pattern (its config's
+    ``moe_layer_freq`` does not describe it), a ``GPTModel`` from ``moe_layer_freq``."""
+    if isinstance(model, HybridModel):
+        return moe_layer_numbers_from_hybrid_pattern(model.hybrid_layer_pattern)
+    return moe_layer_numbers(model.config.num_layers, model.config.moe_layer_freq)
+
+
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
     while hasattr(module, "module"):  # DDP / Float16Module wrappers
         module = module.module
@@ -94,7 +118,8 @@ class RouteReplayBinding:
     """Owns the route state of one model (all its virtual-pipeline chunks on this rank).
 
     Args:
-        model: The model chunk(s) on this rank (``GPTModel``, possibly wrapped).
+        model: The model chunk(s) on this rank (``GPTModel`` or ``HybridModel``, possibly
+            wrapped).
         mode: ``"replay"`` or ``"record"``.
         missing_route_policy: ``"native"`` (rows with the missing marker take the router's own
             top-k) or ``"balanced"`` (the data already filled them; no native top-k is computed).
@@ -118,7 +143,7 @@ class RouteReplayBinding:
         check_replay_supported(self.config, f"--route-replay-mode {mode}")
         self.mode = mode
         self.native_missing = missing_route_policy == "native"
-        numbers = moe_layer_numbers(self.config.num_layers, self.config.moe_layer_freq)
+        numbers = _moe_layer_numbers(chunks[0])
         self.num_moe_layers = len(numbers)
         self.topk = self.config.moe_router_topk
         ordinal_of = {n: i for i, n in enumerate(numbers)}
@@ -130,7 +155,7 @@ class RouteReplayBinding:
                 if isinstance(module, TopKRouter) and not module.is_mtp_layer:
                     self._restore.append((module, module.router_replay))
                     self.replays.append(self._swap_in(module, ordinal_of[module.layer_number]))
-            for block in (m for m in chunk.modules() if isinstance(m, TransformerBlock)):
+            for block in (m for m in chunk.modules() if isinstance(m, _DECODER_BLOCKS)):
                 self._hooks.append(block.register_forward_hook(self._mark_block_output))
         if not self.replays:
             raise ValueError("--route-replay-mode: this pipeline stage has no MoE router")
@@ -157,7 +182,7 @@ class RouteReplayBinding:
     def remove(self) -> None:
         """Unbinds: puts each router's previous ``RouterReplay`` back and drops the hooks."""
         instances = RouterReplay.global_router_replay_instances
-        for (router, old), new in zip(self._restore, self.replays):
+        for (router, old), new in zip(self._restore, self.replays, strict=True):
             router.router_replay = old
             slot = next((i for i, inst in enumerate(instances) if inst is new), None)
             if slot is not None:
@@ -196,9 +221,11 @@ class RouteReplayBinding:
         """Stores a micro-batch's routes for the MoE layers of this stage and makes it current.
 
         Args:
-            routes_BSLK: Routes of the whole micro-batch in the data layout (un-sharded; uint8 or
-                uint16 as produced by :mod:`~megatron_ext.replay.routes`), on the model's device
-                (move it with the rest of the batch).
+            routes_BSLK: Routes of the whole micro-batch in the layout the model sees (un-sharded;
+                uint8 or uint16 as produced by :mod:`~megatron_ext.replay.routes`), on the model's
+                device (move it with the rest of the batch). THD (packed sequences, tokens
+                ``[1, B*S]``): the router rows run ``b * S + s``, so pass
+                ``routes_BSLK.reshape(1, B * S, L, K)``, not ``[B, S, L, K]``.
             key: Identifies the micro-batch until :meth:`clear` (e.g. its index in the step).
 
         Raises:
@@ -231,7 +258,11 @@ class RouteReplayBinding:
         self._forward_key, self._backward_key = key, None
 
     def begin_record(self, key: Hashable, batch_size: int, seq_len: int) -> None:
-        """Makes ``key`` current for a recording forward of a ``[batch_size, seq_len]`` batch."""
+        """Makes ``key`` current for a recording forward of a ``[batch_size, seq_len]`` batch.
+
+        THD (tokens ``[1, B*S]``): pass ``batch_size=1, seq_len=B*S``; :meth:`recorded_routes`
+        then returns ``[1, B*S, L, K]`` (reshape to ``[B, S, L, K]`` for per-sample routes).
+        """
         if self.mode != "record":
             raise ValueError("begin_record() needs --route-replay-mode record")
         self._shapes[key] = (batch_size, seq_len)
@@ -254,10 +285,10 @@ class RouteReplayBinding:
         if key is None or self._backward_key is not None or not torch.is_grad_enabled():
             return output
         if isinstance(output, torch.Tensor) and output.requires_grad:
-            return _BackwardKeyMarker.apply(output, self, key)
+            return _mark(output, self, key)
         first = output[0] if isinstance(output, tuple) and output else None
         if isinstance(first, torch.Tensor) and first.requires_grad:
-            return (_BackwardKeyMarker.apply(first, self, key), *output[1:])
+            return (_mark(first, self, key), *output[1:])
         return output
 
     # ----- inside the router ---------------------------------------------------------------
