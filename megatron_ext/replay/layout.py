@@ -16,8 +16,15 @@ K top-k, R ranks gathered.
 """
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+
+# Megatron 0.19.2's hybrid pattern grammar (megatron/core/models/hybrid/hybrid_layer_allocation.py,
+# ``Symbols``): one symbol per layer, '|' between pipeline stages, '/' before each MTP depth's
+# pattern. Repeated here so this module stays free of megatron imports.
+_HYBRID_LAYER_SYMBOLS = frozenset("MG*D+-E")
+_HYBRID_MOE, _HYBRID_PIPE, _HYBRID_MTP = "E", "|", "/"
 
 
 def cp_zigzag_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -114,6 +121,47 @@ def assemble_from_ranks(
         -1, *rows_RNLK.shape[2:]
     )
     return flat_XLK.reshape(batch_size, seq_len, *rows_RNLK.shape[2:])
+
+
+def moe_layer_numbers_from_hybrid_pattern(pattern: str) -> list[int]:
+    """Absolute (1-based) numbers of the MoE (``E``) layers of a ``HybridModel`` decoder.
+
+    Only the main decoder pattern counts: pipeline separators ``|`` take no layer number
+    (``HybridStack`` numbers layers across stages), and MTP patterns after the first ``/`` are
+    skipped (MTP routers route natively). Example: ``"*E|*E/*E"`` -> ``[2, 4]``.
+
+    Args:
+        pattern: ``--hybrid-layer-pattern`` (``HybridModel.hybrid_layer_pattern``).
+
+    Raises:
+        ValueError: A symbol that is not a hybrid layer symbol.
+    """
+    main = pattern.split(_HYBRID_MTP, 1)[0]
+    bad = sorted(set(main) - _HYBRID_LAYER_SYMBOLS - {_HYBRID_PIPE})
+    if bad:
+        raise ValueError(
+            f"--hybrid-layer-pattern {pattern!r}: {bad} not a layer symbol "
+            f"(valid: {''.join(sorted(_HYBRID_LAYER_SYMBOLS))}, '|' and '/')"
+        )
+    layers = main.replace(_HYBRID_PIPE, "")
+    return [i + 1 for i, symbol in enumerate(layers) if symbol == _HYBRID_MOE]
+
+
+def moe_layer_numbers_for_args(args: Any) -> list[int]:
+    """MoE layer numbers of the model Megatron's parsed ``args`` describe.
+
+    ``args.hybrid_layer_pattern`` (or the deprecated ``hybrid_override_pattern`` before Megatron's
+    ``validate_args`` copies it over) when set, i.e. a ``HybridModel``; else a ``GPTModel`` with
+    ``args.num_layers`` and ``args.moe_layer_freq`` (no MoE layer without ``--num-experts``).
+    """
+    pattern = getattr(args, "hybrid_layer_pattern", None) or getattr(
+        args, "hybrid_override_pattern", None
+    )
+    if pattern:
+        return moe_layer_numbers_from_hybrid_pattern(pattern)
+    if not getattr(args, "num_experts", None):
+        return []
+    return moe_layer_numbers(args.num_layers, args.moe_layer_freq)
 
 
 def moe_layer_numbers(num_layers: int, moe_layer_freq: int | Sequence[int]) -> list[int]:

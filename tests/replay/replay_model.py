@@ -1,6 +1,6 @@
 """Model and capture helpers shared by the replay binding tests (imported by gloo workers).
 
-Not a test module: tiny MoE GPT builders (SP-capable via megatron_ext.testing), batches, routing-map capture,
+Not a test module: tiny MoE GPT and HybridModel builders (SP-capable via megatron_ext.testing), batches, routing-map capture,
 recording through a RouteReplayBinding and the routing maps installed routes should produce.
 """
 
@@ -12,15 +12,42 @@ BATCH, SEQ, VOCAB = 2, 16, 128
 def tiny_replay_model(recompute: bool):
     from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
 
-    extra = {}
-    if recompute:
-        extra = {
-            "recompute_granularity": "full",
-            "recompute_method": "uniform",
-            "recompute_num_layers": 1,
-        }
-    config = tiny_moe_config(moe_enable_routing_replay=True, **extra)
-    return build_tiny_gpt(config, vocab_size=VOCAB, max_seq_len=SEQ, )
+    config = tiny_moe_config(moe_enable_routing_replay=True, **_recompute_fields(recompute))
+    return build_tiny_gpt(config, vocab_size=VOCAB, max_seq_len=SEQ)
+
+
+def _recompute_fields(recompute: bool) -> dict:
+    if not recompute:
+        return {}
+    return {
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 1,
+    }
+
+
+def tiny_hybrid_model(recompute: bool, pattern: str = "*E*E"):
+    """A ``HybridModel`` (local-module stack spec): routers on the pattern's ``E`` layers only."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    from megatron_ext.moe.layer_specs import get_local_hybrid_stack_spec
+    from megatron_ext.testing import tiny_moe_config
+
+    # Megatron's MoE metrics tracker is process-global and sized by the first num_layers it sees
+    # (2, from earlier models in this worker); this model has more layers.
+    destroy_moe_metrics_tracker()
+    config = tiny_moe_config(
+        num_layers=len(pattern), moe_enable_routing_replay=True, **_recompute_fields(recompute)
+    )
+    return HybridModel(
+        config=config,
+        hybrid_stack_spec=get_local_hybrid_stack_spec(config.num_moe_experts),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        hybrid_layer_pattern=pattern,
+        position_embedding_type="rope",
+    )
 
 
 def batch(seed: int):

@@ -14,23 +14,24 @@ from megatron_ext.testing import run_distributed
 from tests.replay.replay_model import (
     BATCH,
     SEQ,
-    VOCAB,
     batch,
+    build_model_for_seq,
     capture_maps,
     expected_maps,
     loss,
     record,
     routers,
+    tiny_hybrid_model,
     tiny_replay_model,
 )
 
 
-def _round_trip(recompute: bool) -> dict:
+def _round_trip(recompute: bool, hybrid: bool = False) -> dict:
     from megatron_ext.replay.binding import RouteReplayBinding
     from megatron_ext.replay.routes import route_dtype
 
     torch.manual_seed(7)
-    model = tiny_replay_model(recompute)
+    model = tiny_hybrid_model(recompute) if hybrid else tiny_replay_model(recompute)
     tokens_a, positions = batch(1)
     tokens_b, _ = batch(2)
     routes_a = record(model, tokens_a, positions)
@@ -64,11 +65,17 @@ def _round_trip(recompute: bool) -> dict:
             expected += [want_b[number], want_a[number]]
         calls[number] = len(maps)
         exact &= len(maps) == len(expected) and all(
-            torch.equal(got, want) for got, want in zip(maps, expected)
+            torch.equal(got, want) for got, want in zip(maps, expected, strict=True)
         )
     grad_norm = sum(float(r.weight.grad.norm()) for r in routers(model))
     binding.remove()
-    return {"changed": float(changed), "exact": exact, "calls": calls, "grad": grad_norm}
+    return {
+        "changed": float(changed),
+        "exact": exact,
+        "calls": calls,
+        "grad": grad_norm,
+        "layers": sorted(log),
+    }
 
 
 def _native_rows_and_errors() -> dict:
@@ -180,14 +187,14 @@ def _all_checks() -> dict:
     }
 
 
-def _assert_round_trip(result: dict) -> None:
-    for name in ("plain", "recompute"):
+def _assert_round_trip(result: dict, names=("plain", "recompute")) -> None:
+    for name in names:
         r = result[name]
         assert r["changed"] > 0.3, r  # the perturbation changed natural routing
         assert r["exact"], r
         assert r["grad"] > 0, r  # replayed probs still train the router
-    assert all(n == 2 for n in result["plain"]["calls"].values())
-    assert all(n == 4 for n in result["recompute"]["calls"].values())  # recompute happened
+    for name in names:  # 2 micro-batches: forward only, or forward + recompute
+        assert all(n == (4 if "recompute" in name else 2) for n in result[name]["calls"].values())
 
 
 def test_round_trip_ep1_single_rank():
@@ -217,71 +224,84 @@ def test_zigzag_cp_layout_matches_megatron():
     assert all(run_distributed(_zigzag_matches_megatron, 2, cp=2))
 
 
-def _pipeline_stage_with_dense_layer() -> dict:
-    """PP=2, layers [dense, MoE | MoE, MoE]: each stage binds its MoE layers by absolute number
-    (ordinals 0 | 1, 2), replays them exactly, and record gathers all three over the PP group."""
+def _thd_flattened_batch() -> dict:
+    """THD: a [B, S] batch flattened to one row [1, B*S]. Router rows then run b*S+s, so routes
+    reshaped to [1, B*S, L, K] replay exactly and recorded_routes returns that layout."""
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from megatron_ext.replay.binding import RouteReplayBinding
-    from megatron_ext.testing import tiny_moe_config
 
-    first = parallel_state.is_pipeline_first_stage()
-    config = tiny_moe_config(
-        num_layers=4,
-        moe_layer_freq=[0, 1, 1, 1],
-        pipeline_model_parallel_size=2,
-        pipeline_dtype=torch.float32,
-        moe_enable_routing_replay=True,
+    torch.manual_seed(7)
+    model = build_model_for_seq(BATCH * SEQ)
+    tokens, _ = batch(4)
+    tokens_thd = tokens.reshape(1, BATCH * SEQ)
+    positions_thd = torch.arange(SEQ).repeat(BATCH).unsqueeze(0)  # restart per sample
+    # This rank's router rows: the whole flat row, or its TP slice under SP.
+    tp = (
+        parallel_state.get_tensor_model_parallel_world_size()
+        if model.config.sequence_parallel
+        else 1
     )
-    torch.manual_seed(11)
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False),
-        vocab_size=VOCAB,
-        max_sequence_length=SEQ,
-        position_embedding_type="rope",
-        pre_process=first,
-        post_process=not first,
-    )
-    tokens, positions = batch(5)
-    hidden = torch.randn(SEQ, BATCH, config.hidden_size, generator=torch.Generator().manual_seed(3))
+    local = BATCH * SEQ // tp
+    offset = parallel_state.get_tensor_model_parallel_rank() * local if tp > 1 else 0
 
-    def run_stage():
-        if first:
-            out = model(tokens, positions, attention_mask=None)
-        else:
-            model.set_input_tensor(hidden.clone().requires_grad_())
-            out = model(None, positions, attention_mask=None, labels=tokens)
-        out.sum().backward()
+    def naive_maps(routes_XLK):  # router row j holds flat token offset + j
+        rows = routes_XLK[offset : offset + local].long()
+        eye = torch.eye(8, dtype=torch.bool)
+        return {n: eye[rows[:, i]].any(1) for i, n in enumerate(sorted(log))}
 
     record = RouteReplayBinding(model, "record")
-    record.begin_record(0, BATCH, SEQ)
-    run_stage()
-    recorded = record.recorded_routes(0)  # all three MoE layers, gathered over PP
-    ordinals = list(record.stage_ordinals)
-    record.remove()
-    with torch.no_grad():
-        for router in routers(model):
-            router.weight.add_(torch.randn_like(router.weight) * 3.0)
-    binding = RouteReplayBinding(model, "replay")
     log, handles = capture_maps(model)
-    binding.install(recorded, key="pp")
-    run_stage()
+    record.begin_record(0, 1, BATCH * SEQ)
+    loss(model, tokens_thd, positions_thd).backward()
+    recorded = record.recorded_routes(0)
+    record.remove()
+    recorded_ok = recorded.shape == (1, BATCH * SEQ, 2, 2) and all(
+        torch.equal(log[n][0], want) for n, want in naive_maps(recorded[0]).items()
+    )
     for h in handles:
         h.remove()
-    want = expected_maps(binding, recorded)
-    exact = all(torch.equal(log[n][0], want[n]) for n in want)
-    layers = sorted(log)
+
+    routes_BSLK = torch.flip(recorded.reshape(BATCH, SEQ, 2, 2), dims=[0]).contiguous()
+    results = {}
+    binding = RouteReplayBinding(model, "replay")
+    for name, installed in (
+        ("thd", routes_BSLK.reshape(1, BATCH * SEQ, 2, 2)),  # the documented THD layout
+        ("bshd", routes_BSLK),  # wrong for THD: rows would be taken in s*B+b order
+    ):
+        log, handles = capture_maps(model)
+        binding.install(installed, key=name)
+        loss(model, tokens_thd, positions_thd).backward()
+        for h in handles:
+            h.remove()
+        want = naive_maps(routes_BSLK.reshape(BATCH * SEQ, 2, 2))
+        results[name] = all(torch.equal(log[n][0], want[n]) for n in want)
     binding.remove()
-    return {"ordinals": ordinals, "layers": layers, "exact": exact, "recorded": recorded}
+    # Non-vacuous: the replayed routes are not the recorded (natural) ones.
+    moved = not torch.equal(routes_BSLK.reshape(1, BATCH * SEQ, 2, 2), recorded)
+    return {"recorded_ok": recorded_ok, "moved": moved, **results}
 
 
-def test_pipeline_stages_bind_moe_layers_by_absolute_number():
-    stage0, stage1 = run_distributed(_pipeline_stage_with_dense_layer, 2, pp=2)
-    assert (stage0["ordinals"], stage0["layers"]) == ([0], [2])  # layer 1 is dense: skipped
-    assert (stage1["ordinals"], stage1["layers"]) == ([1, 2], [3, 4])
-    assert stage0["exact"] and stage1["exact"]
-    assert torch.equal(stage0["recorded"], stage1["recorded"])  # PP gather: same full buffer
-    assert not (stage0["recorded"] == 255).all(-1).any()  # every layer recorded on some stage
+def _hybrid_and_thd_checks(hybrid: bool) -> dict:
+    result = {"thd": _thd_flattened_batch()}
+    if hybrid:
+        result["hybrid_recompute"] = _round_trip(True, hybrid=True)
+    return result
+
+
+def _assert_thd(thd: dict) -> None:
+    assert thd["recorded_ok"] and thd["moved"] and thd["thd"], thd
+    assert not thd["bshd"], thd  # the [B, S] layout does not replay a THD row
+
+
+def test_hybrid_model_and_thd_layout_replay_exactly():
+    (result,) = run_distributed(_hybrid_and_thd_checks, 1, True)
+    _assert_round_trip(result, names=("hybrid_recompute",))
+    assert result["hybrid_recompute"]["layers"] == [2, 4]  # "*E*E": routers on layers 2 and 4
+    _assert_thd(result["thd"])
+
+
+def test_thd_layout_replays_exactly_tp2_sequence_parallel():
+    # The local hybrid stack spec has no SP-capable norm: GPTModel only here.
+    for result in run_distributed(_hybrid_and_thd_checks, 2, False, tp=2, sp=True):
+        _assert_thd(result["thd"])

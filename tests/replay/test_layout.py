@@ -1,5 +1,7 @@
 """Tier: pure (torch only). Router-row layout under CP zigzag and SP, MoE layer numbering."""
 
+import argparse
+
 import pytest
 import torch
 
@@ -7,6 +9,8 @@ from megatron_ext.replay.layout import (
     assemble_from_ranks,
     cp_zigzag_positions,
     moe_layer_numbers,
+    moe_layer_numbers_for_args,
+    moe_layer_numbers_from_hybrid_pattern,
     router_row_positions,
     rows_for_router,
 )
@@ -82,3 +86,26 @@ def test_moe_layer_numbers():
     assert moe_layer_numbers(4, [0, 1, 1, 0]) == [2, 3]
     with pytest.raises(ValueError, match="--moe-layer-freq"):
         moe_layer_numbers(3, [1, 0])
+
+
+def test_moe_layer_numbers_from_hybrid_pattern():
+    assert moe_layer_numbers_from_hybrid_pattern("*E*E") == [2, 4]
+    # '|' (pipeline stages) takes no layer number; the MTP part after '/' is not the decoder.
+    assert moe_layer_numbers_from_hybrid_pattern("*E|*E/*E/*E") == [2, 4]
+    assert moe_layer_numbers_from_hybrid_pattern("M-M*|EE") == [5, 6]
+    assert moe_layer_numbers_from_hybrid_pattern("M*-") == []
+    with pytest.raises(ValueError, match=r"--hybrid-layer-pattern .*\['x'\]"):
+        moe_layer_numbers_from_hybrid_pattern("*x*E")
+
+
+def test_moe_layer_numbers_for_args_follows_the_model_kind():
+    gpt = argparse.Namespace(
+        hybrid_layer_pattern=None, num_layers=4, moe_layer_freq=[0, 1, 1, 1], num_experts=8
+    )
+    assert moe_layer_numbers_for_args(gpt) == [2, 3, 4]
+    hybrid = argparse.Namespace(**{**vars(gpt), "hybrid_layer_pattern": "*E*E"})
+    assert moe_layer_numbers_for_args(hybrid) == [2, 4]  # not moe_layer_freq's [2, 3, 4]
+    legacy = argparse.Namespace(**{**vars(gpt), "hybrid_override_pattern": "E*E*"})
+    assert moe_layer_numbers_for_args(legacy) == [1, 3]  # before validate_args copies it over
+    dense = argparse.Namespace(**{**vars(gpt), "num_experts": None})
+    assert moe_layer_numbers_for_args(dense) == []
