@@ -30,7 +30,7 @@ from megatron.core.datasets.utils import Split
 
 from megatron_ext.data import pack_index_cache
 from megatron_ext.data.pack_planning import plan_packs
-from megatron_ext.data.padding import gather_by_src_index, pad_pack, target_length
+from megatron_ext.data.padding import check_fill, gather_by_src_index, pad_pack, target_length
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +63,7 @@ def check_dataset_config(config: GPTDatasetConfig) -> None:
         if weights is None:
             continue
         if any(w < 0 for w in weights):
-            raise ValueError(
-                f"--data-path weights must be >= 0, got {weights} for {prefixes}"
-            )
+            raise ValueError(f"--data-path weights must be >= 0, got {weights} for {prefixes}")
         if not any(w > 0 for w in weights):
             raise ValueError(f"--data-path weights are all zero for {prefixes}")
 
@@ -120,19 +118,36 @@ class PackedDatasetConfig(GPTDatasetConfig):
         )  # type: ignore[arg-type]
         for name, sidecar in self.sidecars.items():
             if sidecar.width < 1:
-                raise ValueError(
-                    f"sidecar {name!r} width must be >= 1, got {sidecar.width}"
-                )
+                raise ValueError(f"sidecar {name!r} width must be >= 1, got {sidecar.width}")
 
 
 def _open_indexed(path_prefix: str, what: str) -> IndexedDataset:
-    for ext in (".idx", ".bin"):
-        if not os.path.isfile(path_prefix + ext):
-            raise ValueError(f"{what} file {path_prefix + ext} does not exist")
+    """Opens ``path_prefix``.idx/.bin, checking the .bin holds exactly what the .idx indexes.
+
+    Megatron maps the .bin lazily, so a truncated or padded file would otherwise open fine and
+    fail (or read garbage) at some later sample without naming the file.
+    """
+    idx_path, bin_path = path_prefix + ".idx", path_prefix + ".bin"
+    for path in (idx_path, bin_path):
+        if not os.path.isfile(path):
+            raise ValueError(f"{what} file {path} does not exist")
     try:
-        return IndexedDataset(path_prefix, multimodal=False, mmap=True)
+        dataset = IndexedDataset(path_prefix, multimodal=False, mmap=True)
     except (AssertionError, ValueError, struct.error) as err:
         raise ValueError(f"{what} {path_prefix}.idx/.bin is corrupt: {err}") from err
+    index = dataset.index
+    expected = 0
+    if index.sequence_lengths.size:
+        last_end = index.sequence_pointers[-1] + index.sequence_lengths[-1] * index.dtype_size
+        expected = int(last_end)
+    actual = os.path.getsize(bin_path)
+    if actual != expected:
+        raise ValueError(
+            f"{what} file {bin_path} has {actual} bytes but {idx_path} indexes {expected} "
+            f"({index.sequence_lengths.size} sequences of {np.dtype(index.dtype).name}): the "
+            "file is truncated or corrupt; rewrite it"
+        )
+    return dataset
 
 
 @dataclasses.dataclass
@@ -145,9 +160,7 @@ class PackedLowLevelDataset:
     path_prefix: str
 
 
-def _check_aligned(
-    tokens: IndexedDataset, side: IndexedDataset, width: int, path: str
-) -> None:
+def _check_aligned(tokens: IndexedDataset, side: IndexedDataset, width: int, path: str) -> None:
     lens, side_lens = tokens.sequence_lengths, side.sequence_lengths
     if side_lens.shape != lens.shape:
         raise ValueError(
@@ -188,9 +201,7 @@ class PackedDataset(MegatronDataset):
         index_split: Split,
         config: PackedDatasetConfig,
     ) -> None:
-        super().__init__(
-            dataset, dataset_path, indices, num_samples, index_split, config
-        )
+        super().__init__(dataset, dataset_path, indices, num_samples, index_split, config)
         self.config: PackedDatasetConfig = config
         self.plan, self.cache_hit = pack_index_cache.load_or_build(
             self._cache_path(), self._build_plan, self.unique_description, _PLAN_KEYS
@@ -198,9 +209,7 @@ class PackedDataset(MegatronDataset):
         counts = json.loads(str(self.plan["counts"]))
         self.stats: dict[str, int] = counts
         if counts["num_split"] or counts["num_truncated"] or counts["num_dropped"]:
-            logger.info(
-                "%s %s over-long documents: %s", dataset_path, index_split.name, counts
-            )
+            logger.info("%s %s over-long documents: %s", dataset_path, index_split.name, counts)
         self._check_plan()
 
     @staticmethod
@@ -222,6 +231,8 @@ class PackedDataset(MegatronDataset):
             path = dataset_path + spec.suffix
             sidecars[name] = _open_indexed(path, f"{name} sidecar")
             _check_aligned(tokens, sidecars[name], spec.width, path)
+            # Refuse a fill the sidecar cannot hold now, not at the first constant pad.
+            check_fill(spec.fill, sidecars[name].index.dtype, f"sidecar {name!r} ({path})")
         return PackedLowLevelDataset(tokens, loss_mask, sidecars, dataset_path)
 
     @staticmethod
@@ -268,9 +279,7 @@ class PackedDataset(MegatronDataset):
             if plan.num_packs == 0:
                 break  # nothing to pack (empty split): more epochs cannot help
             order_P = np.arange(plan.num_packs)
-            if (
-                cfg.packing_algorithm == "best_fit"
-            ):  # undo the longest-first order of packs
+            if cfg.packing_algorithm == "best_fit":  # undo the longest-first order of packs
                 order_P = rng.permutation(plan.num_packs)
             sizes = np.diff(plan.pack_offsets_P1)[order_P]
             # Piece indices of the reordered packs, without a per-pack loop.
@@ -284,9 +293,7 @@ class PackedDataset(MegatronDataset):
                     sizes,
                 )
             )
-            if (
-                epoch == 0
-            ):  # per pass over the split's documents (later epochs repeat it)
+            if epoch == 0:  # per pass over the split's documents (later epochs repeat it)
                 counts = {k: getattr(plan, k) for k in counts}
             num_packs += plan.num_packs
             epoch += 1
@@ -299,9 +306,7 @@ class PackedDataset(MegatronDataset):
             "piece_doc_Q": np.concatenate([p[0] for p in parts]),
             "piece_start_Q": np.concatenate([p[1] for p in parts]),
             "piece_len_Q": np.concatenate([p[2] for p in parts]),
-            "pack_offsets_P1": np.concatenate([[0], np.cumsum(sizes_P)]).astype(
-                np.int64
-            ),
+            "pack_offsets_P1": np.concatenate([[0], np.cumsum(sizes_P)]).astype(np.int64),
             "counts": np.array(json.dumps({**counts, "num_epochs": epoch})),
         }
 
@@ -318,29 +323,23 @@ class PackedDataset(MegatronDataset):
             and np.all(lens <= self.config.sequence_length)
         )
         if not ok:
-            raise ValueError(
-                f"pack-index cache {self._cache_path()} is inconsistent; delete it"
-            )
+            raise ValueError(f"pack-index cache {self._cache_path()} is inconsistent; delete it")
 
     def __len__(self) -> int:
         return int(self.plan["pack_offsets_P1"].size - 1)
 
-    def _gather(
-        self, source: IndexedDataset, width: int, q0: int, q1: int
-    ) -> np.ndarray:
+    def _gather(self, source: IndexedDataset, width: int, q0: int, q1: int) -> np.ndarray:
         doc, start, ln = (self.plan[k][q0:q1] for k in _PLAN_KEYS[:3])
         parts = [
             source.get(int(d), offset=int(s) * width, length=int(n) * width)
-            for d, s, n in zip(doc, start, ln)
+            for d, s, n in zip(doc, start, ln, strict=True)
         ]
         flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         return flat.reshape(-1, width) if width > 1 else flat
 
     def __getitem__(self, idx: int) -> dict[str, Any]:
         if not 0 <= idx < len(self):
-            raise IndexError(
-                f"PackedDataset index {idx} out of range 0..{len(self) - 1}"
-            )
+            raise IndexError(f"PackedDataset index {idx} out of range 0..{len(self) - 1}")
         cfg = self.config
         q0, q1 = (
             int(self.plan["pack_offsets_P1"][idx]),

@@ -96,9 +96,7 @@ def target_length(
     if pad_to_multiple_of < 1:
         raise ValueError(f"--pad-to-multiple-of must be >= 1, got {pad_to_multiple_of}")
     if not 0 <= num_tokens <= seq_length:
-        raise ValueError(
-            f"a pack holds {num_tokens} tokens, outside 0..--seq-length={seq_length}"
-        )
+        raise ValueError(f"a pack holds {num_tokens} tokens, outside 0..--seq-length={seq_length}")
     if pad_to_seq_len:
         return seq_length
     if seq_length % pad_to_multiple_of:
@@ -162,9 +160,7 @@ def _check_pack_inputs(
     policy: str,
 ) -> None:
     if policy not in PAD_POLICIES:
-        raise ValueError(
-            f"unknown --pad-policy {policy!r}; choose one of {PAD_POLICIES}"
-        )
+        raise ValueError(f"unknown --pad-policy {policy!r}; choose one of {PAD_POLICIES}")
     if tokens_N.ndim != 1 or doc_lens_B.ndim != 1:
         raise ValueError("tokens and document lengths must be 1-D")
     if not np.issubdtype(tokens_N.dtype, np.integer) or not np.issubdtype(
@@ -172,9 +168,7 @@ def _check_pack_inputs(
     ):
         raise ValueError("tokens and document lengths must be integer arrays")
     if doc_lens_B.size and doc_lens_B.min() < 1:
-        raise ValueError(
-            f"every document needs >= 1 token, got lengths {doc_lens_B.tolist()}"
-        )
+        raise ValueError(f"every document needs >= 1 token, got lengths {doc_lens_B.tolist()}")
     if int(doc_lens_B.sum()) != tokens_N.size:
         raise ValueError(
             f"document lengths sum to {int(doc_lens_B.sum())} but the pack has "
@@ -226,9 +220,7 @@ def pad_pack(
 
     # Which real index each position holds or copies. Pads never copy a placeholder: a
     # multimodal pack (or an empty one, which has nothing to copy) pads with the constant id.
-    is_multimodal = bool(
-        np.isin(tokens_N, np.asarray(placeholder_ids, dtype=np.int64)).any()
-    )
+    is_multimodal = bool(np.isin(tokens_N, np.asarray(placeholder_ids, dtype=np.int64)).any())
     copy_pads = policy == "self" and not is_multimodal and n > 0
     src_index_S = np.empty(length, dtype=np.int64)
     src_index_S[:n] = np.arange(n)
@@ -241,9 +233,7 @@ def pad_pack(
 
     # Segments: one per document, then one for the pads, so no real token attends to a pad.
     doc_starts_B = np.cumsum(doc_lens_B) - doc_lens_B
-    seg_lens = np.concatenate([doc_lens_B, [num_pads] if num_pads else []]).astype(
-        np.int64
-    )
+    seg_lens = np.concatenate([doc_lens_B, [num_pads] if num_pads else []]).astype(np.int64)
     cu_seqlens = np.full(length + 1, length, dtype=np.int32)
     cu_seqlens[0] = 0
     cu_seqlens[1 : seg_lens.size + 1] = np.cumsum(seg_lens)
@@ -279,32 +269,58 @@ def pad_pack(
     )
 
 
-def gather_by_src_index(
-    values_NW: np.ndarray, src_index_S: np.ndarray, fill: int
-) -> np.ndarray:
+def check_fill(fill: int, dtype: np.dtype | type, what: str) -> None:
+    """Raises ValueError unless ``fill`` is representable in ``dtype``.
+
+    Example: ``check_fill(-1, np.uint8, "routes sidecar")`` raises (uint8 holds 0..255), where
+    numpy itself would only raise a bare OverflowError at the first constant pad.
+
+    Args:
+        fill: The constant-pad value of a payload.
+        dtype: The payload's dtype (e.g. an IndexedDataset sidecar's).
+        what: Names the payload in the message (e.g. ``"sidecar 'routes' (/d/a_routes)"``).
+    """
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        ok = fill in (0, 1)
+    elif np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        ok = float(fill).is_integer() and info.min <= fill <= info.max
+    else:  # a float fill must not overflow to inf (e.g. 1e6 in float16)
+        with np.errstate(over="ignore"):
+            ok = bool(np.isfinite(dtype.type(fill))) or not np.isfinite(fill)
+    if not ok:
+        raise ValueError(
+            f"{what} holds {dtype.name} values but its constant-pad fill is {fill!r}, which "
+            f"{dtype.name} cannot represent; pick a fill inside the dtype's range"
+        )
+
+
+def gather_by_src_index(values_NW: np.ndarray, src_index_S: np.ndarray, fill: int) -> np.ndarray:
     """Pads any per-token payload exactly like the tokens: ``values_NW[src_index_S]``.
 
     Args:
         values_NW: Payload of the pack's N real tokens, shape [N] or [N, W] (e.g. routes
             flattened to W = layers * topk).
         src_index_S: From :attr:`PaddedPack.src_index_S`.
-        fill: Value for positions with ``src_index_S == -1`` (constant pads).
+        fill: Value for positions with ``src_index_S == -1`` (constant pads); must fit
+            ``values_NW``'s dtype (:func:`check_fill`).
 
     Returns:
         Array of shape [S] or [S, W] with ``values_NW``'s dtype.
+
+    Raises:
+        ValueError: If ``fill`` does not fit the dtype or ``src_index_S`` indexes past N.
     """
     values_NW = np.asarray(values_NW)
+    check_fill(fill, values_NW.dtype, "payload")
     if src_index_S.size and src_index_S.max(initial=-1) >= values_NW.shape[0]:
         raise ValueError(
             f"payload has {values_NW.shape[0]} rows but the pack indexes row "
             f"{int(src_index_S.max())}"
         )
-    if (
-        values_NW.shape[0] == 0
-    ):  # nothing to copy: every position must be a constant pad
-        return np.full(
-            (src_index_S.size, *values_NW.shape[1:]), fill, dtype=values_NW.dtype
-        )
+    if values_NW.shape[0] == 0:  # nothing to copy: every position must be a constant pad
+        return np.full((src_index_S.size, *values_NW.shape[1:]), fill, dtype=values_NW.dtype)
     out = values_NW[np.maximum(src_index_S, 0)]
     out[src_index_S < 0] = fill
     return out

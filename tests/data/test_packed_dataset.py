@@ -10,14 +10,11 @@ import numpy as np
 import pytest
 import torch
 from megatron.core.datasets.blended_dataset import BlendedDataset
-from megatron.core.datasets.blended_megatron_dataset_builder import (
-    BlendedMegatronDatasetBuilder,
-)
-from megatron.core.tokenizers import MegatronTokenizer
 
 from megatron_ext.data.indexed_writer import write_documents
 from megatron_ext.data.packed_dataset import PackedDataset, PackedDatasetConfig, Sidecar
 from megatron_ext.data.padding import IGNORE_INDEX
+from tests.data.dataset_helpers import build_splits, gpt_config_kwargs
 
 SEQ = 32
 
@@ -27,14 +24,9 @@ def routes_of(tokens: np.ndarray) -> np.ndarray:
     return np.stack([tokens, tokens + 1], axis=1)
 
 
-def write_corpus(
-    prefix: str, seed: int, num_docs: int = 120, max_len: int = 45
-) -> list:
+def write_corpus(prefix: str, seed: int, num_docs: int = 120, max_len: int = 45) -> list:
     rng = np.random.default_rng(seed)
-    docs = [
-        rng.integers(1, 100, size=int(n))
-        for n in rng.integers(1, max_len, size=num_docs)
-    ]
+    docs = [rng.integers(1, 100, size=int(n)) for n in rng.integers(1, max_len, size=num_docs)]
     write_documents(prefix, docs)
     write_documents(prefix + "_lm", [(d % 3 != 0) for d in docs], dtype=np.uint8)
     write_documents(prefix + "_routes", [routes_of(d) for d in docs], dtype=np.int16)
@@ -44,39 +36,27 @@ def write_corpus(
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("packed")
-    docs = {
-        name: write_corpus(str(root / name), seed) for seed, name in enumerate("ab")
-    }
+    docs = {name: write_corpus(str(root / name), seed) for seed, name in enumerate("ab")}
     return {"root": str(root), "docs": docs}
 
 
 def make_config(corpus: dict, **overrides) -> PackedDatasetConfig:
-    tok = MegatronTokenizer.from_pretrained(
-        metadata_path={"library": "null-text"}, vocab_size=128
+    kwargs = gpt_config_kwargs(
+        [os.path.join(corpus["root"], "a")],
+        sequence_length=SEQ,
+        random_seed=7,
+        split="80,10,10",
+        path_to_cache=os.path.join(corpus["root"], "cache"),
+        loss_mask_suffix="_lm",
+        sidecars={"routes": Sidecar("_routes", width=2, fill=-1)},
+        pad_to_seq_len=True,
     )
-    kwargs = {
-        "random_seed": 7,
-        "sequence_length": SEQ,
-        "blend": ([os.path.join(corpus["root"], "a")], None),
-        "split": "80,10,10",
-        "tokenizer": tok,
-        "reset_position_ids": False,
-        "reset_attention_mask": False,
-        "eod_mask_loss": False,
-        "create_attention_mask": False,
-        "path_to_cache": os.path.join(corpus["root"], "cache"),
-        "loss_mask_suffix": "_lm",
-        "sidecars": {"routes": Sidecar("_routes", width=2, fill=-1)},
-        "pad_to_seq_len": True,
-    }
     kwargs.update(overrides)
     return PackedDatasetConfig(**kwargs)
 
 
 def build(config: PackedDatasetConfig, sizes=(100, 10, 10)) -> list:
-    return BlendedMegatronDatasetBuilder(
-        PackedDataset, list(sizes), lambda: True, config
-    ).build()
+    return build_splits(PackedDataset, config, list(sizes))
 
 
 def check_sample(ds: PackedDataset, docs: list, idx: int) -> int:
@@ -88,6 +68,7 @@ def check_sample(ds: PackedDataset, docs: list, idx: int) -> int:
         ds.plan["piece_doc_Q"][q],
         ds.plan["piece_start_Q"][q],
         ds.plan["piece_len_Q"][q],
+        strict=True,
     )
     real = np.concatenate([docs[d][st : st + n] for d, st, n in pieces])
     n = real.size
@@ -117,16 +98,12 @@ def test_samples_match_raw_documents_and_sidecars(corpus: dict) -> None:
     assert len(valid) >= 10 and len(test) >= 10
     pads = sum(check_sample(train, corpus["docs"]["a"], i) for i in range(len(train)))
     assert pads > 0  # the interesting case (padding) occurred
-    assert (
-        train.stats["num_split"] > 0
-    )  # documents longer than SEQ were split, and counted
+    assert train.stats["num_split"] > 0  # documents longer than SEQ were split, and counted
 
 
 def test_blend_with_weights_and_splits(corpus: dict) -> None:
     prefixes = [os.path.join(corpus["root"], n) for n in "ab"]
-    train, valid, _ = build(
-        make_config(corpus, blend=(prefixes, [0.25, 0.75])), (200, 20, 20)
-    )
+    train, valid, _ = build(make_config(corpus, blend=(prefixes, [0.25, 0.75])), (200, 20, 20))
     assert isinstance(train, BlendedDataset) and len(train) == 200
     ids = np.array([int(train[i]["dataset_id"]) for i in range(len(train))])
     assert 0.15 < (ids == 0).mean() < 0.35  # weights respected
@@ -134,9 +111,7 @@ def test_blend_with_weights_and_splits(corpus: dict) -> None:
         sample = train[i]
         ds = train.datasets[int(sample["dataset_id"])]
         own = ds[int(train.dataset_sample_index[i])]
-        assert sample["tokens"].shape == (SEQ,) and torch.equal(
-            sample["tokens"], own["tokens"]
-        )
+        assert sample["tokens"].shape == (SEQ,) and torch.equal(sample["tokens"], own["tokens"])
     assert all(isinstance(d, PackedDataset) for d in train.datasets)
     # Train and valid splits draw disjoint documents.
     tr_docs = set(train.datasets[0].plan["piece_doc_Q"].tolist())
@@ -163,9 +138,7 @@ def test_pad_to_multiple_and_algorithms(corpus: dict, algorithm: str) -> None:
 def test_overlong_policies_are_counted(corpus: dict) -> None:
     stats = {}
     for policy in ("split", "truncate", "drop"):
-        ds = build(
-            make_config(corpus, pack_overlong_policy=policy, path_to_cache=None)
-        )[0]
+        ds = build(make_config(corpus, pack_overlong_policy=policy, path_to_cache=None))[0]
         stats[policy] = ds.stats
         assert max(int(ds.plan["piece_len_Q"].max()), 0) <= SEQ
     assert stats["split"]["num_split"] == stats["truncate"]["num_truncated"]
@@ -185,7 +158,7 @@ def test_cache_is_reused_and_written_atomically(corpus: dict, tmp_path) -> None:
     other = build(make_config(corpus, path_to_cache=str(tmp_path), packing_window=7))[0]
     assert not other.cache_hit  # everything that changes the plan is in the file name
     # A corrupt cache file is reported by name.
-    path = next(os.path.join(tmp_path, f) for f in os.listdir(tmp_path) if "train" in f)
+    path = first._cache_path()  # cfg's own train cache (two configs share the directory now)
     with open(path, "wb") as f:
         f.write(b"not a zip")
     with pytest.raises(ValueError, match=f"pack-index cache {path} is corrupt"):
@@ -218,9 +191,7 @@ def test_same_seed_same_packs_in_two_processes(corpus: dict, tmp_path) -> None:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == here
-    assert (
-        sample_digest(corpus["root"], str(tmp_path / "c3"), 8) != here
-    )  # seed matters
+    assert sample_digest(corpus["root"], str(tmp_path / "c3"), 8) != here  # seed matters
 
 
 def test_resume_from_sample_k_matches_fresh_run(corpus: dict) -> None:
@@ -245,13 +216,9 @@ def test_resume_from_sample_k_matches_fresh_run(corpus: dict) -> None:
 
 def test_bad_inputs_name_the_problem(corpus: dict, tmp_path) -> None:
     root = corpus["root"]
-    with pytest.raises(
-        ValueError, match=r"--data-path file .*nope\.idx does not exist"
-    ):
+    with pytest.raises(ValueError, match=r"--data-path file .*nope\.idx does not exist"):
         build(make_config(corpus, blend=([os.path.join(root, "nope")], None)))
-    with pytest.raises(
-        ValueError, match=r"loss-mask sidecar file .*a_missing\.idx does not"
-    ):
+    with pytest.raises(ValueError, match=r"loss-mask sidecar file .*a_missing\.idx does not"):
         build(make_config(corpus, loss_mask_suffix="_missing"))
     # Sidecar of the wrong width / length.
     with pytest.raises(
@@ -261,31 +228,67 @@ def test_bad_inputs_name_the_problem(corpus: dict, tmp_path) -> None:
     short = str(tmp_path / "short")
     write_documents(short, [np.ones(3)])
     write_documents(short + "_lm", [np.ones(2)], dtype=np.uint8)
-    with pytest.raises(
-        ValueError, match=r"short_lm document 0 has 2 values, expected 1 x 3"
-    ):
+    with pytest.raises(ValueError, match=r"short_lm document 0 has 2 values, expected 1 x 3"):
         build(make_config(corpus, blend=([short], None), split="100,0,0"), (5, 0, 0))
     write_documents(short + "_few", [np.ones(3), np.ones(3)], dtype=np.uint8)
-    with pytest.raises(
-        ValueError, match=r"short_few has 2 documents, the tokens have 1"
-    ):
-        build(
-            make_config(
-                corpus, blend=([short], None), split="100,0,0", loss_mask_suffix="_few"
-            )
-        )
+    with pytest.raises(ValueError, match=r"short_few has 2 documents, the tokens have 1"):
+        build(make_config(corpus, blend=([short], None), split="100,0,0", loss_mask_suffix="_few"))
     corrupt = str(tmp_path / "corrupt")
     write_documents(corrupt, [np.ones(3)])
     with open(corrupt + ".idx", "wb") as f:
         f.write(b"garbage garbage garbage")
+    with pytest.raises(ValueError, match=r"--data-path .*corrupt\.idx/\.bin is corrupt"):
+        build(make_config(corpus, blend=([corrupt], None), loss_mask_suffix=None, sidecars={}))
+
+
+def test_truncated_bin_is_refused_at_open_naming_the_file(corpus: dict, tmp_path) -> None:
+    prefix = str(tmp_path / "cut")
+    write_documents(prefix, [np.arange(1, 40), np.arange(1, 30)])
+    config = make_config(
+        corpus, blend=([prefix], None), split="100,0,0", loss_mask_suffix=None, sidecars={}
+    )
+    assert len(build(config, (4, 0, 0))[0]) >= 4  # the intact file builds
+    size = os.path.getsize(prefix + ".bin")
+    with open(prefix + ".bin", "r+b") as f:
+        f.truncate(size - 8)
     with pytest.raises(
-        ValueError, match=r"--data-path .*corrupt\.idx/\.bin is corrupt"
+        ValueError,
+        match=rf"--data-path file .*cut\.bin has {size - 8} bytes but .*cut\.idx indexes {size}",
     ):
-        build(
-            make_config(
-                corpus, blend=([corrupt], None), loss_mask_suffix=None, sidecars={}
-            )
-        )
+        build(config, (4, 0, 0))
+    # The same check covers sidecars (here the routes sidecar grows by garbage).
+    other = str(tmp_path / "grown")
+    for ext in (".bin", ".idx"):
+        for suffix in ("", "_lm", "_routes"):
+            with open(os.path.join(corpus["root"], "a" + suffix + ext), "rb") as src:
+                data = src.read()
+            if suffix == "_routes" and ext == ".bin":
+                data += b"\0\0"
+            with open(other + suffix + ext, "wb") as dst:
+                dst.write(data)
+    with pytest.raises(ValueError, match=r"routes sidecar file .*grown_routes\.bin has"):
+        build(make_config(corpus, blend=([other], None), split="100,0,0"), (4, 0, 0))
+
+
+def test_sidecar_fill_must_fit_the_sidecar_dtype(corpus: dict, tmp_path) -> None:
+    # uint8 routes with fill -1: refused when the dataset is built, naming the sidecar file.
+    prefix = str(tmp_path / "u8")
+    docs = [np.arange(1, 6), np.arange(1, 4)]
+    write_documents(prefix, docs)
+    write_documents(prefix + "_routes", [np.stack([d, d], 1) for d in docs], dtype=np.uint8)
+    kw = {"blend": ([prefix], None), "split": "100,0,0", "loss_mask_suffix": None}
+    kw["pad_policy"] = "constant"  # constant pads: the fill is what every pad row gets
+    bad = make_config(corpus, sidecars={"routes": Sidecar("_routes", width=2, fill=-1)}, **kw)
+    with pytest.raises(
+        ValueError,
+        match=r"sidecar 'routes' \(.*u8_routes\) holds uint8 values but its constant-pad fill is -1",
+    ):
+        build(bad, (2, 0, 0))
+    good = make_config(corpus, sidecars={"routes": Sidecar("_routes", width=2, fill=255)}, **kw)
+    sample = build(good, (2, 0, 0))[0][0]
+    pads = sample["padding_mask"]
+    assert pads.any() and (sample["routes"][pads] == 255).all()
+    assert sample["routes"].dtype == torch.uint8
 
 
 @pytest.mark.parametrize(
