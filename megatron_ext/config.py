@@ -242,7 +242,16 @@ class MoEAlignmentConfig:
         return _align_size_for(precision, self.moe_dispatch_align_size)
 
     def check_megatron_args(self, args: _moe_argparse.Namespace) -> None:
-        """Refuses combinations with Megatron's flags that would double-pad or cannot align."""
+        """Refuses combinations with Megatron's flags that would double-pad, cannot align or crash.
+
+        Raises:
+            ValueError: Naming both flags of the refused combination.
+        """
+        if self.moe_expert_load_metrics and not getattr(args, "num_experts", None):
+            raise ValueError(
+                "--moe-expert-load-metrics needs an MoE model: set --num-experts (a dense model "
+                "has no routing to count)"
+            )
         if not self.moe_dispatch_align:
             return
         if getattr(args, "moe_router_padding_for_quantization", False):
@@ -262,22 +271,71 @@ class MoEAlignmentConfig:
             "fp4": getattr(args, "fp4", None),
             "fp4_recipe": getattr(args, "fp4_recipe", None),
         }
-        dispatcher = getattr(args, "moe_token_dispatcher_type", "allgather")
-        if dispatcher == "flex" and self.moe_dispatch_align_size is not None:
-            derived = MoEAlignmentConfig(moe_dispatch_align=True).align_size(**precision)
-            quantized = precision["fp8"] or precision["fp4"]
-            if quantized and self.align_size(**precision) != derived:
+        quantized = bool(precision["fp8"] or precision["fp4"])
+        override = self.moe_dispatch_align_size
+        if quantized and override is not None:
+            required = _moe_required_align(args)
+            if override <= 1 or override % required:
+                flag = "--fp8-recipe" if precision["fp8"] else "--fp4-recipe"
                 raise ValueError(
-                    f"--moe-dispatch-align-size {self.moe_dispatch_align_size} with "
+                    f"--moe-dispatch-align-size {override} under {flag} "
+                    f"{_moe_recipe_name(precision)}: the quantized grouped GEMM needs every "
+                    f"group to be a multiple of {required} (Megatron's "
+                    "get_align_size_for_quantization); use a multiple of it or drop the override"
+                )
+        dispatcher = getattr(args, "moe_token_dispatcher_type", "allgather")
+        if dispatcher == "flex" and override is not None and quantized:
+            derived = _moe_required_align(args)
+            if self.align_size(**precision) != derived:
+                raise ValueError(
+                    f"--moe-dispatch-align-size {override} with "
                     "--moe-token-dispatcher-type flex under fp8/fp4: HybridEP re-derives its "
                     f"pad_multiple ({derived}) from the recipe, so an override cannot be honoured"
                 )
-        if self.moe_dispatch_align_size and not (precision["fp8"] or precision["fp4"]):
-            _moe_warnings.warn(
-                f"--moe-dispatch-align-size {self.moe_dispatch_align_size} pads bf16/fp16 expert "
-                "groups, which need no padding (it only costs time)",
-                stacklevel=2,
-            )
+        if not quantized:
+            # A setting with no effect on the current path warns once (STYLE).
+            if override:
+                _moe_warn_once(
+                    f"--moe-dispatch-align-size {override} pads bf16/fp16 expert groups, which "
+                    "need no padding (it only costs time)"
+                )
+            else:
+                _moe_warn_once(
+                    "--moe-dispatch-align has no effect without --fp8-format / --fp4-format: "
+                    "bf16/fp16 grouped GEMMs need no alignment (Megatron's path runs untouched)"
+                )
+
+
+def _moe_recipe_name(precision: dict) -> str:
+    recipe = precision["fp8_recipe"] if precision["fp8"] else precision["fp4_recipe"]
+    return str(getattr(recipe, "value", recipe))
+
+
+def _moe_required_align(args: _moe_argparse.Namespace) -> int:
+    """The group multiple Megatron's own ``get_align_size_for_quantization`` asks of these args."""
+    from megatron.core.enums import Fp4Recipe, Fp8Recipe
+    from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+
+    fp8_recipe = getattr(args, "fp8_recipe", None) or "delayed"
+    fp4_recipe = getattr(args, "fp4_recipe", None) or "nvfp4"
+    view = _moe_argparse.Namespace(
+        use_transformer_engine_op_fuser=getattr(args, "use_transformer_engine_op_fuser", False),
+        fp8=getattr(args, "fp8", None),
+        fp8_recipe=Fp8Recipe(getattr(fp8_recipe, "value", fp8_recipe)),
+        fp4=getattr(args, "fp4", None),
+        fp4_recipe=Fp4Recipe(getattr(fp4_recipe, "value", fp4_recipe)),
+    )
+    return get_align_size_for_quantization(view)
+
+
+_MOE_WARNED: set[str] = set()
+
+
+def _moe_warn_once(message: str) -> None:
+    """Warns the first time ``message`` is seen in this process (STYLE: warn once)."""
+    if message not in _MOE_WARNED:
+        _MOE_WARNED.add(message)
+        _moe_warnings.warn(message, stacklevel=3)
 
 
 # === replay (issue 5) ===

@@ -47,7 +47,8 @@ def align_size_for(precision: str, override: int | None = None) -> int:
 
     Args:
         precision: One of ``ALIGN_BY_PRECISION`` (``"bf16"``, ``"fp8"``, ``"mxfp8"``, ...).
-        override: A user-chosen multiple that wins over the precision's default; 0 or 1 disables.
+        override: A user-chosen multiple that wins over a quantized precision's default; 0 or 1
+            disables. Ignored for bf16/fp16/fp32, which stay untouched (no padding, no copy).
 
     Returns:
         The alignment multiple; 0 means no alignment.
@@ -63,6 +64,8 @@ def align_size_for(precision: str, override: int | None = None) -> int:
     if override is not None:
         if override < 0:
             raise ValueError(f"--moe-dispatch-align-size must be >= 0, got {override}")
+        if ALIGN_BY_PRECISION[precision] == 0:
+            return 0  # unquantized GEMMs need no alignment: padding would only cost time
         return 0 if override <= 1 else override
     return ALIGN_BY_PRECISION[precision]
 

@@ -35,11 +35,15 @@ from megatron_ext.moe import alignment as al
 def align_size_for_config(config: TransformerConfig, alignment: MoEAlignmentConfig) -> int:
     """The group multiple for a Megatron config (0: no alignment).
 
-    Follows Megatron's ``get_align_size_for_quantization``: fp8 16, mxfp8 32, fp4 128, and 256
-    under ``use_transformer_engine_op_fuser`` (CUTLASS grouped GEMM); a
-    ``--moe-dispatch-align-size`` override wins.
+    Follows Megatron's ``get_align_size_for_quantization`` for quantized GEMMs: fp8 16, mxfp8 32,
+    fp4 128, and 256 under ``use_transformer_engine_op_fuser`` (CUTLASS grouped GEMM); a
+    ``--moe-dispatch-align-size`` override wins (``check_megatron_args`` keeps it a multiple of
+    Megatron's value). Without fp8/fp4 it is 0, unlike Megatron's function, which returns 256
+    under the op fuser even for bf16: Megatron only *uses* that value when fp8/fp4 is on
+    (``TEGroupedMLP`` builds and calls its ``Fp8Padding`` only then), and bf16 must stay
+    Megatron's path, untouched.
     """
-    if not alignment.moe_dispatch_align:
+    if not alignment.moe_dispatch_align or not (config.fp8 or config.fp4):
         return 0
     if alignment.moe_dispatch_align_size is None and config.use_transformer_engine_op_fuser:
         return 256

@@ -52,7 +52,8 @@ def test_align_size_by_precision_and_override():
     assert al.align_size_for("fp8") == 16
     assert al.align_size_for("mxfp8") == 32
     assert al.align_size_for("nvfp4") == 128
-    assert al.align_size_for("bf16", override=64) == 64
+    assert al.align_size_for("bf16", override=64) == 0  # bf16 stays untouched
+    assert al.align_size_for("fp8", override=64) == 64
     assert al.align_size_for("nvfp4", override=1) == 0  # 1 means "no alignment"
     with pytest.raises(ValueError, match="--moe-dispatch-align-size"):
         al.align_size_for("fp8", override=-16)

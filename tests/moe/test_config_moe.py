@@ -2,10 +2,19 @@
 megatron_ext/config.py: flags, validation, refusals naming both flags."""
 
 import argparse
+import sys
+import warnings
 
 import pytest
 
+import megatron_ext.config as config_module
 from megatron_ext.config import MoEAlignmentConfig
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warn_once(monkeypatch):
+    """Each test sees the once-per-process warnings anew."""
+    monkeypatch.setattr(config_module, "_MOE_WARNED", set(), raising=False)
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -27,8 +36,6 @@ def test_flags_parse_with_megatrons_parser():
     from megatron_ext.arguments import add_megatron_ext_args, configs_from_args
 
     argv = ["--moe-dispatch-align", "--moe-dispatch-align-size", "64", "--fp8-format", "e4m3"]
-    import sys
-
     old, sys.argv = sys.argv, ["x", *argv]
     try:
         args = parse_args(extra_args_provider=add_megatron_ext_args, ignore_unknown_args=True)
@@ -64,3 +71,95 @@ def test_refusals_name_both_flags():
         override.check_megatron_args(_args())
     on.check_megatron_args(_args(fp8="e4m3"))  # the supported combination passes
     MoEAlignmentConfig().check_megatron_args(_args(moe_router_padding_for_quantization=True))
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    from megatron.training.arguments import parse_args
+
+    from megatron_ext.arguments import add_megatron_ext_args
+
+    old, sys.argv = sys.argv, ["x", *argv]
+    try:
+        return parse_args(extra_args_provider=add_megatron_ext_args, ignore_unknown_args=True)
+    finally:
+        sys.argv = old
+
+
+@pytest.mark.parametrize(
+    "precision, override",
+    [
+        ({"fp8": "e4m3", "fp8_recipe": "mxfp8"}, 0),
+        ({"fp8": "e4m3", "fp8_recipe": "mxfp8"}, 1),
+        ({"fp8": "e4m3", "fp8_recipe": "mxfp8"}, 8),
+        ({"fp8": "e4m3", "fp8_recipe": "mxfp8"}, 24),
+        ({"fp8": "e4m3", "fp8_recipe": "mxfp8"}, 48),  # a multiple of 16, not of 32
+        ({"fp8": "hybrid", "fp8_recipe": "tensorwise"}, 24),
+        ({"fp4": "e2m1", "fp4_recipe": "nvfp4"}, 64),
+        ({"fp8": "e4m3", "fp8_recipe": "delayed", "use_transformer_engine_op_fuser": True}, 128),
+    ],
+)
+def test_override_must_be_a_multiple_of_megatrons_align(precision, override):
+    cfg = MoEAlignmentConfig(moe_dispatch_align=True, moe_dispatch_align_size=override)
+    recipe_flag = "--fp8-recipe" if "fp8" in precision else "--fp4-recipe"
+    with pytest.raises(ValueError, match="--moe-dispatch-align-size") as err:
+        cfg.check_megatron_args(_args(**precision))
+    assert recipe_flag in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "precision, override",
+    [
+        ({"fp8": "e4m3", "fp8_recipe": "mxfp8"}, 32),
+        ({"fp8": "e4m3", "fp8_recipe": "mxfp8"}, 256),
+        ({"fp8": "hybrid", "fp8_recipe": "tensorwise"}, 48),
+        ({"fp4": "e2m1", "fp4_recipe": "nvfp4"}, 256),
+        ({"fp8": "e4m3", "fp8_recipe": "delayed", "use_transformer_engine_op_fuser": True}, 512),
+    ],
+)
+def test_override_multiple_of_megatrons_align_passes(precision, override):
+    from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+
+    cfg = MoEAlignmentConfig(moe_dispatch_align=True, moe_dispatch_align_size=override)
+    cfg.check_megatron_args(_args(**precision))
+    megatron = get_align_size_for_quantization(
+        argparse.Namespace(
+            **{"use_transformer_engine_op_fuser": False, "fp8": None, "fp4": None, **precision}
+        )
+    )
+    assert megatron > 1 and override % megatron == 0  # what the check compared against
+
+
+def test_unaligned_override_refused_through_megatrons_parser():
+    from megatron_ext.arguments import configs_from_args
+
+    args = _parse(
+        ["--moe-dispatch-align", "--moe-dispatch-align-size", "24", "--fp8-format", "e4m3"]
+        + ["--fp8-recipe", "mxfp8", "--num-experts", "8"]
+    )
+    with pytest.raises(ValueError, match="--moe-dispatch-align-size 24.*--fp8-recipe mxfp8"):
+        configs_from_args(args)
+
+
+def test_load_metrics_on_a_dense_model_refused():
+    from megatron_ext.arguments import configs_from_args
+
+    cfg = MoEAlignmentConfig(moe_expert_load_metrics=True)
+    with pytest.raises(ValueError, match="--moe-expert-load-metrics.*--num-experts"):
+        cfg.check_megatron_args(_args(num_experts=None))
+    cfg.check_megatron_args(_args(num_experts=8))
+    with pytest.raises(ValueError, match="--num-experts"):
+        configs_from_args(_parse(["--moe-expert-load-metrics"]))
+
+
+def test_align_under_bf16_warns_once():
+    on = MoEAlignmentConfig(moe_dispatch_align=True)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        on.check_megatron_args(_args())
+        on.check_megatron_args(_args())
+    messages = [str(w.message) for w in seen]
+    assert len(messages) == 1 and "--moe-dispatch-align has no effect" in messages[0], messages
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        on.check_megatron_args(_args(fp8="e4m3"))  # fp8: it has an effect, no warning
+    assert not seen

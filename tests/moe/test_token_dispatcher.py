@@ -241,3 +241,24 @@ def test_host_sync_counts(results):
             added = host - static
             assert all(site.endswith("in aligned_rows_from_host_counts") for site in added)
             assert sum(added.values()) == 1 and static - host == collections.Counter()
+
+
+@pytest.mark.parametrize("op_fuser", [False, True])
+def test_align_size_for_config_leaves_bf16_untouched(op_fuser):
+    """Megatron's get_align_size_for_quantization says 256 under the op fuser even for bf16; it
+    only pads under fp8/fp4, and so do we: bf16 gives 0 (identity), fp8 gives Megatron's value."""
+    from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_ext.config import MoEAlignmentConfig
+    from megatron_ext.moe.token_dispatcher import align_size_for_config
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+    cfg.use_transformer_engine_op_fuser = op_fuser  # set after build: no TE to validate it
+    on = MoEAlignmentConfig(moe_dispatch_align=True)
+    assert align_size_for_config(cfg, on) == 0
+    assert align_size_for_config(cfg, MoEAlignmentConfig(moe_dispatch_align=True,
+                                                         moe_dispatch_align_size=256)) == 0
+    for precision in PRECISIONS:
+        set_precision(cfg, precision)
+        assert align_size_for_config(cfg, on) == get_align_size_for_quantization(cfg) > 1
