@@ -20,106 +20,24 @@ Example (two samples of S = 4; sample 0 = documents [2, 1] + 1 pad)::
     packed_seq_params(cu_seqlens, 4).cu_seqlens_q -> [0, 2, 3, 4, 4, 8, 8, 8, 8]
     (trailing repeats are empty segments: no host sync is needed to trim them)
 
+Samples of one micro-batch must share a length: Megatron's data loader stacks them with
+``default_collate``, so micro-batch > 1 with packed data needs ``--pad-to-seq-len`` (the entry
+point refuses ``--pack-documents`` without it there).
+
 Legend: B samples in the micro-batch, S padded sample length, C = S + 1 cu_seqlens entries.
 """
 
-from collections.abc import Sequence
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
-
-from megatron_ext.data.padding import (
-    IGNORE_INDEX,
-    PadPolicy,
-    gather_by_src_index,
-    pad_pack,
-)
 
 AttentionLayout = Literal["mask", "thd"]
 
 
-class PackCollator:
-    """``collate_fn`` for packs of different lengths (``pad_to_multiple_of`` with micro-batch > 1).
-
-    Extends each sample's padding to the longest sample of the batch with the same policy (the
-    cycle continues: ``[a b c a]`` -> ``[a b c a b c]``), so the batch equals what
-    ``pad_pack`` would have produced at that length; sidecars are re-gathered through the new
-    ``src_index``. Runs in the data loader, not in the model's hot path.
-
-    Args:
-        policy, pad_id, placeholder_ids: As given to the dataset (``PackedDatasetConfig``).
-        sidecar_fills: Name -> constant-pad fill of each per-token sidecar in the samples.
-    """
-
-    def __init__(
-        self,
-        policy: PadPolicy = "self",
-        pad_id: int = 0,
-        placeholder_ids: Sequence[int] = (),
-        sidecar_fills: dict[str, int] | None = None,
-    ) -> None:
-        self.policy, self.pad_id, self.placeholder_ids = (
-            policy,
-            pad_id,
-            list(placeholder_ids),
-        )
-        self.sidecar_fills = dict(sidecar_fills or {})
-
-    def extend(self, sample: dict[str, Any], length: int) -> dict[str, Any]:
-        """One sample re-padded to ``length`` (>= its current length)."""
-        n = int((~sample["padding_mask"]).sum())
-        num_segments = int(sample["num_segments"])
-        cu = sample["cu_seqlens"].numpy()[: num_segments + 1]
-        doc_lens = np.diff(
-            cu[cu <= n]
-        )  # real documents only (the pad segment ends past n)
-        pack = pad_pack(
-            sample["tokens"].numpy()[:n],
-            doc_lens,
-            length,
-            policy=self.policy,
-            pad_id=self.pad_id,
-            placeholder_ids=self.placeholder_ids,
-        )
-        out = dict(sample)
-        labels = np.full(length, IGNORE_INDEX, dtype=np.int64)
-        labels[:n] = sample["labels"].numpy()[:n]
-        loss_mask = np.zeros(length, dtype=np.float32)
-        loss_mask[:n] = sample["loss_mask"].numpy()[:n]
-        cu_fixed = np.full(sample["cu_seqlens"].numel(), length, dtype=np.int32)
-        cu_fixed[: pack.num_segments + 1] = pack.cu_seqlens[: pack.num_segments + 1]
-        out.update(
-            tokens=torch.from_numpy(pack.tokens_S),
-            labels=torch.from_numpy(labels),
-            loss_mask=torch.from_numpy(loss_mask),
-            position_ids=torch.from_numpy(pack.position_ids_S),
-            padding_mask=torch.from_numpy(pack.pad_mask_S),
-            src_index=torch.from_numpy(pack.src_index_S),
-            cu_seqlens=torch.from_numpy(cu_fixed),
-            num_segments=torch.tensor(pack.num_segments, dtype=torch.int32),
-            max_seqlen=torch.tensor(pack.max_seqlen, dtype=torch.int32),
-        )
-        for name, fill in self.sidecar_fills.items():
-            real = sample[name].numpy()[:n]
-            out[name] = torch.from_numpy(
-                gather_by_src_index(real, pack.src_index_S, fill)
-            )
-        return out
-
-    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
-        length = max(int(s["tokens"].numel()) for s in samples)
-        return torch.utils.data.default_collate(
-            [self.extend(s, length) for s in samples]
-        )
-
-
 def segment_ids(cu_seqlens_BC: torch.Tensor, seq_len: int) -> torch.Tensor:
     """``[B, S]`` index of the segment (document or pad run) holding each position."""
-    pos_BS = torch.arange(seq_len, device=cu_seqlens_BC.device).expand(
-        cu_seqlens_BC.shape[0], -1
-    )
+    pos_BS = torch.arange(seq_len, device=cu_seqlens_BC.device).expand(cu_seqlens_BC.shape[0], -1)
     bounds = cu_seqlens_BC[:, 1:].to(pos_BS.dtype).contiguous()
     return torch.searchsorted(bounds, pos_BS.contiguous(), right=True)
 
@@ -141,9 +59,7 @@ def packed_seq_params(cu_seqlens_BC: torch.Tensor, seq_len: int) -> PackedSeqPar
     batch = cu_seqlens_BC.shape[0]
     offsets_B1 = torch.arange(batch, device=cu_seqlens_BC.device)[:, None] * seq_len
     starts = (cu_seqlens_BC[:, :-1].to(torch.int64) + offsets_B1).reshape(-1)
-    total = torch.full(
-        (1,), batch * seq_len, dtype=torch.int64, device=cu_seqlens_BC.device
-    )
+    total = torch.full((1,), batch * seq_len, dtype=torch.int64, device=cu_seqlens_BC.device)
     cu = torch.cat([starts, total]).to(torch.int32)
     return PackedSeqParams(
         qkv_format="thd",
@@ -189,9 +105,7 @@ def gpt_forward_kwargs(
     return kwargs
 
 
-def masked_mean_loss(
-    per_token_loss_BS: torch.Tensor, loss_mask_BS: torch.Tensor
-) -> torch.Tensor:
+def masked_mean_loss(per_token_loss_BS: torch.Tensor, loss_mask_BS: torch.Tensor) -> torch.Tensor:
     """Mean loss over the positions whose ``loss_mask`` is 1 (pads and prompts excluded)."""
     mask = loss_mask_BS.reshape(per_token_loss_BS.shape).to(per_token_loss_BS.dtype)
     return (per_token_loss_BS * mask).sum() / mask.sum().clamp_min(1.0)

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from megatron_ext.data.batch import (
-    PackCollator,
     document_attention_mask,
     gpt_forward_kwargs,
     masked_mean_loss,
@@ -21,9 +20,7 @@ VOCAB = 128
 DOCS = [[7, 12, 5], [20, 3]]
 
 
-def _batch(
-    policy: str, length: int, docs=DOCS, seed: int = 0
-) -> dict[str, torch.Tensor]:
+def _batch(policy: str, length: int, docs=DOCS, seed: int = 0) -> dict[str, torch.Tensor]:
     """Collated batch of packs padded with ``policy`` (same real tokens for every policy)."""
     rng = np.random.default_rng(seed)
     packs = []
@@ -38,10 +35,7 @@ def _batch(
         "padding_mask": "pad_mask_S",
         "cu_seqlens": "cu_seqlens",
     }
-    return {
-        k: torch.as_tensor(np.stack([getattr(p, f) for p in packs]))
-        for k, f in fields.items()
-    }
+    return {k: torch.as_tensor(np.stack([getattr(p, f) for p in packs])) for k, f in fields.items()}
 
 
 def test_document_attention_mask_hand_worked() -> None:
@@ -79,68 +73,7 @@ def test_glue_is_sync_free_and_no_real_token_sees_a_pad() -> None:
         gpt_forward_kwargs(batch, layout="bshd")  # type: ignore[arg-type]
 
 
-def _sample(pack) -> dict[str, torch.Tensor]:
-    """A dataset-style sample (as PackedDataset returns) from a PaddedPack."""
-    return {
-        "tokens": torch.as_tensor(pack.tokens_S),
-        "labels": torch.as_tensor(pack.labels_S),
-        "loss_mask": torch.as_tensor(pack.loss_mask_S),
-        "position_ids": torch.as_tensor(pack.position_ids_S),
-        "padding_mask": torch.as_tensor(pack.pad_mask_S),
-        "src_index": torch.as_tensor(pack.src_index_S),
-        "cu_seqlens": torch.as_tensor(
-            np.pad(
-                pack.cu_seqlens,
-                (0, 12 - pack.cu_seqlens.size),
-                constant_values=pack.tokens_S.size,
-            )
-        ),
-        "num_segments": torch.tensor(pack.num_segments),
-        "max_seqlen": torch.tensor(pack.max_seqlen),
-        "routes": torch.as_tensor(np.stack([pack.tokens_S, -pack.tokens_S], 1)),
-    }
-
-
-@pytest.mark.parametrize("policy", ["self", "constant"])
-def test_pack_collator_equals_padding_at_the_batch_length(policy: str) -> None:
-    # Packs of 3 (docs [2, 1], padded to 4) and 8 real tokens: the first is extended to 8.
-    short = pad_pack(
-        np.array([5, 6, 7]),
-        np.array([2, 1]),
-        4,
-        policy=policy,
-        pad_id=9,
-        target_mask_N=np.array([1, 0, 1]),
-    )
-    full = pad_pack(np.arange(10, 18), np.array([8]), 8, policy=policy, pad_id=9)
-    samples = [_sample(short), _sample(full)]
-    samples[0]["routes"][short.src_index_S < 0] = -1  # constant pads carry the fill
-    batch = PackCollator(policy, pad_id=9, sidecar_fills={"routes": -1})(samples)
-    ref = pad_pack(
-        np.array([5, 6, 7]),
-        np.array([2, 1]),
-        8,
-        policy=policy,
-        pad_id=9,
-        target_mask_N=np.array([1, 0, 1]),
-    )
-    assert batch["tokens"].shape == (2, 8)
-    assert batch["tokens"][0].tolist() == ref.tokens_S.tolist()
-    assert batch["labels"][0].tolist() == ref.labels_S.tolist()
-    assert batch["loss_mask"][0].tolist() == ref.loss_mask_S.tolist()
-    assert batch["position_ids"][0].tolist() == ref.position_ids_S.tolist()
-    assert batch["padding_mask"][0].tolist() == ref.pad_mask_S.tolist()
-    assert batch["cu_seqlens"][0].tolist()[:4] == [0, 2, 3, 8]
-    assert torch.equal(batch["tokens"][1], samples[1]["tokens"])
-    routes = batch["routes"][0]
-    copied = torch.as_tensor(ref.src_index_S) >= 0
-    assert torch.equal(routes[copied, 0], batch["tokens"][0][copied])
-    assert (routes[~copied] == -1).all() and (policy == "self") == bool(copied.all())
-
-
-def _run_policies(
-    model, batches: dict[str, dict], use_padding_mask: bool = True
-) -> dict:
+def _run_policies(model, batches: dict[str, dict], use_padding_mask: bool = True) -> dict:
     """Forward + backward of ``model`` on each batch; per-token loss, grads, aux losses."""
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
@@ -156,11 +89,7 @@ def _run_policies(
         aux = get_moe_metrics_tracker().metrics.get("load_balancing_loss")
         out[name] = {
             "real_loss": loss_BS.detach()[batch["loss_mask"].bool()].clone(),
-            "grads": {
-                n: p.grad.clone()
-                for n, p in model.named_parameters()
-                if p.grad is not None
-            },
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
             "aux": None if aux is None else aux.values.clone(),
         }
     return out
@@ -173,15 +102,11 @@ def _invariance_worker() -> dict:
     for kind in ("dense", "moe"):
         torch.manual_seed(0)
         overrides = {"num_moe_experts": None} if kind == "dense" else {}
-        model = build_tiny_gpt(
-            tiny_moe_config(**overrides), vocab_size=VOCAB, max_seq_len=64
-        )
+        model = build_tiny_gpt(tiny_moe_config(**overrides), vocab_size=VOCAB, max_seq_len=64)
         for mode, docs, length in (("seq_len", DOCS, 64), ("multiple", [[9, 12]], 24)):
             batches = {p: _batch(p, length, docs) for p in ("self", "constant")}
             n_real = sum(docs[0])
-            batches["unpadded"] = _batch(
-                "self", n_real, [docs[0]]
-            )  # reference: no pads at all
+            batches["unpadded"] = _batch("self", n_real, [docs[0]])  # reference: no pads at all
             results[(kind, mode)] = _run_policies(model, batches)
             if kind == "moe":
                 results[(kind, mode, "no_mask")] = _run_policies(
@@ -192,33 +117,15 @@ def _invariance_worker() -> dict:
 
 def _end_to_end_worker(prefix: str, cache: str) -> dict:
     """PackedDataset -> DataLoader -> gpt_forward_kwargs -> MoE GPTModel forward/backward."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder,
-    )
-    from megatron.core.tokenizers import MegatronTokenizer
-
     from megatron_ext.data.packed_dataset import PackedDataset, PackedDatasetConfig
     from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
+    from tests.data.dataset_helpers import build_splits, gpt_config_kwargs
 
-    tok = MegatronTokenizer.from_pretrained(
-        metadata_path={"library": "null-text"}, vocab_size=VOCAB
+    kw = gpt_config_kwargs(
+        [prefix], sequence_length=64, random_seed=3, path_to_cache=cache, vocab_size=VOCAB
     )
-    config = PackedDatasetConfig(
-        random_seed=3,
-        sequence_length=64,
-        blend=([prefix], None),
-        split="100,0,0",
-        tokenizer=tok,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,
-        path_to_cache=cache,
-        pad_to_seq_len=True,
-    )
-    train = BlendedMegatronDatasetBuilder(
-        PackedDataset, [8, 0, 0], lambda: True, config
-    ).build()[0]
+    config = PackedDatasetConfig(**kw, pad_to_seq_len=True)
+    train = build_splits(PackedDataset, config, [8, 0, 0])[0]
     batch = next(iter(torch.utils.data.DataLoader(train, batch_size=4)))
     torch.manual_seed(0)
     model = build_tiny_gpt(tiny_moe_config(), vocab_size=VOCAB, max_seq_len=64)
@@ -229,9 +136,7 @@ def _end_to_end_worker(prefix: str, cache: str) -> dict:
         "pads": int(batch["padding_mask"].sum()),
         "segments": batch["num_segments"].tolist(),
         "router_grad": float(
-            sum(
-                p.grad.abs().sum() for n, p in model.named_parameters() if "router" in n
-            )
+            sum(p.grad.abs().sum() for n, p in model.named_parameters() if "router" in n)
         ),
     }
 
@@ -244,9 +149,7 @@ def test_packed_dataset_batch_trains_megatron_moe_gpt(tmp_path) -> None:
         str(tmp_path / "d"),
         [rng.integers(1, VOCAB, size=int(n)) for n in rng.integers(3, 40, size=40)],
     )
-    r = run_distributed(
-        _end_to_end_worker, 1, str(tmp_path / "d"), str(tmp_path / "c")
-    )[0]
+    r = run_distributed(_end_to_end_worker, 1, str(tmp_path / "d"), str(tmp_path / "c"))[0]
     assert np.isfinite(r["loss"]) and 2.0 < r["loss"] < 10.0  # ~ln(128) at init
     assert r["pads"] > 0 and max(r["segments"]) > 2  # padded packs of several documents
     assert r["router_grad"] > 0
@@ -258,9 +161,7 @@ def invariance() -> dict:
 
 
 @pytest.mark.parametrize("mode", ["seq_len", "multiple"])
-def test_dense_gpt_real_loss_and_grads_bitwise_equal(
-    invariance: dict, mode: str
-) -> None:
+def test_dense_gpt_real_loss_and_grads_bitwise_equal(invariance: dict, mode: str) -> None:
     r = invariance[("dense", mode)]
     a, b = r["self"], r["constant"]
     assert a["real_loss"].numel() > 10 and a["real_loss"].abs().min() > 0  # not vacuous
@@ -272,9 +173,7 @@ def test_dense_gpt_real_loss_and_grads_bitwise_equal(
 
 
 @pytest.mark.parametrize("mode", ["seq_len", "multiple"])
-def test_moe_gpt_real_loss_and_grads_equal_within_tolerance(
-    invariance: dict, mode: str
-) -> None:
+def test_moe_gpt_real_loss_and_grads_equal_within_tolerance(invariance: dict, mode: str) -> None:
     r = invariance[("moe", mode)]
     a, b = r["self"], r["constant"]
     assert a["real_loss"].abs().min() > 0
@@ -283,9 +182,7 @@ def test_moe_gpt_real_loss_and_grads_equal_within_tolerance(
     # real rows may round differently (~1e-7 relative per op, amplified through 2 layers).
     torch.testing.assert_close(a["real_loss"], b["real_loss"], rtol=1e-5, atol=1e-6)
     for name, grad in a["grads"].items():
-        torch.testing.assert_close(
-            grad, b["grads"][name], rtol=1e-4, atol=1e-6, msg=name
-        )
+        torch.testing.assert_close(grad, b["grads"][name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("mode", ["seq_len", "multiple"])
@@ -307,26 +204,22 @@ def test_pads_contribute_nothing_to_moe_aux_loss(invariance: dict, mode: str) ->
 def _hot_spot_worker(num_packs: int, seq_len: int) -> dict:
     from megatron.core import parallel_state
 
-    from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
-    from megatron_ext.training.corpus import VOCAB_SIZE, corpus_documents
     from megatron_ext.moe.load_metrics import ExpertLoadMetrics
     from megatron_ext.moe.router_observer import observe_routers
+    from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
+    from megatron_ext.training.corpus import VOCAB_SIZE, corpus_documents
 
     rank = torch.distributed.get_rank()
     ep = parallel_state.get_expert_model_parallel_world_size()
     torch.manual_seed(0)
-    model = build_tiny_gpt(
-        tiny_moe_config(), vocab_size=VOCAB_SIZE, max_seq_len=seq_len
-    )
+    model = build_tiny_gpt(tiny_moe_config(), vocab_size=VOCAB_SIZE, max_seq_len=seq_len)
     docs = corpus_documents()
     out = {}
     for policy in ("none", "constant", "self"):
         packs = []
         for b in range(num_packs):
             doc = docs[(rank * num_packs + b) % len(docs)]
-            text = np.resize(
-                doc, seq_len
-            )  # a full-length real row (the no-padding baseline)
+            text = np.resize(doc, seq_len)  # a full-length real row (the no-padding baseline)
             n = seq_len if policy == "none" else seq_len // 2  # >= 50 % padding
             packs.append(
                 pad_pack(text[:n], np.array([n]), seq_len, policy=policy, pad_id=0)
@@ -336,9 +229,7 @@ def _hot_spot_worker(num_packs: int, seq_len: int) -> dict:
         batch = {
             "tokens": torch.as_tensor(np.stack([p.tokens_S for p in packs])),
             "labels": torch.as_tensor(np.stack([p.labels_S for p in packs])),
-            "position_ids": torch.as_tensor(
-                np.stack([p.position_ids_S for p in packs])
-            ),
+            "position_ids": torch.as_tensor(np.stack([p.position_ids_S for p in packs])),
             "padding_mask": torch.as_tensor(np.stack([p.pad_mask_S for p in packs])),
             "cu_seqlens": torch.as_tensor(np.stack([p.cu_seqlens for p in packs])),
         }
