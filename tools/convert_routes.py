@@ -12,7 +12,7 @@ Formats (one document per JSONL line, in the order of the token documents):
   megatron  {"prompt_moe_topk_indices": [...], "moe_topk_indices": [...], "num_tokens": T
              or "token_ids": [...]} (Megatron inference; T - 1 rows in total)
   npy       one .npy [T, L, K] per --input (repeat --input for several documents)
-  safetensors  one file, one tensor [T, L, K] per document, in key order
+  safetensors  one file, one tensor [T, L, K] per document, keyed "0".."N-1" (numeric order)
 T - 1 rows get a final missing row; the policy decides it (and tool tokens, pads) at train time
 ('native') or here ('balanced'). Invalid rows (ids out of range, duplicates) raise, or with
 --reject-invalid-rows become missing and are counted.
@@ -33,6 +33,7 @@ from megatron_ext.replay.rollout_routes import (
     decode_routed_experts,
     read_safetensors,
     repair_document,
+    safetensors_documents,
 )
 from megatron_ext.replay.routes import route_dtype
 
@@ -80,24 +81,37 @@ def read_documents(paths: list[str], fmt: str) -> Iterator[tuple[str, np.ndarray
         if fmt == "npy":
             yield path, np.load(path), None
         elif fmt == "safetensors":
-            for key, array in sorted(read_safetensors(path).items()):
+            for key, array in safetensors_documents(read_safetensors(path), path):
                 yield f"{path}[{key}]", array, None
         else:
             with open(path, encoding="utf-8") as f:
                 for line_no, line in enumerate(f, start=1):
                     if not line.strip():
                         continue
-                    yield (f"{path}:{line_no}", *_decode_line(json.loads(line), fmt))
+                    name = f"{path}:{line_no}"
+                    yield (name, *_decode_line(line, fmt, name))
 
 
-def _decode_line(record: dict, fmt: str) -> tuple[np.ndarray, int | None]:
+_ROUTE_KEYS = {
+    "vllm": ("routed_experts",),
+    "megatron": ("prompt_moe_topk_indices", "moe_topk_indices"),
+}
+
+
+def _decode_line(line: str, fmt: str, name: str) -> tuple[np.ndarray, int | None]:
+    """One JSONL record -> ``(rows_TLK, num_tokens or None)``; errors name ``file:line``."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name}: not valid JSON ({exc})") from exc
+    keys = _ROUTE_KEYS[fmt]
+    if not isinstance(record, dict) or not any(key in record for key in keys):
+        raise ValueError(
+            f"{name}: a --format {fmt} record needs a {' or '.join(map(repr, keys))} key"
+        )
     if fmt == "vllm":
         return decode_routed_experts(record["routed_experts"]), _num_tokens(record)
-    parts = [
-        decode_routed_experts(record[key])
-        for key in ("prompt_moe_topk_indices", "moe_topk_indices")
-        if record.get(key)
-    ]
+    parts = [decode_routed_experts(record[key]) for key in keys if record.get(key)]
     rows = np.concatenate(parts) if parts else np.zeros((0, 0, 0), dtype=np.int64)
     return rows, _num_tokens(record)
 

@@ -202,6 +202,40 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
     return tensors
 
 
+def safetensors_documents(
+    tensors: dict[str, np.ndarray], path: str
+) -> list[tuple[str, np.ndarray]]:
+    """Orders a safetensors file's per-document tensors by document index.
+
+    Keys must be the document indices ``"0" .. "N-1"``; they are sorted as numbers (a lexical sort
+    would put ``"10"`` before ``"2"`` and misalign every document from the tenth on).
+
+    Args:
+        tensors: :func:`read_safetensors` of ``path``.
+        path: For the error message.
+
+    Returns:
+        ``[(key, routes_TLK), ...]`` in document order.
+
+    Raises:
+        ValueError: A non-numeric key, or keys that are not exactly ``0 .. N-1``.
+    """
+    bad = [key for key in tensors if not (key.isascii() and key.isdigit())]
+    if bad:
+        raise ValueError(
+            f"{path}: safetensors keys must be document indices 0..N-1; got non-numeric key(s) "
+            f"{sorted(bad)[:5]}"
+        )
+    ordered = sorted(tensors, key=int)
+    if [int(key) for key in ordered] != list(range(len(ordered))):
+        gaps = sorted(set(range(len(ordered))) - {int(key) for key in ordered})[:5]
+        raise ValueError(
+            f"{path}: safetensors keys must be document indices 0..{len(ordered) - 1} exactly "
+            f"once (missing {gaps}, or duplicates such as '01' and '1')"
+        )
+    return [(key, tensors[key]) for key in ordered]
+
+
 def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
     """Writes integer arrays as a ``.safetensors`` file (for tests and round trips)."""
     codes = {np.dtype(v): k for k, v in _DTYPES.items() if k.isupper()}

@@ -68,7 +68,7 @@ def test_vllm_base64_t_minus_1_round_trip(tmp_path, capsys):
             "routed_experts": encode_routed_experts(r[:-1].astype(np.uint8)),
             "token_ids": list(range(n)),
         }
-        for r, n in zip(full, lengths)
+        for r, n in zip(full, lengths, strict=True)
     ]
     write_documents(str(tmp_path / "tokens"), [np.arange(n) for n in lengths])
     docs, _ = run(
@@ -78,7 +78,7 @@ def test_vllm_base64_t_minus_1_round_trip(tmp_path, capsys):
         "--tokens-prefix",
         str(tmp_path / "tokens"),
     )
-    for got, want in zip(docs, full):
+    for got, want in zip(docs, full, strict=True):
         assert got.dtype == np.uint8 and got.shape == want.shape
         assert np.array_equal(got[:-1], want[:-1]) and missing_mask(got)[-1].all()
     assert "3 T-1 rows appended" in capsys.readouterr().out
@@ -112,6 +112,42 @@ def test_npy_and_safetensors_are_exact(tmp_path):
     write_safetensors(str(tmp_path / "r.safetensors"), {"0": a.astype(np.int32), "1": b})
     docs, _ = run(tmp_path, [tmp_path / "r.safetensors"], "safetensors")
     assert np.array_equal(docs[0], a) and np.array_equal(docs[1], b)
+
+
+def test_safetensors_keys_are_ordered_as_document_numbers(tmp_path):
+    # 11 documents: a lexical sort would give "0", "1", "10", "2", ... (document 10 second).
+    routes = [random_routes(2 + i, seed=20 + i) for i in range(11)]
+    path = str(tmp_path / "many.safetensors")
+    write_safetensors(path, {str(i): r.astype(np.uint8) for i, r in enumerate(routes)})
+    docs, _ = run(tmp_path, [path], "safetensors")
+    assert [d.shape[0] for d in docs] == [2 + i for i in range(11)]
+    assert all(np.array_equal(got, want) for got, want in zip(docs, routes, strict=True))
+    for keys, match in (
+        (["0", "doc1"], r"non-numeric key\(s\) \['doc1'\]"),
+        (["0", "2"], r"0\.\.1 exactly once \(missing \[1\]"),
+    ):
+        bad = str(tmp_path / "bad.safetensors")
+        write_safetensors(bad, {k: routes[0].astype(np.uint8) for k in keys})
+        with pytest.raises(ValueError, match=match):
+            run(tmp_path, [bad], "safetensors")
+
+
+def test_bad_jsonl_records_name_file_and_line(tmp_path):
+    rows = random_routes(2, seed=0).tolist()
+    good = {
+        "vllm": json.dumps({"routed_experts": rows, "num_tokens": 3}),
+        "megatron": json.dumps({"moe_topk_indices": rows, "num_tokens": 3}),
+    }
+    for fmt, second, match in (
+        ("vllm", '{"routes": []}', "needs a 'routed_experts' key"),
+        ("vllm", '{"routed_experts": [', "not valid JSON"),
+        ("vllm", "[1, 2]", "needs a 'routed_experts' key"),
+        ("megatron", '{"num_tokens": 3}', "needs a 'prompt_moe_topk_indices' or 'moe_topk"),
+    ):
+        path = tmp_path / "r.jsonl"
+        path.write_text(good[fmt] + "\n\n" + second + "\n")  # a blank line still counts as line 2
+        with pytest.raises(ValueError, match=f"r.jsonl:3: .*{match}"):
+            run(tmp_path, [path], fmt)
 
 
 def test_invalid_rows_fail_or_are_rejected_and_counted(tmp_path, capsys):
