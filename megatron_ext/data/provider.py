@@ -1,46 +1,48 @@
-"""Builds the train/valid/test datasets a run asks for from its ``PaddingConfig``.
+"""The one place that maps a run's ``PaddingConfig`` to a Megatron dataset class and its config.
 
-The one place that maps flags to dataset classes, for a ``train_valid_test_datasets_provider``:
-``--pack-documents`` -> :class:`~megatron_ext.data.packed_dataset.PackedDataset`, otherwise the
-self-padded ``GPTDataset``. ``gpt_kwargs`` are exactly what Megatron's ``GPTDatasetConfig`` takes
-(``random_seed``, ``sequence_length``, ``blend``, ``split``, ``tokenizer``, ...)::
+``--pack-documents`` -> :class:`~megatron_ext.data.packed_dataset.PackedDataset` with a
+``PackedDatasetConfig``; otherwise the self-padded ``GPTDataset``
+(:class:`~megatron_ext.data.gpt_dataset.SelfPaddedGPTDataset`). ``gpt_kwargs`` are exactly what
+Megatron's ``GPTDatasetConfig`` takes (``random_seed``, ``sequence_length``, ``blend``, ``split``,
+``tokenizer``, ...); the pair goes straight to Megatron's builder::
 
     padding = configs_from_args(args)[PaddingConfig]
     multiple = padding.pad_multiple(context_parallel_size=cp, fp8=fp8)
-    train, valid, test = build_datasets(padding, [n_train, n_valid, n_test], is_built_on_rank,
-                                        pad_multiple=multiple, **gpt_kwargs)
+    cls, config = dataset_class_and_config(padding, pad_multiple=multiple, **gpt_kwargs)
+    train, valid, test = BlendedMegatronDatasetBuilder(cls, sizes, is_built_on_rank, config).build()
 """
 
-from collections.abc import Callable
 from typing import Any
 
-from megatron.core.datasets.blended_megatron_dataset_builder import (
-    BlendedMegatronDatasetBuilder,
-)
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
 from megatron_ext.config import PaddingConfig
-from megatron_ext.data.gpt_dataset import (
-    SelfPaddedGPTDataset,
-    SelfPaddedGPTDatasetConfig,
-)
+from megatron_ext.data.gpt_dataset import SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig
 from megatron_ext.data.packed_dataset import PackedDataset, PackedDatasetConfig, Sidecar
 
 
-def dataset_config(
+def dataset_class_and_config(
     padding: PaddingConfig,
     *,
-    pad_multiple: int = 1,
+    pad_multiple: int,
     sidecars: dict[str, Sidecar] | None = None,
     **gpt_kwargs: Any,
-) -> GPTDatasetConfig:
-    """The Megatron dataset config for ``padding`` (``PackedDatasetConfig`` or the GPT one).
+) -> tuple[type, GPTDatasetConfig]:
+    """The Megatron dataset class for ``padding`` and its config.
 
     Args:
         padding: The run's data flags.
-        pad_multiple: Resolved pack-length multiple (:meth:`PaddingConfig.pad_multiple`).
+        pad_multiple: Resolved pack-length multiple (:meth:`PaddingConfig.pad_multiple`); used
+            by packed data only (the self-padded ``GPTDataset`` always fills ``sequence_length``).
         sidecars: Extra per-token sidecars for packed data (e.g. routes); refused otherwise.
         **gpt_kwargs: ``GPTDatasetConfig`` fields.
+
+    Returns:
+        ``(PackedDataset, PackedDatasetConfig)`` under ``--pack-documents``, else
+        ``(SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig)``.
+
+    Raises:
+        ValueError: On sidecars without ``--pack-documents`` or any bad config value.
     """
     common = {
         "pad_policy": padding.pad_policy,
@@ -50,8 +52,8 @@ def dataset_config(
     if not padding.pack_documents:
         if sidecars:
             raise ValueError(f"sidecars {sorted(sidecars)} need --pack-documents")
-        return SelfPaddedGPTDatasetConfig(**gpt_kwargs, **common)
-    return PackedDatasetConfig(
+        return SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig(**gpt_kwargs, **common)
+    return PackedDataset, PackedDatasetConfig(
         **gpt_kwargs,
         **common,
         pad_to_seq_len=padding.pad_to_seq_len,
@@ -62,20 +64,3 @@ def dataset_config(
         loss_mask_suffix=padding.pack_loss_mask_suffix,
         sidecars=dict(sidecars or {}),
     )
-
-
-def build_datasets(
-    padding: PaddingConfig,
-    sizes: list[int | None],
-    is_built_on_rank: Callable[[], bool],
-    *,
-    pad_multiple: int = 1,
-    sidecars: dict[str, Sidecar] | None = None,
-    **gpt_kwargs: Any,
-) -> list:
-    """Train/valid/test datasets through Megatron's ``BlendedMegatronDatasetBuilder``."""
-    config = dataset_config(
-        padding, pad_multiple=pad_multiple, sidecars=sidecars, **gpt_kwargs
-    )
-    cls = PackedDataset if padding.pack_documents else SelfPaddedGPTDataset
-    return BlendedMegatronDatasetBuilder(cls, sizes, is_built_on_rank, config).build()

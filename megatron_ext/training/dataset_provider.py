@@ -46,16 +46,12 @@ def num_moe_layers(args: argparse.Namespace) -> int:
     return len(moe_layer_numbers(args.num_layers, args.moe_layer_freq))
 
 
-def dataset_config_from_args(
-    args: argparse.Namespace, tokenizer: Any = None
-) -> tuple[type, Any]:
+def dataset_config_from_args(args: argparse.Namespace, tokenizer: Any = None) -> tuple[type, Any]:
     """The dataset class and its config for ``args`` (see the module table)."""
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
     from megatron.training.utils.common_utils import get_blend_and_blend_per_split
 
-    from megatron_ext.data.gpt_dataset import SelfPaddedGPTDataset
-    from megatron_ext.data.packed_dataset import PackedDataset
-    from megatron_ext.data.provider import dataset_config
+    from megatron_ext.data.provider import dataset_class_and_config
 
     if tokenizer is None:
         from megatron.training import get_tokenizer
@@ -83,7 +79,9 @@ def dataset_config_from_args(
         # Replay reads route sidecars; record needs pack indices to scatter routes back to documents.
         from megatron_ext.replay.route_dataset import RoutedPackedDataset, RoutedPackedDatasetConfig
 
-        packed = dataset_config(padding, pad_multiple=pad_multiple_from_args(args), **common)
+        _, packed = dataset_class_and_config(
+            padding, pad_multiple=pad_multiple_from_args(args), **common
+        )
         fields = {f.name: getattr(packed, f.name) for f in dataclasses.fields(packed) if f.init}
         replaying = replay.route_replay_mode == "replay"
         return RoutedPackedDataset, RoutedPackedDatasetConfig(
@@ -96,8 +94,7 @@ def dataset_config_from_args(
         )
     if args.mock_data and not padding.pack_documents:
         return MockGPTDataset, GPTDatasetConfig(**common)
-    config = dataset_config(padding, pad_multiple=pad_multiple_from_args(args), **common)
-    return (PackedDataset if padding.pack_documents else SelfPaddedGPTDataset), config
+    return dataset_class_and_config(padding, pad_multiple=pad_multiple_from_args(args), **common)
 
 
 def train_valid_test_datasets_provider(

@@ -2,55 +2,38 @@
 
 import numpy as np
 import pytest
-from megatron.core.tokenizers import MegatronTokenizer
 
 from megatron_ext.config import PaddingConfig
-from megatron_ext.data.gpt_dataset import SelfPaddedGPTDataset
+from megatron_ext.data.gpt_dataset import SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig
 from megatron_ext.data.indexed_writer import write_documents
-from megatron_ext.data.packed_dataset import PackedDataset, Sidecar
-from megatron_ext.data.provider import build_datasets
-
-
-def gpt_kwargs(prefix: str) -> dict:
-    tok = MegatronTokenizer.from_pretrained(
-        metadata_path={"library": "null-text"}, vocab_size=64
-    )
-    return {
-        "random_seed": 1,
-        "sequence_length": 16,
-        "blend": ([prefix], None),
-        "split": "100,0,0",
-        "tokenizer": tok,
-        "reset_position_ids": False,
-        "reset_attention_mask": False,
-        "eod_mask_loss": False,
-        "create_attention_mask": False,
-    }
+from megatron_ext.data.packed_dataset import PackedDataset, PackedDatasetConfig, Sidecar
+from megatron_ext.data.provider import dataset_class_and_config
+from tests.data.dataset_helpers import build_splits, gpt_config_kwargs
 
 
 def test_flags_choose_the_dataset(tmp_path) -> None:
     prefix = str(tmp_path / "d")
     rng = np.random.default_rng(0)
-    write_documents(
-        prefix, [rng.integers(1, 60, size=int(n)) for n in rng.integers(2, 20, 30)]
-    )
-    kw = gpt_kwargs(prefix)
-    gpt = build_datasets(PaddingConfig(), [10, 0, 0], lambda: True, **kw)[0]
+    write_documents(prefix, [rng.integers(1, 60, size=int(n)) for n in rng.integers(2, 20, 30)])
+    kw = gpt_config_kwargs([prefix], sequence_length=16, vocab_size=64)
+
+    cls, config = dataset_class_and_config(PaddingConfig(), pad_multiple=8, **kw)
+    assert cls is SelfPaddedGPTDataset and type(config) is SelfPaddedGPTDatasetConfig
+    gpt = build_splits(cls, config, [10, 0, 0])[0]
     assert type(gpt) is SelfPaddedGPTDataset and "padding_mask" in gpt[0]
-    padding = PaddingConfig(pack_documents=True, packing_algorithm="sequential")
-    packed = build_datasets(padding, [10, 0, 0], lambda: True, pad_multiple=8, **kw)[0]
-    assert (
-        type(packed) is PackedDataset
-        and packed.config.packing_algorithm == "sequential"
+
+    padding = PaddingConfig(
+        pack_documents=True, packing_algorithm="sequential", pad_policy="constant"
     )
-    assert all(packed[i]["tokens"].numel() % 8 == 0 for i in range(len(packed)))
-    with pytest.raises(
-        ValueError, match=r"sidecars \['routes'\] need --pack-documents"
-    ):
-        build_datasets(
-            PaddingConfig(),
-            [10, 0, 0],
-            lambda: True,
-            sidecars={"routes": Sidecar("_r")},
-            **kw,
+    cls, config = dataset_class_and_config(padding, pad_multiple=8, **kw)
+    assert cls is PackedDataset and type(config) is PackedDatasetConfig
+    assert (config.pad_to_multiple_of, config.pad_policy) == (8, "constant")
+    packed = build_splits(cls, config, [10, 0, 0])[0]
+    assert type(packed) is PackedDataset and packed.config.packing_algorithm == "sequential"
+    lengths = [packed[i]["tokens"].numel() for i in range(len(packed))]
+    assert all(n % 8 == 0 for n in lengths) and len(set(lengths)) > 1  # really pad-to-multiple
+
+    with pytest.raises(ValueError, match=r"sidecars \['routes'\] need --pack-documents"):
+        dataset_class_and_config(
+            PaddingConfig(), pad_multiple=1, sidecars={"routes": Sidecar("_r")}, **kw
         )
