@@ -114,26 +114,41 @@ def _patch_rng_tracker() -> None:
     logging.getLogger(random.__name__).setLevel(logging.ERROR)
 
 
-def _patch_dispatcher_streams() -> None:
-    """``MoEAlltoAllTokenDispatcher``: CUDA side stream and events -> no-ops.
+def _override_cuda(module: types.ModuleType, **overrides: Any) -> None:
+    """Gives ``module`` a ``torch`` whose ``torch.cuda`` has ``overrides`` (composes across patches)."""
+    if not isinstance(module.torch, _TorchProxy):
+        module.torch = _TorchProxy({})
+    for name, value in overrides.items():
+        setattr(module.torch.cuda, name, value)
 
-    ``__init__`` creates ``torch.cuda.Stream()`` for its batched device-to-host copies and
-    ``_maybe_dtoh_and_synchronize`` enters ``torch.cuda.stream(...)`` and records events. On CPU every
-    copy is already synchronous, so a null stream is exact.
+
+#: Megatron modules that use CUDA streams/events on the CPU-capable path, and where.
+_STREAM_USERS: dict[str, str] = {
+    "megatron.core.transformer.moe.token_dispatcher": (
+        "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize"
+    ),
+    "megatron.core.distributed.param_and_grad_buffer": "_ParamAndGradBucketGroup.start_grad_sync",
+}
+
+
+def _patch_null_streams() -> None:
+    """CUDA streams and events -> no-ops inside the modules of :data:`_STREAM_USERS`.
+
+    ``MoEAlltoAllTokenDispatcher.__init__`` creates ``torch.cuda.Stream()`` for its batched device-to-host
+    copies and ``_maybe_dtoh_and_synchronize`` enters ``torch.cuda.stream(...)`` and records events;
+    Megatron's DDP (``_ParamAndGradBucketGroup.start_grad_sync`` / ``finish_grad_sync``) orders its gradient
+    all-reduce against ``torch.cuda.current_stream()``. On CPU every op is already synchronous, so a null
+    stream is exact.
     """
-    dispatcher = _module_with(
-        "megatron.core.transformer.moe.token_dispatcher",
-        "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
-    )
     null = _NullStream()
-    dispatcher.torch = _TorchProxy(
-        {
-            "Stream": lambda *a, **k: null,
-            "Event": lambda *a, **k: null,
-            "current_stream": lambda *a, **k: null,
-            "stream": lambda *a, **k: contextlib.nullcontext(),
-        }
-    )
+    for module_name, symbol in _STREAM_USERS.items():
+        _override_cuda(
+            _module_with(module_name, symbol),
+            Stream=lambda *a, **k: null,
+            Event=lambda *a, **k: null,
+            current_stream=lambda *a, **k: null,
+            stream=lambda *a, **k: contextlib.nullcontext(),
+        )
 
 
 def _patch_split_sizes() -> None:
@@ -164,6 +179,7 @@ _CURRENT_DEVICE_USERS: dict[str, str] = {
     "megatron.core.utils": "GlobalMemoryBuffer.get_tensor",
     "megatron.core.tensor_parallel.mappings": "_gather_along_first_dim",
     "megatron.core.tensor_parallel.layers": "LinearWithGradAccumulationAndAsyncCommunication",
+    "megatron.core.distributed.param_and_grad_buffer": "_ParamAndGradBuffer",
 }
 
 
@@ -175,11 +191,11 @@ def _patch_current_device() -> None:
     first forward, ``GlobalMemoryBuffer.get_tensor`` (the local ``DotProductAttention``'s scratch) allocates
     its scratch buffer there, and the TP/EP gather and reduce-scatter helpers in ``tensor_parallel.mappings``
     allocate their outputs there, as does the sequence-parallel backward of the TP linear layers
-    (``LinearWithGradAccumulationAndAsyncCommunication``). Only these modules see the change; ``torch.cuda`` itself is untouched.
+    (``LinearWithGradAccumulationAndAsyncCommunication``) and Megatron's DDP gradient buffers
+    (``_ParamAndGradBuffer``). Only these modules see the change; ``torch.cuda`` itself is untouched.
     """
     for module_name, symbol in _CURRENT_DEVICE_USERS.items():
-        module = _module_with(module_name, symbol)
-        module.torch = _TorchProxy({"current_device": lambda: "cpu"})
+        _override_cuda(_module_with(module_name, symbol), current_device=lambda: "cpu")
 
 
 def _patch_default_causal_mask() -> None:
@@ -200,7 +216,7 @@ def _patch_default_causal_mask() -> None:
 #: Every patch, in the order applied. Names are used by the tests that prove each is still needed.
 PATCHES: dict[str, Callable[[], None]] = {
     "rng_tracker": _patch_rng_tracker,
-    "dispatcher_streams": _patch_dispatcher_streams,
+    "null_streams": _patch_null_streams,
     "split_sizes": _patch_split_sizes,
     "current_device": _patch_current_device,
     "default_causal_mask": _patch_default_causal_mask,

@@ -1,8 +1,8 @@
 """Runs each patched Megatron call with its CPU patch removed, on 2 fresh gloo ranks (used by test_cpu.py).
 
 Rank 0 prints one JSON line: {check: "ok" | "<exception text>"}. Each check is a real training step of the
-tiny MoE GPTModel at EP=2 (alltoall dispatcher), so the all-to-all split sizes and the EP gathers are
-exercised too; the TP linear layers' patch is checked by a TP=2 sequence-parallel step instead.
+tiny MoE GPTModel at EP=2 (alltoall dispatcher) wrapped in Megatron's DistributedDataParallel, so the
+all-to-all split sizes, the EP gathers and DDP's gradient buffers and all-reduce are exercised too; the TP linear layers' patch is checked by a TP=2 sequence-parallel step instead.
 ``all_patches`` (and ``all_patches_sequence_parallel``) is the positive control: with every patch the same step must succeed.
 Removing a patch fails symmetrically on both ranks before any collective, so nothing hangs.
 """
@@ -41,10 +41,15 @@ def _probe(rank: int, port: str) -> None:
         (token_dispatcher, "maybe_move_tensor_to_cpu"),
         (moe_utils, "maybe_move_tensor_to_cpu"),
         (fused_softmax, "get_default_causal_mask"),
-    ] + [(importlib.import_module(name), "torch") for name in cpu._CURRENT_DEVICE_USERS]
+    ] + [
+        (importlib.import_module(name), "torch")
+        for name in {**cpu._CURRENT_DEVICE_USERS, **cpu._STREAM_USERS}
+    ]
     original = {(m.__name__, a): getattr(m, a) for m, a in touched}
+    stream_names = ("Stream", "Event", "current_stream", "stream")
 
-    def apply(skip: str = "", unpatch_module: str = "") -> None:
+    def apply(skip: str = "", unpatch: tuple[str, tuple[str, ...]] = ("", ())) -> None:
+        """All patches except ``skip``; then ``unpatch = (module, cuda names)`` restored in one module."""
         for module, attr in touched:
             setattr(module, attr, original[(module.__name__, attr)])
         token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None
@@ -52,10 +57,15 @@ def _probe(rank: int, port: str) -> None:
         for name, patch in cpu.PATCHES.items():
             if name != skip:
                 patch()
-        if unpatch_module:
-            setattr(sys.modules[unpatch_module], "torch", torch)
+        module_name, cuda_names = unpatch
+        for cuda_name in cuda_names:  # falls through to the real torch.cuda again
+            delattr(sys.modules[module_name].torch.cuda, cuda_name)
 
     def train_step(sequence_parallel: bool = False) -> str:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
@@ -65,10 +75,14 @@ def _probe(rank: int, port: str) -> None:
             config = tiny_moe_config(
                 moe_token_dispatcher_type="alltoall", sequence_parallel=sequence_parallel
             )
-            model = build_tiny_gpt(config)
+            # Megatron's own DDP: its gradient buffers and all-reduce are part of the step.
+            model = DistributedDataParallel(
+                config, DistributedDataParallelConfig(), build_tiny_gpt(config)
+            )
             tokens = torch.randint(0, 128, (2, 16))
             loss = model(tokens, torch.arange(16).expand(2, 16), attention_mask=None, labels=tokens)
             loss.sum().backward()
+            model.finish_grad_sync()
             return "ok"
         except Exception as exc:  # the probe reports, the test decides
             return f"{type(exc).__name__}: {exc}"[:300]
@@ -78,19 +92,22 @@ def _probe(rank: int, port: str) -> None:
     apply()
     results["all_patches"] = train_step()
     for name in cpu.PATCHES:
-        if name != "current_device":
+        if name not in ("current_device", "null_streams"):
             apply(skip=name)
             results[name] = train_step()
+    for module_name in cpu._STREAM_USERS:
+        apply(unpatch=(module_name, stream_names))
+        results[f"null_streams:{module_name}"] = train_step()
     for module_name in cpu._CURRENT_DEVICE_USERS:
         if module_name != SP_ONLY:
-            apply(unpatch_module=module_name)
+            apply(unpatch=(module_name, ("current_device",)))
             results[f"current_device:{module_name}"] = train_step()
     # The TP linear layers allocate on the device only in their sequence-parallel backward: TP=2 + SP.
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     apply()
     results["all_patches_sequence_parallel"] = train_step(sequence_parallel=True)
-    apply(unpatch_module=SP_ONLY)
+    apply(unpatch=(SP_ONLY, ("current_device",)))
     results[f"current_device:{SP_ONLY}"] = train_step(sequence_parallel=True)
     if rank == 0:
         print("PROBE " + json.dumps(results), flush=True)

@@ -40,7 +40,7 @@ def test_all_patches_make_a_moe_training_step_run(probe: dict[str, str]) -> None
 CUDA_ERROR = ("NVIDIA driver", "CUDA", "cuda", "Torch not compiled")
 
 
-@pytest.mark.parametrize("name", ["rng_tracker", "dispatcher_streams", "default_causal_mask"])
+@pytest.mark.parametrize("name", ["rng_tracker", "default_causal_mask"])
 def test_patch_still_needed(probe: dict[str, str], name: str) -> None:
     assert probe[name] != "ok", f"{name}: Megatron now runs this on CPU unpatched; drop the patch"
     assert any(word in probe[name] for word in CUDA_ERROR), probe[name]
@@ -50,6 +50,15 @@ def test_split_sizes_patch_still_needed(probe: dict[str, str]) -> None:
     # gloo's all_to_all_single rejects tensor split sizes, which is what Megatron hands it on CPU at EP=2.
     assert probe["split_sizes"].startswith("TypeError"), probe["split_sizes"]
     assert "all_to_all_single" in probe["split_sizes"]
+
+
+def test_every_null_stream_patch_still_needed(probe: dict[str, str]) -> None:
+    from megatron_ext.cpu import _STREAM_USERS
+
+    for module_name in _STREAM_USERS:
+        outcome = probe[f"null_streams:{module_name}"]
+        assert outcome != "ok", f"{module_name} no longer needs the null-stream patch"
+        assert any(word in outcome for word in CUDA_ERROR), outcome
 
 
 def test_every_current_device_patch_still_needed(probe: dict[str, str]) -> None:

@@ -30,22 +30,6 @@ BATCH, SEQ_LEN = 4, 256
 LOSS_TOLERANCE = 1e-5
 
 
-def reduce_gradients(model: torch.nn.Module) -> None:
-    """Averages gradients like Megatron's DDP: dense params over DP, expert params over expert-DP."""
-    from megatron.core import parallel_state
-
-    dense_group = parallel_state.get_data_parallel_group()
-    expert_group = parallel_state.get_expert_data_parallel_group()
-    for param in model.parameters():
-        if param.grad is None:
-            continue
-        group = dense_group if getattr(param, "allreduce", True) else expert_group
-        size = torch.distributed.get_world_size(group)
-        if size > 1:
-            torch.distributed.all_reduce(param.grad, group=group)
-            param.grad /= size
-
-
 def peak_over_mean(counts: list[list[float]]) -> float:
     """Worst layer's max/mean of a [layers][units] count table."""
     table = np.asarray(counts, dtype=np.float64)

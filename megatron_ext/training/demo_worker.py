@@ -76,21 +76,25 @@ def train_policy(policy: str, steps: int, batch: int, seq_len: int) -> dict[str,
     """Trains a fresh model on rows padded under ``policy``; losses and load per step."""
     from megatron.core import parallel_state
 
-    from megatron_ext.training.demo import reduce_gradients
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     rank = torch.distributed.get_rank()
-    model, metrics, _ = _build(seed=1)
+    model, metrics, config = _build(seed=1)
+    # Megatron's own DDP reduces the gradients (dense over DP, experts over expert-DP, both 1/DP).
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     dp = parallel_state.get_data_parallel_group()
     losses, pad_fraction = [], []
     for step in range(steps):
         rows = _rows(step, rank, batch, seq_len, policy)
         pad_fraction.append(float(rows["padding_mask"].float().mean()))
+        model.zero_grad_buffer()
         loss, _ = _loss(model, rows)
         loss.backward()
-        reduce_gradients(model)
+        model.finish_grad_sync()
+        for param in model.parameters():  # torch.optim reads .grad; Megatron's DDP fills .main_grad
+            param.grad = param.main_grad
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
         global_loss = loss.detach().clone()
         torch.distributed.all_reduce(global_loss, group=dp)
         losses.append(float(global_loss) / torch.distributed.get_world_size(dp))

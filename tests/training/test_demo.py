@@ -29,3 +29,4 @@ def test_demo_runs_its_checks_and_writes_json_and_png(tmp_path, capsys) -> None:
     assert all(summary["checks"].values())
     assert png.stat().st_size > 10_000  # a real plot, not an empty file
     assert "[ok] loss identical under both pad policies" in printed
+
