@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             policy=args.missing_route_policy,
             reject_invalid=args.reject_invalid_rows,
             name=name,
+            seed=index,
         )
         totals.add(counts)
         docs.append(routes)

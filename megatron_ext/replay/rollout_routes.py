@@ -120,6 +120,7 @@ def repair_document(
     policy: str,
     reject_invalid: bool,
     name: str,
+    seed: int = 0,
 ) -> tuple[np.ndarray, RepairCounts]:
     """Makes one document's route buffer: cast, T - 1, invalid rows, missing policy.
 
@@ -133,6 +134,8 @@ def repair_document(
         reject_invalid: True: out-of-range / duplicate rows become missing and are counted;
             False: they raise.
         name: For error messages (file and request number).
+        seed: The document index: ``balanced`` fills differ per document (see
+            :func:`~megatron_ext.replay.routes.fill_missing_balanced`).
 
     Returns:
         ``(routes_TLK, counts)`` with the dtype of :func:`route_dtype`.
@@ -176,7 +179,7 @@ def repair_document(
         routes_TLK = reconcile_t_minus_1(routes_TLK, num_tokens, name=name)
     counts.tokens = routes_TLK.shape[0]
     before = int(missing_mask(routes_TLK).sum())
-    routes_TLK = apply_missing_policy(routes_TLK, policy, num_experts)
+    routes_TLK = apply_missing_policy(routes_TLK, policy, num_experts, seed)
     counts.filled_rows = before - int(missing_mask(routes_TLK).sum())
     validate_routes(
         routes_TLK, num_layers=num_layers, num_experts=num_experts, topk=topk, name=name

@@ -112,8 +112,8 @@ class RoutedPackedDataset(PackedDataset):
             name=f"{self.dataset.path_prefix}{cfg.route_suffix} pack {idx} "
             f"(first piece starts at document token {first_token}); pack position",
         )
-        routes_SLK = apply_missing_policy(
-            routes_SLK, cfg.route_missing_policy, cfg.route_num_experts
+        routes_SLK = apply_missing_policy(  # seed=idx: packs of a micro-batch differ
+            routes_SLK, cfg.route_missing_policy, cfg.route_num_experts, seed=idx
         )
         sample[ROUTES_KEY] = torch.from_numpy(np.ascontiguousarray(routes_SLK))
         return sample
@@ -168,7 +168,9 @@ class RouteRecorder:
                 f"pack holds {int(len_Q.sum())} real tokens but {routes_SLK.shape[0]} routes"
             )
         offset = 0
-        for doc, start, length in zip(doc_Q.tolist(), start_Q.tolist(), len_Q.tolist()):
+        for doc, start, length in zip(
+            doc_Q.tolist(), start_Q.tolist(), len_Q.tolist(), strict=True
+        ):
             self.docs[doc][start : start + length] = routes_SLK[offset : offset + length]
             offset += length
         self.recorded_tokens += offset

@@ -27,7 +27,11 @@ expert count (ranks own contiguous blocks of E / P experts), the number of fille
 assignments per EP rank differs by at most one. Construction: the m filled slots of a layer are
 ``m // E`` full cycles over all experts plus ``r = m % E`` experts at evenly spaced points
 ``floor(c + j * E / r)``; any interval of E / P consecutive experts contains ``floor(r / P)`` or
-``ceil(r / P)`` of those points, for every P at once.
+``ceil(r / P)`` of those points, for every P at once. The offset ``c`` comes from a golden-ratio
+(Kronecker) sequence over ``layer + seed``, where the caller passes something that differs per
+pack (the pack index): packs with the same number of missing rows then pick different experts, so
+a micro-batch of packs stays balanced too (a layer-only phase sent one missing row per pack to
+experts 0 and 4 in every pack).
 
 Legend: T tokens (rows of a route buffer), S positions of a padded pack, L MoE layers, K top-k,
 E experts, M missing rows of one layer.
@@ -41,8 +45,8 @@ import numpy as np
 #: ``balanced``: such rows get a synthetic, EP-balanced, distinct top-k.
 MISSING_ROUTE_POLICIES = ("native", "balanced")
 
-# Phase step between layers of the balanced fill: the golden ratio's fractional part, so
-# consecutive layers place their r evenly spaced experts at different offsets.
+# Phase step between layers (and packs) of the balanced fill: the golden ratio's fractional part,
+# so consecutive layers and packs place their r evenly spaced experts at well-spread offsets.
 _LAYER_PHASE_STEP = (math.sqrt(5.0) - 1.0) / 2.0
 
 
@@ -209,7 +213,7 @@ def balanced_experts(num_slots: int, num_experts: int, phase: float = 0.0) -> np
     return np.concatenate([np.tile(order_E, cycles), order_E[:rem]])
 
 
-def fill_missing_balanced(routes_TLK: np.ndarray, num_experts: int) -> np.ndarray:
+def fill_missing_balanced(routes_TLK: np.ndarray, num_experts: int, seed: int = 0) -> np.ndarray:
     """Fills every missing row with a distinct top-k, EP-balanced per layer (policy ``balanced``).
 
     Example (E = 8, K = 2, three missing rows at one layer): the 6 slots are 8 // 8 = 0 cycles
@@ -219,6 +223,8 @@ def fill_missing_balanced(routes_TLK: np.ndarray, num_experts: int) -> np.ndarra
     Args:
         routes_TLK: Route buffer, possibly with missing rows.
         num_experts: E.
+        seed: Differs per pack (e.g. the pack index) so that packs with equally many missing
+            rows spread over different experts; 0 gives the example above.
 
     Returns:
         A copy with no missing rows.
@@ -230,17 +236,20 @@ def fill_missing_balanced(routes_TLK: np.ndarray, num_experts: int) -> np.ndarra
         rows_M = np.flatnonzero(missing_TL[:, layer])
         if rows_M.size == 0:
             continue
-        phase = (layer * _LAYER_PHASE_STEP) % 1.0
+        phase = ((layer + seed) * _LAYER_PHASE_STEP) % 1.0
         experts = balanced_experts(rows_M.size * topk, num_experts, phase)
         routes_TLK[rows_M, layer] = experts.reshape(rows_M.size, topk).astype(routes_TLK.dtype)
     return routes_TLK
 
 
-def apply_missing_policy(routes_TLK: np.ndarray, policy: str, num_experts: int) -> np.ndarray:
+def apply_missing_policy(
+    routes_TLK: np.ndarray, policy: str, num_experts: int, seed: int = 0
+) -> np.ndarray:
     """Applies ``--replay-missing-route-policy`` at data time.
 
     ``native`` returns the buffer unchanged (rows stay missing; the router decides them in the
-    forward). ``balanced`` fills them with :func:`fill_missing_balanced`.
+    forward). ``balanced`` fills them with :func:`fill_missing_balanced` (``seed``: the pack
+    or document index, see there).
 
     Raises:
         ValueError: An unknown policy.
@@ -248,7 +257,7 @@ def apply_missing_policy(routes_TLK: np.ndarray, policy: str, num_experts: int) 
     if policy == "native":
         return routes_TLK
     if policy == "balanced":
-        return fill_missing_balanced(routes_TLK, num_experts)
+        return fill_missing_balanced(routes_TLK, num_experts, seed)
     raise ValueError(
         f"--replay-missing-route-policy must be one of {MISSING_ROUTE_POLICIES}, got {policy!r}"
     )

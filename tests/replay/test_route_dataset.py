@@ -21,7 +21,12 @@ from megatron_ext.replay.route_dataset import (
     RoutedPackedDatasetConfig,
     RouteRecorder,
 )
-from megatron_ext.replay.routes import missing_mask, rank_counts, validate_routes
+from megatron_ext.replay.routes import (
+    fill_missing_balanced,
+    missing_mask,
+    rank_counts,
+    validate_routes,
+)
 
 SEQ, LAYERS, TOPK, EXPERTS = 32, 2, 2, 8
 
@@ -96,7 +101,7 @@ def test_pads_replay_the_routes_of_the_tokens_they_copy(corpus):
         real = np.concatenate(
             [
                 doc_routes(corpus["docs"]["a"][d])[st : st + n]
-                for d, st, n in zip(doc_Q, start_Q, len_Q)
+                for d, st, n in zip(doc_Q, start_Q, len_Q, strict=True)
             ]
         )
         n = real.shape[0]
@@ -119,6 +124,8 @@ def test_balanced_policy_fills_missing_rows_distinct_and_even(corpus):
         assert not missing_mask(routes).any()
         validate_routes(routes, num_layers=LAYERS, num_experts=EXPERTS, topk=TOPK)
         assert np.array_equal(routes[~was_missing], before[~was_missing])
+        # Seeded by the pack index, so packs of a micro-batch fill different experts.
+        assert np.array_equal(routes, fill_missing_balanced(before, EXPERTS, seed=i))
         for layer in range(LAYERS):
             fill = routes[was_missing[:, layer], layer]
             filled_any |= fill.shape[0] > 1
