@@ -5,7 +5,8 @@ One rank, real tiny MoE ``GPTModel`` (local spec, 8 experts, top-2, CPU), side b
 - route bytes per token per MoE layer: our uint8 route buffer (what is stored, read and copied
   host-to-device), Megatron's ``RouterReplay`` targets as it records them (int64), and Megatron
   inference's ``RoutingMetadata`` buffer dtype (int32); plus what our binding keeps installed on
-  the device per micro-batch (the same uint8 rows, widened per router call);
+  the device per micro-batch, measured as the nbytes of its tensors (the uint8 rows, widened per
+  router call, and the ``native`` policy's bool missing-row mask), and its cached row index;
 - forward time: native routing, Megatron's ``REPLAY_FORWARD`` with ``set_replay_data``, and
   megatron_ext's keyed binding (install + forward, ``native`` missing-row policy, i.e. including
   the router's own top-k for the ``where``). Medians over repeats; ratios are to native.
@@ -88,13 +89,22 @@ def _worker(batch: int, seq: int, layers: int, repeats: int) -> dict:
 
     ours_ms = _median_ms(ours_replay, repeats)
     binding.install(routes_BSLK, key=0)
-    device_bytes = sum(t[0].nbytes for t in binding._targets.values()) / (batch * seq * layers)
+    # Everything install() keeps per micro-batch: the uint8 rows [N, K] and, with the native
+    # policy and a route that may have missing rows, the bool mask missing_N (1 B/token/layer).
+    tokens_layers = batch * seq * layers
+    device_bytes = (
+        sum(t.nbytes for pair in binding._targets.values() for t in pair if t is not None)
+        / tokens_layers
+    )
+    # Cached once per (device, B, S), shared by every layer and micro-batch: int64 row index.
+    index_bytes = sum(t.nbytes for t in binding._device_positions.values()) / (batch * seq)
     binding.remove()
     return {
         "ours_bytes": ours_bytes,
         "megatron_bytes": megatron_bytes,
         "inference_bytes": inference_bytes,
         "device_bytes": device_bytes,
+        "index_bytes": index_bytes,
         "native_ms": native_ms,
         "megatron_ms": megatron_ms,
         "ours_ms": ours_ms,
@@ -121,7 +131,18 @@ def replay(quick: bool) -> BenchResult:
             round(r["ours_ms"], 2),
             round(r["ours_ms"] / r["native_ms"], 3),
         ],
-        ["megatron_ext installed on device (per micro-batch)", r["device_bytes"], "-", "-"],
+        [
+            "megatron_ext installed on device (per micro-batch, rows + missing mask)",
+            r["device_bytes"],
+            "-",
+            "-",
+        ],
+        [
+            "megatron_ext row index (once per shape; bytes/token, all layers)",
+            r["index_bytes"],
+            "-",
+            "-",
+        ],
     ]
     return BenchResult(
         title="Route replay: bytes per token per MoE layer and forward time (top-2, 8 experts)",
@@ -130,7 +151,9 @@ def replay(quick: bool) -> BenchResult:
         notes=(
             f"Tiny MoE GPTModel on CPU, B={batch}, S={seq}, {layers} MoE layers, hidden 128, "
             f"{repeats} repeats. uint8 costs K = 2 bytes per token per layer; Megatron keeps "
-            "int64 targets (8K) and its inference buffer is int32 (4K). Our forward includes "
+            "int64 targets (8K) and its inference buffer is int32 (4K). Installed on device, "
+            "the native missing-route policy adds a 1-byte bool mask per token per layer "
+            "(measured nbytes of what install() keeps). Our forward includes "
             "install() (CP/SP slicing), the per-call int64 widening and the native top-k used "
             "for missing rows."
         ),
