@@ -6,7 +6,8 @@ subclass of the same dispatcher and tells the experts that groups arrive aligned
 twice:
 
 - ``TEGroupedMLP``: its ``Fp8Padding``/``Fp8Unpadding`` pair (and its ``tolist``-then-pad path)
-  is replaced by a pass-through that checks the host split sizes it already has;
+  is replaced, when the aligner is active, by a pass-through that checks the host split sizes
+  it already has against our multiple and Megatron's;
 - ``SequentialMLP``: pads each group to the same multiple, which is now a no-op (0 rows).
 - flex (HybridEP): no swap; HybridEP pads inside its dispatch and Megatron already hands it
   ``pad_multiple``; an override of the multiple is passed as that ``pad_multiple`` (GPU only).
@@ -24,7 +25,10 @@ from typing import Any
 import torch
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.transformer.moe.moe_utils import (
+    get_align_size_for_quantization,
+    get_default_pg_collection,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.config import MoEAlignmentConfig
@@ -44,37 +48,88 @@ _ALIGNED_DISPATCHERS = {
 
 
 class AlreadyAlignedPadding(torch.nn.Module):
-    """Stands in for TE's ``Fp8Padding`` when the dispatcher already aligned every group.
+    """Stands in for TE's ``Fp8Padding`` while the dispatcher aligns every group.
 
     Takes and returns ``(rows, split sizes)`` like ``Fp8Padding``; the split sizes are a host list
-    there, so the check is free.
+    there, so the check is free. It checks both our multiple and the one Megatron's own
+    ``get_align_size_for_quantization`` asks for the config's recipe. When the aligner is not
+    active for the current precision it defers to the padding it replaced (``fallback``), and
+    refuses when there is none, rather than let unaligned groups reach a quantized GEMM.
     """
 
-    def __init__(self, aligner: Any) -> None:
+    def __init__(self, aligner: Any, fallback: torch.nn.Module | None = None) -> None:
         super().__init__()
         self.aligner = aligner
+        self.fallback = fallback
 
     def forward(self, x: torch.Tensor, m_splits: list[int]) -> tuple[torch.Tensor, list[int]]:
-        align = max(self.aligner.align, 1)
-        bad = [(i, n) for i, n in enumerate(m_splits) if n % align]
-        assert not bad, f"dispatcher delivered unaligned groups (expert, rows): {bad}"
+        if not self.aligner.active:
+            if self.fallback is None:
+                raise ValueError(
+                    "AlignedMoELayer: the experts run a quantized GEMM but --moe-dispatch-align "
+                    "is inactive for this precision and no expert padding exists to fall back to"
+                )
+            return self.fallback(x, m_splits)
+        config = self.aligner.config
+        required = get_align_size_for_quantization(config) if (config.fp8 or config.fp4) else 0
+        for align in (self.aligner.align, required):
+            bad = [(i, n) for i, n in enumerate(m_splits) if n % max(align, 1)]
+            assert not bad, f"unaligned groups for multiple {align} (expert, rows): {bad}"
         return x, m_splits
 
 
 class AlreadyAlignedUnpadding(torch.nn.Module):
-    """Stands in for TE's ``Fp8Unpadding``: the dispatcher strips the pads itself."""
+    """Stands in for TE's ``Fp8Unpadding``: the dispatcher strips the pads itself.
+
+    Defers to the unpadding it replaced when the aligner is inactive (matching
+    :class:`AlreadyAlignedPadding`).
+    """
+
+    def __init__(self, aligner: Any, fallback: torch.nn.Module | None = None) -> None:
+        super().__init__()
+        self.aligner = aligner
+        self.fallback = fallback
 
     def forward(self, x: torch.Tensor, m_splits: list[int]) -> torch.Tensor:
-        del m_splits
+        if not self.aligner.active and self.fallback is not None:
+            return self.fallback(x, m_splits)
         return x
 
 
 def tell_experts_groups_are_aligned(experts: torch.nn.Module, aligner: Any) -> None:
-    """Stops Megatron's experts from padding groups the dispatcher already aligned."""
-    if isinstance(experts, TEGroupedMLP):
-        experts.quantization_padding = AlreadyAlignedPadding(aligner)
-        experts.quantization_unpadding = AlreadyAlignedUnpadding()
-    # SequentialMLP pads each group to the same multiple: 0 rows once groups are aligned.
+    """Stops Megatron's experts from padding groups the dispatcher already aligned.
+
+    ``TEGroupedMLP`` builds its ``Fp8Padding`` pair only under fp8/fp4 and calls it only then.
+    The stand-ins are installed only when the aligner is active for the config's precision, or
+    when the experts have no padding to lose (a bf16 build; the stand-in then refuses unaligned
+    use rather than pass it through); TE's own padding stays in place otherwise and keeps
+    serving whenever the aligner is inactive.
+    """
+    if not isinstance(experts, TEGroupedMLP):
+        return  # SequentialMLP pads each group to the same multiple: 0 rows once aligned.
+    padding = getattr(experts, "quantization_padding", None)
+    unpadding = getattr(experts, "quantization_unpadding", None)
+    if padding is not None and not aligner.active:
+        return
+    experts.quantization_padding = AlreadyAlignedPadding(aligner, padding)
+    experts.quantization_unpadding = AlreadyAlignedUnpadding(aligner, unpadding)
+
+
+def is_training_forward(module: torch.nn.Module) -> bool:
+    """True for the one pass per micro-batch whose routing belongs in the load metrics.
+
+    Megatron's activation checkpoints (``tensor_parallel.checkpoint`` for full and ``moe``
+    selective recompute, ``te_checkpoint`` under fp8) are reentrant: the first pass runs under
+    ``no_grad`` and the recompute runs again, with grad, inside the autograd engine's backward
+    (``torch._C._current_graph_task_id() != -1``). So the pass that runs with grad enabled is
+    exactly one per micro-batch: the forward without checkpointing, the recompute with it.
+    Skipping the recompute instead would count nothing under full recompute (its first pass has
+    no grad). Evaluation (``module.eval()`` or ``torch.no_grad``) is never counted: a no_grad
+    first pass of a checkpoint looks the same as an evaluation forward, and only a training
+    step's backward recomputes it. (A non-reentrant ``torch.utils.checkpoint`` around a layer,
+    which Megatron does not use for MoE layers, would be counted twice.)
+    """
+    return module.training and torch.is_grad_enabled()
 
 
 class AlignedMoELayer(MoELayer):
@@ -156,9 +211,13 @@ class AlignedMoELayer(MoELayer):
             manager.pad_multiple = self.align
 
     def route(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None):
-        """Megatron's routing, recorded into the load tracker when one is attached."""
+        """Megatron's routing, recorded into the load tracker when one is attached.
+
+        Only training forwards are recorded (see :func:`is_training_forward`): a recompute or an
+        evaluation forward does not count a micro-batch again.
+        """
         probs, routing_map = super().route(hidden_states, padding_mask)
-        if self.load_metrics is not None:
+        if self.load_metrics is not None and is_training_forward(self):
             pad_mask_T = None if padding_mask is None else padding_mask.reshape(-1)
             self.load_metrics.record(self.layer_number, routing_map, pad_mask_T)
         return probs, routing_map

@@ -182,7 +182,7 @@ def test_invariants(counts_RE, align):
     # Each group starts at an aligned offset and holds exactly its expert's real rows first.
     starts = [sum(sizes[:e]) for e in range(len(sizes))]
     per_expert = torch.tensor(counts_RE).sum(0).tolist()
-    for e, (start, real) in enumerate(zip(starts, per_expert)):
+    for e, (start, real) in enumerate(zip(starts, per_expert, strict=True)):
         assert start % align == 0
         assert (x_P[start : start + real].abs().sum(1) > 0).all()
         assert not x_P[start + real : start + sizes[e]].any()

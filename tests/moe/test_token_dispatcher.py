@@ -175,7 +175,7 @@ def test_aligned_runs_reach_gemm_aligned_and_equal_unaligned(results):
                     # fp32 grouped GEMM on zero-padded rows: the real rows' sums are unchanged.
                     assert r["diff"] <= 1e-6, (dispatcher, buffer, precision, r)
                     assert all(n % align == 0 for n in r["groups"]), r
-                    assert all(a >= b for a, b in zip(r["groups"], real)) and sum(
+                    assert all(a >= b for a, b in zip(r["groups"], real, strict=True)) and sum(
                         r["groups"]
                     ) > sum(real)
                     assert r["told_experts"]
@@ -257,8 +257,12 @@ def test_align_size_for_config_leaves_bf16_untouched(op_fuser):
     cfg.use_transformer_engine_op_fuser = op_fuser  # set after build: no TE to validate it
     on = MoEAlignmentConfig(moe_dispatch_align=True)
     assert align_size_for_config(cfg, on) == 0
-    assert align_size_for_config(cfg, MoEAlignmentConfig(moe_dispatch_align=True,
-                                                         moe_dispatch_align_size=256)) == 0
+    assert (
+        align_size_for_config(
+            cfg, MoEAlignmentConfig(moe_dispatch_align=True, moe_dispatch_align_size=256)
+        )
+        == 0
+    )
     for precision in PRECISIONS:
         set_precision(cfg, precision)
         assert align_size_for_config(cfg, on) == get_align_size_for_quantization(cfg) > 1
