@@ -4,8 +4,12 @@
     python tools/pack_stats.py --data-path /data/sft --seq-length 4096 \\
         --packing-algorithm sequential --pad-to-multiple-of 8
 
-Uses exactly the planner of the training run (megatron_ext.data.pack_planning) over one pass of
-the documents in a seeded shuffle, so the numbers are what --pack-documents will see.
+The numbers are those of the first epoch of the training run's split: the documents of --split's
+--split-name part (Megatron's own split arithmetic), shuffled with PackedDataset's epoch-0 random
+stream (numpy default_rng((--seed, 0))), planned by the same planner
+(megatron_ext.data.pack_planning). With the run's --seed, --split and packing flags they equal
+what PackedDataset builds for one --data-path prefix (a blend packs each prefix on its own; later
+epochs reshuffle, so their packs differ slightly).
 """
 
 import argparse
@@ -14,6 +18,10 @@ import os
 import sys
 
 import numpy as np
+from megatron.core.datasets.blended_megatron_dataset_config import (
+    convert_split_vector_to_split_matrix,
+    parse_and_normalize_split,
+)
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from tqdm import tqdm
 
@@ -24,36 +32,57 @@ from megatron_ext.data.pack_planning import (
 )
 from megatron_ext.data.padding import padded_lengths
 
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def split_documents(num_docs: int, split: str, split_name: str) -> np.ndarray:
+    """Document indices of one split, as Megatron's ``BlendedMegatronDatasetBuilder`` cuts them.
+
+    Example: ``split_documents(10, "80,10,10", "valid") -> [8]``.
+    """
+    bookends = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    part = bookends[SPLIT_NAMES.index(split_name)]
+    if part is None:
+        raise ValueError(f"--split {split!r} gives the {split_name} split no documents")
+    begin, end = (int(round(b * float(num_docs))) for b in part)
+    return np.arange(begin, end, dtype=np.int64)
+
+
+def histogram_edges(seq_length: int, max_bins: int = 10) -> np.ndarray:
+    """At most ``max_bins`` integer bins over 0..seq_length, never empty or repeated edges.
+
+    Example: ``histogram_edges(4) -> [0 1 2 3 4]``; ``histogram_edges(100) -> [0 10 ... 100]``.
+    """
+    return np.unique(np.linspace(0, seq_length, min(seq_length, max_bins) + 1).round().astype(int))
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The tool's arguments."""
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    p.add_argument(
-        "--data-path", required=True, help="IndexedDataset prefix (PREFIX.bin/.idx)"
-    )
-    p.add_argument(
-        "--seq-length", type=int, required=True, help="pack capacity in tokens"
-    )
-    p.add_argument(
-        "--packing-algorithm", choices=PACKING_ALGORITHMS, default="best_fit"
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--data-path", required=True, help="IndexedDataset prefix (PREFIX.bin/.idx)")
+    p.add_argument("--seq-length", type=int, required=True, help="pack capacity in tokens")
+    p.add_argument("--packing-algorithm", choices=PACKING_ALGORITHMS, default="best_fit")
     p.add_argument("--packing-window", type=int, default=1000)
     p.add_argument("--pack-overlong-policy", choices=OVERLONG_POLICIES, default="split")
-    p.add_argument(
-        "--pad-to-seq-len", action="store_true", help="pad every pack to --seq-length"
-    )
+    p.add_argument("--pad-to-seq-len", action="store_true", help="pad every pack to --seq-length")
     p.add_argument("--pad-to-multiple-of", type=int, default=1)
-    p.add_argument("--seed", type=int, default=1234, help="document shuffle seed")
+    p.add_argument(
+        "--seed", type=int, default=1234, help="the training run's --seed (document shuffle)"
+    )
+    p.add_argument(
+        "--split", default="969,30,1", help="the training run's --split (Megatron's default)"
+    )
+    p.add_argument("--split-name", choices=SPLIT_NAMES, default="train", help="split to report")
     p.add_argument("--png", help="write a pack-length histogram here")
     p.add_argument("--json", help="write the statistics as JSON here")
     return p
 
 
 def pack_statistics(doc_lens_D: np.ndarray, args: argparse.Namespace) -> dict:
-    """The numbers the tool reports, for one seeded pass over the documents."""
-    order = np.random.default_rng(args.seed).permutation(doc_lens_D.size)
+    """The numbers the tool reports: epoch 0 of the split, as PackedDataset plans it."""
+    docs = split_documents(doc_lens_D.size, args.split, args.split_name)
+    # PackedDataset._build_plan: rng = default_rng((seed, epoch)); docs = rng.permutation(...)
+    order = np.random.default_rng((args.seed, 0)).permutation(docs)
     plan = plan_packs(
         doc_lens_D[order],
         args.seq_length,
@@ -68,10 +97,10 @@ def pack_statistics(doc_lens_D: np.ndarray, args: argparse.Namespace) -> dict:
         pad_to_seq_len=args.pad_to_seq_len,
         pad_to_multiple_of=args.pad_to_multiple_of,
     )
-    edges = np.linspace(0, args.seq_length, 11).astype(int)
+    edges = histogram_edges(args.seq_length)
     hist, _ = np.histogram(real_P, bins=edges)
     return {
-        "documents": int(doc_lens_D.size),
+        "documents": int(docs.size),
         "packs": plan.num_packs,
         "real_tokens": int(real_P.sum()),
         "padded_tokens": int(padded_P.sum()),
@@ -95,9 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--data-path file {args.data_path + ext} does not exist")
     if args.seq_length < 1:
         raise ValueError(f"--seq-length must be >= 1, got {args.seq_length}")
-    dataset = IndexedDataset(
-        args.data_path
-    )  # keep it alive: sequence_lengths views its mmap
+    dataset = IndexedDataset(args.data_path)  # keep it alive: sequence_lengths views its mmap
     lens = np.array(dataset.sequence_lengths, dtype=np.int64)
     with tqdm(total=1, desc="planning packs") as bar:
         stats = pack_statistics(lens, args)
@@ -105,15 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     pack_lengths = stats.pop("_pack_lengths")
     for key, value in stats.items():
         if not key.startswith("histogram"):
-            print(
-                f"{key:>22}: {value:.4f}"
-                if isinstance(value, float)
-                else f"{key:>22}: {value}"
-            )
+            print(f"{key:>22}: {value:.4f}" if isinstance(value, float) else f"{key:>22}: {value}")
     print("pack length histogram (real tokens):")
     edges, counts = stats["histogram_edges"], stats["histogram_counts"]
     top = max(counts, default=0) or 1
-    for lo, hi, c in zip(edges[:-1], edges[1:], counts):
+    for lo, hi, c in zip(edges[:-1], edges[1:], counts, strict=True):
         print(f"  {lo:>7}-{hi:<7} {c:>8} {'#' * round(40 * c / top)}")
     if args.json:
         with open(args.json, "w") as f:

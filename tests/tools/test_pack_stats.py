@@ -43,11 +43,7 @@ def test_hand_worked_stats_json_and_png(tmp_path, capsys) -> None:
     assert load_tool().main(argv) == 0
     with open(out) as f:
         stats = json.load(f)
-    assert (
-        stats["packs"] == 4
-        and stats["real_tokens"] == 28
-        and stats["padded_tokens"] == 32
-    )
+    assert stats["packs"] == 4 and stats["real_tokens"] == 28 and stats["padded_tokens"] == 32
     assert stats["pad_fraction"] == pytest.approx(4 / 32)
     assert stats["documents_split"] == 1 and sum(stats["histogram_counts"]) == 4
     with open(png, "rb") as f:
@@ -83,16 +79,12 @@ def test_sequential_pads_more_than_best_fit(tmp_path) -> None:
 
 def test_bad_inputs(tmp_path) -> None:
     tool = load_tool()
-    with pytest.raises(
-        ValueError, match=r"--data-path file .*missing\.idx does not exist"
-    ):
+    with pytest.raises(ValueError, match=r"--data-path file .*missing\.idx does not exist"):
         tool.main(["--data-path", str(tmp_path / "missing"), "--seq-length", "8"])
     write_documents(str(tmp_path / "d"), [np.ones(3)])
     with pytest.raises(ValueError, match="--seq-length must be >= 1"):
         tool.main(["--data-path", str(tmp_path / "d"), "--seq-length", "0"])
-    with pytest.raises(
-        ValueError, match="--seq-length=8 is not a multiple of --pad-to-multiple"
-    ):
+    with pytest.raises(ValueError, match="--seq-length=8 is not a multiple of --pad-to-multiple"):
         tool.main(
             [
                 "--data-path",
@@ -103,3 +95,71 @@ def test_bad_inputs(tmp_path) -> None:
                 "3",
             ]
         )
+
+
+def document_lengths(prefix: str) -> np.ndarray:
+    """Document lengths as the tool reads them."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(prefix)  # keep it alive while copying: the lengths view its mmap
+    return np.array(dataset.sequence_lengths, dtype=np.int64)
+
+
+def test_seq_length_below_ten_bins(tmp_path) -> None:
+    # linspace(0, 4, 11).astype(int) repeats edges, which numpy's histogram refuses.
+    prefix = str(tmp_path / "d")
+    write_documents(prefix, [np.ones(n) for n in (1, 2, 3, 4, 5)])
+    out = str(tmp_path / "s.json")
+    assert load_tool().main(["--data-path", prefix, "--seq-length", "4", "--json", out]) == 0
+    with open(out) as f:
+        stats = json.load(f)
+    assert stats["histogram_edges"] == [0, 1, 2, 3, 4]
+    assert sum(stats["histogram_counts"]) == stats["packs"] > 0
+    assert load_tool().histogram_edges(1).tolist() == [0, 1]
+    assert load_tool().histogram_edges(100).tolist() == list(range(0, 101, 10))
+
+
+@pytest.mark.parametrize("algorithm, split_name", [("best_fit", "train"), ("sequential", "valid")])
+def test_numbers_equal_the_packed_datasets_first_epoch(
+    tmp_path, algorithm: str, split_name: str
+) -> None:
+    from megatron_ext.data.packed_dataset import PackedDataset, PackedDatasetConfig
+    from tests.data.dataset_helpers import build_splits, gpt_config_kwargs
+
+    prefix = str(tmp_path / "d")
+    rng = np.random.default_rng(3)
+    write_documents(prefix, [np.ones(int(n)) for n in rng.integers(1, 70, size=200)])
+    seed, split, seq = 11, "70,30,0", 48
+    out = str(tmp_path / "s.json")
+    flags = ["--seed", str(seed), "--split", split, "--split-name", split_name]
+    flags += ["--packing-algorithm", algorithm, "--packing-window", "16", "--json", out]
+    argv = ["--data-path", prefix, "--seq-length", str(seq), *flags]
+    tool = load_tool()
+    assert tool.main(argv) == 0
+    with open(out) as f:
+        stats = json.load(f)
+    lens_D = document_lengths(prefix)
+    tool_packs = tool.pack_statistics(lens_D, tool.build_parser().parse_args(argv))["_pack_lengths"]
+    config = PackedDatasetConfig(
+        **gpt_config_kwargs(
+            [prefix],
+            sequence_length=seq,
+            random_seed=seed,
+            split=split,
+            path_to_cache=str(tmp_path / "c"),
+        ),
+        packing_algorithm=algorithm,
+        packing_window=16,
+    )
+    ds = build_splits(PackedDataset, config, [None, None, None])[
+        ("train", "valid").index(split_name)
+    ]
+    lens_P = np.diff(ds.plan["pack_offsets_P1"])
+    pack_lengths = np.add.reduceat(ds.plan["piece_len_Q"], ds.plan["pack_offsets_P1"][:-1])
+    assert stats["packs"] == len(ds) == lens_P.size and stats["documents"] == ds.indices.size
+    assert stats["real_tokens"] == int(pack_lengths.sum())
+    assert stats["documents_split"] == ds.stats["num_split"] > 0  # over-long docs occurred
+    # The same packs (order aside: best_fit shuffles packs after planning).
+    assert sorted(tool_packs.tolist()) == sorted(pack_lengths.tolist())
+    hist, _ = np.histogram(pack_lengths, bins=stats["histogram_edges"])
+    assert stats["histogram_counts"] == hist.tolist()
