@@ -17,6 +17,7 @@ Example::
     loss, num_tokens, report = loss_fn(output)
 """
 
+from collections.abc import Hashable
 from functools import partial
 from typing import Any, Iterator
 
@@ -49,15 +50,29 @@ def loss_func(
     return loss, num_tokens, report
 
 
-def _next_micro_batch(args: Any) -> tuple[int, int, int]:
-    """``(key, position in the step, micro-batches per step)``; every call is a new micro-batch."""
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
+def begin_micro_batch(args: Any) -> tuple[Hashable, bool]:
+    """``(key, first of its step)`` for the micro-batch about to run forward.
 
+    Training micro-batches are keyed ``(iteration, index in the step)`` from Megatron's
+    ``args.curr_iteration``, so a step boundary is the iteration changing, whatever the number of
+    micro-batches (batch-size ramp-up, evaluation in between). Evaluation forwards (Megatron's
+    ``evaluate`` runs them under ``torch.no_grad``) get their own keys and never start or end a step.
+    When a new training step starts, the previous one is complete (every forward and backward), so its
+    expert-load metrics are logged then.
+    """
     run = run_state.state(args)
-    key = run.micro_batches_seen
-    run.micro_batches_seen = key + 1
-    per_step = get_num_microbatches()
-    return key, key % per_step, per_step
+    if not torch.is_grad_enabled():
+        run.eval_forwards += 1
+        return ("eval", run.eval_forwards), True
+    iteration = getattr(args, "curr_iteration", 0) or 0
+    first = iteration != run.iteration
+    if first:
+        finished, run.iteration, run.position = run.iteration, iteration, 0
+        if finished is not None:
+            log_expert_load(args, finished)
+    key = (iteration, run.position)
+    run.position += 1
+    return key, first
 
 
 def model_inputs(batch: dict[str, torch.Tensor], args: Any) -> dict[str, Any]:
@@ -84,15 +99,17 @@ def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tens
 
     args = get_args()
     batch = get_batch(data_iterator)
-    key, position, per_step = _next_micro_batch(args)
+    key, starts_step = begin_micro_batch(args)
+    training = key[0] != "eval"
     kwargs = model_inputs(batch, args)
     # The model's [batch, seq] layout: THD flattens the micro-batch to one row of B*S tokens, so routes
     # are installed (and recorded) in that layout too; router rows then follow the model's token order.
     model_shape = tuple(kwargs["input_ids"].shape)
     binding = run_state.replay_binding(args)
     if binding is not None:
-        if position == 0:
-            # Megatron finishes every backward of a step before the next step's first forward.
+        if starts_step:
+            # Megatron finishes every backward of a step before the next step's (or an evaluation's)
+            # first forward, so the routes kept for recompute can go.
             binding.clear()
         if binding.mode == "replay":
             routes_BSLK = batch["routes"]
@@ -100,24 +117,24 @@ def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tens
         else:
             binding.begin_record(key, *model_shape)
     output = model(**kwargs, loss_mask=batch["loss_mask"].reshape(model_shape))
-    if binding is not None and binding.mode == "record":
+    if binding is not None and binding.mode == "record" and training:
+        # Only training packs: evaluation packs index another dataset (the validation split).
         run_state.record_routes(args, binding, key, batch["pack_index"], batch["tokens"].shape)
-    if position == per_step - 1:  # every micro-batch of the step has been routed
-        log_expert_load(args)
     loss_mask = batch["loss_mask"].reshape(output.shape)
     return output, partial(loss_func, loss_mask)
 
 
-def log_expert_load(args: Any) -> dict[str, Any] | None:
-    """At log iterations, reduces the load metrics and writes them to Megatron's writers.
+def log_expert_load(args: Any, iteration: int) -> dict[str, Any] | None:
+    """After a log iteration, reduces the load metrics and writes them to Megatron's writers.
 
-    Counts are summed over the data-parallel (with context-parallel) group: every distinct token of the
-    step once, unless sequence parallelism splits tokens over TP ranks (then this rank's TP slice).
+    Counts accumulate over the ``--log-interval`` iterations since the last log (training forwards only;
+    ``AlignedMoELayer`` skips evaluation and recompute) and are summed over the data-parallel (with
+    context-parallel) group: every distinct token once, unless sequence parallelism splits tokens over TP
+    ranks (then this rank's TP slice).
 
     NOTE: device-to-host sync (inside ``ExpertLoadMetrics.summary``), only every ``--log-interval``.
     """
     metrics = run_state.load_metrics(args)
-    iteration = getattr(args, "curr_iteration", 0) or 0
     if metrics is None or not metrics.layers or (iteration + 1) % args.log_interval:
         return None
     from megatron.core import parallel_state

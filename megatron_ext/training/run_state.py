@@ -27,7 +27,9 @@ class RunState:
     configs: dict[type, Any]
     load_metrics: Any = None
     replay_bindings: list[Any] = field(default_factory=list)
-    micro_batches_seen: int = 0
+    iteration: Optional[int] = None
+    position: int = 0
+    eval_forwards: int = 0
     last_load_summary: Optional[dict[str, Any]] = None
     record_dataset: Any = None
     recorded_packs: list[tuple[list[int], Any]] = field(default_factory=list)

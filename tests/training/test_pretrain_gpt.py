@@ -98,9 +98,6 @@ def _run_providers(argv: list[str]) -> dict:
             bool(torch.equal(routing[layer], expected_SBLE[:, :, layer].reshape(-1, EXPERTS)))
             for layer in range(NUM_LAYERS)
         ]
-    # One micro-batch per step here, so forward_step logged (and reset) the load metrics itself.
-    summary = run_state.state(args).last_load_summary
-    result["load_summary_keys"] = sorted(summary) if summary else []
     return result
 
 
@@ -113,18 +110,94 @@ def test_gpt_providers_and_forward_step_with_self_padded_gpt_dataset(data_prefix
         assert "padding_mask" in result["batch_keys"]
 
 
-def test_aligned_moe_packed_data_and_load_metrics(data_prefix) -> None:
+def test_aligned_moe_packed_data(data_prefix) -> None:
     argv = BASE_ARGS + [
-        "--data-path", data_prefix, "--pack-documents", "--pad-to-seq-len",
-        "--moe-dispatch-align", "--moe-expert-load-metrics", "--log-interval", "1",
+        "--data-path", data_prefix, "--pack-documents", "--pad-to-seq-len", "--moe-dispatch-align",
     ]
     for result in run_distributed(_run_providers, 2, argv, ep=2):
         assert result["dataset"] == "PackedDataset"
         assert result["moe_layers"] == ["AlignedMoELayer"] * NUM_LAYERS
         assert {"cu_seqlens", "padding_mask"} <= set(result["batch_keys"])
         assert np.isfinite(result["loss"]) and result["grad_norm"] > 0
-        assert any(key.endswith("rank_max_vio") for key in result["load_summary_keys"])
-        assert any(key.endswith("real_rank_max_vio") for key in result["load_summary_keys"])
+
+
+def _steps_with_eval(argv: list[str]) -> dict:
+    """Two training steps of two micro-batches with an evaluation forward in between, replay and
+    load metrics on: every forward replays its own routes and the metrics count step 0 exactly."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.global_vars import unset_global_variables
+
+    from megatron_ext.arguments import add_megatron_ext_args
+    from megatron_ext.training import run_state
+    from megatron_ext.training.dataset_provider import train_valid_test_datasets_provider
+    from megatron_ext.training.forward_step import forward_step
+    from megatron_ext.training.model_provider import model_provider
+
+    unset_global_variables()
+    run_state.reset()
+    sys.argv = ["pretrain_gpt", *argv]
+    args = parse_and_validate_args(extra_args_provider=add_megatron_ext_args)
+    model = model_provider()
+    train, _, _ = train_valid_test_datasets_provider([16, 0, 0])
+    rank = torch.distributed.get_rank()
+    chosen = []
+    for module in model.modules():
+        if type(module).__name__ == "TopKRouter":
+            module.register_forward_hook(lambda m, i, o: chosen.append(o[1].detach()))
+
+    def run(indices: list[int], train_mode: bool) -> tuple[bool, int]:
+        batch = torch.utils.data.default_collate([train[i] for i in indices])
+        chosen.clear()
+        with torch.set_grad_enabled(train_mode):
+            output, loss_fn = forward_step(iter([batch]), model)
+            if train_mode:
+                loss_fn(output)[0].backward()
+        routes = batch["routes"].long()
+        expected = torch.zeros(*routes.shape[:3], EXPERTS, dtype=torch.bool).scatter_(-1, routes, True)
+        expected_LTE = expected.permute(2, 1, 0, 3).reshape(NUM_LAYERS, -1, EXPERTS)
+        return all(torch.equal(c, e) for c, e in zip(chosen, expected_LTE)), int(
+            (~batch["padding_mask"]).sum()
+        )
+
+    matches, real_tokens = [], 0
+    args.curr_iteration = 0
+    for mb in range(2):
+        ok, real = run([rank * 4 + 2 * mb, rank * 4 + 2 * mb + 1], True)
+        matches.append(ok)
+        real_tokens += real
+    matches.append(run([8 + rank, 10 + rank], False)[0])  # evaluation between steps
+    args.curr_iteration = 1
+    matches.append(run([12 + rank, 14 + rank], True)[0])  # starts step 1: logs step 0
+    real = torch.tensor([real_tokens])
+    torch.distributed.all_reduce(real)
+    summary = run_state.state(args).last_load_summary
+    return {
+        "micro_batches_per_step": get_num_microbatches(),
+        "replay_matches": matches,
+        "real_tokens_step0": int(real),
+        "tokens": [sum(summary[f"layer{n}/tokens"]) for n in (1, 2)],
+        "real": [sum(summary[f"layer{n}/real_tokens"]) for n in (1, 2)],
+        "has_max_vio": "layer1/rank_max_vio" in summary and "layer1/real_rank_max_vio" in summary,
+    }
+
+
+def test_keys_metrics_and_replay_across_micro_batches_and_evaluation(data_prefix) -> None:
+    argv = BASE_ARGS + [
+        "--data-path", data_prefix, "--pack-documents", "--pad-to-seq-len",
+        "--route-replay-mode", "replay", "--route-data-suffix", "_routes",
+        "--moe-expert-load-metrics", "--log-interval", "1",
+    ]
+    argv[argv.index("--global-batch-size") + 1] = "8"
+    for r in run_distributed(_steps_with_eval, 2, argv, ep=2):
+        assert r["micro_batches_per_step"] == 2
+        assert r["replay_matches"] == [True] * 4  # both micro-batches, the evaluation, step 1
+        # Step 0 only (not the evaluation, not step 1): 2 ranks x 2 micro-batches x 2 rows x 64 tokens,
+        # each routed to top-2 experts; real tokens exclude the pads.
+        assert r["tokens"] == [2 * 2 * 2 * 64 * TOPK] * NUM_LAYERS
+        assert r["real"] == [r["real_tokens_step0"] * TOPK] * NUM_LAYERS
+        assert 0 < r["real_tokens_step0"] < 2 * 2 * 2 * 64  # the packs do have pads
+        assert r["has_max_vio"]
 
 
 def test_route_replay_from_sidecar_reaches_every_moe_layer(data_prefix) -> None:
