@@ -24,28 +24,18 @@ from megatron_ext.data.jsonl_documents import (
 
 def build_parser() -> argparse.ArgumentParser:
     """The tool's arguments."""
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--input", required=True, help="JSONL file, one record per line")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin/.idx")
-    p.add_argument(
-        "--text-key", default="text", help="field with the text (default: text)"
-    )
-    p.add_argument(
-        "--prompt-key", help="field with the prompt (loss-masked); needs --response-key"
-    )
+    p.add_argument("--text-key", default="text", help="field with the text (default: text)")
+    p.add_argument("--prompt-key", help="field with the prompt (loss-masked); needs --response-key")
     p.add_argument("--response-key", help="field with the response (trained on)")
     p.add_argument(
         "--tokenizer-file",
         help="local Hugging Face tokenizer.json; default: built-in byte-level (vocab 257)",
     )
-    p.add_argument(
-        "--append-eod", action="store_true", help="end every document with --eod-id"
-    )
-    p.add_argument(
-        "--eod-id", type=int, default=None, help=f"default {BYTE_EOD_ID} (byte-level)"
-    )
+    p.add_argument("--append-eod", action="store_true", help="end every document with --eod-id")
+    p.add_argument("--eod-id", type=int, default=None, help=f"default {BYTE_EOD_ID} (byte-level)")
     p.add_argument(
         "--loss-mask-suffix",
         default="_loss_mask",
@@ -94,9 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(out_dir, exist_ok=True)
     vocab_top = max((int(d[0].max()) for d in docs if d[0].size), default=0)
     dtype = np.uint16 if vocab_top < 2**16 else np.int32
-    write_documents(
-        args.output_prefix, (d[0] for d in tqdm(docs, desc="writing")), dtype=dtype
-    )
+    write_documents(args.output_prefix, (d[0] for d in tqdm(docs, desc="writing")), dtype=dtype)
     if args.prompt_key is not None:
         write_documents(
             args.output_prefix + args.loss_mask_suffix,
@@ -104,9 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=np.uint8,
         )
     num_tokens = sum(d[0].size for d in docs)
-    print(
-        f"wrote {len(docs)} documents, {num_tokens} tokens to {args.output_prefix}.bin/.idx"
-    )
+    print(f"wrote {len(docs)} documents, {num_tokens} tokens to {args.output_prefix}.bin/.idx")
     return 0
 
 

@@ -25,18 +25,14 @@ SEQ_LENGTH = 4096
 
 def _lengths(num_docs: int) -> np.ndarray:
     rng = np.random.default_rng(0)
-    return np.clip(rng.lognormal(6.3, 1.0, size=num_docs), 8, 3 * SEQ_LENGTH).astype(
-        np.int64
-    )
+    return np.clip(rng.lognormal(6.3, 1.0, size=num_docs), 8, 3 * SEQ_LENGTH).astype(np.int64)
 
 
 def megatron_sft_rule(lens_D: np.ndarray, capacity: int) -> tuple[int, int, int]:
     """Megatron SFT greedy packing over ``lens_D`` in order: (packs, real tokens, lost tokens)."""
     packs, real, lost, cur = 0, 0, 0, 0
     for n in lens_D.tolist():
-        if (
-            cur + n >= capacity
-        ):  # Megatron: truncate on the right, then the pack is done
+        if cur + n >= capacity:  # Megatron: truncate on the right, then the pack is done
             take = capacity - cur
             real, lost, packs, cur = real + cur + take, lost + n - take, packs + 1, 0
         else:
@@ -73,9 +69,9 @@ def _build_timed(dataset_cls, config) -> tuple[object, float]:
     )
 
     t0 = time.perf_counter()
-    train = BlendedMegatronDatasetBuilder(
-        dataset_cls, [None, 0, 0], lambda: True, config
-    ).build()[0]
+    train = BlendedMegatronDatasetBuilder(dataset_cls, [None, 0, 0], lambda: True, config).build()[
+        0
+    ]
     return train, time.perf_counter() - t0
 
 
@@ -96,12 +92,8 @@ def packing(quick: bool) -> BenchResult:
         ones = np.ones(int(lens_D.max()), dtype=np.int32)
         write_documents(prefix, (ones[:n] for n in lens_D))
 
-        gpt, gpt_s = _build_timed(
-            GPTDataset, _config(GPTDatasetConfig, prefix, root + "/g")
-        )
-        rows.append(
-            ["Megatron GPTDataset (cuts documents)", len(gpt), 0.0, 0.0, gpt_s, 1.0]
-        )
+        gpt, gpt_s = _build_timed(GPTDataset, _config(GPTDatasetConfig, prefix, root + "/g"))
+        rows.append(["Megatron GPTDataset (cuts documents)", len(gpt), 0.0, 0.0, gpt_s, 1.0])
 
         t0 = time.perf_counter()
         order = np.random.default_rng(1).permutation(num_docs)

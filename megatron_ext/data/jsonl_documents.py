@@ -43,9 +43,7 @@ def hf_tokenizer(path: str) -> Tokenize:
         raise ValueError(
             f"--tokenizer-file {path} is not a readable tokenizer.json: {err}"
         ) from err
-    return lambda text: np.asarray(
-        tok.encode(text, add_special_tokens=False).ids, dtype=np.int64
-    )
+    return lambda text: np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
 
 def read_documents(
@@ -71,9 +69,7 @@ def read_documents(
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(
-                f"{source} line {lineno} is not valid JSON: {err}"
-            ) from err
+            raise ValueError(f"{source} line {lineno} is not valid JSON: {err}") from err
         keys = [prompt_key, response_key] if prompt_key is not None else [text_key]
         for key in keys:
             if not isinstance(record, dict) or not isinstance(record.get(key), str):

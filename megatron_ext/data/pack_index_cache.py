@@ -21,9 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 
-def cache_path(
-    cache_dir: str, description_hash: str, class_name: str, split: str
-) -> str:
+def cache_path(cache_dir: str, description_hash: str, class_name: str, split: str) -> str:
     """Path of a pack-index cache file; the hash covers every input that changes the plan."""
     return os.path.join(cache_dir, f"{description_hash}-{class_name}-{split}-packs.npz")
 
@@ -32,9 +30,7 @@ def save_atomically(path: str, arrays: dict[str, np.ndarray], description: str) 
     """Writes ``arrays`` (and a human-readable ``description``) to ``path`` via temp + rename."""
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(
-        dir=directory, prefix=os.path.basename(path) + ".", suffix=".tmp"
-    )
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, description=np.array(description), **arrays)
@@ -62,9 +58,7 @@ def load(path: str, keys: tuple[str, ...] | None = None) -> dict[str, np.ndarray
         ) from err
     missing = [k for k in keys or () if k not in arrays]
     if missing:
-        raise ValueError(
-            f"pack-index cache {path} lacks {missing}; delete it to rebuild"
-        )
+        raise ValueError(f"pack-index cache {path} lacks {missing}; delete it to rebuild")
     return arrays
 
 

@@ -80,9 +80,7 @@ def cut_overlong(
     if capacity < 1:
         raise ValueError(f"--seq-length must be >= 1, got {capacity}")
     if policy not in OVERLONG_POLICIES:
-        raise ValueError(
-            f"unknown --pack-overlong-policy {policy!r}; choose {OVERLONG_POLICIES}"
-        )
+        raise ValueError(f"unknown --pack-overlong-policy {policy!r}; choose {OVERLONG_POLICIES}")
     doc_lens_D = np.asarray(doc_lens_D, dtype=np.int64)
     if doc_lens_D.size and doc_lens_D.min() < 0:
         raise ValueError("document lengths must be >= 0")
@@ -94,9 +92,7 @@ def cut_overlong(
         counts["num_split"] = int(overlong_D.sum())
         piece_doc_Q = np.repeat(np.arange(doc_lens_D.size, dtype=np.int64), n_pieces_D)
         first_piece_D = np.cumsum(n_pieces_D) - n_pieces_D
-        piece_rank_Q = (
-            np.arange(piece_doc_Q.size, dtype=np.int64) - first_piece_D[piece_doc_Q]
-        )
+        piece_rank_Q = np.arange(piece_doc_Q.size, dtype=np.int64) - first_piece_D[piece_doc_Q]
         piece_start_Q = piece_rank_Q * capacity
         piece_len_Q = np.minimum(capacity, doc_lens_D[piece_doc_Q] - piece_start_Q)
         return piece_doc_Q, piece_start_Q, piece_len_Q, counts
@@ -186,12 +182,8 @@ def plan_packs(
         The :class:`PackPlan`.
     """
     if algorithm not in PACKING_ALGORITHMS:
-        raise ValueError(
-            f"unknown --packing-algorithm {algorithm!r}; choose {PACKING_ALGORITHMS}"
-        )
-    piece_doc_Q, piece_start_Q, piece_len_Q, counts = cut_overlong(
-        doc_lens_D, capacity, overlong
-    )
+        raise ValueError(f"unknown --packing-algorithm {algorithm!r}; choose {PACKING_ALGORITHMS}")
+    piece_doc_Q, piece_start_Q, piece_len_Q, counts = cut_overlong(doc_lens_D, capacity, overlong)
     if algorithm == "sequential":
         offsets_P1 = next_fit_offsets(piece_len_Q, capacity)
     else:

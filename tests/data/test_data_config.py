@@ -12,9 +12,7 @@ from megatron_ext.config import PaddingConfig
 
 def configs(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> PaddingConfig:
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
-    return configs_from_args(parse_args(extra_args_provider=add_megatron_ext_args))[
-        PaddingConfig
-    ]
+    return configs_from_args(parse_args(extra_args_provider=add_megatron_ext_args))[PaddingConfig]
 
 
 def test_flags_parse_into_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -53,9 +51,7 @@ def test_flags_parse_into_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
         pack_loss_mask_suffix="_lm",
         multimodal_placeholder_ids=[7, 9],
     )
-    assert (
-        PaddingConfig().pad_policy == "self"
-    )  # the strictly better behaviour is the default
+    assert PaddingConfig().pad_policy == "self"  # the strictly better behaviour is the default
 
 
 def test_pad_multiple_is_derived_from_the_run() -> None:
@@ -64,9 +60,7 @@ def test_pad_multiple_is_derived_from_the_run() -> None:
     assert cfg.pad_multiple(context_parallel_size=4) == 8
     assert cfg.pad_multiple(tensor_parallel_size=2, sequence_parallel=True) == 2
     assert cfg.pad_multiple(context_parallel_size=2, fp8=True) == 16
-    assert (
-        PaddingConfig(pad_to_multiple_of=32).pad_multiple(context_parallel_size=2) == 32
-    )
+    assert PaddingConfig(pad_to_multiple_of=32).pad_multiple(context_parallel_size=2) == 32
 
 
 @pytest.mark.parametrize(
@@ -125,7 +119,5 @@ def test_bad_values_name_the_flag(kwargs: dict, match: str) -> None:
 def test_packing_flags_without_pack_documents_warn(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    with pytest.warns(
-        UserWarning, match=r"\['--packing-window'\] have no effect without"
-    ):
+    with pytest.warns(UserWarning, match=r"\['--packing-window'\] have no effect without"):
         configs(["--packing-window", "5"], monkeypatch)

@@ -40,10 +40,7 @@ def test_round_trip_and_cache_hit(tmp_path) -> None:
 def test_concurrent_writers_leave_one_valid_file(tmp_path) -> None:
     path = str(tmp_path / "x-packs.npz")
     arrays = {"a": np.arange(200_000)}
-    threads = [
-        threading.Thread(target=save_atomically, args=(path, arrays, "d"))
-        for _ in range(6)
-    ]
+    threads = [threading.Thread(target=save_atomically, args=(path, arrays, "d")) for _ in range(6)]
     for t in threads:
         t.start()
     for t in threads:
@@ -55,9 +52,7 @@ def test_concurrent_writers_leave_one_valid_file(tmp_path) -> None:
 def test_killed_writer_leaves_no_cache(tmp_path, monkeypatch) -> None:
     path = str(tmp_path / "k-packs.npz")
 
-    def dies_midway(
-        f, **arrays
-    ) -> None:  # a writer killed after writing part of the file
+    def dies_midway(f, **arrays) -> None:  # a writer killed after writing part of the file
         f.write(b"PK partial")
         raise KeyboardInterrupt
 

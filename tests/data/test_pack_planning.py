@@ -51,18 +51,10 @@ def test_overlong_policies_hand_worked() -> None:
         "num_empty": 1,
     }
     doc, start, ln, counts = cut_overlong(lens, 4, "truncate")
-    assert (
-        doc.tolist() == [0, 1, 3]
-        and ln.tolist() == [3, 4, 4]
-        and start.tolist() == [0, 0, 0]
-    )
+    assert doc.tolist() == [0, 1, 3] and ln.tolist() == [3, 4, 4] and start.tolist() == [0, 0, 0]
     assert counts["num_truncated"] == 1
     doc, _, ln, counts = cut_overlong(lens, 4, "drop")
-    assert (
-        doc.tolist() == [0, 3]
-        and counts["num_dropped"] == 1
-        and counts["num_empty"] == 1
-    )
+    assert doc.tolist() == [0, 3] and counts["num_dropped"] == 1 and counts["num_empty"] == 1
 
 
 def test_empty_and_single_inputs() -> None:
@@ -89,9 +81,7 @@ def naive_best_fit(lens: list[int], cap: int, window: int) -> list[list[int]]:
         chunk = sorted(enumerate(lens[w0 : w0 + window]), key=lambda t: (-t[1], t[0]))
         bins: list[list[int]] = []
         for _, x in chunk:
-            fits = [
-                (cap - sum(b) - x, i) for i, b in enumerate(bins) if sum(b) + x <= cap
-            ]
+            fits = [(cap - sum(b) - x, i) for i, b in enumerate(bins) if sum(b) + x <= cap]
             if fits:
                 bins[min(fits)[1]].append(x)
             else:
@@ -109,9 +99,9 @@ def test_matches_naive_references(seed: int) -> None:
     assert packs_of(plan_packs(lens, cap, algorithm="sequential")) == naive_next_fit(
         lens.tolist(), cap
     )
-    assert packs_of(
-        plan_packs(lens, cap, algorithm="best_fit", window=window)
-    ) == naive_best_fit(lens.tolist(), cap, window)
+    assert packs_of(plan_packs(lens, cap, algorithm="best_fit", window=window)) == naive_best_fit(
+        lens.tolist(), cap, window
+    )
 
 
 def test_best_fit_beats_sequential_on_skewed_lengths() -> None:
@@ -137,10 +127,7 @@ def test_plan_invariants(lens, cap, algorithm, overlong, window) -> None:
     pack_lens = plan.pack_lengths_P()
     assert (pack_lens >= 1).all() and (pack_lens <= cap).all()
     assert (plan.piece_len_Q >= 1).all()
-    assert (
-        plan.pack_offsets_P1[0] == 0
-        and plan.pack_offsets_P1[-1] == plan.piece_len_Q.size
-    )
+    assert plan.pack_offsets_P1[0] == 0 and plan.pack_offsets_P1[-1] == plan.piece_len_Q.size
     assert (plan.piece_start_Q + plan.piece_len_Q <= lens[plan.piece_doc_Q]).all()
     # Token accounting per policy; every kept document appears (split: all of it).
     long_ = lens > cap

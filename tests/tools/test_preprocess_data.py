@@ -15,9 +15,7 @@ from megatron_ext.data.jsonl_documents import (
     read_documents,
 )
 
-TOOL = os.path.join(
-    os.path.dirname(__file__), "..", "..", "tools", "preprocess_data.py"
-)
+TOOL = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "preprocess_data.py")
 
 
 def load_tool():
@@ -29,19 +27,14 @@ def load_tool():
 
 def write_jsonl(path, records) -> str:
     with open(path, "w", encoding="utf-8") as f:
-        f.writelines(
-            (r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records
-        )
+        f.writelines((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records)
     return str(path)
 
 
 def test_text_round_trip(tmp_path) -> None:
     texts = ["hello world", "é ok", "x"]
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts] + [""])
-    assert (
-        load_tool().main(["--input", src, "--output-prefix", str(tmp_path / "out")])
-        == 0
-    )
+    assert load_tool().main(["--input", src, "--output-prefix", str(tmp_path / "out")]) == 0
     ds = IndexedDataset(str(tmp_path / "out"))
     decoded = [bytes(ds[i].astype(np.uint8)).decode("utf-8") for i in range(len(ds))]
     assert decoded == texts
@@ -75,9 +68,7 @@ def test_prompt_response_round_trip_with_loss_mask_and_eod(tmp_path) -> None:
 
 
 def test_read_documents_directly() -> None:
-    docs = list(
-        read_documents(iter(['{"t": "ab"}']), byte_tokenizer, text_key="t", eod_id=9)
-    )
+    docs = list(read_documents(iter(['{"t": "ab"}']), byte_tokenizer, text_key="t", eod_id=9))
     assert docs[0][0].tolist() == [97, 98, 9] and docs[0][1].tolist() == [1, 1, 1]
 
 
@@ -106,25 +97,19 @@ def test_read_documents_directly() -> None:
 def test_bad_inputs_name_the_problem(tmp_path, lines, extra, match) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", lines)
     with pytest.raises(ValueError, match=match):
-        load_tool().main(
-            ["--input", src, "--output-prefix", str(tmp_path / "o"), *extra]
-        )
+        load_tool().main(["--input", src, "--output-prefix", str(tmp_path / "o"), *extra])
 
 
 def test_missing_input_file(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"--input .*nope\.jsonl does not exist"):
-        load_tool().main(
-            ["--input", str(tmp_path / "nope.jsonl"), "--output-prefix", "x"]
-        )
+        load_tool().main(["--input", str(tmp_path / "nope.jsonl"), "--output-prefix", "x"])
 
 
 def test_hf_tokenizer_file_round_trip(tmp_path) -> None:
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import models, pre_tokenizers
 
-    tok = tokenizers.Tokenizer(
-        models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]")
-    )
+    tok = tokenizers.Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": "a b a c"}])
