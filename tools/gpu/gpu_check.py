@@ -8,16 +8,39 @@ alignment (pad + strip). It compares with the bf16 layer and times ours against 
 ``--moe-router-padding-for-quantization`` path. ``--cpu-smoke`` runs the same script on CPU with
 ``torch._grouped_mm`` in place of the fp8 kernel (what CI can check).
 
-Prints one JSON line with the results.
+Prints one JSON line with the results and exits non-zero when a check fails:
+
+- ``aligned_guarded_calls``: how often the dispatcher's pad and strip, inside the real layer's
+  forward, and their backward, ran under ``set_sync_debug_mode("error")`` (a sync there raises,
+  failing the run); each must be > 0. On CPU the pad/strip forwards run under megatron_ext's
+  host-sync detector instead, and the backward spans are only counted.
+- ``aligned_groups_ok``: every group the pad produced is a multiple of the alignment.
+- ``fp8_vs_bf16_ok``: the fp8 layer's output is within ``FP8_REL_ERR_BOUND`` of the bf16 layer's
+  (relative Frobenius error), a bound derived from e4m3's precision below.
 """
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import statistics
+import sys
 import time
 
 import torch
+
+#: e4m3 has 3 mantissa bits: round-to-nearest has relative error |d| <= u = 2**-4, and for
+#: values spread over the binade d is close to uniform on [-u, u], so rms(d) = u / sqrt(3).
+#: One GEMM y = sum_k x_k w_k with both operands quantized (rowwise scales keep them in e4m3's
+#: normal range): y_hat - y = sum_k x_k w_k (dx_k + dw_k), independent terms, so for zero-mean
+#: random data the relative rms error is u * sqrt(2/3) (about 0.051). The expert MLP chains two
+#: quantized GEMMs (fc1 -> activation with slope <= ~1.1 -> fc2): fc2 sees fc1's error plus its
+#: own, about u * sqrt(2/3) * sqrt(3) = u * sqrt(2) (about 0.088); combining top-k experts with
+#: probabilities does not raise a relative error. The bound allows 2x that (finite-sample spread
+#: and the bf16 reference's own 2**-9); a broken path (unaligned groups, wrong scales or
+#: offsets) gives errors of order 1.
+FP8_REL_ERR_BOUND = 2 * math.sqrt(2) * 2**-4  # ~0.177
 
 
 class ScaledGroupedFp8Linear(torch.nn.Module):
@@ -69,6 +92,103 @@ class _Fp8GroupedMM(torch.autograd.Function):
         return dx.to(x.dtype), dw.to(w.dtype), None, None
 
 
+HIDDEN = 1024
+
+
+class _ModeOnBackward(torch.autograd.Function):
+    """Identity whose backward sets the CUDA sync debug mode (guards a span of the backward).
+
+    Placed after pad's output it runs just before pad's backward ("error" on); placed before
+    pad's input it runs just after it (off again). Same around strip.
+    """
+
+    @staticmethod
+    def forward(ctx, x, mode, guard):
+        ctx.mode, ctx.guard = mode, guard
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.guard.set_mode(ctx.mode)
+        return g, None, None
+
+
+class SyncGuard:
+    """Runs the aligner's pad/strip (forward and backward) under sync-debug "error" on CUDA.
+
+    On CPU (``--cpu-smoke``) the forwards run under megatron_ext's host-sync detector and the
+    backward spans are only counted (CPU has no sync debug mode).
+    """
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.calls = {"pad": 0, "strip": 0, "backward": 0}
+        self.groups_aligned = True
+        self._orig: dict = {}
+
+    def set_mode(self, mode: str | int) -> None:
+        if mode == "error":
+            self.calls["backward"] += 1
+        if self.device == "cuda":
+            torch.cuda.set_sync_debug_mode(mode)
+
+    @contextlib.contextmanager
+    def _forward_guard(self):
+        if self.device == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        else:
+            from megatron_ext.testing import record_host_syncs
+
+            with record_host_syncs() as syncs:
+                yield
+            # host_counts sizing reads counts Megatron already holds on the host (CPU tensor:
+            # no device sync on a GPU); anything else is a real sync.
+            real = [s for s in syncs if "aligned_rows_from_host_counts" not in s]
+            assert not real, f"host syncs in the aligned pad/strip: {real}"
+
+    def _wrap(self, name: str, fn):
+        def guarded(*args):
+            args = tuple(
+                _ModeOnBackward.apply(a, 0, self) if torch.is_tensor(a) and a.requires_grad else a
+                for a in args
+            )
+            with self._forward_guard():
+                out = fn(*args)
+            self.calls[name] += 1
+            outs = out if isinstance(out, tuple) else (out,)
+            outs = tuple(
+                _ModeOnBackward.apply(o, "error", self)
+                if torch.is_tensor(o) and o.requires_grad
+                else o
+                for o in outs
+            )
+            if name == "pad":
+                align = self._aligner.align
+                self.groups_aligned &= bool(all(int(n) % align == 0 for n in outs[1]))
+            return outs if isinstance(out, tuple) else outs[0]
+
+        return guarded
+
+    def install(self, aligner) -> None:
+        self._aligner = aligner
+        for name in ("pad", "strip"):
+            self._orig[name] = getattr(aligner, name)
+            setattr(aligner, name, self._wrap(name, self._orig[name]))
+
+    def uninstall(self) -> None:
+        for name, fn in self._orig.items():
+            setattr(self._aligner, name, fn)
+        if self.device == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+
+    def summary(self) -> dict[str, int]:
+        return dict(self.calls)
+
+
 def _init_dist(device: str) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
@@ -91,7 +211,7 @@ def _build(aligned: bool, backend, router_padding: bool = False):
     from megatron_ext.moe.layer_specs import with_aligned_moe
     from megatron_ext.testing import tiny_moe_config
 
-    cfg = tiny_moe_config(hidden_size=1024, moe_ffn_hidden_size=2048, num_attention_heads=8)
+    cfg = tiny_moe_config(hidden_size=HIDDEN, moe_ffn_hidden_size=2 * HIDDEN, num_attention_heads=8)
     spec = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False)
     moe = spec.submodules.mlp
     experts = functools.partial(
@@ -109,10 +229,7 @@ def _build(aligned: bool, backend, router_padding: bool = False):
     torch.manual_seed(0)
     layer = spec.submodules.mlp(config=cfg, pg_collection=None, is_mtp_layer=False)
     layer.set_layer_number(1)
-    cfg.fp8, cfg.fp8_recipe = (
-        "e4m3",
-        "tensorwise",
-    )  # set after build: no TE to validate it
+    cfg.fp8, cfg.fp8_recipe = "e4m3", "tensorwise"  # set after build: no TE to validate it
     cfg.moe_router_padding_for_quantization = router_padding
     return layer.to(torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
 
@@ -124,6 +241,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     device = "cpu" if args.cpu_smoke else "cuda"
+    global HIDDEN
+    if args.cpu_smoke:  # small sizes: a CI-speed run of the same code path
+        HIDDEN, args.tokens, args.repeats = 64, min(args.tokens, 256), min(args.repeats, 2)
     if device == "cpu":
         from megatron_ext.cpu import enable_cpu_mode
 
@@ -134,26 +254,17 @@ def main() -> None:
         from megatron_ext.moe.grouped_mm_linear import GroupedMMLinear as backend
     ours = _build(True, backend)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(args.tokens, 1, 1024, generator=g).to(device).requires_grad_()
+    x = torch.randn(args.tokens, 1, HIDDEN, generator=g).to(device).requires_grad_()
     result: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
 
-    # Our alignment path under the sync detector: pad + strip of the dispatcher.
-    from megatron_ext.moe import alignment as al
-
-    counts = torch.randint(0, 600, (1, 8), device=device)
-    n = int(counts.sum())
-    rows = al.static_aligned_rows(n, 8, 16)
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-    layout = al.plan_aligned_layout(counts, 16, n, rows)
-    y = al.strip_layout(al.pad_to_layout(torch.ones(n, 8, device=device), layout), layout)
-    if device == "cuda":
-        torch.cuda.set_sync_debug_mode(0)
-    result["alignment_sync_free"] = bool(y.shape[0] == n)
-
+    # The dispatcher's pad/strip inside the real layer's forward and backward, guarded.
+    guard = SyncGuard(device)
+    guard.install(ours.token_dispatcher.aligner)
     out, _ = ours(x)
     out.float().sum().backward()
+    guard.uninstall()
+    result["aligned_guarded_calls"] = guard.summary()
+    result["aligned_groups_ok"] = guard.groups_aligned
     bf16 = _build(True, backend)
     bf16.load_state_dict(ours.state_dict())
     bf16.config.fp8 = None
@@ -161,8 +272,11 @@ def main() -> None:
         if hasattr(m, "use_fp8"):
             m.use_fp8 = False
     ref, _ = bf16(x.detach())
-    rel = ((out - ref).float().norm() / ref.float().norm()).item()
+    out, ref = out.detach().float(), ref.detach().float()
+    rel = ((out - ref).norm() / ref.norm()).item()
     result["fp8_vs_bf16_rel_err"] = rel
+    result["fp8_rel_err_bound"] = FP8_REL_ERR_BOUND
+    result["fp8_vs_bf16_ok"] = bool(float(ref.norm()) > 0 and rel <= FP8_REL_ERR_BOUND)
 
     def timed(layer) -> float:
         times = []
@@ -180,12 +294,13 @@ def main() -> None:
     result["ms_ours"] = timed(ours)
     try:
         result["ms_router_padding"] = timed(_build(False, backend, router_padding=True))
-    except (
-        RuntimeError,
-        ValueError,
-    ) as e:  # report the failure (an unaligned group) instead
+    except (RuntimeError, ValueError) as e:  # report the failure (an unaligned group) instead
         result["router_padding_error"] = repr(e)[:300]
+    guarded = all(result["aligned_guarded_calls"][k] > 0 for k in ("pad", "strip", "backward"))
+    result["ok"] = bool(guarded and result["aligned_groups_ok"] and result["fp8_vs_bf16_ok"])
     print(json.dumps(result))
+    if not result["ok"]:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
