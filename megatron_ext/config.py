@@ -209,8 +209,9 @@ class MoEAlignmentConfig:
     --moe-router-padding-for-quantization (refused together)."""
 
     moe_dispatch_align_size: int | None = None
-    """Override the alignment multiple (e.g. 256 for CUTLASS grouped kernels); 0 or 1 disables
-    it. Default: derived from --fp8-recipe / --fp4-recipe."""
+    """Override the alignment multiple under fp8/fp4 (e.g. 256 for CUTLASS grouped kernels); it
+    must be a multiple of the recipe's own (fp8 16, mxfp8 32, nvfp4 128). Ignored (with a
+    warning) under bf16/fp16. Default: derived from --fp8-recipe / --fp4-recipe."""
 
     moe_dispatch_align_buffer: _MoeLiteral["host_counts", "static_bound"] = "host_counts"
     """Size of the aligned buffer: 'host_counts' is exact, from the token counts the dispatcher
@@ -219,7 +220,8 @@ class MoEAlignmentConfig:
 
     moe_expert_load_metrics: bool = False
     """Track per-layer token counts per expert and per EP rank (with and without pad tokens),
-    max/mean and max_vio = (max - mean) / mean, on device; reduced only when logged."""
+    max/mean and max_vio = (max - mean) / mean, on device; reduced only when logged. Counts one
+    pass per training micro-batch (not recomputes, not evaluation). Needs --num-experts."""
 
     def __post_init__(self) -> None:
         if self.moe_dispatch_align_size is not None and self.moe_dispatch_align_size < 0:

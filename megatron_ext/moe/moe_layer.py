@@ -203,8 +203,8 @@ class AlignedMoELayer(MoELayer):
         """HybridEP pads inside its dispatch with ``pad_multiple``; hand it ours (GPU only).
 
         Under fp8/fp4 Megatron re-derives the same multiple from the recipe at every dispatch
-        (``check_megatron_args`` refuses an override that differs); under bf16 our override is
-        the only source. DeepEP / NCCL-EP align through Megatron's own recipe-derived size.
+        (``check_megatron_args`` refuses an override that differs); under bf16 the multiple is 0
+        and nothing is passed. DeepEP / NCCL-EP align through Megatron's own recipe-derived size.
         """
         manager = getattr(self.token_dispatcher, "_comm_manager", None)
         if manager is not None and hasattr(manager, "pad_multiple") and self.align > 1:
