@@ -56,11 +56,16 @@ class _CudaProxy(types.SimpleNamespace):
 
 
 class _TorchProxy(types.ModuleType):
-    """A ``torch`` module whose ``cuda`` attribute is a :class:`_CudaProxy`, for one Megatron module."""
+    """A ``torch`` module whose ``cuda`` attribute is a :class:`_CudaProxy`, for one Megatron module.
 
-    def __init__(self, cuda_overrides: dict[str, Any]) -> None:
+    Extra keyword arguments override top-level ``torch`` functions the same way (e.g. ``zeros``).
+    """
+
+    def __init__(self, cuda_overrides: dict[str, Any], **torch_overrides: Any) -> None:
         super().__init__("torch")
         self.cuda = _CudaProxy(**cuda_overrides)
+        for name, value in torch_overrides.items():
+            setattr(self, name, value)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
@@ -128,6 +133,7 @@ _STREAM_USERS: dict[str, str] = {
         "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize"
     ),
     "megatron.core.distributed.param_and_grad_buffer": "_ParamAndGradBucketGroup.start_grad_sync",
+    "megatron.core.pipeline_parallel.p2p_communication": "P2PCommunicator",
 }
 
 
@@ -137,8 +143,9 @@ def _patch_null_streams() -> None:
     ``MoEAlltoAllTokenDispatcher.__init__`` creates ``torch.cuda.Stream()`` for its batched device-to-host
     copies and ``_maybe_dtoh_and_synchronize`` enters ``torch.cuda.stream(...)`` and records events;
     Megatron's DDP (``_ParamAndGradBucketGroup.start_grad_sync`` / ``finish_grad_sync``) orders its gradient
-    all-reduce against ``torch.cuda.current_stream()``. On CPU every op is already synchronous, so a null
-    stream is exact.
+    all-reduce against ``torch.cuda.current_stream()``; the pipeline's ``P2PCommunicator`` calls
+    ``torch.cuda.synchronize()`` after its sends and receives. On CPU every op is already synchronous, so
+    null streams and a no-op synchronize are exact.
     """
     null = _NullStream()
     for module_name, symbol in _STREAM_USERS.items():
@@ -148,6 +155,7 @@ def _patch_null_streams() -> None:
             Event=lambda *a, **k: null,
             current_stream=lambda *a, **k: null,
             stream=lambda *a, **k: contextlib.nullcontext(),
+            synchronize=lambda *a, **k: None,
         )
 
 
@@ -180,6 +188,7 @@ _CURRENT_DEVICE_USERS: dict[str, str] = {
     "megatron.core.tensor_parallel.mappings": "_gather_along_first_dim",
     "megatron.core.tensor_parallel.layers": "LinearWithGradAccumulationAndAsyncCommunication",
     "megatron.core.distributed.param_and_grad_buffer": "_ParamAndGradBuffer",
+    "megatron.core.pipeline_parallel.p2p_communication": "P2PCommunicator",
 }
 
 
@@ -191,8 +200,8 @@ def _patch_current_device() -> None:
     first forward, ``GlobalMemoryBuffer.get_tensor`` (the local ``DotProductAttention``'s scratch) allocates
     its scratch buffer there, and the TP/EP gather and reduce-scatter helpers in ``tensor_parallel.mappings``
     allocate their outputs there, as does the sequence-parallel backward of the TP linear layers
-    (``LinearWithGradAccumulationAndAsyncCommunication``) and Megatron's DDP gradient buffers
-    (``_ParamAndGradBuffer``). Only these modules see the change; ``torch.cuda`` itself is untouched.
+    (``LinearWithGradAccumulationAndAsyncCommunication``), Megatron's DDP gradient buffers
+    (``_ParamAndGradBuffer``) and the pipeline's receive buffers (``P2PCommunicator``). Only these modules see the change; ``torch.cuda`` itself is untouched.
     """
     for module_name, symbol in _CURRENT_DEVICE_USERS.items():
         _override_cuda(_module_with(module_name, symbol), current_device=lambda: "cpu")
@@ -213,6 +222,24 @@ def _patch_default_causal_mask() -> None:
     fused_softmax.get_default_causal_mask = causal_mask
 
 
+def _patch_schedule_buffers() -> None:
+    """``pipeline_parallel.schedules``: ``torch.zeros(..., device="cuda")`` -> CPU.
+
+    The forward-backward schedules allocate their token counter (``total_num_tokens``) with a hard-coded
+    ``device="cuda"``; on CPU it is allocated on the host instead, everything else unchanged.
+    """
+    schedules = _module_with(
+        "megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_without_interleaving"
+    )
+
+    def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        if device is not None and torch.device(device).type == "cuda":
+            device = "cpu"
+        return torch.zeros(*args, device=device, **kwargs)
+
+    schedules.torch = _TorchProxy({}, zeros=zeros)
+
+
 #: Every patch, in the order applied. Names are used by the tests that prove each is still needed.
 PATCHES: dict[str, Callable[[], None]] = {
     "rng_tracker": _patch_rng_tracker,
@@ -220,6 +247,7 @@ PATCHES: dict[str, Callable[[], None]] = {
     "split_sizes": _patch_split_sizes,
     "current_device": _patch_current_device,
     "default_causal_mask": _patch_default_causal_mask,
+    "schedule_buffers": _patch_schedule_buffers,
 }
 
 

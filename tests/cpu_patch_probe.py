@@ -1,14 +1,15 @@
 """Runs each patched Megatron call with its CPU patch removed, on 2 fresh gloo ranks (used by test_cpu.py).
 
 Rank 0 prints one JSON line: {check: "ok" | "<exception text>"}. Each check is a real training step of the
-tiny MoE GPTModel at EP=2 (alltoall dispatcher) wrapped in Megatron's DistributedDataParallel, so the
-all-to-all split sizes, the EP gathers and DDP's gradient buffers and all-reduce are exercised too; the TP linear layers' patch is checked by a TP=2 sequence-parallel step instead.
+tiny MoE GPTModel at EP=2 (alltoall dispatcher), so the all-to-all split sizes and the EP gathers are
+exercised too; DDP's patches are checked on the same step wrapped in Megatron's DistributedDataParallel; the TP linear layers' patch is checked by a TP=2 sequence-parallel step instead.
 ``all_patches`` (and ``all_patches_sequence_parallel``) is the positive control: with every patch the same step must succeed.
 Removing a patch fails symmetrically on both ranks before any collective, so nothing hangs.
 """
 
 import datetime
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -17,15 +18,18 @@ import torch
 import torch.multiprocessing as mp
 
 SP_ONLY = "megatron.core.tensor_parallel.layers"
+PP_ONLY = "megatron.core.pipeline_parallel.p2p_communication"
+DDP_ONLY = "megatron.core.distributed.param_and_grad_buffer"
 
 
 def _probe(rank: int, port: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, TORCHDYNAMO_DISABLE="1")
     torch.distributed.init_process_group(
-        "gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+        "gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30)
     )
     from megatron.core import parallel_state
     from megatron.core.fusions import fused_softmax
+    from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
     from megatron.core.utils import GlobalMemoryBuffer
@@ -41,12 +45,13 @@ def _probe(rank: int, port: str) -> None:
         (token_dispatcher, "maybe_move_tensor_to_cpu"),
         (moe_utils, "maybe_move_tensor_to_cpu"),
         (fused_softmax, "get_default_causal_mask"),
+        (schedules, "torch"),
     ] + [
         (importlib.import_module(name), "torch")
         for name in {**cpu._CURRENT_DEVICE_USERS, **cpu._STREAM_USERS}
     ]
     original = {(m.__name__, a): getattr(m, a) for m, a in touched}
-    stream_names = ("Stream", "Event", "current_stream", "stream")
+    stream_names = ("Stream", "Event", "current_stream", "stream", "synchronize")
 
     def apply(skip: str = "", unpatch: tuple[str, tuple[str, ...]] = ("", ())) -> None:
         """All patches except ``skip``; then ``unpatch = (module, cuda names)`` restored in one module."""
@@ -61,7 +66,7 @@ def _probe(rank: int, port: str) -> None:
         for cuda_name in cuda_names:  # falls through to the real torch.cuda again
             delattr(sys.modules[module_name].torch.cuda, cuda_name)
 
-    def train_step(sequence_parallel: bool = False) -> str:
+    def train_step(sequence_parallel: bool = False, ddp: bool = False) -> str:
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -75,14 +80,14 @@ def _probe(rank: int, port: str) -> None:
             config = tiny_moe_config(
                 moe_token_dispatcher_type="alltoall", sequence_parallel=sequence_parallel
             )
-            # Megatron's own DDP: its gradient buffers and all-reduce are part of the step.
-            model = DistributedDataParallel(
-                config, DistributedDataParallelConfig(), build_tiny_gpt(config)
-            )
+            model = build_tiny_gpt(config)
+            if ddp:  # Megatron's own DDP: its gradient buffers and all-reduce join the step
+                model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
             tokens = torch.randint(0, 128, (2, 16))
             loss = model(tokens, torch.arange(16).expand(2, 16), attention_mask=None, labels=tokens)
             loss.sum().backward()
-            model.finish_grad_sync()
+            if ddp:
+                model.finish_grad_sync()
             return "ok"
         except Exception as exc:  # the probe reports, the test decides
             return f"{type(exc).__name__}: {exc}"[:300]
@@ -91,17 +96,33 @@ def _probe(rank: int, port: str) -> None:
     results = {}
     apply()
     results["all_patches"] = train_step()
+    results["all_patches_ddp"] = train_step(ddp=True)
     for name in cpu.PATCHES:
-        if name not in ("current_device", "null_streams"):
+        if name not in ("current_device", "null_streams", "schedule_buffers"):
             apply(skip=name)
             results[name] = train_step()
     for module_name in cpu._STREAM_USERS:
-        apply(unpatch=(module_name, stream_names))
-        results[f"null_streams:{module_name}"] = train_step()
+        if module_name != PP_ONLY:
+            apply(unpatch=(module_name, stream_names))
+            results[f"null_streams:{module_name}"] = train_step(ddp=module_name == DDP_ONLY)
     for module_name in cpu._CURRENT_DEVICE_USERS:
-        if module_name != SP_ONLY:
+        if module_name not in (SP_ONLY, PP_ONLY):
             apply(unpatch=(module_name, ("current_device",)))
-            results[f"current_device:{module_name}"] = train_step()
+            results[f"current_device:{module_name}"] = train_step(ddp=module_name == DDP_ONLY)
+    # Pipeline parallelism: unpatched, a pipeline step fails on one stage only and its peer then waits in
+    # a send/recv until the gloo timeout, so these three are checked on Megatron's source: the CUDA call
+    # each patch covers is still there. tests/replay/test_binding_pipeline.py is the positive control
+    # (Megatron's 1F1B schedule at PP=2 on CPU mode alone).
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    p2p_source = inspect.getsource(p2p_communication.P2PCommunicator)
+    found = {
+        "schedule_buffers": 'device="cuda"' in inspect.getsource(schedules),
+        f"null_streams:{PP_ONLY}": "torch.cuda.synchronize()" in p2p_source,
+        f"current_device:{PP_ONLY}": "torch.cuda.current_device()" in p2p_source,
+    }
+    results.update({k: "ok" if not v else "RuntimeError: CUDA call still in Megatron's source"
+                    for k, v in found.items()})
     # The TP linear layers allocate on the device only in their sequence-parallel backward: TP=2 + SP.
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)

@@ -84,8 +84,8 @@ class ToyConfig:
             raise ValueError(f"{config.flag('toy_multiple')} must be >= 1, got {self.toy_multiple}")
 
     def check_megatron_args(self, args: argparse.Namespace) -> None:
-        if self.toy_mode == "on" and args.context_parallel_size > 1:
-            raise ValueError("--toy-mode on does not support --context-parallel-size > 1")
+        if self.toy_mode == "on" and args.expert_model_parallel_size > 1:
+            raise ValueError("--toy-mode on does not support --expert-model-parallel-size > 1")
 
 
 @pytest.fixture
@@ -116,6 +116,6 @@ def test_bad_choice_is_refused_by_the_parser(toy_feature, monkeypatch, capsys) -
 
 
 def test_bad_combination_with_megatron_flag(toy_feature, monkeypatch) -> None:
-    args = _parse(["--toy-mode", "on", "--context-parallel-size", "2"], monkeypatch)
-    with pytest.raises(ValueError, match="--toy-mode on .* --context-parallel-size"):
+    args = _parse(["--toy-mode", "on", "--expert-model-parallel-size", "2"], monkeypatch)
+    with pytest.raises(ValueError, match="--toy-mode on .* --expert-model-parallel-size"):
         configs_from_args(args)

@@ -35,12 +35,13 @@ def test_all_patches_make_a_moe_training_step_run(probe: dict[str, str]) -> None
     # Positive control: without it, the "still needed" checks below could pass for unrelated reasons.
     assert probe["all_patches"] == "ok"
     assert probe["all_patches_sequence_parallel"] == "ok"
+    assert probe["all_patches_ddp"] == "ok"
 
 
 CUDA_ERROR = ("NVIDIA driver", "CUDA", "cuda", "Torch not compiled")
 
 
-@pytest.mark.parametrize("name", ["rng_tracker", "default_causal_mask"])
+@pytest.mark.parametrize("name", ["rng_tracker", "default_causal_mask", "schedule_buffers"])
 def test_patch_still_needed(probe: dict[str, str], name: str) -> None:
     assert probe[name] != "ok", f"{name}: Megatron now runs this on CPU unpatched; drop the patch"
     assert any(word in probe[name] for word in CUDA_ERROR), probe[name]

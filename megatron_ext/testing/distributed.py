@@ -2,8 +2,8 @@
 
 Spawning a rank costs ~5 s (torch + Megatron imports), so each world size gets one pool of worker processes
 for the whole pytest session. Every call re-initialises Megatron's model-parallel groups with the sizes it
-asks for, seeds Megatron's RNG tracker, clears RouterReplay's process-global instance list and drops Megatron's global MoE
-metrics tracker, so calls do not leak state into each other.
+asks for, seeds Megatron's RNG tracker, clears RouterReplay's process-global instance list, drops Megatron's global MoE
+metrics tracker and resets the MoE aux-loss backward scale, so calls do not leak state into each other.
 
 Example::
 
@@ -60,6 +60,7 @@ def _setup_parallel(sizes: ParallelSizes) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.moe import moe_logging
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     parallel_state.destroy_model_parallel()
@@ -74,6 +75,8 @@ def _setup_parallel(sizes: ParallelSizes) -> None:
     RouterReplay.clear_global_router_replay_instances()
     # Megatron's MoE metrics tracker is process-global and sized by the first model's layer count.
     moe_logging.destroy_moe_metrics_tracker()
+    # A plain backward leaves a 0-d aux-loss scale behind; Megatron's schedules expect None or [1].
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
     _SEQUENCE_PARALLEL = sizes.sp
 
 

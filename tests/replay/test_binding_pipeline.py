@@ -8,8 +8,6 @@ viewless tensor the schedule can free, and every router call, forward and recomp
 routes of the micro-batch it belongs to.
 """
 
-import contextlib
-import types
 
 import torch
 
@@ -95,42 +93,6 @@ def test_pipeline_stages_bind_moe_layers_by_absolute_number():
     assert not (stage0["recorded"] == 255).all(-1).any()  # every layer recorded on some stage
 
 
-class _ModuleProxy(types.ModuleType):
-    """A module whose listed attributes are overridden; everything else comes from ``real``."""
-
-    def __init__(self, real: types.ModuleType, **overrides) -> None:
-        super().__init__(real.__name__)
-        self._real, self._overrides = real, overrides
-
-    def __getattr__(self, name: str):
-        return self._overrides[name] if name in self._overrides else getattr(self._real, name)
-
-
-@contextlib.contextmanager
-def _cpu_pipeline_schedule():
-    """Lets Megatron's pipeline schedule run on CPU/gloo inside this test only.
-
-    ``p2p_communication`` allocates receive buffers on ``torch.cuda.current_device()`` and the
-    schedule allocates ``total_num_tokens`` with ``device="cuda"``; megatron_ext.cpu does not
-    patch these yet (requested in /tmp/team/requests.md), so the test redirects them to CPU for
-    its own duration, the way cpu.py redirects other modules.
-    """
-    from megatron.core.pipeline_parallel import p2p_communication, schedules
-
-    cuda = _ModuleProxy(torch.cuda, current_device=lambda: "cpu", synchronize=lambda *a: None)
-
-    def zeros(*args, device=None, **kwargs):
-        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
-
-    saved = (p2p_communication.torch, schedules.torch)
-    p2p_communication.torch = _ModuleProxy(torch, cuda=cuda)
-    schedules.torch = _ModuleProxy(torch, cuda=cuda, zeros=zeros)
-    try:
-        yield
-    finally:
-        p2p_communication.torch, schedules.torch = saved
-
-
 NUM_MICRO_BATCHES = 3
 
 
@@ -194,16 +156,16 @@ def _megatron_1f1b_schedule_replays(recompute: bool) -> dict:
     # Process-global: a plain backward earlier in this worker left a 0-d scale; the schedule
     # sets a [1] one (as in a fresh training process, where it is None at first).
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
-    with _cpu_pipeline_schedule():
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(enumerate(data)),
-            model=[model],
-            num_microbatches=NUM_MICRO_BATCHES,
-            seq_length=SEQ,
-            micro_batch_size=BATCH,
-            forward_only=False,
-        )
+    # megatron_ext.cpu covers the schedule's p2p buffers and token counter on CPU.
+    get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(enumerate(data)),
+        model=[model],
+        num_microbatches=NUM_MICRO_BATCHES,
+        seq_length=SEQ,
+        micro_batch_size=BATCH,
+        forward_only=False,
+    )
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
     for h in handles:
         h.remove()
