@@ -49,10 +49,14 @@ def configs_from_args(args: argparse.Namespace) -> dict[type, Any]:
     """
     configs: dict[type, Any] = {}
     for cls in _config.FEATURE_CONFIGS:
-        kwargs = {f.name: getattr(args, f.name, _MISSING) for f in dataclasses.fields(cls) if f.init}
+        kwargs = {
+            f.name: getattr(args, f.name, _MISSING) for f in dataclasses.fields(cls) if f.init
+        }
         missing = [_config.flag(name) for name, value in kwargs.items() if value is _MISSING]
         if missing:
-            raise ValueError(f"arguments lack megatron_ext flags {missing}: add add_megatron_ext_args")
+            raise ValueError(
+                f"arguments lack megatron_ext flags {missing}: add add_megatron_ext_args"
+            )
         instance = cls(**kwargs)
         check = getattr(instance, "check_megatron_args", None)
         if check is not None:

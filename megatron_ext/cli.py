@@ -21,7 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the CPU main job: 2 gloo ranks, EP=2, tiny MoE GPTModel")
     demo.add_argument("--steps", type=int, default=4, help="training steps per pad policy")
     demo.add_argument("--json", metavar="PATH", help="write the summary as JSON")
-    demo.add_argument("--png", metavar="PATH", default="out/demo_load.png", help="per-expert load plot")
+    demo.add_argument(
+        "--png", metavar="PATH", default="out/demo_load.png", help="per-expert load plot"
+    )
     return parser
 
 

@@ -21,7 +21,8 @@ import functools
 import importlib
 import logging
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -98,7 +99,9 @@ def _patch_rng_tracker() -> None:
         "megatron.core.tensor_parallel.random", "_get_cuda_rng_state", "_set_cuda_rng_state"
     )
 
-    def get_state(device: Any = None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    def get_state(
+        device: Any = None, clone: bool = False, graph_safe: bool = False
+    ) -> torch.Tensor:
         del device, clone, graph_safe
         return torch.get_rng_state()
 
@@ -229,7 +232,8 @@ def _patch_schedule_buffers() -> None:
     ``device="cuda"``; on CPU it is allocated on the host instead, everything else unchanged.
     """
     schedules = _module_with(
-        "megatron.core.pipeline_parallel.schedules", "forward_backward_pipelining_without_interleaving"
+        "megatron.core.pipeline_parallel.schedules",
+        "forward_backward_pipelining_without_interleaving",
     )
 
     def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
@@ -278,7 +282,9 @@ def assume_device_capability(capability: tuple[int, int] = (9, 0)) -> Any:
     if torch.cuda.is_available():
         yield
         return
-    arguments = _module_with("megatron.training.arguments", "validate_args", "get_device_arch_version")
+    arguments = _module_with(
+        "megatron.training.arguments", "validate_args", "get_device_arch_version"
+    )
     previous = arguments.torch, arguments.get_device_arch_version
     arguments.torch = _TorchProxy({"get_device_capability": lambda device=None: capability})
     arguments.get_device_arch_version = lambda: capability[0]

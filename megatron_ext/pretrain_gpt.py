@@ -61,7 +61,9 @@ def resolved_configuration(args: argparse.Namespace) -> dict[str, Any]:
         "model": "HybridModel" if is_hybrid_model(args) else "GPTModel",
         "moe_layer": "AlignedMoELayer"
         if args.num_experts and uses_aligned_moe(alignment)
-        else "MoELayer" if args.num_experts else "dense",
+        else "MoELayer"
+        if args.num_experts
+        else "dense",
         "expert_group_alignment": alignment.align_size(
             fp8=args.fp8, fp8_recipe=args.fp8_recipe, fp4=args.fp4, fp4_recipe=args.fp4_recipe
         ),

@@ -121,8 +121,12 @@ def _probe(rank: int, port: str) -> None:
         f"null_streams:{PP_ONLY}": "torch.cuda.synchronize()" in p2p_source,
         f"current_device:{PP_ONLY}": "torch.cuda.current_device()" in p2p_source,
     }
-    results.update({k: "ok" if not v else "RuntimeError: CUDA call still in Megatron's source"
-                    for k, v in found.items()})
+    results.update(
+        {
+            k: "ok" if not v else "RuntimeError: CUDA call still in Megatron's source"
+            for k, v in found.items()
+        }
+    )
     # The TP linear layers allocate on the device only in their sequence-parallel backward: TP=2 + SP.
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)

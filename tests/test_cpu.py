@@ -24,11 +24,15 @@ def probe() -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "cpu_patch_probe.py"), str(_free_port())],
-        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=ROOT,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
     assert lines, f"probe crashed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("PROBE "):])
+    return json.loads(lines[-1][len("PROBE ") :])
 
 
 def test_all_patches_make_a_moe_training_step_run(probe: dict[str, str]) -> None:

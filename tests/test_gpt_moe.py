@@ -21,7 +21,10 @@ def _gather_experts(moe) -> tuple[torch.Tensor, torch.Tensor]:
     fc2 = torch.stack([e.linear_fc2.weight.detach() for e in moe.experts.local_experts])
     group = parallel_state.get_expert_model_parallel_group()
     size = torch.distributed.get_world_size(group)
-    fc1_all, fc2_all = [torch.empty_like(fc1) for _ in range(size)], [torch.empty_like(fc2) for _ in range(size)]
+    fc1_all, fc2_all = (
+        [torch.empty_like(fc1) for _ in range(size)],
+        [torch.empty_like(fc2) for _ in range(size)],
+    )
     torch.distributed.all_gather(fc1_all, fc1, group=group)
     torch.distributed.all_gather(fc2_all, fc2, group=group)
     return torch.cat(fc1_all), torch.cat(fc2_all)  # [E, F, D], [E, D, F] in global expert order
@@ -53,7 +56,9 @@ def _moe_vs_dense(dispatcher: str) -> dict:
     fc1_EFD, fc2_EDF = _gather_experts(moe)
     x_TD = seen["x"].detach().reshape(-1, seen["x"].shape[-1])
     probs_TE = seen["probs"].detach()
-    expert_out_ETD = torch.einsum("edf,etf->etd", fc2_EDF, F.gelu(torch.einsum("efd,td->etf", fc1_EFD, x_TD)))
+    expert_out_ETD = torch.einsum(
+        "edf,etf->etd", fc2_EDF, F.gelu(torch.einsum("efd,td->etf", fc1_EFD, x_TD))
+    )
     reference_TD = torch.einsum("te,etd->td", probs_TE, expert_out_ETD)
     out_TD = seen["out"].detach().reshape(-1, x_TD.shape[-1])
 

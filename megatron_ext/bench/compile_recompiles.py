@@ -52,12 +52,15 @@ def _run_child(backend: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TORCHDYNAMO_DISABLE"}
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, str(SEQ_LENGTH), str(MULTIPLE), str(NUM_BATCHES), backend],
-        capture_output=True, text=True, env=env, timeout=900,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if not lines:
         raise RuntimeError(f"compile benchmark child failed:\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 @register_benchmark("compile_recompiles")
@@ -66,17 +69,30 @@ def compile_recompiles(quick: bool) -> BenchResult:
     backend = "aot_eager" if quick else "inductor"
     result = _run_child(backend)
     rows = []
-    for key, label in (("pad_to_multiple", f"pad to multiple of {MULTIPLE}"), ("pad_to_seq_len", "pad to seq_len")):
+    for key, label in (
+        ("pad_to_multiple", f"pad to multiple of {MULTIPLE}"),
+        ("pad_to_seq_len", "pad to seq_len"),
+    ):
         static, default = result[f"{key}/dynamic=False"], result[f"{key}/dynamic=None"]
-        rows.append([
-            label, result["distinct_lengths"][key], static["graphs"] - 1, default["graphs"] - 1,
-            static["seconds"], default["seconds"],
-        ])
+        rows.append(
+            [
+                label,
+                result["distinct_lengths"][key],
+                static["graphs"] - 1,
+                default["graphs"] - 1,
+                static["seconds"],
+                default["seconds"],
+            ]
+        )
     return BenchResult(
         title=f"torch.compile recompilations over {NUM_BATCHES} packed batches (CPU, backend {backend})",
         columns=[
-            "batch length", "distinct lengths", "recompiles dynamic=False", "recompiles dynamic=None",
-            "seconds dynamic=False", "seconds dynamic=None",
+            "batch length",
+            "distinct lengths",
+            "recompiles dynamic=False",
+            "recompiles dynamic=None",
+            "seconds dynamic=False",
+            "seconds dynamic=None",
         ],
         rows=rows,
         notes=(

@@ -19,14 +19,16 @@ def _load_worker(seq_len: int, num_packs: int, pad_fraction: float) -> dict:
     from megatron.core import parallel_state
 
     from megatron_ext.data.padding import pad_pack
-    from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
-    from megatron_ext.training.corpus import CONSTANT_PAD_ID, VOCAB_SIZE, corpus_stream
     from megatron_ext.moe.load_metrics import ExpertLoadMetrics
     from megatron_ext.moe.router_observer import observe_routers
+    from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
+    from megatron_ext.training.corpus import CONSTANT_PAD_ID, VOCAB_SIZE, corpus_stream
 
     rank = torch.distributed.get_rank()
     ep = parallel_state.get_expert_model_parallel_world_size()
-    torch.manual_seed(0)  # same weights on every rank except the experts (Megatron seeds those per EP rank)
+    torch.manual_seed(
+        0
+    )  # same weights on every rank except the experts (Megatron seeds those per EP rank)
     model = build_tiny_gpt(tiny_moe_config(), vocab_size=VOCAB_SIZE, max_seq_len=seq_len)
     real_len = int(round(seq_len * (1 - pad_fraction)))
     out = {}

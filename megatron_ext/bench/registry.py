@@ -11,8 +11,9 @@ Example::
         return BenchResult(title="...", columns=["padding", "peak/mean"], rows=[["constant", 1.37]])
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 BenchFn = Callable[[bool], "BenchResult"]
 

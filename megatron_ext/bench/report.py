@@ -57,7 +57,7 @@ def _cell(value: Any) -> str:
 
 def to_markdown(results: list[tuple[str, BenchResult, float]], command: str) -> str:
     """Renders results as docs/BENCHMARKS.md."""
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "# megatron_ext benchmarks",
         "",
@@ -86,7 +86,7 @@ def to_json(results: list[tuple[str, BenchResult, float]], command: str) -> dict
     return {
         "command": command,
         "machine": machine_description(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(),
         "benchmarks": {
             name: {
                 "title": r.title,

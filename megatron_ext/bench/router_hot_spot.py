@@ -29,17 +29,22 @@ def _kmeans(x_ND: torch.Tensor, k: int, iters: int = 20) -> torch.Tensor:
 
 
 def _router_worker(seq_len: int, num_packs: int) -> dict:
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.router import TopKRouter
+
     from megatron_ext.data.batch import document_attention_mask
     from megatron_ext.data.padding import pad_pack
     from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
     from megatron_ext.training.corpus import CONSTANT_PAD_ID, VOCAB_SIZE, corpus_stream
-    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
-    from megatron.core.transformer.moe.router import TopKRouter
 
     torch.manual_seed(0)
-    dense = build_tiny_gpt(tiny_moe_config(num_moe_experts=None), vocab_size=VOCAB_SIZE, max_seq_len=seq_len)
+    dense = build_tiny_gpt(
+        tiny_moe_config(num_moe_experts=None), vocab_size=VOCAB_SIZE, max_seq_len=seq_len
+    )
     captured = {}
-    dense.decoder.layers[0].register_forward_hook(lambda m, i, o: captured.update(h=o[0] if isinstance(o, tuple) else o))
+    dense.decoder.layers[0].register_forward_hook(
+        lambda m, i, o: captured.update(h=o[0] if isinstance(o, tuple) else o)
+    )
 
     def hidden(policy: str, start: int) -> torch.Tensor:
         packs = []
@@ -47,7 +52,9 @@ def _router_worker(seq_len: int, num_packs: int) -> dict:
             text = corpus_stream(start + b * seq_len, seq_len)
             n = seq_len if policy == "no padding" else seq_len // 2
             mode = "constant" if policy == "constant id" else "self"
-            packs.append(pad_pack(text[:n], np.array([n]), seq_len, policy=mode, pad_id=CONSTANT_PAD_ID))
+            packs.append(
+                pad_pack(text[:n], np.array([n]), seq_len, policy=mode, pad_id=CONSTANT_PAD_ID)
+            )
         tokens = torch.as_tensor(np.stack([p.tokens_S for p in packs]))
         positions = torch.as_tensor(np.stack([p.position_ids_S for p in packs]))
         cu = torch.as_tensor(np.stack([p.cu_seqlens for p in packs]))
@@ -56,7 +63,9 @@ def _router_worker(seq_len: int, num_packs: int) -> dict:
         return captured["h"]  # [s, b, h]
 
     # A trained-looking router: centroids of real-text hidden states from a separate part of the corpus.
-    config = tiny_moe_config(num_moe_experts=NUM_EXPERTS, moe_router_topk=TOPK, moe_aux_loss_coeff=0.0)
+    config = tiny_moe_config(
+        num_moe_experts=NUM_EXPERTS, moe_router_topk=TOPK, moe_aux_loss_coeff=0.0
+    )
     router = TopKRouter(config=config, pg_collection=get_default_pg_collection())
     fit = hidden("no padding", 10**6)
     router.weight.data.copy_(_kmeans(fit.reshape(-1, fit.shape[-1]), NUM_EXPERTS))
@@ -67,7 +76,7 @@ def _router_worker(seq_len: int, num_packs: int) -> dict:
             _, routing_map_TE = router(hidden(policy, 0))
         counts_E = routing_map_TE.sum(0).double()
         out[policy] = {
-            ep: float((counts_E.view(ep, -1).sum(1).max() / counts_E.view(ep, -1).sum(1).mean()))
+            ep: float(counts_E.view(ep, -1).sum(1).max() / counts_E.view(ep, -1).sum(1).mean())
             for ep in EP_SIZES
         }
     return out
@@ -80,7 +89,8 @@ def router_hot_spot(quick: bool) -> BenchResult:
     result = run_distributed(_router_worker, 1, seq_len, num_packs)[0]
     base = result["no padding"]
     rows = [
-        [policy] + [v for ep in EP_SIZES for v in (result[policy][ep], result[policy][ep] / base[ep])]
+        [policy]
+        + [v for ep in EP_SIZES for v in (result[policy][ep], result[policy][ep] / base[ep])]
         for policy in POLICIES
     ]
     columns = ["pads filled with"]

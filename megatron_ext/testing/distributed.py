@@ -25,8 +25,9 @@ import queue
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 _SEQUENCE_PARALLEL = False
 
@@ -219,7 +220,9 @@ def run_distributed(
         pool.close(force=True)
         _POOLS.pop(world_size, None)
         name = getattr(fn, "__qualname__", repr(fn))
-        parts = [f"rank {rank} of {world_size} failed in {name}:\n{tb}" for rank, tb in failed.items()]
+        parts = [
+            f"rank {rank} of {world_size} failed in {name}:\n{tb}" for rank, tb in failed.items()
+        ]
         if missing:
             parts.append(
                 f"ranks {missing} of {world_size} did not finish {name} within {timeout:.0f} s "

@@ -11,15 +11,15 @@ Example::
 """
 
 import copy
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_ext.testing.distributed import sequence_parallel
 
@@ -73,7 +73,9 @@ class SequenceParallelLayerNorm(torch.nn.LayerNorm):
     ``sequence_parallel`` so their gradients are all-reduced over TP as Megatron does for TE norms.
     """
 
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs: Any):
+    def __init__(
+        self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs: Any
+    ):
         del kwargs
         super().__init__(hidden_size, eps=eps)
         for param in self.parameters():
@@ -99,7 +101,7 @@ def build_tiny_gpt(
     *,
     vocab_size: int = 128,
     max_seq_len: int = 64,
-    layer_spec: Optional[ModuleSpec] = None,
+    layer_spec: ModuleSpec | None = None,
     position_embedding_type: str = "rope",
 ) -> GPTModel:
     """Builds Megatron's ``GPTModel`` on CPU with :func:`local_layer_spec` unless a spec is given."""

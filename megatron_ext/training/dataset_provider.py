@@ -23,7 +23,7 @@ Example::
 
 import argparse
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 from megatron_ext.config import PaddingConfig, ReplayConfig
 from megatron_ext.training import run_state
@@ -40,10 +40,11 @@ def pad_multiple_from_args(args: argparse.Namespace) -> int:
 
 
 def num_moe_layers(args: argparse.Namespace) -> int:
-    """MoE layers in the main decoder (MTP excluded), as Megatron's ``--moe-layer-freq`` says."""
-    from megatron_ext.replay.layout import moe_layer_numbers
+    """MoE layers in the main decoder (MTP excluded): ``--hybrid-layer-pattern``'s ``E`` layers for a
+    HybridModel, else as ``--moe-layer-freq`` says."""
+    from megatron_ext.replay.layout import moe_layer_numbers_for_args
 
-    return len(moe_layer_numbers(args.num_layers, args.moe_layer_freq))
+    return len(moe_layer_numbers_for_args(args))
 
 
 def dataset_config_from_args(args: argparse.Namespace, tokenizer: Any = None) -> tuple[type, Any]:
@@ -98,7 +99,7 @@ def dataset_config_from_args(args: argparse.Namespace, tokenizer: Any = None) ->
 
 
 def train_valid_test_datasets_provider(
-    train_val_test_num_samples: list[int], vp_stage: Optional[int] = None
+    train_val_test_num_samples: list[int], vp_stage: int | None = None
 ) -> tuple[Any, Any, Any]:
     """Builds train/valid/test datasets (Megatron's ``train_valid_test_dataset_provider`` signature)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import (

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from megatron_ext.testing import run_distributed
 
@@ -83,8 +82,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
 def report(summary: dict[str, Any], seconds: float) -> str:
     """The human-readable report."""
     lines = [
-        f"rollout rows: {BATCH} per rank x {SEQ_LEN} tokens, "
-        f"{summary['pad_fraction']:.0%} padding",
+        f"rollout rows: {BATCH} per rank x {SEQ_LEN} tokens, {summary['pad_fraction']:.0%} padding",
         "loss per step (real tokens only):",
         "  constant pads: " + " ".join(f"{v:.5f}" for v in summary["losses_constant"]),
         "  self pads:     " + " ".join(f"{v:.5f}" for v in summary["losses_self"]),
@@ -92,7 +90,11 @@ def report(summary: dict[str, Any], seconds: float) -> str:
         f"(identical: {summary['loss_equal']})",
         "tokens received, peak/mean over EP=2 ranks (worst layer) | max_vio | per expert (EP=8):",
     ]
-    for label, key in (("no padding*", "nopad"), ("constant pads", "constant"), ("self pads", "self")):
+    for label, key in (
+        ("no padding*", "nopad"),
+        ("constant pads", "constant"),
+        ("self pads", "self"),
+    ):
         lines.append(
             f"  {label:<14} {summary[f'peak_over_mean_{key}']:.3f} | "
             f"{summary[f'max_vio_{key}']:.3f} | {summary[f'expert_peak_over_mean_{key}']:.3f}"
@@ -126,7 +128,7 @@ def plot_load(result: dict[str, Any], path: str) -> None:
     layer = int(np.argmax([np.max(c) / np.mean(c) for c in series["constant pads"]]))
     experts = np.arange(len(series["constant pads"][layer]))
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    for offset, (label, counts) in zip((-0.27, 0.0, 0.27), series.items()):
+    for offset, (label, counts) in zip((-0.27, 0.0, 0.27), series.items(), strict=True):
         ax.bar(experts + offset, counts[layer], width=0.27, label=label)
     ax.set_xlabel("expert (experts 0-3 on EP rank 0, 4-7 on EP rank 1)")
     ax.set_ylabel(f"token slots routed, MoE layer {layer + 1}")

@@ -32,7 +32,9 @@ def _build(seed: int, *, grouped_mm: bool = False, align: bool = False):
     from megatron_ext.training.corpus import VOCAB_SIZE
 
     torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)  # identical init, experts per EP rank
+    model_parallel_cuda_manual_seed(
+        seed, force_reset_rng=True
+    )  # identical init, experts per EP rank
     config = tiny_moe_config()
     metrics = ExpertLoadMetrics(config.num_moe_experts, EP)
     alignment = MoEAlignmentConfig(moe_dispatch_align=align, moe_expert_load_metrics=True)
@@ -75,7 +77,6 @@ def _loss(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
 def train_policy(policy: str, steps: int, batch: int, seq_len: int) -> dict[str, Any]:
     """Trains a fresh model on rows padded under ``policy``; losses and load per step."""
     from megatron.core import parallel_state
-
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     rank = torch.distributed.get_rank()
@@ -140,7 +141,12 @@ def record_and_replay(batch: int, seq_len: int) -> dict[str, Any]:
     with torch.no_grad():
         _loss(model, rows)
     natural_changed = float(
-        np.mean([(a != b).any(-1).float().mean().item() for a, b in zip(chosen, recorded_maps)])
+        np.mean(
+            [
+                (a != b).any(-1).float().mean().item()
+                for a, b in zip(chosen, recorded_maps, strict=True)
+            ]
+        )
     )
 
     player = RouteReplayBinding(model, "replay", missing_route_policy="native")
@@ -149,7 +155,11 @@ def record_and_replay(batch: int, seq_len: int) -> dict[str, Any]:
     loss, _ = _loss(model, rows)
     loss.backward()
     player.remove()
-    match = torch.stack([(a == b).all(-1) for a, b in zip(chosen, recorded_maps)]).float().mean()
+    match = (
+        torch.stack([(a == b).all(-1) for a, b in zip(chosen, recorded_maps, strict=True)])
+        .float()
+        .mean()
+    )
     return {
         "replay_match_rate": float(match),
         "natural_routing_changed": natural_changed,

@@ -17,9 +17,9 @@ Example::
     loss, num_tokens, report = loss_fn(output)
 """
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from functools import partial
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

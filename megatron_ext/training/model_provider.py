@@ -14,7 +14,7 @@ Example (inside an initialised Megatron run)::
 """
 
 import argparse
-from typing import Any, Optional
+from typing import Any
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -50,7 +50,7 @@ def model_config_from_args(args: argparse.Namespace, config: Any = None) -> Any:
     model_cfg = gpt_config_from_args(args, config)
     user_spec = model_cfg.transformer_layer_spec
 
-    def layer_spec(cfg: Any, vp_stage: Optional[int] = None) -> ModuleSpec:
+    def layer_spec(cfg: Any, vp_stage: int | None = None) -> ModuleSpec:
         from megatron.training.models.gpt import default_layer_spec
 
         spec = user_spec if user_spec is not None else default_layer_spec(cfg, vp_stage)
@@ -74,7 +74,7 @@ def _default_hybrid_stack_spec(model_cfg: Any) -> Any:
 def model_provider(
     pre_process: bool = True,
     post_process: bool = True,
-    vp_stage: Optional[int] = None,
+    vp_stage: int | None = None,
     config: Any = None,
     pg_collection: Any = None,
 ) -> Any:

@@ -13,7 +13,7 @@ Example::
 
 import argparse
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from megatron_ext.arguments import configs_from_args
 from megatron_ext.config import MoEAlignmentConfig, ReplayConfig
@@ -27,15 +27,15 @@ class RunState:
     configs: dict[type, Any]
     load_metrics: Any = None
     replay_bindings: list[Any] = field(default_factory=list)
-    iteration: Optional[int] = None
+    iteration: int | None = None
     position: int = 0
     eval_forwards: int = 0
-    last_load_summary: Optional[dict[str, Any]] = None
+    last_load_summary: dict[str, Any] | None = None
     record_dataset: Any = None
     recorded_packs: list[tuple[list[int], Any]] = field(default_factory=list)
 
 
-_STATE: Optional[RunState] = None
+_STATE: RunState | None = None
 
 
 def state(args: argparse.Namespace) -> RunState:
@@ -97,7 +97,7 @@ def record_routes(
     state(args).recorded_packs.append((pack_index.tolist(), routes_BSLK.cpu().numpy()))
 
 
-def finish_recording(args: argparse.Namespace) -> Optional[int]:
+def finish_recording(args: argparse.Namespace) -> int | None:
     """Gathers every data-parallel rank's recorded packs to rank 0 and writes the route sidecar.
 
     Routes are already complete on every rank of a model-parallel group (``recorded_routes`` gathers over

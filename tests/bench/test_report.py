@@ -29,10 +29,17 @@ def test_markdown_and_json_carry_date_machine_command_and_values(tmp_path, monke
     try:
         monkeypatch.setattr("sys.argv", ["megatron-ext", "bench", "--only", "_toy_for_report_test"])
         md, js = tmp_path / "B.md", tmp_path / "b.json"
-        args = argparse.Namespace(only=["_toy_for_report_test"], quick=True, markdown=str(md), json=str(js))
+        args = argparse.Namespace(
+            only=["_toy_for_report_test"], quick=True, markdown=str(md), json=str(js)
+        )
         assert report.main(args) == 0
         text = md.read_text()
-        for needle in ("- date:", "- machine:", "command: `megatron-ext bench --only", "| x | 1.25 |"):
+        for needle in (
+            "- date:",
+            "- machine:",
+            "command: `megatron-ext bench --only",
+            "| x | 1.25 |",
+        ):
             assert needle in text
         data = json.loads(js.read_text())
         assert data["benchmarks"]["_toy_for_report_test"]["rows"] == [["x", 1.25]]

@@ -8,7 +8,6 @@ viewless tensor the schedule can free, and every router call, forward and recomp
 routes of the micro-batch it belongs to.
 """
 
-
 import torch
 
 from megatron_ext.testing import run_distributed

@@ -13,12 +13,17 @@ def test_demo_runs_its_checks_and_writes_json_and_png(tmp_path, capsys) -> None:
     summary = json.loads(out.read_text())
     assert status == 0, printed
     for key in (
-        "loss_equal", "peak_over_mean_constant", "peak_over_mean_self", "peak_over_mean_nopad",
+        "loss_equal",
+        "peak_over_mean_constant",
+        "peak_over_mean_self",
+        "peak_over_mean_nopad",
         "replay_match_rate",
     ):
         assert key in summary
     assert summary["loss_equal"] and summary["loss_max_abs_diff"] <= LOSS_TOLERANCE
-    assert len(summary["losses_self"]) == 2 and summary["losses_self"][1] < summary["losses_self"][0]
+    assert (
+        len(summary["losses_self"]) == 2 and summary["losses_self"][1] < summary["losses_self"][0]
+    )
     # The interesting case occurred: rows are mostly padding and constant pads skew EP-rank load.
     assert summary["pad_fraction"] >= 0.5
     assert summary["peak_over_mean_constant"] > summary["peak_over_mean_self"]
@@ -29,4 +34,3 @@ def test_demo_runs_its_checks_and_writes_json_and_png(tmp_path, capsys) -> None:
     assert all(summary["checks"].values())
     assert png.stat().st_size > 10_000  # a real plot, not an empty file
     assert "[ok] loss identical under both pad policies" in printed
-

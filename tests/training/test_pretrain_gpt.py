@@ -22,16 +22,62 @@ ROOT = Path(__file__).resolve().parents[2]
 NUM_LAYERS, TOPK, EXPERTS = 2, 2, 8
 
 BASE_ARGS = [
-    "--num-layers", str(NUM_LAYERS), "--hidden-size", "64", "--num-attention-heads", "4",
-    "--ffn-hidden-size", "128", "--seq-length", "64", "--max-position-embeddings", "64",
-    "--position-embedding-type", "rope", "--num-experts", str(EXPERTS), "--moe-router-topk",
-    str(TOPK), "--moe-ffn-hidden-size", "64", "--moe-token-dispatcher-type", "alltoall",
-    "--moe-router-dtype", "fp32", "--expert-model-parallel-size", "2", "--transformer-impl", "local",
-    "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "4", "--lr", "1e-3",
-    "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--split", "100,0,0",
-    "--attention-dropout", "0", "--hidden-dropout", "0", "--no-gradient-accumulation-fusion",
-    "--no-bias-swiglu-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-masked-softmax-fusion",
-    "--no-persist-layer-norm", "--no-rope-fusion", "--seed", "7", "--use-cpu-initialization",
+    "--num-layers",
+    str(NUM_LAYERS),
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--ffn-hidden-size",
+    "128",
+    "--seq-length",
+    "64",
+    "--max-position-embeddings",
+    "64",
+    "--position-embedding-type",
+    "rope",
+    "--num-experts",
+    str(EXPERTS),
+    "--moe-router-topk",
+    str(TOPK),
+    "--moe-ffn-hidden-size",
+    "64",
+    "--moe-token-dispatcher-type",
+    "alltoall",
+    "--moe-router-dtype",
+    "fp32",
+    "--expert-model-parallel-size",
+    "2",
+    "--transformer-impl",
+    "local",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--train-iters",
+    "4",
+    "--lr",
+    "1e-3",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "256",
+    "--split",
+    "100,0,0",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--no-gradient-accumulation-fusion",
+    "--no-bias-swiglu-fusion",
+    "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-masked-softmax-fusion",
+    "--no-persist-layer-norm",
+    "--no-rope-fusion",
+    "--seed",
+    "7",
+    "--use-cpu-initialization",
 ]
 
 
@@ -85,7 +131,9 @@ def _run_providers(argv: list[str]) -> dict:
         "moe_layers": moe_layers,
         "loss": float(loss),
         "num_tokens": int(num_tokens),
-        "grad_norm": float(sum(p.grad.norm() ** 2 for p in model.parameters() if p.grad is not None)),
+        "grad_norm": float(
+            sum(p.grad.norm() ** 2 for p in model.parameters() if p.grad is not None)
+        ),
         "batch_keys": sorted(batch),
     }
     if "routes" in batch:
@@ -112,7 +160,11 @@ def test_gpt_providers_and_forward_step_with_self_padded_gpt_dataset(data_prefix
 
 def test_aligned_moe_packed_data(data_prefix) -> None:
     argv = BASE_ARGS + [
-        "--data-path", data_prefix, "--pack-documents", "--pad-to-seq-len", "--moe-dispatch-align",
+        "--data-path",
+        data_prefix,
+        "--pack-documents",
+        "--pad-to-seq-len",
+        "--moe-dispatch-align",
     ]
     for result in run_distributed(_run_providers, 2, argv, ep=2):
         assert result["dataset"] == "PackedDataset"
@@ -154,9 +206,11 @@ def _steps_with_eval(argv: list[str]) -> dict:
             if train_mode:
                 loss_fn(output)[0].backward()
         routes = batch["routes"].long()
-        expected = torch.zeros(*routes.shape[:3], EXPERTS, dtype=torch.bool).scatter_(-1, routes, True)
+        expected = torch.zeros(*routes.shape[:3], EXPERTS, dtype=torch.bool).scatter_(
+            -1, routes, True
+        )
         expected_LTE = expected.permute(2, 1, 0, 3).reshape(NUM_LAYERS, -1, EXPERTS)
-        return all(torch.equal(c, e) for c, e in zip(chosen, expected_LTE)), int(
+        return all(torch.equal(c, e) for c, e in zip(chosen, expected_LTE, strict=True)), int(
             (~batch["padding_mask"]).sum()
         )
 
@@ -184,9 +238,17 @@ def _steps_with_eval(argv: list[str]) -> dict:
 
 def test_keys_metrics_and_replay_across_micro_batches_and_evaluation(data_prefix) -> None:
     argv = BASE_ARGS + [
-        "--data-path", data_prefix, "--pack-documents", "--pad-to-seq-len",
-        "--route-replay-mode", "replay", "--route-data-suffix", "_routes",
-        "--moe-expert-load-metrics", "--log-interval", "1",
+        "--data-path",
+        data_prefix,
+        "--pack-documents",
+        "--pad-to-seq-len",
+        "--route-replay-mode",
+        "replay",
+        "--route-data-suffix",
+        "_routes",
+        "--moe-expert-load-metrics",
+        "--log-interval",
+        "1",
     ]
     argv[argv.index("--global-batch-size") + 1] = "8"
     for r in run_distributed(_steps_with_eval, 2, argv, ep=2):
@@ -202,8 +264,14 @@ def test_keys_metrics_and_replay_across_micro_batches_and_evaluation(data_prefix
 
 def test_route_replay_from_sidecar_reaches_every_moe_layer(data_prefix) -> None:
     argv = BASE_ARGS + [
-        "--data-path", data_prefix, "--pack-documents", "--pad-to-seq-len",
-        "--route-replay-mode", "replay", "--route-data-suffix", "_routes",
+        "--data-path",
+        data_prefix,
+        "--pack-documents",
+        "--pad-to-seq-len",
+        "--route-replay-mode",
+        "replay",
+        "--route-data-suffix",
+        "_routes",
     ]
     for result in run_distributed(_run_providers, 2, argv, ep=2):
         assert result["dataset"] == "RoutedPackedDataset"
@@ -213,7 +281,11 @@ def test_route_replay_from_sidecar_reaches_every_moe_layer(data_prefix) -> None:
 
 def test_hybrid_model_is_chosen_by_layer_pattern(data_prefix) -> None:
     argv = [a for a in BASE_ARGS] + [
-        "--data-path", data_prefix, "--hybrid-layer-pattern", "*E*E", "--moe-dispatch-align",
+        "--data-path",
+        data_prefix,
+        "--hybrid-layer-pattern",
+        "*E*E",
+        "--moe-dispatch-align",
     ]
     argv[argv.index("--num-layers") + 1] = "4"
     for result in run_distributed(_run_providers, 2, argv, ep=2):
@@ -290,8 +362,14 @@ def _record_then_replay(argv: list[str], record_prefix: str) -> dict:
 
     unset_global_variables()
     run_state.reset()
-    sys.argv = ["pretrain_gpt", *argv, "--route-replay-mode", "record", "--route-record-path",
-                record_prefix]
+    sys.argv = [
+        "pretrain_gpt",
+        *argv,
+        "--route-replay-mode",
+        "record",
+        "--route-record-path",
+        record_prefix,
+    ]
     args = parse_and_validate_args(extra_args_provider=add_megatron_ext_args)
     model = model_provider()
     train, _, _ = train_valid_test_datasets_provider([8, 0, 0])
@@ -317,10 +395,12 @@ def _record_then_replay(argv: list[str], record_prefix: str) -> dict:
     matches = []
     for b, pack in enumerate(batch["pack_index"].tolist()):
         doc_Q, start_Q, len_Q = train.pack_pieces(pack)
-        from_file = np.concatenate([
-            written_docs[int(d)].reshape(-1, NUM_LAYERS, TOPK)[int(s0):int(s0) + int(n)]
-            for d, s0, n in zip(doc_Q, start_Q, len_Q)
-        ])  # [real tokens of the pack, L, K], in pack order
+        from_file = np.concatenate(
+            [
+                written_docs[int(d)].reshape(-1, NUM_LAYERS, TOPK)[int(s0) : int(s0) + int(n)]
+                for d, s0, n in zip(doc_Q, start_Q, len_Q, strict=True)
+            ]
+        )  # [real tokens of the pack, L, K], in pack order
         n_real = int(real[b].sum())
         chosen_real = topk_LSBK[:, :n_real, b].permute(1, 0, 2).numpy()
         matches.append(bool(np.array_equal(np.sort(from_file, -1), chosen_real)))
@@ -340,8 +420,12 @@ def test_record_mode_writes_a_route_sidecar_aligned_with_the_tokens(data_prefix,
     results = run_distributed(_record_then_replay, 2, argv, record, ep=2)
     assert results[0]["written"] == 80 and results[1]["written"] is None  # rank 0 writes, once
     # One K-byte row per token per MoE layer, aligned with every token of the token dataset.
-    token_count = sum(min(90, d.size) for d in __import__(
-        "megatron_ext.training.corpus", fromlist=["corpus_documents"]).corpus_documents()[:80])
+    token_count = sum(
+        min(90, d.size)
+        for d in __import__(
+            "megatron_ext.training.corpus", fromlist=["corpus_documents"]
+        ).corpus_documents()[:80]
+    )
     assert results[0]["file_bytes"] == token_count * NUM_LAYERS * TOPK
     recorded = sum(r["recorded_real_tokens"] for r in results)
     assert 0 < recorded < token_count  # 4 packs recorded, the other documents stay missing
@@ -368,8 +452,19 @@ def test_record_mode_needs_one_data_prefix(monkeypatch, tmp_path) -> None:
 
     from megatron_ext.arguments import add_megatron_ext_args, configs_from_args
 
-    argv = [*BASE_ARGS, "--pack-documents", "--route-replay-mode", "record",
-            "--route-record-path", str(tmp_path / "r"), "--data-path", "0.5", "/a", "0.5", "/b"]
+    argv = [
+        *BASE_ARGS,
+        "--pack-documents",
+        "--route-replay-mode",
+        "record",
+        "--route-record-path",
+        str(tmp_path / "r"),
+        "--data-path",
+        "0.5",
+        "/a",
+        "0.5",
+        "/b",
+    ]
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt", *argv])
     with pytest.raises(ValueError, match="exactly one --data-path prefix"):
         configs_from_args(parse_args(extra_args_provider=add_megatron_ext_args))

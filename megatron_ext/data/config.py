@@ -1,0 +1,144 @@
+"""Flags of the data feature (self-token padding, document packing): :class:`PaddingConfig`."""
+
+import argparse
+import warnings
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron_ext.config_registry import feature_config, flag
+from megatron_ext.data.padding import derive_pad_multiple
+
+
+@feature_config("data: self-token padding and document packing (issue 3)")
+@dataclass(frozen=True, kw_only=True)
+class PaddingConfig:
+    """How packs are padded and how documents are packed (megatron_ext.data)."""
+
+    pad_policy: Literal["self", "constant"] = "self"
+    """Pad content: 'self' repeats the pack's own tokens (pads route like real text, no MoE hot
+    spot); 'constant' writes --pad-constant-id. Pads are always loss-masked and after every real
+    token."""
+
+    pad_constant_id: int = 0
+    """Token id of constant pads (--pad-policy constant, multimodal packs, empty packs)."""
+
+    pad_to_seq_len: bool = False
+    """Pad every pack to exactly --seq-length (static shapes: no recompiles)."""
+
+    pad_to_multiple_of: int | None = None
+    """Pad packs to a multiple of this; default derived from the run: 2*CP with context
+    parallelism, TP with sequence parallelism, 16 under fp8 (their lcm)."""
+
+    pack_documents: bool = False
+    """Train on megatron_ext's PackedDataset (whole documents packed, document boundaries kept)
+    instead of the self-padded GPTDataset."""
+
+    packing_algorithm: Literal["sequential", "best_fit"] = "best_fit"
+    """'sequential' keeps the shuffled order (next-fit); 'best_fit' packs longest-first into the
+    tightest pack within --packing-window documents (fewer pads)."""
+
+    packing_window: int = 1000
+    """Documents considered together by --packing-algorithm best_fit."""
+
+    pack_overlong_policy: Literal["split", "truncate", "drop"] = "split"
+    """Documents longer than --seq-length: split into pieces, keep the head, or drop them."""
+
+    pack_loss_mask_suffix: str | None = None
+    """If set, every --data-path prefix P has a per-token loss-mask sidecar IndexedDataset at
+    P + suffix (1 = train on this token, 0 = prompt), e.g. '_loss_mask'."""
+
+    multimodal_placeholder_ids: list[int] = field(default_factory=list)
+    """Placeholder token ids (e.g. image tokens); a pack containing one pads with
+    --pad-constant-id so a placeholder never leaves its item."""
+
+    def __post_init__(self) -> None:
+        if self.pad_policy not in ("self", "constant"):
+            raise ValueError(f"--pad-policy must be 'self' or 'constant', got {self.pad_policy!r}")
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
+            raise ValueError(f"--pad-to-multiple-of must be >= 1, got {self.pad_to_multiple_of}")
+        if self.packing_algorithm not in ("sequential", "best_fit"):
+            raise ValueError(
+                "--packing-algorithm must be 'sequential' or 'best_fit', "
+                f"got {self.packing_algorithm!r}"
+            )
+        if self.packing_window < 1:
+            raise ValueError(f"--packing-window must be >= 1, got {self.packing_window}")
+        if self.pack_overlong_policy not in ("split", "truncate", "drop"):
+            raise ValueError(
+                "--pack-overlong-policy must be 'split', 'truncate' or 'drop', "
+                f"got {self.pack_overlong_policy!r}"
+            )
+        if self.pad_constant_id < 0:
+            raise ValueError(f"--pad-constant-id must be >= 0, got {self.pad_constant_id}")
+        if self.pad_constant_id in self.multimodal_placeholder_ids:
+            raise ValueError(
+                f"--pad-constant-id {self.pad_constant_id} is one of "
+                "--multimodal-placeholder-ids: pads would look like image tokens"
+            )
+        if self.pack_loss_mask_suffix == "":
+            raise ValueError("--pack-loss-mask-suffix must not be empty")
+
+    def pad_multiple(
+        self,
+        *,
+        context_parallel_size: int = 1,
+        tensor_parallel_size: int = 1,
+        sequence_parallel: bool = False,
+        fp8: bool = False,
+    ) -> int:
+        """The pack-length multiple for this run: the user's value, else the derived one.
+
+        Raises:
+            ValueError: The user's --pad-to-multiple-of is not a multiple of what the run needs.
+        """
+        required = derive_pad_multiple(
+            context_parallel_size=context_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            sequence_parallel=sequence_parallel,
+            fp8=fp8,
+        )
+        if self.pad_to_multiple_of is None:
+            return required
+        if self.pad_to_multiple_of % required:
+            why = []
+            if context_parallel_size > 1:
+                why.append(f"--context-parallel-size {context_parallel_size} (needs 2*CP)")
+            if sequence_parallel and tensor_parallel_size > 1:
+                why.append(
+                    f"--sequence-parallel with --tensor-model-parallel-size {tensor_parallel_size}"
+                )
+            if fp8:
+                why.append("--fp8-format (needs 16)")
+            raise ValueError(
+                f"--pad-to-multiple-of {self.pad_to_multiple_of} conflicts with "
+                f"{', '.join(why)}: it must be a multiple of {required}"
+            )
+        return self.pad_to_multiple_of
+
+    def check_megatron_args(self, args: argparse.Namespace) -> None:
+        """Checks the padding multiple against Megatron's CP / TP+SP / fp8 and --seq-length."""
+        multiple = self.pad_multiple(
+            context_parallel_size=getattr(args, "context_parallel_size", 1) or 1,
+            tensor_parallel_size=getattr(args, "tensor_model_parallel_size", 1) or 1,
+            sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+            fp8=getattr(args, "fp8", None) is not None,
+        )
+        if not self.pack_documents:
+            unused = [
+                flag(name)
+                for name in (
+                    "packing_algorithm",
+                    "packing_window",
+                    "pack_overlong_policy",
+                    "pack_loss_mask_suffix",
+                )
+                if getattr(self, name) != PaddingConfig.__dataclass_fields__[name].default
+            ]
+            if unused:
+                warnings.warn(f"{unused} have no effect without --pack-documents", stacklevel=2)
+        seq_length = getattr(args, "seq_length", None)
+        if seq_length is not None and seq_length % multiple:
+            raise ValueError(
+                f"--seq-length {seq_length} is not a multiple of the pack-length multiple "
+                f"{multiple} (--pad-to-multiple-of / derived from CP, TP+SP, fp8)"
+            )

@@ -1,0 +1,153 @@
+"""Flags of the MoE alignment feature: :class:`MoEAlignmentConfig`."""
+
+import argparse as _moe_argparse
+import warnings as _moe_warnings
+from dataclasses import dataclass as _moe_dataclass
+from typing import Literal as _MoeLiteral
+
+from megatron_ext.config_registry import feature_config
+from megatron_ext.moe.alignment import align_size_for as _align_size_for
+from megatron_ext.moe.alignment import precision_of as _precision_of
+
+
+@feature_config("moe: grouped-GEMM alignment after dispatch and expert load metrics (issue 4)")
+@_moe_dataclass(frozen=True, kw_only=True)
+class MoEAlignmentConfig:
+    """Sync-free fp8/mxfp8/nvfp4 group alignment in the token dispatcher (megatron_ext.moe)."""
+
+    moe_dispatch_align: bool = False
+    """Align every local expert's token group after dispatch to the multiple its grouped GEMM
+    needs (fp8 16, mxfp8 32, nvfp4 128; bf16/fp16 none: identity, no copy), with zero pad rows,
+    no extra host sync and no extra all-to-all traffic. Replaces
+    --moe-router-padding-for-quantization (refused together)."""
+
+    moe_dispatch_align_size: int | None = None
+    """Override the alignment multiple under fp8/fp4 (e.g. 256 for CUTLASS grouped kernels); it
+    must be a multiple of the recipe's own (fp8 16, mxfp8 32, nvfp4 128). Ignored (with a
+    warning) under bf16/fp16. Default: derived from --fp8-recipe / --fp4-recipe."""
+
+    moe_dispatch_align_buffer: _MoeLiteral["host_counts", "static_bound"] = "host_counts"
+    """Size of the aligned buffer: 'host_counts' is exact, from the token counts the dispatcher
+    already copied to the host; 'static_bound' reads nothing (N + E*(A-1) rows, the last expert
+    absorbs the slack), for paths that keep counts on the device."""
+
+    moe_expert_load_metrics: bool = False
+    """Track per-layer token counts per expert and per EP rank (with and without pad tokens),
+    max/mean and max_vio = (max - mean) / mean, on device; reduced only when logged. Counts one
+    pass per training micro-batch (not recomputes, not evaluation). Needs --num-experts."""
+
+    def __post_init__(self) -> None:
+        if self.moe_dispatch_align_size is not None and self.moe_dispatch_align_size < 0:
+            raise ValueError(
+                f"--moe-dispatch-align-size must be >= 0, got {self.moe_dispatch_align_size}"
+            )
+        if self.moe_dispatch_align_buffer not in ("host_counts", "static_bound"):
+            raise ValueError(
+                "--moe-dispatch-align-buffer must be 'host_counts' or 'static_bound', "
+                f"got {self.moe_dispatch_align_buffer!r}"
+            )
+
+    def align_size(
+        self, *, fp8: object, fp8_recipe: object, fp4: object, fp4_recipe: object
+    ) -> int:
+        """The multiple groups are padded to for these precision settings (0: no alignment)."""
+        if not self.moe_dispatch_align:
+            return 0
+        precision = _precision_of(fp8, fp8_recipe, fp4, fp4_recipe)
+        return _align_size_for(precision, self.moe_dispatch_align_size)
+
+    def check_megatron_args(self, args: _moe_argparse.Namespace) -> None:
+        """Refuses combinations with Megatron's flags that would double-pad, cannot align or crash.
+
+        Raises:
+            ValueError: Naming both flags of the refused combination.
+        """
+        if self.moe_expert_load_metrics and not getattr(args, "num_experts", None):
+            raise ValueError(
+                "--moe-expert-load-metrics needs an MoE model: set --num-experts (a dense model "
+                "has no routing to count)"
+            )
+        if not self.moe_dispatch_align:
+            return
+        if getattr(args, "moe_router_padding_for_quantization", False):
+            raise ValueError(
+                "--moe-dispatch-align and --moe-router-padding-for-quantization both pad expert "
+                "groups; use only --moe-dispatch-align (no extra all-to-all rows, no host sync)"
+            )
+        if getattr(args, "moe_pad_expert_input_to_capacity", False):
+            raise ValueError(
+                "--moe-dispatch-align cannot be combined with --moe-pad-expert-input-to-capacity: "
+                "capacity padding already fixes every group's size; choose a capacity whose "
+                "per-expert rows are a multiple of the alignment instead"
+            )
+        precision = {
+            "fp8": getattr(args, "fp8", None),
+            "fp8_recipe": getattr(args, "fp8_recipe", None),
+            "fp4": getattr(args, "fp4", None),
+            "fp4_recipe": getattr(args, "fp4_recipe", None),
+        }
+        quantized = bool(precision["fp8"] or precision["fp4"])
+        override = self.moe_dispatch_align_size
+        if quantized and override is not None:
+            required = _moe_required_align(args)
+            if override <= 1 or override % required:
+                flag = "--fp8-recipe" if precision["fp8"] else "--fp4-recipe"
+                raise ValueError(
+                    f"--moe-dispatch-align-size {override} under {flag} "
+                    f"{_moe_recipe_name(precision)}: the quantized grouped GEMM needs every "
+                    f"group to be a multiple of {required} (Megatron's "
+                    "get_align_size_for_quantization); use a multiple of it or drop the override"
+                )
+        dispatcher = getattr(args, "moe_token_dispatcher_type", "allgather")
+        if dispatcher == "flex" and override is not None and quantized:
+            derived = _moe_required_align(args)
+            if self.align_size(**precision) != derived:
+                raise ValueError(
+                    f"--moe-dispatch-align-size {override} with "
+                    "--moe-token-dispatcher-type flex under fp8/fp4: HybridEP re-derives its "
+                    f"pad_multiple ({derived}) from the recipe, so an override cannot be honoured"
+                )
+        if not quantized:
+            # A setting with no effect on the current path warns once (STYLE).
+            if override:
+                _moe_warn_once(
+                    f"--moe-dispatch-align-size {override} pads bf16/fp16 expert groups, which "
+                    "need no padding (it only costs time)"
+                )
+            else:
+                _moe_warn_once(
+                    "--moe-dispatch-align has no effect without --fp8-format / --fp4-format: "
+                    "bf16/fp16 grouped GEMMs need no alignment (Megatron's path runs untouched)"
+                )
+
+
+def _moe_recipe_name(precision: dict) -> str:
+    recipe = precision["fp8_recipe"] if precision["fp8"] else precision["fp4_recipe"]
+    return str(getattr(recipe, "value", recipe))
+
+
+def _moe_required_align(args: _moe_argparse.Namespace) -> int:
+    """The group multiple Megatron's own ``get_align_size_for_quantization`` asks of these args."""
+    from megatron.core.enums import Fp4Recipe, Fp8Recipe
+    from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+
+    fp8_recipe = getattr(args, "fp8_recipe", None) or "delayed"
+    fp4_recipe = getattr(args, "fp4_recipe", None) or "nvfp4"
+    view = _moe_argparse.Namespace(
+        use_transformer_engine_op_fuser=getattr(args, "use_transformer_engine_op_fuser", False),
+        fp8=getattr(args, "fp8", None),
+        fp8_recipe=Fp8Recipe(getattr(fp8_recipe, "value", fp8_recipe)),
+        fp4=getattr(args, "fp4", None),
+        fp4_recipe=Fp4Recipe(getattr(fp4_recipe, "value", fp4_recipe)),
+    )
+    return get_align_size_for_quantization(view)
+
+
+_MOE_WARNED: set[str] = set()
+
+
+def _moe_warn_once(message: str) -> None:
+    """Warns the first time ``message`` is seen in this process (STYLE: warn once)."""
+    if message not in _MOE_WARNED:
+        _MOE_WARNED.add(message)
+        _moe_warnings.warn(message, stacklevel=3)

@@ -1,0 +1,96 @@
+"""Flags of the route-replay feature: :class:`ReplayConfig`."""
+
+import argparse as _argparse
+import os as _os
+import warnings as _replay_warnings
+from dataclasses import dataclass as _dataclass
+from typing import Literal as _Literal
+
+from megatron_ext.config_registry import feature_config, flag
+from megatron_ext.replay.unsupported import check_replay_supported
+
+
+@feature_config("replay: route record/replay bound to Megatron's RouterReplay (issue 5)")
+@_dataclass(frozen=True, kw_only=True)
+class ReplayConfig:
+    """Route replay (R3): train on the experts the rollout engine chose (megatron_ext.replay)."""
+
+    route_replay_mode: _Literal["off", "record", "replay"] = "off"
+    """'replay' installs each pack's recorded routes into the MoE routers (every MoE layer's
+    top-k equals the recorded one); 'record' captures the routes the forward chose and writes
+    them to --route-record-path; 'off' routes natively."""
+
+    route_data_suffix: str | None = None
+    """Route sidecars: every --data-path prefix P has a route IndexedDataset at P + suffix
+    (tools/convert_routes.py output, e.g. '_routes'), aligned document by document and token by
+    token with P; the packer gathers, packs and pads it exactly as the tokens."""
+
+    route_record_path: str | None = None
+    """Output prefix of the route sidecar written by --route-replay-mode record."""
+
+    replay_missing_route_policy: _Literal["native", "balanced"] = "native"
+    """Tokens with no recorded route (vLLM's last token, tool tokens, constant-id pads):
+    'native' lets the router decide them; 'balanced' fills a distinct top-k spread evenly over
+    EP ranks for every EP size dividing the expert count."""
+
+    def __post_init__(self) -> None:
+        if self.route_replay_mode not in ("off", "record", "replay"):
+            raise ValueError(
+                "--route-replay-mode must be 'off', 'record' or 'replay', "
+                f"got {self.route_replay_mode!r}"
+            )
+        if self.replay_missing_route_policy not in ("native", "balanced"):
+            raise ValueError(
+                "--replay-missing-route-policy must be 'native' or 'balanced', "
+                f"got {self.replay_missing_route_policy!r}"
+            )
+        if self.route_replay_mode == "replay" and not self.route_data_suffix:
+            raise ValueError("--route-replay-mode replay needs --route-data-suffix")
+        if self.route_replay_mode == "record" and not self.route_record_path:
+            raise ValueError("--route-replay-mode record needs --route-record-path")
+        unused = {
+            "off": ("route_data_suffix", "route_record_path"),
+            "record": ("route_data_suffix",),
+            "replay": ("route_record_path",),
+        }[self.route_replay_mode]
+        for name in (n for n in unused if getattr(self, n) is not None):
+            _replay_warnings.warn(
+                f"{flag(name)} has no effect with --route-replay-mode {self.route_replay_mode}",
+                stacklevel=2,
+            )
+        if self.route_replay_mode == "record":
+            parent = _os.path.dirname(_os.path.abspath(self.route_record_path))
+            if not _os.path.isdir(parent):
+                raise ValueError(f"--route-record-path: directory {parent} does not exist")
+
+    def check_megatron_args(self, args: _argparse.Namespace) -> None:
+        """Refuses every Megatron setting under which 0.19.2 would silently skip replay."""
+        if self.route_replay_mode == "off":
+            return
+        check_replay_supported(args, f"--route-replay-mode {self.route_replay_mode}")
+        if self.route_replay_mode == "replay":
+            if not getattr(args, "pack_documents", False):
+                raise ValueError(
+                    "--route-replay-mode replay reads route sidecars through the packed dataset: "
+                    "add --pack-documents"
+                )
+            paths = [getattr(args, name, None) or [] for name in _DATA_PATH_ARGS]
+            for prefix in (p for group in paths for p in group if not _is_number(p)):
+                for ext in (".bin", ".idx"):
+                    path = prefix + self.route_data_suffix + ext
+                    if not _os.path.isfile(path):
+                        raise ValueError(
+                            f"--route-data-suffix {self.route_data_suffix}: route file {path} "
+                            f"for --data-path prefix {prefix} does not exist"
+                        )
+
+
+_DATA_PATH_ARGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
