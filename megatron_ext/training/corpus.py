@@ -1,7 +1,8 @@
 """The embedded demo corpus (generated text shipped in the package), byte-level tokenised.
 
-Byte-level ids are the UTF-8 bytes of the text (vocabulary 256); id 0 never occurs in text, which makes it
-the natural constant pad id for comparisons.
+Tokenised by the same built-in byte-level tokenizer as ``tools/preprocess_data.py`` (UTF-8 bytes, ids
+0..255; its end-of-document id 256 is not used here, so the models need only 256 ids). Id 0 never occurs
+in text, which makes it the natural constant pad id for comparisons.
 
 Example::
 
@@ -14,6 +15,8 @@ from importlib import resources
 
 import numpy as np
 
+from megatron_ext.data.jsonl_documents import byte_tokenizer
+
 VOCAB_SIZE = 256
 CONSTANT_PAD_ID = 0
 
@@ -22,11 +25,7 @@ CONSTANT_PAD_ID = 0
 def corpus_documents() -> tuple[np.ndarray, ...]:
     """Every document of ``megatron_ext/assets/corpus.jsonl`` as byte ids (int64)."""
     text = resources.files("megatron_ext").joinpath("assets/corpus.jsonl").read_text("utf-8")
-    docs = []
-    for line in text.splitlines():
-        data = json.loads(line)["text"].encode("utf-8")
-        docs.append(np.frombuffer(data, dtype=np.uint8).astype(np.int64))
-    return tuple(docs)
+    return tuple(byte_tokenizer(json.loads(line)["text"]) for line in text.splitlines())
 
 
 def corpus_stream(offset: int, length: int) -> np.ndarray:

@@ -181,13 +181,21 @@ def alignment_check(batch: int, seq_len: int) -> dict[str, Any]:
     return {"groups": groups, "aligned": all(g % 16 == 0 for layer in groups for g in layer)}
 
 
+def _progress(message: str, start: float) -> None:
+    if torch.distributed.get_rank() == 0:
+        print(f"  [{time.perf_counter() - start:5.1f} s] {message}", flush=True)
+
+
 def demo_worker(steps: int, batch: int, seq_len: int) -> dict[str, Any]:
     """Everything the demo reports, from this rank (rank 0's copy is printed)."""
     start = time.perf_counter()
-    out: dict[str, Any] = {
-        policy: train_policy(policy, steps, batch, seq_len) for policy in ("constant", "self")
-    }
+    out: dict[str, Any] = {}
+    for policy in ("constant", "self"):
+        _progress(f"training {steps} steps with {policy} pads", start)
+        out[policy] = train_policy(policy, steps, batch, seq_len)
+    _progress("recording routes, perturbing the routers, replaying", start)
     out["replay"] = record_and_replay(batch, seq_len)
+    _progress("fp8 alignment on grouped-GEMM experts", start)
     out["alignment"] = alignment_check(batch, seq_len)
     out["worker_seconds"] = time.perf_counter() - start
     return out
