@@ -1,4 +1,4 @@
-"""Shared builders for the data tests (not a test file): one place for the tokenizer and the
+"""Shared builders for the dataset tests of data and replay (not a test file): one place for the tokenizer and the
 ``GPTDatasetConfig`` keyword arguments Megatron requires, so every data test builds datasets the
 same way through Megatron's ``BlendedMegatronDatasetBuilder``.
 

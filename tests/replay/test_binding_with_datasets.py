@@ -21,24 +21,14 @@ def _packed_self_padded_replay(root: str) -> dict:
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
-    from megatron.core.tokenizers import MegatronTokenizer
 
     from megatron_ext.replay.binding import RouteReplayBinding
     from megatron_ext.replay.route_dataset import RoutedPackedDataset, RoutedPackedDatasetConfig
+    from tests.data.dataset_helpers import gpt_config_kwargs
 
     seq = 32
-    tok = MegatronTokenizer.from_pretrained(metadata_path={"library": "null-text"}, vocab_size=128)
     config = RoutedPackedDatasetConfig(
-        random_seed=1,
-        sequence_length=seq,
-        blend=([f"{root}/docs"], None),
-        split="100,0,0",
-        tokenizer=tok,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,
-        path_to_cache=f"{root}/cache",
+        **gpt_config_kwargs([f"{root}/docs"], sequence_length=seq, path_to_cache=f"{root}/cache"),
         pad_to_seq_len=True,
         route_num_layers=2,
         route_topk=2,
@@ -112,7 +102,6 @@ def _record_sidecar_then_replay(root: str) -> dict:
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
-    from megatron.core.tokenizers import MegatronTokenizer
 
     from megatron_ext.replay.binding import RouteReplayBinding
     from megatron_ext.replay.route_dataset import (
@@ -120,22 +109,15 @@ def _record_sidecar_then_replay(root: str) -> dict:
         RoutedPackedDatasetConfig,
         RouteRecorder,
     )
+    from tests.data.dataset_helpers import gpt_config_kwargs
 
     seq = 32
-    tok = MegatronTokenizer.from_pretrained(metadata_path={"library": "null-text"}, vocab_size=128)
 
     def dataset(suffix):
         config = RoutedPackedDatasetConfig(
-            random_seed=1,
-            sequence_length=seq,
-            blend=([f"{root}/docs"], None),
-            split="100,0,0",
-            tokenizer=tok,
-            reset_position_ids=False,
-            reset_attention_mask=False,
-            eod_mask_loss=False,
-            create_attention_mask=False,
-            path_to_cache=f"{root}/cache",
+            **gpt_config_kwargs(
+                [f"{root}/docs"], sequence_length=seq, path_to_cache=f"{root}/cache"
+            ),
             pad_to_seq_len=True,
             route_suffix=suffix,
             route_num_layers=2,

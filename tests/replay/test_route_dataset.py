@@ -10,10 +10,6 @@ import os
 import numpy as np
 import pytest
 from megatron.core.datasets.blended_dataset import BlendedDataset
-from megatron.core.datasets.blended_megatron_dataset_builder import (
-    BlendedMegatronDatasetBuilder,
-)
-from megatron.core.tokenizers import MegatronTokenizer
 
 from megatron_ext.data.indexed_writer import write_documents
 from megatron_ext.replay.route_dataset import (
@@ -27,6 +23,7 @@ from megatron_ext.replay.routes import (
     rank_counts,
     validate_routes,
 )
+from tests.data.dataset_helpers import build_splits, gpt_config_kwargs
 
 SEQ, LAYERS, TOPK, EXPERTS = 32, 2, 2, 8
 
@@ -61,31 +58,21 @@ def corpus(tmp_path_factory) -> dict:
 
 
 def make_config(corpus: dict, **overrides) -> RoutedPackedDatasetConfig:
-    tok = MegatronTokenizer.from_pretrained(metadata_path={"library": "null-text"}, vocab_size=128)
-    kwargs = {
-        "random_seed": 3,
-        "sequence_length": SEQ,
-        "blend": ([os.path.join(corpus["root"], "a")], None),
-        "split": "100,0,0",
-        "tokenizer": tok,
-        "reset_position_ids": False,
-        "reset_attention_mask": False,
-        "eod_mask_loss": False,
-        "create_attention_mask": False,
-        "path_to_cache": os.path.join(corpus["root"], "cache"),
-        "pad_to_seq_len": True,
-        "route_num_layers": LAYERS,
-        "route_topk": TOPK,
-        "route_num_experts": EXPERTS,
-    }
+    kwargs = gpt_config_kwargs(
+        [os.path.join(corpus["root"], "a")],
+        sequence_length=SEQ,
+        random_seed=3,
+        path_to_cache=os.path.join(corpus["root"], "cache"),
+    )
+    kwargs.update(
+        pad_to_seq_len=True, route_num_layers=LAYERS, route_topk=TOPK, route_num_experts=EXPERTS
+    )
     kwargs.update(overrides)
     return RoutedPackedDatasetConfig(**kwargs)
 
 
 def build(config: RoutedPackedDatasetConfig, size: int = 60):
-    return BlendedMegatronDatasetBuilder(
-        RoutedPackedDataset, [size, 0, 0], lambda: True, config
-    ).build()[0]
+    return build_splits(RoutedPackedDataset, config, [size, 0, 0])[0]
 
 
 def test_pads_replay_the_routes_of_the_tokens_they_copy(corpus):
