@@ -1,6 +1,6 @@
-"""Shared builders for the dataset tests of data and replay (not a test file): one place for the tokenizer and the
-``GPTDatasetConfig`` keyword arguments Megatron requires, so every data test builds datasets the
-same way through Megatron's ``BlendedMegatronDatasetBuilder``.
+"""Shared builders for the data and replay dataset tests (not a test file): one place for the
+tokenizer and the ``GPTDatasetConfig`` keyword arguments Megatron requires, so every dataset test
+builds datasets the same way through Megatron's ``BlendedMegatronDatasetBuilder``.
 
     kw = gpt_config_kwargs([prefix], sequence_length=16)
     train = build_splits(PackedDataset, PackedDatasetConfig(**kw, pad_to_seq_len=True), [10, 0, 0])[0]
