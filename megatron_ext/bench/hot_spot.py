@@ -19,7 +19,7 @@ def _load_worker(seq_len: int, num_packs: int, pad_fraction: float) -> dict:
     from megatron.core import parallel_state
 
     from megatron_ext.data.padding import pad_pack
-    from megatron_ext.moe.load_metrics import ExpertLoadMetrics
+    from megatron_ext.moe.load_metrics import ExpertLoadMetrics, peak_over_mean
     from megatron_ext.moe.router_observer import observe_routers
     from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
     from megatron_ext.training.corpus import CONSTANT_PAD_ID, VOCAB_SIZE, corpus_stream
@@ -54,8 +54,8 @@ def _load_worker(seq_len: int, num_packs: int, pad_fraction: float) -> dict:
             model(tokens, positions, attention_mask=None)
         stats = metrics.device_stats(parallel_state.get_data_parallel_group())
         out[policy] = {
-            "ep_rank_peak_over_mean": float((stats["rank_max"] / stats["rank_mean"]).max()),
-            "expert_peak_over_mean": float((stats["expert_max"] / stats["expert_mean"]).max()),
+            "ep_rank_peak_over_mean": peak_over_mean(stats, "rank"),
+            "expert_peak_over_mean": peak_over_mean(stats, "expert"),
             "per_rank": stats["rank_counts_LR"].tolist(),
             "per_expert": stats["tokens_LE"].tolist(),
         }

@@ -47,6 +47,19 @@ def load_stats(counts_LE: torch.Tensor, ep_size: int) -> dict[str, torch.Tensor]
     return stats
 
 
+def peak_over_mean(stats: dict[str, torch.Tensor], unit: str, prefix: str = "") -> float:
+    """Worst layer's ``max / mean`` (= 1 + ``max_vio``) from :func:`load_stats` output, for reports.
+
+    Args:
+        stats: ``load_stats`` / ``ExpertLoadMetrics.device_stats`` output.
+        unit: ``"rank"`` (per EP rank) or ``"expert"``.
+        prefix: ``""`` for all tokens, ``"real_"`` for real tokens only.
+
+    NOTE: device-to-host sync (``float``); call it when reporting, not in a step.
+    """
+    return 1.0 + float(stats[f"{prefix}{unit}_max_vio"].max())
+
+
 class ExpertLoadMetrics:
     """Accumulates per-layer routing counts on the device; reduce and read with :meth:`summary`.
 

@@ -79,6 +79,8 @@ def train_policy(policy: str, steps: int, batch: int, seq_len: int) -> dict[str,
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    from megatron_ext.moe.load_metrics import peak_over_mean
+
     rank = torch.distributed.get_rank()
     model, metrics, config = _build(seed=1)
     # Megatron's own DDP reduces the gradients (dense over DP, experts over expert-DP, both 1/DP).
@@ -110,6 +112,10 @@ def train_policy(policy: str, steps: int, batch: int, seq_len: int) -> dict[str,
         "real_tokens_per_expert": stats["real_tokens_LE"].tolist(),
         "real_tokens_per_ep_rank": stats["real_rank_counts_LR"].tolist(),
         "real_ep_rank_max_vio": stats["real_rank_max_vio"].tolist(),
+        "ep_rank_peak_over_mean": peak_over_mean(stats, "rank"),
+        "expert_peak_over_mean": peak_over_mean(stats, "expert"),
+        "real_ep_rank_peak_over_mean": peak_over_mean(stats, "rank", "real_"),
+        "real_expert_peak_over_mean": peak_over_mean(stats, "expert", "real_"),
     }
 
 

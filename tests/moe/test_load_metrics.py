@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from megatron_ext.moe.load_metrics import ExpertLoadMetrics, load_stats
+from megatron_ext.moe.load_metrics import ExpertLoadMetrics, load_stats, peak_over_mean
 from megatron_ext.testing import assert_no_host_sync, run_distributed
 
 
@@ -75,3 +75,12 @@ def test_module_never_imports_megatron():
         "assert not any(m == 'megatron' or m.startswith('megatron.') for m in sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_peak_over_mean_is_worst_layer_max_over_mean() -> None:
+    # Layer 0 (the module docstring's example): experts [3 2 1 0] -> EP ranks [5 1]: 5/3 and 3/1.5.
+    # Layer 1 is empty: balanced (1.0), never NaN, and not the worst.
+    stats = load_stats(torch.tensor([[3, 2, 1, 0], [0, 0, 0, 0]]), ep_size=2)
+    assert peak_over_mean(stats, "rank") == pytest.approx(5 / 3)
+    assert peak_over_mean(stats, "expert") == pytest.approx(2.0)
+    assert peak_over_mean(load_stats(torch.zeros(1, 4), ep_size=2), "rank") == 1.0
