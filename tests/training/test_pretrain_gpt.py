@@ -81,6 +81,13 @@ BASE_ARGS = [
 ]
 
 
+#: Packed data with route replay from the ``_routes`` sidecar next to ``data_prefix``.
+REPLAY_ARGS = [
+    "--pack-documents", "--pad-to-seq-len",
+    "--route-replay-mode", "replay", "--route-data-suffix", "_routes",
+]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def data_prefix(tmp_path_factory) -> str:
     """Corpus documents as a token IndexedDataset plus an aligned route sidecar (random valid routes)."""
@@ -138,15 +145,18 @@ def _run_providers(argv: list[str]) -> dict:
     }
     if "routes" in batch:
         # Replay: every MoE layer's routing map equals the routes of this rank's tokens.
-        routes_BSLK = batch["routes"].long()
-        expected = torch.zeros(*routes_BSLK.shape[:2], NUM_LAYERS, EXPERTS, dtype=torch.bool)
-        expected.scatter_(-1, routes_BSLK, True)
-        expected_SBLE = expected.transpose(0, 1)  # the router sees [s, b] order
+        expected_LTE = _routing_maps_of(batch["routes"])
         result["replay_match"] = [
-            bool(torch.equal(routing[layer], expected_SBLE[:, :, layer].reshape(-1, EXPERTS)))
-            for layer in range(NUM_LAYERS)
+            bool(torch.equal(routing[layer], expected_LTE[layer])) for layer in range(NUM_LAYERS)
         ]
     return result
+
+
+def _routing_maps_of(routes_BSLK: torch.Tensor) -> torch.Tensor:
+    """The ``[L, S*B, E]`` routing maps routes ``[B, S, L, K]`` should produce (router order is s, b)."""
+    routes = routes_BSLK.long()
+    maps_BSLE = torch.zeros(*routes.shape[:3], EXPERTS, dtype=torch.bool).scatter_(-1, routes, True)
+    return maps_BSLE.permute(2, 1, 0, 3).reshape(routes.shape[2], -1, EXPERTS)
 
 
 def test_gpt_providers_and_forward_step_with_self_padded_gpt_dataset(data_prefix) -> None:
@@ -205,11 +215,7 @@ def _steps_with_eval(argv: list[str]) -> dict:
             output, loss_fn = forward_step(iter([batch]), model)
             if train_mode:
                 loss_fn(output)[0].backward()
-        routes = batch["routes"].long()
-        expected = torch.zeros(*routes.shape[:3], EXPERTS, dtype=torch.bool).scatter_(
-            -1, routes, True
-        )
-        expected_LTE = expected.permute(2, 1, 0, 3).reshape(NUM_LAYERS, -1, EXPERTS)
+        expected_LTE = _routing_maps_of(batch["routes"])
         return all(torch.equal(c, e) for c, e in zip(chosen, expected_LTE, strict=True)), int(
             (~batch["padding_mask"]).sum()
         )
@@ -240,12 +246,7 @@ def test_keys_metrics_and_replay_across_micro_batches_and_evaluation(data_prefix
     argv = BASE_ARGS + [
         "--data-path",
         data_prefix,
-        "--pack-documents",
-        "--pad-to-seq-len",
-        "--route-replay-mode",
-        "replay",
-        "--route-data-suffix",
-        "_routes",
+        *REPLAY_ARGS,
         "--moe-expert-load-metrics",
         "--log-interval",
         "1",
@@ -266,12 +267,7 @@ def test_route_replay_from_sidecar_reaches_every_moe_layer(data_prefix) -> None:
     argv = BASE_ARGS + [
         "--data-path",
         data_prefix,
-        "--pack-documents",
-        "--pad-to-seq-len",
-        "--route-replay-mode",
-        "replay",
-        "--route-data-suffix",
-        "_routes",
+        *REPLAY_ARGS,
     ]
     for result in run_distributed(_run_providers, 2, argv, ep=2):
         assert result["dataset"] == "RoutedPackedDataset"
