@@ -120,8 +120,9 @@ def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tens
     if binding is not None and binding.mode == "record" and training:
         # Only training packs: evaluation packs index another dataset (the validation split).
         run_state.record_routes(args, binding, key, batch["pack_index"], batch["tokens"].shape)
-    loss_mask = batch["loss_mask"].reshape(output.shape)
-    return output, partial(loss_func, loss_mask)
+    # loss_func flattens both: the per-token loss ([B, S] or THD's [1, B*S]) and the mask share one order.
+    # (On a non-last pipeline stage ``output`` is hidden states, which loss_func never sees.)
+    return output, partial(loss_func, batch["loss_mask"])
 
 
 def log_expert_load(args: Any, iteration: int) -> dict[str, Any] | None:
