@@ -14,26 +14,41 @@ built with Megatron's ``pretrain_cfg_container_from_args``, as the wheel's own e
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 from typing import Any
 
 from megatron_ext.arguments import add_megatron_ext_args
+from megatron_ext.quiet import quiet_warnings
+
+#: What ``--cpu`` implies, put before the user's flags: gloo, and the unfused local equivalents of
+#: Megatron's fused GPU kernels (same math; the fused ones need CUDA, Apex or Transformer Engine).
+CPU_IMPLIED_FLAGS: tuple[str, ...] = (
+    "--distributed-backend", "gloo",
+    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-rope-fusion",
+    "--no-persist-layer-norm", "--no-bias-swiglu-fusion", "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion",
+)  # fmt: skip
 
 
-def parse_arguments(dry_run: bool) -> argparse.Namespace:
+def parse_arguments(dry_run: bool, cpu: bool = False) -> argparse.Namespace:
     """Megatron's ``parse_args`` + ``validate_args`` with megatron_ext's flags.
 
     A dry run skips ``set_global_variables`` (tokenizer files, writers) and, without CUDA, validates
-    against the target GPU's compute capability.
+    against the target GPU's compute capability. ``--cpu`` implies ``--distributed-backend gloo``
+    (an explicit ``nccl`` is refused later, naming the flag) and validates as a dry run does.
     """
     from megatron.training.arguments import parse_and_validate_args, parse_args, validate_args
 
-    if not dry_run:
-        return parse_and_validate_args(extra_args_provider=add_megatron_ext_args)
     from megatron_ext.cpu import assume_device_capability
 
+    if cpu:
+        sys.argv[1:1] = list(CPU_IMPLIED_FLAGS)
+    if not dry_run:
+        with assume_device_capability() if cpu else contextlib.nullcontext():
+            return parse_and_validate_args(extra_args_provider=add_megatron_ext_args)
     args = parse_args(extra_args_provider=add_megatron_ext_args)
     with assume_device_capability():
         validate_args(args)
@@ -87,8 +102,15 @@ def resolved_configuration(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> int:
     """Entry point (``python -m megatron_ext.pretrain_gpt``)."""
-    dry_run = "--dry-run" in sys.argv[1:]
-    args = parse_arguments(dry_run)
+    argv = sys.argv[1:]
+    dry_run, cpu = "--dry-run" in argv, "--cpu" in argv
+    if "--verbose" not in argv:
+        quiet_warnings()
+    if cpu:
+        from megatron_ext.cpu_loop import enable_cpu_training
+
+        enable_cpu_training()
+    args = parse_arguments(dry_run, cpu)
     try:
         resolved = resolved_configuration(args)
     except ValueError as err:
@@ -103,7 +125,7 @@ def main() -> int:
 
 
 def train(args: argparse.Namespace) -> int:
-    """Runs Megatron's training loop with megatron_ext's providers (needs CUDA, like Megatron)."""
+    """Runs Megatron's training loop with megatron_ext's providers (CUDA, or CPU under ``--cpu``)."""
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
@@ -112,8 +134,10 @@ def train(args: argparse.Namespace) -> int:
     from megatron_ext.training.dataset_provider import train_valid_test_datasets_provider
     from megatron_ext.training.forward_step import forward_step
     from megatron_ext.training.model_provider import model_provider
+    from megatron_ext.training.startup import skip_helpers_build_when_prebuilt
 
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    skip_helpers_build_when_prebuilt()
     cfg = pretrain_cfg_container_from_args(args)
     pretrain(
         cfg,

@@ -17,8 +17,31 @@ class EntryConfig:
     (WORLD_SIZE), print the resolved configuration and exit, without initialising distributed
     training or touching a GPU (data files are only checked for existence)."""
 
+    cpu: bool = False
+    """Run the same Megatron training loop on CPU over gloo (try a launch script on a laptop, CI):
+    implies --distributed-backend gloo and patches the loop's CUDA-only calls
+    (megatron_ext.cpu_loop). Needs --transformer-impl local; Transformer Engine, CUDA graphs and
+    NCCL are refused. With --fp8-format/--fp4-format it is a rehearsal: the model computes in
+    fp32/bf16 while expert groups are aligned and checked exactly as the fp8/fp4 run's."""
+
+    verbose: bool = False
+    """Show every warning (missing Apex/Transformer Engine on CPU, CUDA_HOME, deprecations of
+    what was chosen on purpose); by default megatron_ext hides warnings that do not apply."""
+
     def check_megatron_args(self, args: _argparse.Namespace) -> None:
         """Refuses what Megatron's data loader cannot run with megatron_ext's datasets."""
+        if self.cpu:
+            from megatron_ext.training.cpu_args import check_cpu_args
+
+            check_cpu_args(args)
+        if (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1 and getattr(
+            args, "route_replay_mode", "off"
+        ) != "off":
+            raise ValueError(
+                "--route-replay-mode with --virtual-pipeline-model-parallel-size / "
+                "--num-layers-per-virtual-pipeline-stage is not supported yet: replay binds one "
+                "model stage per rank"
+            )
         packs_vary = getattr(args, "pack_documents", False) and not getattr(
             args, "pad_to_seq_len", False
         )

@@ -1,0 +1,56 @@
+"""Hides warnings that do not apply to what the user runs (``--verbose`` shows everything).
+
+Importing Megatron on a machine without Transformer Engine, Apex or CUDA prints a screen of warnings
+that say nothing about the run: the fallbacks they announce are exactly what a CPU run uses. Only those
+known messages are hidden, by exact prefix; every other warning and every error still shows.
+
+Example::
+
+    quiet_warnings()       # first thing in a CLI's main(), unless --verbose
+"""
+
+import logging
+import warnings
+
+#: Warning message prefixes (``warnings.warn``) that never apply to a megatron_ext CPU / GPU run.
+QUIET_WARNINGS: tuple[str, ...] = (
+    "Transformer Engine and Apex are not installed",  # fallbacks to torch: what a CPU run uses
+    "absl.logging is not installed",
+    "Apex is not installed",
+    "Transformer Engine is not installed",
+)
+
+#: Log records (logger name, message prefix) that never apply.
+QUIET_LOGS: tuple[tuple[str, str], ...] = (
+    ("torch.utils.cpp_extension", "No CUDA runtime is found"),  # CPU machine: expected
+)
+
+
+class _PrefixFilter(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(self.prefixes)
+
+
+def quiet_warnings(extra_prefixes: tuple[str, ...] = ()) -> None:
+    """Installs the filters for this process. Idempotent.
+
+    Args:
+        extra_prefixes: More ``warnings.warn`` message prefixes to hide (e.g. the GPTModel deprecation
+            when the user chose GPTModel on purpose).
+    """
+    for prefix in QUIET_WARNINGS + extra_prefixes:
+        warnings.filterwarnings("ignore", message=_regex(prefix))
+    for name, prefix in QUIET_LOGS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _PrefixFilter) for f in logger.filters):
+            logger.addFilter(_PrefixFilter((prefix,)))
+
+
+def _regex(prefix: str) -> str:
+    import re
+
+    return re.escape(prefix)

@@ -1,0 +1,33 @@
+"""Argument-time checks of ``--cpu``: what Megatron's loop cannot run on CPU is refused, naming the flag.
+
+``--cpu`` runs the same ``megatron.training.pretrain`` over gloo with local modules. Transformer Engine
+modules, CUDA graphs and NCCL need a GPU, so they are refused before anything starts rather than failing
+in the middle of model construction.
+"""
+
+import argparse
+
+#: Megatron flags (dest, value that needs a GPU, flag, what to use instead).
+_GPU_ONLY: tuple[tuple[str, object, str, str], ...] = (
+    ("transformer_impl", "transformer_engine", "--transformer-impl transformer_engine",
+     "use --transformer-impl local"),
+    ("distributed_backend", "nccl", "--distributed-backend nccl",
+     "--cpu implies --distributed-backend gloo"),
+    ("tp_comm_overlap", True, "--tp-comm-overlap", "drop it (Transformer Engine userbuffers)"),
+    ("use_te_rng_tracker", True, "--te-rng-tracker", "drop it (Transformer Engine)"),
+    ("use_transformer_engine_op_fuser", True, "--use-transformer-engine-op-fuser", "drop it"),
+    ("enable_cuda_graph", True, "--enable-cuda-graph", "drop it (CUDA graphs)"),
+    ("external_cuda_graph", True, "--external-cuda-graph", "drop it (CUDA graphs)"),
+    ("use_torch_fsdp2", True, "--use-torch-fsdp2", "drop it"),
+    ("use_megatron_fsdp", True, "--use-megatron-fsdp", "drop it"),
+)  # fmt: skip
+
+
+def check_cpu_args(args: argparse.Namespace) -> None:
+    """Raises ``ValueError`` naming the first flag ``--cpu`` cannot run with."""
+    for dest, gpu_value, flag, instead in _GPU_ONLY:
+        if getattr(args, dest, None) == gpu_value:
+            raise ValueError(f"--cpu cannot run {flag}: {instead}")
+    impl = getattr(args, "cuda_graph_impl", "none") or "none"
+    if impl != "none":
+        raise ValueError(f"--cpu cannot run --cuda-graph-impl {impl} (CUDA graphs): drop it")
