@@ -3,11 +3,18 @@
 On a GPU a sync stalls the CPU until the device queue drains; in MoE dispatch that serialises every
 layer. On CPU there is no queue to stall, so we catch the *operations* that would sync on a device:
 
-- value reads at the Python level (``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``, ``bool(t)``,
-  ``int(t)``, ``float(t)``, ``torch.equal``), seen by a ``TorchFunctionMode``;
+- value reads at the Python level (``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``, ``.to("cpu")``,
+  ``np.asarray(t)``, ``str(t)``/``repr(t)``/f-strings, ``bool(t)``, ``int(t)``, ``float(t)``,
+  ``torch.equal``), seen by a ``TorchFunctionMode``;
 - data-dependent output shapes at the ATen level (``nonzero``, ``masked_select``, boolean-mask indexing,
   ``unique``, ``bincount``, ``repeat_interleave`` without ``output_size``, ``_local_scalar_dense``) and copies
   of device memory to host, seen by a ``TorchDispatchMode``.
+
+A boolean-mask *assignment* follows ATen's ``_index_put_impl_``: one bool/uint8 mask on ``self``'s device,
+a one-element host value (a Python scalar) and ``accumulate=False`` dispatch to ``masked_fill_`` with the
+value's ``.item()`` read on the host (``canDispatchToMaskedFill``), so ``x[mask] = 1`` is not a sync. A
+device-tensor value, ``accumulate=True`` or several indices take the ``nonzero`` path: a sync. On CPU every
+tensor stands for a device tensor, so a one-element CPU *tensor* value is reported (write a Python scalar).
 
 With CUDA, ``torch.cuda.set_sync_debug_mode("error")`` is armed as well, which is the ground truth there.
 
@@ -18,7 +25,7 @@ Example::
 """
 
 import contextlib
-import traceback
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,6 +40,9 @@ _FUNCTION_SYNCS: dict[Any, str] = {
     torch.Tensor.tolist: ".tolist()",
     torch.Tensor.numpy: ".numpy()",
     torch.Tensor.cpu: ".cpu()",
+    torch.Tensor.__array__: "np.asarray(tensor)",
+    torch.Tensor.__repr__: "str(tensor)/repr(tensor)",
+    torch.Tensor.__format__: "format(tensor)/f-string",
     torch.Tensor.__bool__: "bool(tensor)",
     torch.Tensor.__int__: "int(tensor)",
     torch.Tensor.__float__: "float(tensor)",
@@ -54,22 +64,32 @@ _DISPATCH_SYNCS: dict[Any, str] = {
 }
 
 
-def _frame() -> str:
-    """The innermost stack frame outside torch and this module, for the report."""
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        path = frame.filename
+def _caller() -> tuple[str, str]:
+    """The innermost frame outside torch and this module: ``(report line, module name)``."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
         if "/torch/" not in path and path != __file__:
-            return f"{path}:{frame.lineno} in {frame.name}"
-    return "<unknown>"
+            where = f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
+            return where, str(frame.f_globals.get("__name__", ""))
+        frame = frame.f_back
+    return "<unknown>", ""
+
+
+def _frame() -> str:
+    """The caller's frame, for the report."""
+    return _caller()[0]
 
 
 class _FunctionSpy(TorchFunctionMode):
-    def __init__(self, events: list[str], depth: list[int]) -> None:
+    def __init__(self, events: list[str], depth: list[int], host_value: list[bool]) -> None:
         super().__init__()
-        self.events, self.depth = events, depth
+        self.events, self.depth, self.host_value = events, depth, host_value
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.__setitem__ and len(args) == 3:
+            return self._setitem(func, args, kwargs)
         name = _FUNCTION_SYNCS.get(func)
         if name is None and func is torch.Tensor.to and _moves_to_host(args, kwargs):
             name = ".to('cpu')"
@@ -82,41 +102,88 @@ class _FunctionSpy(TorchFunctionMode):
         finally:
             self.depth[0] -= 1
 
+    def _setitem(self, func, args, kwargs):
+        """``x[key] = value``: a Python-number value reaches ATen as a host scalar (a wrapped
+        number), which the dispatch level cannot tell from a tensor; note it for the call."""
+        value = args[2]
+        previous = self.host_value[0]
+        self.host_value[0] = isinstance(value, (bool, int, float, complex))
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.host_value[0] = previous
+
 
 class _DispatchSpy(TorchDispatchMode):
-    def __init__(self, events: list[str], depth: list[int]) -> None:
+    def __init__(self, events: list[str], depth: list[int], host_value: list[bool]) -> None:
         super().__init__()
-        self.events, self.depth = events, depth
+        self.events, self.depth, self.host_value = events, depth, host_value
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.depth[0] == 0:
             name = _DISPATCH_SYNCS.get(func)
             if name is None:
-                name = _data_dependent(func, args, kwargs)
+                name = _data_dependent(func, args, kwargs, host_value=self.host_value[0])
             if name is not None:
                 self.events.append(f"{name} at {_frame()}")
         return func(*args, **kwargs)
 
 
 def _moves_to_host(args: tuple, kwargs: dict) -> bool:
-    """``t.to("cpu")`` from a device tensor. A CPU tensor's ``.to("cpu")`` is not flagged: in CPU mode
-    that is Megatron's ``.to(torch.cuda.current_device())``, a device-to-device no-op on a GPU."""
+    """``t.to("cpu")`` / ``t.to(torch.device("cpu"))`` / ``t.to(device="cpu")``.
+
+    On CPU every tensor stands for a device tensor, so a CPU tensor's move to the host is flagged
+    too, with one exception: inside the Megatron modules where CPU mode turns
+    ``torch.cuda.current_device()`` into the string ``"cpu"`` (``megatron_ext.cpu``), a ``.to("cpu")``
+    of a CPU tensor is that device placement, a no-op on a GPU.
+    """
     device = kwargs.get("device")
     for arg in args[1:]:
         if isinstance(arg, (str, torch.device)):
             device = arg
     source = args[0] if args and isinstance(args[0], torch.Tensor) else None
-    return (
-        device is not None
-        and torch.device(device).type == "cpu"
-        and source is not None
-        and source.device.type != "cpu"
+    if device is None or source is None or torch.device(device).type != "cpu":
+        return False
+    if source.device.type != "cpu":
+        return True
+    from megatron_ext.cpu import _CURRENT_DEVICE_USERS  # imports only torch
+
+    placement = isinstance(device, str) and _caller()[1] in _CURRENT_DEVICE_USERS
+    return not placement
+
+
+def _masked_put_syncs(args: tuple, kwargs: dict, host_value: bool) -> bool:
+    """ATen's ``_index_put_impl_``: False where it dispatches to ``masked_fill_`` (no sync).
+
+    ``canDispatchToMaskedFill``: ``accumulate`` is False, the value has one element and lives on
+    the host, and the indices hold exactly one bool/uint8 tensor, on ``self``'s device (the rest
+    ``None``). Anything else with a boolean mask calls ``nonzero`` on the device: a sync.
+    """
+    self_, indices = args[0], (args[1] if len(args) > 1 else kwargs.get("indices", ()))
+    value = args[2] if len(args) > 2 else kwargs.get("values")
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    given = [i for i in indices if i is not None]
+    value_on_host = host_value or (
+        isinstance(value, torch.Tensor)
+        and value.device.type == "cpu"
+        and self_.device.type != "cpu"
     )
+    masked_fill = (
+        not accumulate
+        and isinstance(value, torch.Tensor)
+        and value.numel() == 1
+        and value_on_host
+        and len(given) == 1
+        and given[0].dtype in (torch.bool, torch.uint8)
+        and given[0].device == self_.device
+    )
+    return not masked_fill
 
 
-def _data_dependent(func: Any, args: tuple, kwargs: dict) -> str | None:
-    """Names ATen calls whose sync depends on their arguments."""
+def _data_dependent(func: Any, args: tuple, kwargs: dict, *, host_value: bool) -> str | None:
+    """Names ATen calls whose sync depends on their arguments (``host_value``: the value being
+    assigned came from Python as a number)."""
     packet = func.overloadpacket
     if packet is _aten.repeat_interleave and kwargs.get("output_size") is None:
         if func is _aten.repeat_interleave.Tensor or (
@@ -128,7 +195,8 @@ def _data_dependent(func: Any, args: tuple, kwargs: dict) -> str | None:
         if any(
             isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices
         ):
-            return "boolean-mask indexing"
+            if packet is _aten.index or _masked_put_syncs(args, kwargs, host_value):
+                return "boolean-mask indexing"
     if packet is _aten._to_copy:
         src, device = args[0], kwargs.get("device")
         if device is not None and torch.device(device).type == "cpu" and src.device.type != "cpu":
@@ -143,13 +211,14 @@ def record_host_syncs() -> Iterator[list[str]]:
     """Context manager yielding the list that collects every host sync made inside it."""
     events: list[str] = []
     depth = [0]
+    host_value = [False]
     with contextlib.ExitStack() as stack:
         if torch.cuda.is_available():
             previous = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("error")
             stack.callback(torch.cuda.set_sync_debug_mode, previous)
-        stack.enter_context(_DispatchSpy(events, depth))
-        stack.enter_context(_FunctionSpy(events, depth))
+        stack.enter_context(_DispatchSpy(events, depth, host_value))
+        stack.enter_context(_FunctionSpy(events, depth, host_value))
         yield events
 
 
