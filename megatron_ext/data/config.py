@@ -27,7 +27,8 @@ class PaddingConfig:
 
     pad_to_multiple_of: int | None = None
     """Pad packs to a multiple of this; default derived from the run: 2*CP with context
-    parallelism, TP with sequence parallelism, 16 under fp8 (their lcm)."""
+    parallelism, TP with sequence parallelism, Megatron's fp8/fp4 GEMM alignment (fp8 16, mxfp8
+    32, nvfp4 128) (their lcm)."""
 
     pack_documents: bool = False
     """Train on megatron_ext's PackedDataset (whole documents packed, document boundaries kept)
@@ -84,9 +85,12 @@ class PaddingConfig:
         context_parallel_size: int = 1,
         tensor_parallel_size: int = 1,
         sequence_parallel: bool = False,
-        fp8: bool = False,
+        quantization_align: int = 1,
     ) -> int:
         """The pack-length multiple for this run: the user's value, else the derived one.
+
+        ``quantization_align`` is Megatron's fp8/fp4 GEMM row alignment
+        (:func:`megatron_ext.data.quantization_align.quantization_align_from_args`; 1 in bf16).
 
         Raises:
             ValueError: The user's --pad-to-multiple-of is not a multiple of what the run needs.
@@ -95,7 +99,7 @@ class PaddingConfig:
             context_parallel_size=context_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
             sequence_parallel=sequence_parallel,
-            fp8=fp8,
+            quantization_align=quantization_align,
         )
         if self.pad_to_multiple_of is None:
             return required
@@ -107,8 +111,8 @@ class PaddingConfig:
                 why.append(
                     f"--sequence-parallel with --tensor-model-parallel-size {tensor_parallel_size}"
                 )
-            if fp8:
-                why.append("--fp8-format (needs 16)")
+            if quantization_align > 1:
+                why.append(f"--fp8-format/--fp4-format (the recipe needs {quantization_align})")
             raise ValueError(
                 f"--pad-to-multiple-of {self.pad_to_multiple_of} conflicts with "
                 f"{', '.join(why)}: it must be a multiple of {required}"
@@ -116,12 +120,14 @@ class PaddingConfig:
         return self.pad_to_multiple_of
 
     def check_megatron_args(self, args: argparse.Namespace) -> None:
-        """Checks the padding multiple against Megatron's CP / TP+SP / fp8 and --seq-length."""
+        """Checks the padding multiple against Megatron's CP / TP+SP / fp8/fp4 and --seq-length."""
+        from megatron_ext.data.quantization_align import quantization_align_from_args
+
         multiple = self.pad_multiple(
             context_parallel_size=getattr(args, "context_parallel_size", 1) or 1,
             tensor_parallel_size=getattr(args, "tensor_model_parallel_size", 1) or 1,
             sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
-            fp8=getattr(args, "fp8", None) is not None,
+            quantization_align=quantization_align_from_args(args),
         )
         if not self.pack_documents:
             unused = [
@@ -140,5 +146,5 @@ class PaddingConfig:
         if seq_length is not None and seq_length % multiple:
             raise ValueError(
                 f"--seq-length {seq_length} is not a multiple of the pack-length multiple "
-                f"{multiple} (--pad-to-multiple-of / derived from CP, TP+SP, fp8)"
+                f"{multiple} (--pad-to-multiple-of / derived from CP, TP+SP, fp8/fp4)"
             )

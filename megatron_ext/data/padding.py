@@ -133,23 +133,29 @@ def derive_pad_multiple(
     context_parallel_size: int = 1,
     tensor_parallel_size: int = 1,
     sequence_parallel: bool = False,
-    fp8: bool = False,
+    quantization_align: int = 1,
 ) -> int:
     """Smallest pack-length multiple the run needs.
 
     2*CP (each CP rank takes two load-balanced chunks), TP under sequence parallelism (the
-    sequence is split across TP ranks) and 16 under fp8 (GEMM M dimension); the lcm of those
-    that apply, 1 if none.
+    sequence is split across TP ranks) and ``quantization_align``, the row multiple of the run's
+    fp8/fp4 GEMMs (the pack length is their M dimension): Megatron's ``get_fp8_align_size`` /
+    ``get_fp4_align_size`` (fp8 16, mxfp8 32, nvfp4 128), read by
+    :func:`megatron_ext.data.quantization_align.quantization_align_from_args` so this module
+    never imports megatron; 1 in bf16. The lcm of those that apply, 1 if none.
 
-    Example: ``derive_pad_multiple(context_parallel_size=2, fp8=True) == 16``.
+    Example: ``derive_pad_multiple(context_parallel_size=3, quantization_align=32) == 96``.
+
+    Raises:
+        ValueError: ``quantization_align`` < 1.
     """
-    multiple = 1
+    if quantization_align < 1:
+        raise ValueError(f"quantization alignment must be >= 1, got {quantization_align}")
+    multiple = quantization_align
     if context_parallel_size > 1:
         multiple = math.lcm(multiple, 2 * context_parallel_size)
     if sequence_parallel and tensor_parallel_size > 1:
         multiple = math.lcm(multiple, tensor_parallel_size)
-    if fp8:
-        multiple = math.lcm(multiple, 16)
     return multiple
 
 

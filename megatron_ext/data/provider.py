@@ -7,7 +7,7 @@ Megatron's ``GPTDatasetConfig`` takes (``random_seed``, ``sequence_length``, ``b
 ``tokenizer``, ...); the pair goes straight to Megatron's builder::
 
     padding = configs_from_args(args)[PaddingConfig]
-    multiple = padding.pad_multiple(context_parallel_size=cp, fp8=fp8)
+    multiple = padding.pad_multiple(context_parallel_size=cp, quantization_align=align)
     cls, config = dataset_class_and_config(padding, pad_multiple=multiple, **gpt_kwargs)
     train, valid, test = BlendedMegatronDatasetBuilder(cls, sizes, is_built_on_rank, config).build()
 """

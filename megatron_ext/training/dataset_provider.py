@@ -30,12 +30,14 @@ from megatron_ext.training import run_state
 
 
 def pad_multiple_from_args(args: argparse.Namespace) -> int:
-    """The pack-length multiple for the run (user value checked against CP, TP+SP and fp8)."""
+    """The pack-length multiple for the run (user value checked against CP, TP+SP and fp8/fp4)."""
+    from megatron_ext.data.quantization_align import quantization_align_from_args
+
     return run_state.configs(args)[PaddingConfig].pad_multiple(
         context_parallel_size=args.context_parallel_size,
         tensor_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=bool(args.sequence_parallel),
-        fp8=args.fp8 is not None,
+        quantization_align=quantization_align_from_args(args),
     )
 
 

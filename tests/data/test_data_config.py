@@ -59,7 +59,8 @@ def test_pad_multiple_is_derived_from_the_run() -> None:
     assert cfg.pad_multiple() == 1
     assert cfg.pad_multiple(context_parallel_size=4) == 8
     assert cfg.pad_multiple(tensor_parallel_size=2, sequence_parallel=True) == 2
-    assert cfg.pad_multiple(context_parallel_size=2, fp8=True) == 16
+    assert cfg.pad_multiple(context_parallel_size=2, quantization_align=16) == 16
+    assert cfg.pad_multiple(context_parallel_size=3, quantization_align=128) == 384
     assert PaddingConfig(pad_to_multiple_of=32).pad_multiple(context_parallel_size=2) == 32
 
 
@@ -72,7 +73,7 @@ def test_pad_multiple_is_derived_from_the_run() -> None:
         ),
         (
             ["--pad-to-multiple-of", "8", "--fp8-format", "e4m3"],
-            r"--pad-to-multiple-of 8 conflicts with --fp8-format \(needs 16\)",
+            r"--pad-to-multiple-of 8 conflicts with --fp8-format/--fp4-format \(the recipe needs 16\)",
         ),
         (
             [

@@ -301,15 +301,19 @@ def test_target_length_and_derived_multiple() -> None:
     assert derive_pad_multiple(context_parallel_size=2) == 4
     assert derive_pad_multiple(tensor_parallel_size=4, sequence_parallel=True) == 4
     assert derive_pad_multiple(tensor_parallel_size=4, sequence_parallel=False) == 1
+    assert derive_pad_multiple(quantization_align=32) == 32
+    assert derive_pad_multiple(context_parallel_size=3, quantization_align=32) == 96
     assert (
         derive_pad_multiple(
             context_parallel_size=3,
             tensor_parallel_size=4,
             sequence_parallel=True,
-            fp8=True,
+            quantization_align=16,
         )
         == 48
     )
+    with pytest.raises(ValueError, match="quantization alignment must be >= 1"):
+        derive_pad_multiple(quantization_align=0)
 
 
 @pytest.mark.parametrize(
