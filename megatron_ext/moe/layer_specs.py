@@ -1,10 +1,15 @@
-"""Layer-spec functions that switch Megatron models onto :class:`AlignedMoELayer`.
+"""Layer-spec functions that switch Megatron models onto :class:`AlignedMoELayer` and
+:class:`~megatron_ext.moe.router.PaddedTopKRouter`.
 
 Megatron-Core 0.19 has two MoE model classes: ``GPTModel`` (deprecated in 0.19, used by most runs;
 one layer spec) and ``HybridModel`` (its successor; a ``HybridStack`` spec plus a layer pattern
 such as ``"*E*E"``). Both reach ``MoELayer`` through a ``functools.partial(MoELayer, ...)`` or a
 ``ModuleSpec(module=MoELayer)`` inside the spec; :func:`with_aligned_moe` swaps that for
 ``AlignedMoELayer`` wherever it sits, so it works on any spec, stock or custom.
+:func:`with_padded_router` likewise swaps the ``router`` of every ``MoESubmodules`` for
+``PaddedTopKRouter`` (pads out of the expert-bias counts); megatron_ext's spec functions use it
+by default (``padded_router=True``), and the model provider applies it exactly when
+``--moe-router-enable-expert-bias`` is on.
 
 Example::
 
@@ -21,7 +26,8 @@ from typing import Any
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
 from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
-from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import (
     MoETransformerLayer,
@@ -33,10 +39,15 @@ from megatron_ext.config import MoEAlignmentConfig
 from megatron_ext.moe.grouped_mm_linear import GroupedMMLinear
 from megatron_ext.moe.load_metrics import ExpertLoadMetrics
 from megatron_ext.moe.moe_layer import AlignedMoELayer
+from megatron_ext.moe.router import PaddedTopKRouter
 
 
 def with_aligned_moe(
-    spec: Any, alignment: MoEAlignmentConfig, load_metrics: ExpertLoadMetrics | None = None
+    spec: Any,
+    alignment: MoEAlignmentConfig,
+    load_metrics: ExpertLoadMetrics | None = None,
+    *,
+    padded_router: bool = True,
 ) -> Any:
     """Returns a copy of ``spec`` with every ``MoELayer`` replaced by ``AlignedMoELayer``.
 
@@ -44,6 +55,9 @@ def with_aligned_moe(
         spec: A layer spec, block spec or stack spec (``ModuleSpec``, partial or dataclass).
         alignment: megatron_ext's MoE config.
         load_metrics: Optional tracker every MoE layer records into.
+        padded_router: Also swap Megatron's ``TopKRouter`` for :class:`PaddedTopKRouter`
+            (:func:`with_padded_router`; needed with expert bias and a padding mask, the same
+            as ``TopKRouter`` otherwise).
 
     Raises:
         ValueError: ``spec`` contains no ``MoELayer`` (nothing would be aligned).
@@ -52,7 +66,84 @@ def with_aligned_moe(
     out = _swap(spec, alignment, load_metrics, found)
     if not found:
         raise ValueError("with_aligned_moe: the spec contains no MoELayer to align")
+    return with_padded_router(out) if padded_router else out
+
+
+def with_padded_router(spec: Any, *, require: str | None = None) -> Any:
+    """Returns ``spec`` with every ``MoESubmodules.router`` that is Megatron's ``TopKRouter``
+    replaced by :class:`PaddedTopKRouter` (pads out of the expert-bias counts).
+
+    Other routers (``InferenceTopKRouter``, a user's own) are kept; parts of the spec without a
+    router are returned as they are (same objects).
+
+    Args:
+        spec: A layer, block or stack spec (``ModuleSpec``, partial, dataclass, list).
+        require: A flag name (e.g. ``"--moe-router-enable-expert-bias"``): then every MoE router
+            of the spec must end up a ``PaddedTopKRouter``, and there must be one.
+
+    Raises:
+        ValueError: ``require`` is given and the spec has no MoE router, or one that would count
+            pads (naming the router class and the flag).
+    """
+    routers: list[type] = []
+    out = _walk_routers(spec, routers, swap=True)
+    if require is not None:
+        if not routers:
+            raise ValueError(f"{require}: the model spec has no MoE layer (no MoESubmodules)")
+        others = sorted({r.__qualname__ for r in routers if not _is_padded(r)})
+        if others:
+            raise ValueError(
+                f"{require}: MoE router {', '.join(others)} would count pads in the expert-bias "
+                "token counts; megatron_ext replaces only Megatron's TopKRouter "
+                "(derive a custom router from megatron_ext.moe.router.PaddedTopKRouter)"
+            )
     return out
+
+
+def moe_routers(spec: Any) -> list[type]:
+    """The router class of every ``MoESubmodules`` in ``spec``, in spec order."""
+    routers: list[type] = []
+    _walk_routers(spec, routers, swap=False)
+    return routers
+
+
+def _is_padded(router: Any) -> bool:
+    return isinstance(router, type) and issubclass(router, PaddedTopKRouter)
+
+
+def _walk_routers(node: Any, routers: list[type], swap: bool) -> Any:
+    """Walks a spec, collecting (and with ``swap`` replacing) routers; returns ``node`` itself
+    where nothing below it changed."""
+    if isinstance(node, MoESubmodules):
+        if swap and node.router is TopKRouter:
+            node = dataclasses.replace(node, router=PaddedTopKRouter)
+        routers.append(node.router)
+        return node
+    if isinstance(node, functools.partial):
+        args = [_walk_routers(a, routers, swap) for a in node.args]
+        keywords = {k: _walk_routers(v, routers, swap) for k, v in node.keywords.items()}
+        unchanged = all(a is b for a, b in zip(args, node.args, strict=True)) and all(
+            keywords[k] is v for k, v in node.keywords.items()
+        )
+        return node if unchanged else functools.partial(node.func, *args, **keywords)
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        changes = {}
+        for f in dataclasses.fields(node):
+            if f.init:
+                value = getattr(node, f.name)
+                new = _walk_routers(value, routers, swap)
+                if new is not value:
+                    changes[f.name] = new
+        return dataclasses.replace(node, **changes) if changes else node
+    if isinstance(node, (list, tuple)):
+        items = [_walk_routers(n, routers, swap) for n in node]
+        if all(a is b for a, b in zip(items, node, strict=True)):
+            return node
+        return type(node)(items)
+    if isinstance(node, dict):
+        values = {k: _walk_routers(v, routers, swap) for k, v in node.items()}
+        return node if all(values[k] is v for k, v in node.items()) else values
+    return node
 
 
 def _swap(node: Any, alignment: Any, load_metrics: Any, found: list[bool]) -> Any:
@@ -108,7 +199,8 @@ def get_aligned_gpt_layer_local_spec(
     grouped_mm: bool = False,
     load_metrics: ExpertLoadMetrics | None = None,
 ) -> ModuleSpec:
-    """``GPTModel`` layer spec from local (non-TE) modules with ``AlignedMoELayer``.
+    """``GPTModel`` layer spec from local (non-TE) modules with ``AlignedMoELayer`` and
+    :class:`PaddedTopKRouter`.
 
     Args:
         alignment: megatron_ext's MoE config.
@@ -150,11 +242,13 @@ def get_local_hybrid_stack_spec(
     alignment: MoEAlignmentConfig | None = None,
     grouped_mm: bool = False,
     load_metrics: ExpertLoadMetrics | None = None,
+    padded_router: bool = True,
 ) -> ModuleSpec:
     """A ``HybridStack`` spec from local modules (attention ``*`` and MoE ``E`` layers).
 
     Megatron's stock ``hybrid_stack_spec`` needs Transformer Engine; this one runs on CPU. With
-    ``alignment`` its MoE layers are ``AlignedMoELayer``; without, Megatron's ``MoELayer``.
+    ``alignment`` its MoE layers are ``AlignedMoELayer``; without, Megatron's ``MoELayer``. Its
+    routers are :class:`PaddedTopKRouter` unless ``padded_router=False``.
     """
     gpt = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
     if grouped_mm:
@@ -178,4 +272,6 @@ def get_local_hybrid_stack_spec(
         module=LocalHybridStack,
         submodules=HybridStackSubmodules(attention_layer=attention, moe_layer=moe),
     )
-    return stack if alignment is None else with_aligned_moe(stack, alignment, load_metrics)
+    if alignment is not None:
+        stack = with_aligned_moe(stack, alignment, load_metrics, padded_router=False)
+    return with_padded_router(stack) if padded_router else stack

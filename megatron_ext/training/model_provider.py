@@ -6,7 +6,10 @@ comes from Megatron's ``gpt_config_from_args`` / ``hybrid_config_from_args`` and
 ``GPTModelBuilder`` / ``HybridModelBuilder``; the only change is the layer spec: Megatron's default spec
 for the run (TE or local, as ``--transformer-impl`` says) with every ``MoELayer`` swapped for
 :class:`~megatron_ext.moe.moe_layer.AlignedMoELayer` when ``--moe-dispatch-align`` or
-``--moe-expert-load-metrics`` is on. Route replay binds to the built model (see :mod:`.run_state`).
+``--moe-expert-load-metrics`` is on, and every ``TopKRouter`` for
+:class:`~megatron_ext.moe.router.PaddedTopKRouter` when ``--moe-router-enable-expert-bias`` is on
+(pads out of the expert-bias counts; Megatron 0.19.2's own count fails on the pad mask). Route
+replay binds to the built model (see :mod:`.run_state`).
 
 Example (inside an initialised Megatron run)::
 
@@ -28,12 +31,19 @@ def uses_aligned_moe(alignment: MoEAlignmentConfig) -> bool:
 
 
 def _aligned(spec: Any, args: argparse.Namespace) -> Any:
-    alignment = run_state.configs(args)[MoEAlignmentConfig]
-    if args.num_experts is None or not uses_aligned_moe(alignment):
+    """``spec`` with megatron_ext's MoE layer and router where the run asks for them."""
+    if args.num_experts is None:
         return spec
-    from megatron_ext.moe.layer_specs import with_aligned_moe
+    from megatron_ext.moe.layer_specs import with_aligned_moe, with_padded_router
 
-    return with_aligned_moe(spec, alignment, run_state.load_metrics(args))
+    alignment = run_state.configs(args)[MoEAlignmentConfig]
+    if uses_aligned_moe(alignment):
+        metrics = run_state.load_metrics(args)
+        spec = with_aligned_moe(spec, alignment, metrics, padded_router=False)
+    # Megatron's own router unless expert bias needs ours (0.19.2's count fails on the pad mask).
+    if args.moe_router_enable_expert_bias:
+        spec = with_padded_router(spec, require="--moe-router-enable-expert-bias")
+    return spec
 
 
 def model_config_from_args(args: argparse.Namespace, config: Any = None) -> Any:
@@ -68,7 +78,9 @@ def _default_hybrid_stack_spec(model_cfg: Any) -> Any:
         return hybrid_stack_spec
     from megatron_ext.moe.layer_specs import get_local_hybrid_stack_spec
 
-    return get_local_hybrid_stack_spec(num_experts=model_cfg.transformer.num_moe_experts)
+    return get_local_hybrid_stack_spec(
+        num_experts=model_cfg.transformer.num_moe_experts, padded_router=False
+    )
 
 
 def model_provider(
