@@ -22,6 +22,9 @@ Example: text ``[a b c]`` (3 real tokens, sequence_length 5, so 6 text slots)::
     this class: tokens [a b c a b]   labels [b c a b c]   loss_mask [1 1 0 0 0]  padding_mask
                                                                    [F F F T T]
 
+Unlike Megatron's, the index cache is keyed by the data's identity (document count and lengths
+fingerprint), and a ``.bin`` whose size differs from what its ``.idx`` indexes is refused.
+
 Megatron's batch-padding sample (``idx=None``) is all pads: ``padding_mask`` all True, loss mask
 all 0, its content self-padded from sample 0 so it does not form one constant-id run.
 """
@@ -36,8 +39,15 @@ from megatron.core.datasets.gpt_dataset import (
     GPTDatasetConfig,
     _get_ltor_masks_and_position_ids,
 )
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.object_storage_utils import is_object_storage_path
 
-from megatron_ext.data.packed_dataset import check_dataset_config
+from megatron_ext.data.indexed_checks import (
+    add_data_identity,
+    check_dataset_config,
+    data_identity,
+    open_indexed,
+)
 from megatron_ext.data.padding import pad_pack
 
 
@@ -82,6 +92,20 @@ class SelfPaddedGPTDataset(GPTDataset):
     """
 
     config: SelfPaddedGPTDatasetConfig
+
+    @staticmethod
+    def build_low_level_dataset(dataset_path: str, config: GPTDatasetConfig) -> IndexedDataset:
+        """Megatron's IndexedDataset, opened after checking the ``.bin`` size against the ``.idx``
+        (a killed writer or a truncated copy is refused naming the file, not read silently)."""
+        if not config.mock and not is_object_storage_path(dataset_path):
+            open_indexed(dataset_path, "--data-path")
+        return GPTDataset.build_low_level_dataset(dataset_path, config)
+
+    def _build_document_sample_shuffle_indices(self) -> tuple[np.ndarray, ...]:
+        # Megatron keys its index cache by the flags only; the sample index depends on the
+        # document lengths, so rewritten data at the same prefix must not reuse it.
+        add_data_identity(self, data_identity(self.dataset))
+        return super()._build_document_sample_shuffle_indices()
 
     def __getitem__(self, idx: int | None) -> dict[str, Any]:
         cfg = self.config

@@ -1,10 +1,18 @@
 """On-disk cache of pack indices, written atomically (pure numpy + os; never imports megatron).
 
 A pack index is a few int64 arrays (:class:`~megatron_ext.data.pack_planning.PackPlan` fields).
-It is saved as one ``.npz`` whose name carries a hash of everything that affects it, written to a
-temporary file in the same directory and then ``os.replace``d into place: a killed writer leaves
+It is saved as one ``.npz`` whose name carries a hash of everything that affects it -- the flags
+*and the data's identity* (document count and a fingerprint of the ``.idx`` sequence lengths, see
+:func:`~megatron_ext.data.safe_files.lengths_fingerprint`), so rewritten data at the same prefix
+gets a new plan, never the old one. The full description is stored inside and compared on load: a
+file whose description differs (copied, or a hash collision) is rebuilt, not reused. The file is
+written to a temporary file in the same directory (mode 0o666 minus the umask, readable by the
+group like Megatron's own caches) and then ``os.replace``d into place: a killed writer leaves
 only a stray ``.tmp`` file, and concurrent writers (all ranks build the same plan from the same
 seed) each publish a complete, identical file.
+
+Checks that read a whole file once (route ids, loss-mask values) leave a small marker keyed by the
+file's identity (:func:`validated` / :func:`mark_validated`), so a restart does not re-read it.
 
 Example::
 
@@ -13,12 +21,18 @@ Example::
                            description="...")
 """
 
+import contextlib
+import hashlib
+import logging
 import os
-import tempfile
 import zipfile
 from collections.abc import Callable
 
 import numpy as np
+
+from megatron_ext.data.safe_files import atomic_write_bytes, create_temp
+
+logger = logging.getLogger(__name__)
 
 
 def cache_path(cache_dir: str, description_hash: str, class_name: str, split: str) -> str:
@@ -28,9 +42,8 @@ def cache_path(cache_dir: str, description_hash: str, class_name: str, split: st
 
 def save_atomically(path: str, arrays: dict[str, np.ndarray], description: str) -> None:
     """Writes ``arrays`` (and a human-readable ``description``) to ``path`` via temp + rename."""
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    _make_cache_dir(path)
+    fd, tmp = _create_temp(path)
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, description=np.array(description), **arrays)
@@ -38,12 +51,40 @@ def save_atomically(path: str, arrays: dict[str, np.ndarray], description: str) 
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
 
 
-def load(path: str, keys: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
+def _make_cache_dir(path: str) -> None:
+    directory = os.path.dirname(path) or "."
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as err:
+        raise ValueError(
+            f"cannot create the index cache directory {directory} ({err.strerror}); point "
+            "--data-cache-path at a writable directory"
+        ) from err
+
+
+def _create_temp(path: str) -> tuple[int, str]:
+    try:
+        return create_temp(path)
+    except OSError as err:
+        raise ValueError(
+            f"cannot write the index cache {path} ({err.strerror}); a read-only data directory "
+            "needs --data-cache-path pointing at a writable directory"
+        ) from err
+
+
+def load(
+    path: str, keys: tuple[str, ...] | None = None, with_description: bool = False
+) -> dict[str, np.ndarray]:
     """Loads a cache file written by :func:`save_atomically` (``keys`` None = all arrays).
+
+    Args:
+        path: The cache file.
+        keys: Arrays the file must hold.
+        with_description: Also return the stored description under ``"description"``.
 
     Raises:
         ValueError: The file is not a readable pack index or lacks one of ``keys``; the message
@@ -51,7 +92,7 @@ def load(path: str, keys: tuple[str, ...] | None = None) -> dict[str, np.ndarray
     """
     try:
         with np.load(path, allow_pickle=False) as npz:
-            arrays = {k: npz[k] for k in npz.files if k != "description"}
+            arrays = {k: npz[k] for k in npz.files if with_description or k != "description"}
     except (zipfile.BadZipFile, OSError, EOFError, ValueError, AttributeError) as err:
         raise ValueError(
             f"pack-index cache {path} is corrupt ({err}); delete it to rebuild"
@@ -77,11 +118,44 @@ def load_or_build(
         keys: Arrays a cached file must hold.
 
     Returns:
-        ``(arrays, cache_hit)``.
+        ``(arrays, cache_hit)``. A cached file whose stored description differs from
+        ``description`` is rebuilt and replaced, never reused.
     """
     if path is not None and os.path.isfile(path):
-        return load(path, keys), True
+        arrays = load(path, keys, with_description=True)
+        stored = str(arrays.pop("description", ""))
+        if stored == description:
+            return arrays, True
+        logger.warning("index cache %s was built for other data or flags; rebuilding it", path)
     arrays = build()
     if path is not None:
         save_atomically(path, arrays, description)
     return arrays, False
+
+
+def _marker_path(cache_dir: str, key: str) -> str:
+    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=16).hexdigest()
+    return os.path.join(cache_dir, f"{digest}-validated.txt")
+
+
+def validated(cache_dir: str | None, key: str) -> bool:
+    """True if :func:`mark_validated` recorded ``key`` (a check's name plus file identities)."""
+    if cache_dir is None:
+        return False
+    try:
+        with open(_marker_path(cache_dir, key), encoding="utf-8") as f:
+            return f.read() == key
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def mark_validated(cache_dir: str | None, key: str) -> None:
+    """Records that the check ``key`` passed (best effort: an unwritable cache only costs time)."""
+    if cache_dir is None:
+        return
+    path = _marker_path(cache_dir, key)
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        atomic_write_bytes(path, key.encode("utf-8"))
+    except OSError as err:
+        logger.warning("could not record validation in %s (%s)", path, err.strerror)

@@ -17,8 +17,6 @@ Built through Megatron's ``BlendedMegatronDatasetBuilder`` exactly like ``GPTDat
 import dataclasses
 import json
 import logging
-import os
-import struct
 from typing import Any
 
 import numpy as np
@@ -29,6 +27,15 @@ from megatron.core.datasets.megatron_dataset import MegatronDataset
 from megatron.core.datasets.utils import Split
 
 from megatron_ext.data import pack_index_cache
+from megatron_ext.data.indexed_checks import (
+    add_data_identity,
+    check_aligned,
+    check_dataset_config,
+    check_values,
+    data_identity,
+    default_cache_dir,
+    open_indexed,
+)
 from megatron_ext.data.pack_planning import plan_packs
 from megatron_ext.data.padding import check_fill, gather_by_src_index, pad_pack, target_length
 
@@ -51,21 +58,6 @@ class Sidecar:
     suffix: str
     width: int = 1
     fill: int = -1
-
-
-def check_dataset_config(config: GPTDatasetConfig) -> None:
-    """ValueErrors for inputs Megatron would accept silently or fail on obscurely."""
-    if config.sequence_length < 1:
-        raise ValueError(f"--seq-length must be >= 1, got {config.sequence_length}")
-    blends = [config.blend] + list(config.blend_per_split or [])
-    for blend in (b for b in blends if b is not None):
-        prefixes, weights = blend
-        if weights is None:
-            continue
-        if any(w < 0 for w in weights):
-            raise ValueError(f"--data-path weights must be >= 0, got {weights} for {prefixes}")
-        if not any(w > 0 for w in weights):
-            raise ValueError(f"--data-path weights are all zero for {prefixes}")
 
 
 @dataclasses.dataclass
@@ -121,35 +113,6 @@ class PackedDatasetConfig(GPTDatasetConfig):
                 raise ValueError(f"sidecar {name!r} width must be >= 1, got {sidecar.width}")
 
 
-def _open_indexed(path_prefix: str, what: str) -> IndexedDataset:
-    """Opens ``path_prefix``.idx/.bin, checking the .bin holds exactly what the .idx indexes.
-
-    Megatron maps the .bin lazily, so a truncated or padded file would otherwise open fine and
-    fail (or read garbage) at some later sample without naming the file.
-    """
-    idx_path, bin_path = path_prefix + ".idx", path_prefix + ".bin"
-    for path in (idx_path, bin_path):
-        if not os.path.isfile(path):
-            raise ValueError(f"{what} file {path} does not exist")
-    try:
-        dataset = IndexedDataset(path_prefix, multimodal=False, mmap=True)
-    except (AssertionError, ValueError, struct.error) as err:
-        raise ValueError(f"{what} {path_prefix}.idx/.bin is corrupt: {err}") from err
-    index = dataset.index
-    expected = 0
-    if index.sequence_lengths.size:
-        last_end = index.sequence_pointers[-1] + index.sequence_lengths[-1] * index.dtype_size
-        expected = int(last_end)
-    actual = os.path.getsize(bin_path)
-    if actual != expected:
-        raise ValueError(
-            f"{what} file {bin_path} has {actual} bytes but {idx_path} indexes {expected} "
-            f"({index.sequence_lengths.size} sequences of {np.dtype(index.dtype).name}): the "
-            "file is truncated or corrupt; rewrite it"
-        )
-    return dataset
-
-
 @dataclasses.dataclass
 class PackedLowLevelDataset:
     """The token IndexedDataset and its aligned sidecars (one sequence = one document)."""
@@ -158,21 +121,8 @@ class PackedLowLevelDataset:
     loss_mask: IndexedDataset | None
     sidecars: dict[str, IndexedDataset]
     path_prefix: str
-
-
-def _check_aligned(tokens: IndexedDataset, side: IndexedDataset, width: int, path: str) -> None:
-    lens, side_lens = tokens.sequence_lengths, side.sequence_lengths
-    if side_lens.shape != lens.shape:
-        raise ValueError(
-            f"sidecar {path} has {side_lens.size} documents, the tokens have {lens.size}"
-        )
-    bad = np.flatnonzero(side_lens != width * lens)
-    if bad.size:
-        d = int(bad[0])
-        raise ValueError(
-            f"sidecar {path} document {d} has {int(side_lens[d])} values, expected "
-            f"{width} x {int(lens[d])} tokens"
-        )
+    identity: str = ""
+    """:func:`~megatron_ext.data.indexed_checks.data_identity` of the tokens (cache key part)."""
 
 
 class PackedDataset(MegatronDataset):
@@ -189,7 +139,8 @@ class PackedDataset(MegatronDataset):
 
     Determinism: document order per epoch comes from ``numpy.random.default_rng((seed, epoch))``
     and the plan from pure numpy, so every rank and run computes the same packs; the index is
-    cached under ``path_to_cache`` (else ``<data dir>/cache/PackedDataset_indices``).
+    cached under ``path_to_cache`` (else ``<data dir>/cache/PackedDataset_indices``), keyed by the
+    flags and the data's identity (document count and lengths fingerprint).
     """
 
     def __init__(
@@ -203,11 +154,20 @@ class PackedDataset(MegatronDataset):
     ) -> None:
         super().__init__(dataset, dataset_path, indices, num_samples, index_split, config)
         self.config: PackedDatasetConfig = config
+        # The plan depends on the document lengths: key the cache (and a blend's) by them too.
+        add_data_identity(self, dataset.identity or data_identity(dataset.tokens))
         self.plan, self.cache_hit = pack_index_cache.load_or_build(
             self._cache_path(), self._build_plan, self.unique_description, _PLAN_KEYS
         )
         counts = json.loads(str(self.plan["counts"]))
         self.stats: dict[str, int] = counts
+        if len(self) == 0 and self.indices.size and num_samples != 0:
+            raise ValueError(
+                f"--data-path {dataset_path}: none of the {self.indices.size} documents of the "
+                f"{index_split.name} split fit a pack ({counts['num_dropped']} longer than "
+                f"--seq-length {config.sequence_length} dropped by --pack-overlong-policy drop, "
+                f"{counts['num_empty']} empty)"
+            )
         if counts["num_split"] or counts["num_truncated"] or counts["num_dropped"]:
             logger.info("%s %s over-long documents: %s", dataset_path, index_split.name, counts)
         self._check_plan()
@@ -220,20 +180,24 @@ class PackedDataset(MegatronDataset):
     def build_low_level_dataset(
         dataset_path: str, config: PackedDatasetConfig
     ) -> PackedLowLevelDataset:
-        tokens = _open_indexed(dataset_path, "--data-path")
+        tokens = open_indexed(dataset_path, "--data-path")
         loss_mask = None
         if config.loss_mask_suffix is not None:
             path = dataset_path + config.loss_mask_suffix
-            loss_mask = _open_indexed(path, "loss-mask sidecar")
-            _check_aligned(tokens, loss_mask, 1, path)
+            loss_mask = open_indexed(path, "loss-mask sidecar")
+            check_aligned(tokens, loss_mask, 1, path)
+            # 0/1 only: other values would silently become loss weights.
+            cache_dir = default_cache_dir(config, dataset_path)
+            check_values(loss_mask, path, (0, 1), "loss-mask sidecar", cache_dir)
         sidecars = {}
         for name, spec in config.sidecars.items():
             path = dataset_path + spec.suffix
-            sidecars[name] = _open_indexed(path, f"{name} sidecar")
-            _check_aligned(tokens, sidecars[name], spec.width, path)
+            sidecars[name] = open_indexed(path, f"{name} sidecar")
+            check_aligned(tokens, sidecars[name], spec.width, path)
             # Refuse a fill the sidecar cannot hold now, not at the first constant pad.
             check_fill(spec.fill, sidecars[name].index.dtype, f"sidecar {name!r} ({path})")
-        return PackedLowLevelDataset(tokens, loss_mask, sidecars, dataset_path)
+        identity = data_identity(tokens)
+        return PackedLowLevelDataset(tokens, loss_mask, sidecars, dataset_path, identity)
 
     @staticmethod
     def _key_config_attributes() -> list[str]:
@@ -244,15 +208,8 @@ class PackedDataset(MegatronDataset):
         ]
 
     def _cache_path(self) -> str | None:
-        cache_dir = self.config.path_to_cache
-        if cache_dir is None:
-            cache_dir = os.path.join(
-                os.path.dirname(self.dataset.path_prefix),
-                "cache",
-                "PackedDataset_indices",
-            )
         return pack_index_cache.cache_path(
-            cache_dir,
+            default_cache_dir(self.config, self.dataset.path_prefix),
             self.unique_description_hash,
             type(self).__name__,
             self.index_split.name,

@@ -1,6 +1,8 @@
 """Tests for megatron_ext.data.gpt_dataset. Tier: Megatron on one rank (real IndexedDataset,
 GPTDataset, BlendedMegatronDatasetBuilder; no process group)."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -148,10 +150,51 @@ def test_blends_with_weights_through_megatrons_builder(prefixes: list[str]) -> N
     "kw, match",
     [
         ({"pad_policy": "zeros"}, "unknown --pad-policy 'zeros'"),
-        ({"weights": [1.0, -2.0]}, "--data-path weights must be >= 0"),
+        ({"weights": [1.0, -2.0]}, "--data-path weights must be finite and >= 0"),
         ({"weights": [0.0, 0.0]}, "--data-path weights are all zero"),
     ],
 )
 def test_bad_inputs(prefixes: list[str], kw: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         build(SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig, prefixes[:2], **kw)
+
+
+def test_rewritten_data_rebuilds_megatrons_index_cache(tmp_path) -> None:
+    # Megatron keys GPTDataset's index cache by the flags; rewritten data at the same prefix
+    # reused the old sample index. SelfPaddedGPTDataset adds the data's identity to the key.
+    prefix, cache = str(tmp_path / "d"), str(tmp_path / "cache")
+    samples = []
+    for docs in ([np.arange(1, 8)], [np.arange(30, 33), np.arange(40, 52)]):
+        write_documents(prefix, docs)
+        train = build(
+            SelfPaddedGPTDataset,
+            SelfPaddedGPTDatasetConfig,
+            [prefix],
+            split="100,0,0",
+            path_to_cache=cache,
+        )[0]
+        real = np.concatenate(docs)
+        for i in range(len(train)):
+            s = train[i]
+            n = int((~s["padding_mask"]).sum())
+            assert set(s["tokens"][:n].tolist()) <= set(real.tolist())
+        samples.append(len(train))
+    assert samples[0] != samples[1]  # the second index was built from the new lengths
+    assert len({f.split("-")[0] for f in os.listdir(cache)}) == 2
+
+
+def test_bin_size_is_checked_on_the_non_packed_path_too(tmp_path) -> None:
+    prefix = str(tmp_path / "cut")
+    write_documents(prefix, [np.arange(1, 9)])
+    with open(prefix + ".bin", "r+b") as f:
+        f.truncate(8)
+    with pytest.raises(ValueError, match=r"--data-path file .*cut\.bin has 8 bytes but"):
+        build(SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig, [prefix], split="100,0,0")
+
+
+@pytest.mark.parametrize("pad_id, match", [(-1, "must be >= 0"), (128, "outside the tokenizer")])
+def test_bad_pad_constant_id_via_the_python_api(prefixes: list[str], pad_id, match) -> None:
+    with pytest.raises(ValueError, match=f"--pad-constant-id .*{match}"):
+        build(
+            SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig, prefixes[:1], pad_constant_id=pad_id
+        )

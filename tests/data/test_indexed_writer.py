@@ -1,6 +1,9 @@
 """Tests for megatron_ext.data.indexed_writer. Tier: Megatron on one rank (IndexedDataset files)."""
 
+import os
+
 import numpy as np
+import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron_ext.data.indexed_writer import write_documents
@@ -20,3 +23,48 @@ def test_round_trip_including_2d_payloads(tmp_path) -> None:
     side = IndexedDataset(str(tmp_path / "r"))
     assert side.sequence_lengths.tolist() == [4, 2] and side[0].dtype == np.int16
     assert side.get(0, offset=2, length=2).tolist() == [3, 4]
+
+
+def test_rewrite_is_atomic_and_an_open_mmap_keeps_the_old_data(tmp_path) -> None:
+    # Rewriting in place truncated the .bin under a job that had it mapped (SIGBUS). Now the
+    # new pair is published by rename: the old inode stays intact for its readers.
+    prefix = str(tmp_path / "t")
+    write_documents(prefix, [np.arange(1000)])
+    old = IndexedDataset(prefix)
+    inode = os.stat(prefix + ".bin").st_ino
+    write_documents(prefix, [np.arange(3)])
+    assert os.stat(prefix + ".bin").st_ino != inode
+    assert old[0].tolist() == list(range(1000))  # no SIGBUS, the old bytes
+    new = IndexedDataset(prefix)  # kept alive: its items are views of its mmap
+    assert new[0].tolist() == [0, 1, 2]
+    assert sorted(os.listdir(tmp_path)) == ["t.bin", "t.idx"]  # no temporaries left
+
+
+def test_a_failed_write_leaves_the_old_pair_and_no_temporaries(tmp_path) -> None:
+    prefix = str(tmp_path / "t")
+    write_documents(prefix, [np.array([7, 8])])
+
+    def docs():
+        yield np.array([1, 2])
+        raise KeyboardInterrupt  # killed midway
+
+    with pytest.raises(KeyboardInterrupt):
+        write_documents(prefix, docs())
+    kept = IndexedDataset(prefix)
+    assert kept[0].tolist() == [7, 8]
+    assert sorted(os.listdir(tmp_path)) == ["t.bin", "t.idx"]
+
+
+@pytest.mark.parametrize(
+    "value, dtype",
+    [(-1, np.uint16), (2**31, np.int32), (2**32, np.int32), (1.5, np.int32), (np.nan, np.int32)],
+)
+def test_values_the_dtype_cannot_hold_are_refused(tmp_path, value, dtype) -> None:
+    with pytest.raises(ValueError, match=r"document 1 value 1 is .* cannot store exactly"):
+        write_documents(str(tmp_path / "t"), [np.array([1]), np.array([2, value])], dtype=dtype)
+    assert os.listdir(tmp_path) == []
+
+
+def test_companion_files_are_published_with_the_pair(tmp_path) -> None:
+    write_documents(str(tmp_path / "r"), [np.array([1])], companions={".h.json": b"{}"})
+    assert sorted(os.listdir(tmp_path)) == ["r.bin", "r.h.json", "r.idx"]

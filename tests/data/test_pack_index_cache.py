@@ -11,7 +11,9 @@ from megatron_ext.data.pack_index_cache import (
     cache_path,
     load,
     load_or_build,
+    mark_validated,
     save_atomically,
+    validated,
 )
 
 
@@ -74,3 +76,36 @@ def test_bad_cache_files_are_named(tmp_path) -> None:
     save_atomically(path, {"a": np.arange(3)}, "d")
     with pytest.raises(ValueError, match=r"lacks \['b'\]"):
         load(path, ("a", "b"))
+
+
+def test_a_cache_built_for_another_description_is_rebuilt_not_reused(tmp_path) -> None:
+    path = str(tmp_path / "h-packs.npz")
+    save_atomically(path, {"a": np.arange(3)}, "data identity 60:abc")
+    arrays, hit = load_or_build(path, lambda: {"a": np.arange(5)}, "data identity 31:def")
+    assert not hit and np.array_equal(arrays["a"], np.arange(5))
+    assert np.array_equal(load(path)["a"], np.arange(5))  # replaced on disk too
+    _, hit = load_or_build(path, lambda: {"a": np.arange(9)}, "data identity 31:def")
+    assert hit
+
+
+def test_cache_files_are_group_readable(tmp_path) -> None:
+    old = os.umask(0o027)
+    try:
+        save_atomically(str(tmp_path / "g-packs.npz"), {"a": np.arange(3)}, "d")
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "g-packs.npz").st_mode & 0o777 == 0o640  # mkstemp gave 0o600
+
+
+def test_validation_markers_are_keyed_by_their_text(tmp_path) -> None:
+    cache = str(tmp_path / "c")
+    assert not validated(cache, "routes ino:1") and not validated(None, "x")
+    mark_validated(cache, "routes ino:1")
+    assert validated(cache, "routes ino:1") and not validated(cache, "routes ino:2")
+    mark_validated(None, "x")  # no cache directory: nothing recorded, nothing raised
+
+
+def test_unwritable_cache_directory_suggests_data_cache_path(tmp_path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="--data-cache-path"):
+        save_atomically(str(tmp_path / "file" / "c" / "p.npz"), {"a": np.arange(1)}, "d")

@@ -295,7 +295,7 @@ def test_sidecar_fill_must_fit_the_sidecar_dtype(corpus: dict, tmp_path) -> None
     "overrides, match",
     [
         ({"sequence_length": 0}, "--seq-length must be >= 1"),
-        ({"blend": (["x", "y"], [1.0, -1.0])}, "--data-path weights must be >= 0"),
+        ({"blend": (["x", "y"], [1.0, -1.0])}, "--data-path weights must be finite and >= 0"),
         ({"blend": (["x", "y"], [0.0, 0.0])}, "--data-path weights are all zero"),
         ({"pad_policy": "zeros"}, "unknown --pad-policy 'zeros'"),
         ({"packing_algorithm": "first_fit"}, "unknown --packing-algorithm"),
@@ -314,3 +314,70 @@ def test_sidecar_fill_must_fit_the_sidecar_dtype(corpus: dict, tmp_path) -> None
 def test_bad_config_values(corpus: dict, overrides: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         make_config(corpus, **overrides)
+
+
+def test_rewritten_data_at_the_same_prefix_never_reuses_the_old_plan(tmp_path) -> None:
+    # An RL loop rewrites rollouts at one prefix and rebuilds with the same flags. The cache name
+    # used to cover flags only: the new data reused the old plan (documents skipped, "documents"
+    # spanning two real ones). The data's identity is now part of the key.
+    prefix, cache = str(tmp_path / "rollouts"), str(tmp_path / "cache")
+    config = make_config(
+        {"root": str(tmp_path)},
+        blend=([prefix], None),
+        split="100,0,0",
+        path_to_cache=cache,
+        loss_mask_suffix=None,
+        sidecars={},
+        packing_algorithm="sequential",
+    )
+    rng = np.random.default_rng(0)
+    for round_ in range(2):
+        docs = [np.full(int(n), round_ + 1) for n in rng.integers(1, SEQ, size=30 + 30 * round_)]
+        write_documents(prefix, docs)
+        train = build(config, (10, 0, 0))[0]
+        assert not train.cache_hit  # round 1 has a new identity: rebuilt, not reused
+        assert set(train.plan["piece_doc_Q"].tolist()) == set(range(len(docs)))  # all trained
+        ends = train.plan["piece_start_Q"] + train.plan["piece_len_Q"]
+        assert (ends == np.array([d.size for d in docs])[train.plan["piece_doc_Q"]]).all()
+        for i in range(len(train)):
+            check_plain_sample(train, docs, i)
+    assert len(os.listdir(cache)) == 2  # two plans, one per data identity
+
+
+def check_plain_sample(ds: PackedDataset, docs: list, idx: int) -> None:
+    off = ds.plan["pack_offsets_P1"]
+    q = slice(off[idx], off[idx + 1])
+    pieces = zip(
+        *(ds.plan[k][q] for k in ("piece_doc_Q", "piece_start_Q", "piece_len_Q")), strict=True
+    )
+    real = np.concatenate([docs[d][st : st + n] for d, st, n in pieces])
+    assert np.array_equal(ds[idx]["tokens"].numpy()[: real.size], real)
+    bounds = ds[idx]["cu_seqlens"].numpy()[: int(ds[idx]["num_segments"]) + 1]
+    piece_ends = np.cumsum(ds.plan["piece_len_Q"][q])
+    assert set(piece_ends.tolist()) <= set(bounds.tolist())  # no segment spans two documents
+
+
+def test_a_dataset_whose_documents_are_all_dropped_is_refused(tmp_path) -> None:
+    prefix = str(tmp_path / "long")
+    write_documents(prefix, [np.ones(SEQ + 5, np.int32), np.ones(SEQ + 1, np.int32)])
+    config = make_config(
+        {"root": str(tmp_path)},
+        blend=([prefix], None),
+        split="100,0,0",
+        loss_mask_suffix=None,
+        sidecars={},
+        pack_overlong_policy="drop",
+    )
+    with pytest.raises(ValueError, match=r"none of the 2 documents of the train split fit a pack"):
+        build(config, (4, 0, 0))
+
+
+def test_loss_mask_values_other_than_0_1_are_refused_naming_document_and_token(tmp_path) -> None:
+    prefix = str(tmp_path / "lm")
+    write_documents(prefix, [np.arange(1, 5), np.arange(1, 4)])
+    write_documents(prefix + "_lm", [np.ones(4), np.array([1, 2, 0])], dtype=np.uint8)
+    config = make_config(
+        {"root": str(tmp_path)}, blend=([prefix], None), split="100,0,0", sidecars={}
+    )
+    with pytest.raises(ValueError, match=r"lm_lm: document 1, token 1 holds 2; only \[0, 1\]"):
+        build(config, (2, 0, 0))

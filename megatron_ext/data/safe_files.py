@@ -1,0 +1,182 @@
+"""Output files that never lose data, and identities of input data (pure os + numpy).
+
+Every file megatron_ext writes (IndexedDataset ``.bin``/``.idx`` pairs, route headers, index
+caches, tool reports) goes to a temporary file in its target directory and is ``os.replace``d into
+place at the end: a killed writer leaves only a stray temporary file, and a job that has the old
+file memory-mapped keeps reading the old inode instead of dying of SIGBUS. Temporary files are
+created with mode ``0o666`` minus the umask (``tempfile.mkstemp`` gives ``0o600``), so caches on a
+shared cluster are readable by the group, as Megatron's own caches are.
+
+Outputs are checked *before* the work: an existing output is refused unless the user says
+``--overwrite``; an output that is (or would overwrite) one of the inputs is always refused; the
+directory must exist, be a directory and be writable. Example::
+
+    check_output_prefix("/d/sft", flag="--output-prefix", inputs=["/d/sft.jsonl"], overwrite=False)
+    # ValueError if /d/sft.bin or /d/sft.idx exists
+
+Identities: :func:`lengths_fingerprint` hashes an index's sequence lengths (what a pack plan or
+a sample index depends on); :func:`file_identity` names one state of a file (inode, size, mtime)
+without reading it.
+"""
+
+import contextlib
+import hashlib
+import os
+import secrets
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+#: The two files of a Megatron IndexedDataset prefix, in the order they are published.
+INDEXED_EXTENSIONS = (".bin", ".idx")
+
+
+def create_temp(path: str) -> tuple[int, str]:
+    """Creates a new, empty temporary file beside ``path`` (mode 0o666 & ~umask).
+
+    Returns:
+        ``(fd, temp_path)``; the caller writes, then :func:`publish` s or unlinks it.
+    """
+    directory, base = os.path.split(os.path.abspath(path))
+    while True:
+        tmp = os.path.join(directory, f".{base}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:  # pragma: no cover - 48 random bits
+            continue
+
+
+def fsync_path(path: str) -> None:
+    """Flushes a closed file's data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(pairs: Iterable[tuple[str, str]]) -> None:
+    """Renames each ``(temp, final)`` in order (``.bin`` before ``.idx``: a reader that sees the
+    new ``.idx`` always finds its ``.bin``; a crash in between is caught by the size check)."""
+    for tmp, final in pairs:
+        os.replace(tmp, final)
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Writes ``data`` to ``path`` through a temporary file and a rename."""
+    fd, tmp = create_temp(path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def temp_paths(finals: list[str]) -> Iterator[list[str]]:
+    """Temporary paths beside ``finals``; whatever is left of them is removed on exit."""
+    temps = []
+    try:
+        for final in finals:
+            fd, tmp = create_temp(final)
+            os.close(fd)
+            temps.append(tmp)
+        yield temps
+    finally:
+        for tmp in temps:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+
+def lengths_fingerprint(lengths: np.ndarray) -> str:
+    """Identity of an index's sequence lengths: ``"<count>:<blake2b of the int64 lengths>"``.
+
+    A plan or sample index built from these lengths is valid exactly for data with the same
+    fingerprint (same document count and lengths), whatever the token values.
+    """
+    lengths = np.ascontiguousarray(lengths, dtype=np.int64)
+    digest = hashlib.blake2b(lengths.tobytes(), digest_size=16).hexdigest()
+    return f"{lengths.size}:{digest}"
+
+
+def file_identity(path: str) -> str:
+    """One state of a file without reading it: ``"inode:size:mtime_ns"`` (changes on rewrite)."""
+    st = os.stat(path)
+    return f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def _same_file(a: str, b: str) -> bool:
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def check_writable_dir(path: str, flag: str) -> None:
+    """Refuses an output under a file or in a directory (or missing directory's first existing
+    ancestor, where it would be created) that is not writable."""
+    directory = os.path.dirname(os.path.abspath(path))
+    probe = directory
+    while not os.path.exists(probe):  # the first existing ancestor decides
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ValueError(f"{flag} {path}: {probe} is a file, not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):  # the directory, or where it would be created
+        raise ValueError(f"{flag} {path}: directory {probe} is not writable")
+
+
+def check_output_file(
+    path: str, *, flag: str, inputs: Iterable[str] = (), overwrite: bool = False
+) -> None:
+    """Refuses writing ``path`` if it exists (without ``overwrite``) or is one of ``inputs``.
+
+    Raises:
+        ValueError: Naming ``flag`` and the file.
+    """
+    if path == "":
+        raise ValueError(f"{flag} must not be empty")
+    for source in inputs:
+        if os.path.exists(source) and _same_file(path, source):
+            raise ValueError(f"{flag} {path} is an input ({source}); writing it would destroy it")
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a directory")
+    if os.path.exists(path) and not overwrite:
+        raise ValueError(f"{flag} {path} already exists; pass --overwrite to replace it")
+    check_writable_dir(path, flag)
+
+
+def check_output_prefix(
+    prefix: str,
+    *,
+    flag: str,
+    inputs: Iterable[str] = (),
+    overwrite: bool = False,
+    extensions: tuple[str, ...] = INDEXED_EXTENSIONS,
+) -> None:
+    """:func:`check_output_file` for every ``prefix + extension`` of an IndexedDataset output.
+
+    ``inputs`` are input files or IndexedDataset prefixes (their ``.bin``/``.idx`` count too).
+    """
+    if prefix == "" or prefix.endswith(os.sep):
+        raise ValueError(f"{flag} {prefix!r} must name a file prefix, not a directory")
+    sources = []
+    for source in inputs:
+        sources += [source] + [source + ext for ext in INDEXED_EXTENSIONS]
+    for ext in extensions:
+        check_output_file(prefix + ext, flag=flag, inputs=sources, overwrite=overwrite)
+
+
+def remove_prefix_files(prefix: str, extensions: tuple[str, ...] = INDEXED_EXTENSIONS) -> list[str]:
+    """Removes ``prefix + ext`` files that exist (stale sidecars of a rewritten prefix)."""
+    removed = []
+    for ext in extensions:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(prefix + ext)
+            removed.append(prefix + ext)
+    return removed
