@@ -144,7 +144,14 @@ def _patch_optimizer() -> None:
 
 def _patch_rng_checkpoint() -> None:
     """``torch.cuda.get_rng_state`` / ``set_rng_state`` in the rerun state machine's state capture and
-    in ``checkpointing.get_rng_state`` / the RNG restore of ``load_checkpoint``: the CPU generator."""
+    in ``checkpointing.get_rng_state`` / the RNG restore of ``load_checkpoint``: the CPU generator.
+
+    With the CUDA RNG mapped onto the CPU generator, ``build_train_valid_test_data_iterators`` (run by
+    ``pretrain`` after ``load_checkpoint`` restored the RNG) would move the generator dropout draws from:
+    each ``DataLoader`` iterator draws its workers' base seed from it. On GPU that draw never reaches the
+    CUDA generator, so a resumed run's dropout masks are those of an uninterrupted run; here the
+    iterators are built with the generator's state put back afterwards, so the same holds on CPU.
+    """
     for name, symbol in (
         ("megatron.core.rerun_state_machine", "RerunStateMachine"),
         ("megatron.training.checkpointing", "get_rng_state"),
@@ -154,6 +161,33 @@ def _patch_rng_checkpoint() -> None:
             get_rng_state=_cpu_rng_state,
             set_rng_state=_set_cpu_rng_state,
         )
+    training = _module_with("megatron.training.training", "build_train_valid_test_data_iterators")
+    original = training.build_train_valid_test_data_iterators
+    if getattr(original, "_megatron_ext_cpu", False):
+        return
+
+    @functools.wraps(original)
+    def build_iterators(*args: Any, **kwargs: Any) -> Any:
+        with torch.random.fork_rng(devices=[]):
+            return original(*args, **kwargs)
+
+    build_iterators._megatron_ext_cpu = True  # type: ignore[attr-defined]
+    training.build_train_valid_test_data_iterators = build_iterators
+
+
+def _patch_checkpoint_dist() -> None:
+    """``torch_dist`` checkpoints: ``FileSystemWriterAsync.preload_tensors`` (every ``torch_dist`` save,
+    sync or async) ends with ``torch.cuda.synchronize()`` after copying the state to the host, and
+    ``state_dict_saver.save_state_dict_async_finalize`` broadcasts its failure flag from a tensor on
+    ``torch.cuda.current_device()``."""
+    for name, symbol in (
+        ("megatron.core.dist_checkpointing.strategies.filesystem_async", "FileSystemWriterAsync"),
+        (
+            "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+            "save_state_dict_async_finalize",
+        ),
+    ):
+        _host_torch(_module_with(name, symbol))
 
 
 def _patch_grad_norm() -> None:
@@ -214,6 +248,7 @@ PATCHES: dict[str, Callable[[], None]] = {
     "timers": _patch_timers,
     "optimizer": _patch_optimizer,
     "rng_checkpoint": _patch_rng_checkpoint,
+    "checkpoint_dist": _patch_checkpoint_dist,
     "grad_norm": _patch_grad_norm,
     "common_utils": _patch_common_utils,
 }
