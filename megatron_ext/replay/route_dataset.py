@@ -5,13 +5,17 @@ holds ``len(d) * L * K`` uint8/uint16 ids, i.e. ``routes_TLK`` of that document 
 plugs into the data blender's per-token sidecar hook
 (:class:`~megatron_ext.data.packed_dataset.Sidecar`), so the packer gathers, splits, truncates
 and self-pads routes with the *same* code path as the tokens (one code path; a document whose
-route count differs from its token count is refused when the dataset is built). On top of that,
-:class:`RoutedPackedDataset` validates each pack's routes (ids, distinct top-k; errors name the
-file, pack, token and layer) and applies the missing-route policy. It is built through
-``BlendedMegatronDatasetBuilder`` and uses the pack cache like ``PackedDataset``.
+route count differs from its token count is refused when the dataset is built). When the dataset
+is built, :class:`RoutedPackedDataset` checks the file's header (L, K, E it was written for,
+:mod:`~megatron_ext.replay.route_file`) and validates every row of the file once, vectorized
+(ids, distinct top-k; errors name the file, document, token and layer), remembering the pass in the
+index cache under the file's identity; a bad route never stops a run mid-training. Samples then
+only get the missing-route policy. It is built through ``BlendedMegatronDatasetBuilder`` and uses
+the pack cache like ``PackedDataset``.
 
 :class:`RouteRecorder` is the way back: routes recorded per pack (record mode) are scattered to
-their documents through the pack plan and written as a route sidecar aligned with the tokens.
+their documents through the pack plan and written (atomically, with the header) as a route
+sidecar aligned with the tokens.
 
 Example::
 
@@ -25,19 +29,42 @@ Legend: S positions of a pack, T tokens of a document, L MoE layers, K top-k, Q 
 """
 
 import dataclasses
+import os
+import warnings
 from typing import Any
 
 import numpy as np
 import torch
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+from megatron_ext.data import pack_index_cache
+from megatron_ext.data.indexed_checks import (
+    CHUNK_VALUES,
+    default_cache_dir,
+    flat_values,
+    locate,
+    open_indexed,
+)
 from megatron_ext.data.indexed_writer import write_documents
-from megatron_ext.data.packed_dataset import PackedDataset, PackedDatasetConfig, Sidecar
+from megatron_ext.data.packed_dataset import (
+    PackedDataset,
+    PackedDatasetConfig,
+    PackedLowLevelDataset,
+    Sidecar,
+)
+from megatron_ext.data.safe_files import check_output_prefix, file_identity
+from megatron_ext.replay.route_file import (
+    HEADER_EXTENSION,
+    check_header,
+    first_invalid_row,
+    header_bytes,
+    read_header,
+)
 from megatron_ext.replay.routes import (
     apply_missing_policy,
     missing_routes,
     missing_value,
     route_dtype,
-    validate_routes,
 )
 
 #: Key of the routes in a sample (and of the sidecar in ``PackedDatasetConfig.sidecars``).
@@ -90,30 +117,33 @@ class RoutedPackedDataset(PackedDataset):
 
     config: RoutedPackedDatasetConfig
 
+    @staticmethod
+    def build_low_level_dataset(
+        dataset_path: str, config: RoutedPackedDatasetConfig
+    ) -> PackedLowLevelDataset:
+        """``PackedDataset``'s, after checking the route file's header, and then every row."""
+        if config.route_suffix is None:
+            return PackedDataset.build_low_level_dataset(dataset_path, config)
+        route_prefix = dataset_path + config.route_suffix
+        _check_route_shape(dataset_path, route_prefix, config)
+        low = PackedDataset.build_low_level_dataset(dataset_path, config)
+        _validate_route_file(low.sidecars[ROUTES_KEY], low.tokens, route_prefix, config)
+        return low
+
     def __getitem__(self, idx: int) -> dict[str, Any]:
         sample = super().__getitem__(idx)
         sample["pack_index"] = torch.tensor(idx, dtype=torch.int64)
         cfg = self.config
         if cfg.route_suffix is None:
             return sample
+        # Every row was validated when the dataset was built (_validate_route_file).
         routes_SLK = sample[ROUTES_KEY].numpy().reshape(-1, cfg.route_num_layers, cfg.route_topk)
-        expected = route_dtype(cfg.route_num_experts, cfg.route_topk)
-        if routes_SLK.dtype != expected:
-            raise ValueError(
-                f"route sidecar {self.dataset.path_prefix}{cfg.route_suffix} stores "
-                f"{routes_SLK.dtype}, expected {expected} for {cfg.route_num_experts} experts"
-            )
-        first_token = int(self.plan["piece_start_Q"][self.plan["pack_offsets_P1"][idx]])
-        validate_routes(
-            routes_SLK,
-            num_layers=cfg.route_num_layers,
-            num_experts=cfg.route_num_experts,
-            topk=cfg.route_topk,
-            name=f"{self.dataset.path_prefix}{cfg.route_suffix} pack {idx} "
-            f"(first piece starts at document token {first_token}); pack position",
-        )
         routes_SLK = apply_missing_policy(  # seed=idx: packs of a micro-batch differ
-            routes_SLK, cfg.route_missing_policy, cfg.route_num_experts, seed=idx
+            routes_SLK,
+            cfg.route_missing_policy,
+            cfg.route_num_experts,
+            seed=idx,
+            src_index_T=sample["src_index"].numpy(),  # a self pad replays its source's fill
         )
         sample[ROUTES_KEY] = torch.from_numpy(np.ascontiguousarray(routes_SLK))
         return sample
@@ -143,6 +173,8 @@ class RouteRecorder:
 
     def __init__(self, doc_lengths: np.ndarray, num_layers: int, topk: int, num_experts: int):
         self.dtype = route_dtype(num_experts, topk)
+        self.docs_shape = (num_layers, topk)
+        self.num_experts = num_experts
         self.docs = [missing_routes(int(n), num_layers, topk, self.dtype) for n in doc_lengths]
         self.recorded_tokens = 0
 
@@ -175,6 +207,130 @@ class RouteRecorder:
             offset += length
         self.recorded_tokens += offset
 
-    def write(self, path_prefix: str) -> int:
-        """Writes ``path_prefix.bin/.idx``; returns the number of documents."""
-        return write_documents(path_prefix, self.docs, dtype=self.dtype.type)
+    def write(self, path_prefix: str, overwrite: bool = False) -> int:
+        """Writes ``path_prefix.bin/.idx`` and its header atomically; returns the number of
+        documents.
+
+        Raises:
+            ValueError: The output exists (without ``overwrite``) or its directory is unusable.
+        """
+        return write_route_sidecar(
+            path_prefix,
+            self.docs,
+            num_layers=self.docs_shape[0],
+            topk=self.docs_shape[1],
+            num_experts=self.num_experts,
+            overwrite=overwrite,
+        )
+
+
+def write_route_sidecar(
+    path_prefix: str,
+    routes_per_doc: list[np.ndarray],
+    *,
+    num_layers: int,
+    topk: int,
+    num_experts: int,
+    overwrite: bool = False,
+    flag: str = "--route-record-path",
+    inputs: tuple[str, ...] = (),
+) -> int:
+    """Writes route documents ``[T, L, K]`` with the header (L, K, E) beside them, atomically.
+
+    Raises:
+        ValueError: An existing output without ``overwrite``, an output equal to one of
+            ``inputs``, or a route buffer of another shape / dtype.
+    """
+    dtype = route_dtype(num_experts, topk)
+    exts = (".bin", ".idx", HEADER_EXTENSION)
+    check_output_prefix(path_prefix, flag=flag, inputs=inputs, overwrite=overwrite, extensions=exts)
+    for d, routes in enumerate(routes_per_doc):
+        if routes.ndim != 3 or routes.shape[1:] != (num_layers, topk) or routes.dtype != dtype:
+            raise ValueError(
+                f"route document {d} is {routes.dtype} {routes.shape}, expected {dtype} "
+                f"[T, {num_layers}, {topk}]"
+            )
+    lengths = np.array([r.shape[0] for r in routes_per_doc], dtype=np.int64)
+    header = header_bytes(
+        num_layers=num_layers, topk=topk, num_experts=num_experts, dtype=dtype, lengths_D=lengths
+    )
+    return write_documents(
+        path_prefix, routes_per_doc, dtype=dtype.type, companions={HEADER_EXTENSION: header}
+    )
+
+
+def _check_route_shape(
+    dataset_path: str, route_prefix: str, config: RoutedPackedDatasetConfig
+) -> None:
+    """Refuses a route file written for another L / K / E, in those terms (not as "N values")."""
+    tokens = open_indexed(dataset_path, "--data-path")
+    routes = open_indexed(route_prefix, "routes sidecar")
+    header_path = route_prefix + HEADER_EXTENSION
+    lens, route_lens = tokens.sequence_lengths, routes.sequence_lengths
+    if os.path.isfile(header_path):
+        check_header(
+            read_header(header_path),
+            header_path,
+            num_layers=config.route_num_layers,
+            topk=config.route_topk,
+            num_experts=config.route_num_experts,
+            dtype=routes.index.dtype,
+            num_documents=int(route_lens.size),
+            num_values=int(route_lens.sum()),
+        )
+    else:
+        warnings.warn(
+            f"route file {route_prefix} has no header {header_path}: the MoE layer count, top-k "
+            "and expert count it was written for cannot be checked (only L x K); rewrite it with "
+            "tools/convert_routes.py",
+            stacklevel=2,
+        )
+    width = config.route_num_layers * config.route_topk
+    if route_lens.shape == lens.shape and lens.sum() and (route_lens != width * lens).any():
+        per_token = route_lens[lens > 0] / lens[lens > 0]
+        if (per_token == per_token[0]).all() and float(per_token[0]).is_integer():
+            raise ValueError(
+                f"route file {route_prefix} holds {int(per_token[0])} expert ids per token, the "
+                f"model needs {config.route_num_layers} MoE layers x top-{config.route_topk} = "
+                f"{width}: it was written for another number of MoE layers or top-k"
+            )
+    expected = route_dtype(config.route_num_experts, config.route_topk)
+    if routes.index.dtype != expected:
+        raise ValueError(
+            f"route file {route_prefix} stores {np.dtype(routes.index.dtype).name}, expected "
+            f"{expected.name} for {config.route_num_experts} experts and top-{config.route_topk}"
+        )
+
+
+def _validate_route_file(
+    routes: IndexedDataset,
+    tokens: IndexedDataset,
+    route_prefix: str,
+    config: RoutedPackedDatasetConfig,
+) -> None:
+    """Validates every row of the route file once (chunked, vectorized); remembered by the file's
+    identity in the index cache, so an unchanged file is read once."""
+    num_layers, topk, num_experts = (
+        config.route_num_layers,
+        config.route_topk,
+        config.route_num_experts,
+    )
+    key = (
+        f"routes L={num_layers} K={topk} E={num_experts} {os.path.realpath(route_prefix)} "
+        f"{file_identity(route_prefix + '.bin')}"
+    )
+    cache_dir = default_cache_dir(config, route_prefix)
+    if pack_index_cache.validated(cache_dir, key):
+        return
+    rows_TLK = flat_values(routes, route_prefix).reshape(-1, num_layers, topk)
+    rows_per_chunk = max(CHUNK_VALUES // (num_layers * topk), 1)
+    for start in range(0, rows_TLK.shape[0], rows_per_chunk):
+        bad = first_invalid_row(np.asarray(rows_TLK[start : start + rows_per_chunk]), num_experts)
+        if bad is not None:
+            row, layer, what = bad
+            doc, token = locate(tokens.sequence_lengths, start + row)
+            raise ValueError(
+                f"route file {route_prefix}: document {doc}, token {token}, MoE layer {layer} "
+                f"{what}"
+            )
+    pack_index_cache.mark_validated(cache_dir, key)

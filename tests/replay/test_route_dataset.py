@@ -1,8 +1,8 @@
 """Tier: Megatron on one rank (real IndexedDataset, BlendedMegatronDatasetBuilder, pack cache).
 
 Routes ride the data blender's sidecar hook: packed, split and self-padded by the tokens' own code
-path, validated per pack, missing rows handled by the policy, and recorded routes written back
-document-aligned.
+path, validated once when the dataset is built (header L/K/E, every row), missing rows handled by
+the policy, and recorded routes written back document-aligned with their header.
 """
 
 import os
@@ -12,10 +12,12 @@ import pytest
 from megatron.core.datasets.blended_dataset import BlendedDataset
 
 from megatron_ext.data.indexed_writer import write_documents
+from megatron_ext.data.safe_files import file_identity
 from megatron_ext.replay.route_dataset import (
     RoutedPackedDataset,
     RoutedPackedDatasetConfig,
     RouteRecorder,
+    write_route_sidecar,
 )
 from megatron_ext.replay.routes import (
     fill_missing_balanced,
@@ -46,8 +48,14 @@ def write_corpus(prefix: str, seed: int, num_docs: int = 80) -> list:
     rng = np.random.default_rng(seed)
     docs = [rng.integers(1, 100, size=int(n)) for n in rng.integers(2, 45, size=num_docs)]
     write_documents(prefix, docs)
-    write_documents(prefix + "_routes", [doc_routes(d) for d in docs], dtype=np.uint8)
+    write_routes(prefix + "_routes", [doc_routes(d) for d in docs])
     return docs
+
+
+def write_routes(prefix: str, routes: list, overwrite: bool = True) -> None:
+    write_route_sidecar(
+        prefix, routes, num_layers=LAYERS, topk=TOPK, num_experts=EXPERTS, overwrite=overwrite
+    )
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +145,7 @@ def test_route_and_token_length_mismatch_is_refused(corpus, tmp_path):
     docs = write_corpus(prefix, seed=9, num_docs=10)
     routes = [doc_routes(d) for d in docs]
     routes[4] = routes[4][:-1]
-    write_documents(prefix + "_routes", routes, dtype=np.uint8)
+    write_routes(prefix + "_routes", routes)
     with pytest.raises(ValueError, match=r"_routes document 4 has"):
         build(
             make_config(corpus, blend=([prefix], None), path_to_cache=str(tmp_path / "cache")),
@@ -145,18 +153,81 @@ def test_route_and_token_length_mismatch_is_refused(corpus, tmp_path):
         )
 
 
-def test_bad_route_ids_name_pack_token_and_layer(corpus, tmp_path):
+def test_bad_route_ids_are_refused_at_build_naming_document_token_and_layer(corpus, tmp_path):
+    # Used to be found only when the pack was read (mid-training, naming a pack position).
     prefix = str(tmp_path / "d")
     docs = write_corpus(prefix, seed=5, num_docs=10)
     routes = [doc_routes(d) for d in docs]
-    for r in routes:
-        r[0, 1] = [3, 3]  # duplicate top-k in every document's first token, layer 1
-    write_documents(prefix + "_routes", routes, dtype=np.uint8)
-    ds = build(
-        make_config(corpus, blend=([prefix], None), path_to_cache=str(tmp_path / "cache")), size=5
+    routes[3][2, 1] = [3, 3]  # duplicate top-k: document 3, token 2, layer 1
+    write_routes(prefix + "_routes", routes)
+    config = make_config(corpus, blend=([prefix], None), path_to_cache=str(tmp_path / "cache"))
+    with pytest.raises(
+        ValueError, match=r"d_routes: document 3, token 2, MoE layer 1 has duplicate expert ids"
+    ):
+        build(config, size=5)
+    routes[3][2, 1] = [3, 9]  # id >= E
+    write_routes(prefix + "_routes", routes)
+    with pytest.raises(ValueError, match=r"document 3, token 2, MoE layer 1 has an expert id >= "):
+        build(config, size=5)
+    routes[3][2, 1] = [255, 1]  # a partial missing marker
+    write_routes(prefix + "_routes", routes)
+    with pytest.raises(ValueError, match=r"token 2, MoE layer 1 mixes the missing-row marker"):
+        build(config, size=5)
+
+
+def test_validation_is_cached_by_the_route_files_identity(corpus, tmp_path):
+    prefix, cache = str(tmp_path / "v"), str(tmp_path / "cache")
+    docs = write_corpus(prefix, seed=6, num_docs=10)
+    config = make_config(corpus, blend=([prefix], None), path_to_cache=cache)
+    build(config, size=5)
+    markers = [f for f in os.listdir(cache) if f.endswith("-validated.txt")]
+    assert len(markers) == 1
+    with open(os.path.join(cache, markers[0])) as f:
+        assert file_identity(prefix + "_routes.bin") in f.read()
+    routes = [doc_routes(d) for d in docs]
+    routes[0][0, 0] = [1, 1]
+    write_routes(prefix + "_routes", routes)  # rewritten: a new identity, validated again
+    with pytest.raises(ValueError, match="document 0, token 0, MoE layer 0 has duplicate"):
+        build(config, size=5)
+
+
+@pytest.mark.parametrize(
+    "layers, topk, experts, match",
+    [
+        (4, 1, EXPERTS, r"written for 2 MoE layers x top-2 over 8 experts; the model has 4 MoE"),
+        (LAYERS, TOPK, 16, r"written for 2 MoE layers x top-2 over 8 experts; .* over 16 experts"),
+        (3, TOPK, EXPERTS, r"written for 2 MoE layers x top-2 .* 3 MoE layers x top-2"),
+    ],
+)
+def test_route_file_for_another_model_is_refused_by_its_header(
+    corpus, layers, topk, experts, match
+):
+    # L=2, K=2 and L=4, K=1 both store 4 ids per token: only the header tells them apart.
+    config = make_config(
+        corpus, route_num_layers=layers, route_topk=topk, route_num_experts=experts
     )
-    with pytest.raises(ValueError, match=r"d_routes pack 0 .* token 0, MoE layer 1 has duplicate"):
-        ds[0]
+    with pytest.raises(ValueError, match=match):
+        build(config, size=5)
+
+
+def test_headerless_route_file_warns_and_wrong_width_is_named_in_layers(corpus, tmp_path):
+    prefix = str(tmp_path / "old")
+    write_corpus(prefix, seed=8, num_docs=6)
+    os.remove(prefix + "_routes.routes.json")  # as written before headers existed
+    config = make_config(corpus, blend=([prefix], None), path_to_cache=str(tmp_path / "c"))
+    with pytest.warns(UserWarning, match="has no header"):
+        assert len(build(config, size=5)) == 5
+    three = make_config(
+        corpus, blend=([prefix], None), path_to_cache=str(tmp_path / "c"), route_num_layers=3
+    )
+    with (
+        pytest.warns(UserWarning),
+        pytest.raises(
+            ValueError,
+            match=r"holds 4 expert ids per token, the model needs 3 MoE layers x top-2 = 6",
+        ),
+    ):
+        build(three, size=5)
 
 
 def test_missing_route_file_is_refused(corpus, tmp_path):
@@ -179,6 +250,9 @@ def test_recorder_writes_routes_aligned_with_documents(corpus, tmp_path):
         recorder.add_pack(ds.pack_pieces(i), recorded)
     prefix = str(tmp_path / "recorded")
     assert recorder.write(prefix) == len(corpus["docs"]["a"])
+    assert os.path.isfile(prefix + ".routes.json")  # L, K, E beside the pair
+    with pytest.raises(ValueError, match=r"recorded\.bin already exists"):
+        recorder.write(prefix)  # a second write never replaces a recording silently
     assert recorder.recorded_tokens > 0
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 

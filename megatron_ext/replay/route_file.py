@@ -1,0 +1,143 @@
+"""The route sidecar on disk: its header and whole-file validation (pure numpy, never imports
+megatron).
+
+A route sidecar ``P.bin/.idx`` stores ``routes_TLK`` flattened per document, so its ``.idx`` alone
+cannot tell a file written for L = 2, K = 2 from one for L = 4, K = 1 (both 4 ids per token). The
+header ``P.routes.json`` beside it says what the ids mean::
+
+    {"format": "megatron_ext.routes", "version": 1, "num_layers": 2, "topk": 2,
+     "num_experts": 8, "dtype": "uint8", "num_documents": 3, "num_tokens": 15}
+
+It is written with the pair by ``tools/convert_routes.py`` and ``RouteRecorder`` and checked when
+the dataset is built (:func:`check_header`): a model whose L, K or E differs is refused, naming the
+layers and top-k (alignment with the token documents is checked per document by the dataset). :func:`first_invalid_row` scans a whole file's rows once, vectorized, so a bad
+route stops the run before training, naming the document, token and layer.
+
+Legend: T tokens (rows), L MoE layers, K top-k, E experts.
+"""
+
+import json
+
+import numpy as np
+
+#: Extension of the header file beside ``P.bin`` / ``P.idx``.
+HEADER_EXTENSION = ".routes.json"
+FORMAT = "megatron_ext.routes"
+VERSION = 1
+
+
+def header_bytes(
+    *, num_layers: int, topk: int, num_experts: int, dtype: np.dtype, lengths_D: np.ndarray
+) -> bytes:
+    """The header of a route sidecar whose document d holds ``lengths_D[d]`` tokens."""
+    header = {
+        "format": FORMAT,
+        "version": VERSION,
+        "num_layers": int(num_layers),
+        "topk": int(topk),
+        "num_experts": int(num_experts),
+        "dtype": np.dtype(dtype).name,
+        "num_documents": int(np.asarray(lengths_D).size),
+        "num_tokens": int(np.asarray(lengths_D, dtype=np.int64).sum()),
+    }
+    return (json.dumps(header, indent=1) + "\n").encode("utf-8")
+
+
+def read_header(path: str) -> dict:
+    """Reads and checks the fields of a header file.
+
+    Raises:
+        ValueError: Not JSON, another format, or a missing / non-integer field; names the file.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            header = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"route header {path} is not valid JSON ({err})") from err
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise ValueError(f"route header {path} is not a {FORMAT} header")
+    if header.get("version") != VERSION:
+        raise ValueError(f"route header {path} has version {header.get('version')}, not {VERSION}")
+    for key in ("num_layers", "topk", "num_experts", "num_documents", "num_tokens"):
+        if type(header.get(key)) is not int or header[key] < 0:
+            raise ValueError(f"route header {path}: {key!r} must be a non-negative integer")
+    return header
+
+
+def check_header(
+    header: dict,
+    path: str,
+    *,
+    num_layers: int,
+    topk: int,
+    num_experts: int,
+    dtype: np.dtype,
+    num_documents: int,
+    num_values: int,
+) -> None:
+    """Refuses a route file written for another model or other data.
+
+    Args:
+        header: :func:`read_header` of ``path``.
+        path: For the message.
+        num_layers: L of the model (MoE layers, MTP excluded).
+        topk: K of the model.
+        num_experts: E of the model.
+        dtype: The sidecar's stored dtype (from its ``.idx``).
+        num_documents: Documents of the sidecar's ``.idx``.
+        num_values: Ids the sidecar's ``.idx`` indexes (tokens x L x K).
+    """
+    written = (header["num_layers"], header["topk"], header["num_experts"])
+    if written != (num_layers, topk, num_experts):
+        raise ValueError(
+            f"route file {path} was written for {written[0]} MoE layers x top-{written[1]} over "
+            f"{written[2]} experts; the model has {num_layers} MoE layers x top-{topk} over "
+            f"{num_experts} experts (--num-layers/--moe-layer-freq, --moe-router-topk, "
+            "--num-experts)"
+        )
+    if header.get("dtype") != np.dtype(dtype).name:
+        raise ValueError(
+            f"route file {path} says {header.get('dtype')} but its .idx stores "
+            f"{np.dtype(dtype).name}: the header belongs to another file"
+        )
+    written_values = header["num_tokens"] * num_layers * topk
+    if (header["num_documents"], written_values) != (num_documents, num_values):
+        raise ValueError(
+            f"route file {path} describes {header['num_documents']} documents / "
+            f"{header['num_tokens']} tokens, but its .idx indexes {num_documents} documents / "
+            f"{num_values} ids: the header belongs to another file"
+        )
+
+
+def first_invalid_row(routes_TLK: np.ndarray, num_experts: int) -> tuple[int, int, str] | None:
+    """The first (token, layer) row that is not a valid route, or None.
+
+    A row is valid when it is missing (all K entries equal the dtype's maximum) or holds K
+    distinct ids below ``num_experts``; the rules of
+    :func:`~megatron_ext.replay.routes.validate_routes`, vectorized over a whole chunk.
+
+    Returns:
+        ``(token, layer, what)`` of the first bad row in token-major order.
+    """
+    marker = int(np.iinfo(routes_TLK.dtype).max)
+    is_marker_TLK = routes_TLK == marker
+    missing_TL = is_marker_TLK.all(axis=-1)
+    bad = {}
+    if num_experts <= marker:  # a 256-expert uint8 file uses 255 as an id
+        bad["mixes the missing-row marker with real ids"] = is_marker_TLK.any(-1) & ~missing_TL
+    bad[f"has an expert id >= num_experts ({num_experts})"] = (
+        (routes_TLK >= num_experts) & ~is_marker_TLK
+    ).any(-1) & ~missing_TL
+    sorted_TLK = np.sort(routes_TLK, axis=-1)
+    bad["has duplicate expert ids in its top-k"] = (
+        sorted_TLK[..., 1:] == sorted_TLK[..., :-1]
+    ).any(-1) & ~missing_TL
+    first = None
+    for what, bad_TL in bad.items():
+        flat = np.flatnonzero(bad_TL)
+        if flat.size and (first is None or flat[0] < first[0]):
+            first = (int(flat[0]), what)
+    if first is None:
+        return None
+    token, layer = divmod(first[0], routes_TLK.shape[1])
+    return token, layer, first[1]
