@@ -213,24 +213,42 @@ def balanced_experts(num_slots: int, num_experts: int, phase: float = 0.0) -> np
     return np.concatenate([np.tile(order_E, cycles), order_E[:rem]])
 
 
-def fill_missing_balanced(routes_TLK: np.ndarray, num_experts: int, seed: int = 0) -> np.ndarray:
+def fill_missing_balanced(
+    routes_TLK: np.ndarray,
+    num_experts: int,
+    seed: int = 0,
+    src_index_T: np.ndarray | None = None,
+) -> np.ndarray:
     """Fills every missing row with a distinct top-k, EP-balanced per layer (policy ``balanced``).
 
     Example (E = 8, K = 2, three missing rows at one layer): the 6 slots are 8 // 8 = 0 cycles
     plus 6 evenly spaced experts ``[0 1 2 4 5 6]`` -> rows ``[0 1] [2 4] [5 6]``; at EP = 2 the
     ranks get 3 and 3, at EP = 4 they get 2, 1, 2, 1.
 
+    A padded pack passes its ``src_index_T``: a self pad then replays exactly what its source
+    replays. The fill is made over the rows that hold their own token (``src_index_T[t] == t``)
+    and the constant pads (``-1``), and each copy takes its source's row::
+
+        routes      [ra -- rc | -- -- ]     src_index_T [0 1 2 1 -1]
+        filled      [ra f1 rc | f1 f2 ]     (the pad at 3 copies token 1: f1, not a fill of its own)
+
     Args:
         routes_TLK: Route buffer, possibly with missing rows.
         num_experts: E.
         seed: Differs per pack (e.g. the pack index) so that packs with equally many missing
             rows spread over different experts; 0 gives the example above.
+        src_index_T: Optional, for a padded pack: the row each row holds or copies (-1: none),
+            as :mod:`megatron_ext.data.padding` returns it.
 
     Returns:
         A copy with no missing rows.
+
+    Raises:
+        ValueError: ``src_index_T`` does not fit the buffer or a copy's source is itself a copy.
     """
     routes_TLK = routes_TLK.copy()
-    missing_TL = missing_mask(routes_TLK)
+    own_T = _own_rows(src_index_T, routes_TLK.shape[0])
+    missing_TL = missing_mask(routes_TLK) & own_T[:, None]
     topk = routes_TLK.shape[2]
     for layer in range(routes_TLK.shape[1]):
         rows_M = np.flatnonzero(missing_TL[:, layer])
@@ -239,17 +257,48 @@ def fill_missing_balanced(routes_TLK: np.ndarray, num_experts: int, seed: int = 
         phase = ((layer + seed) * _LAYER_PHASE_STEP) % 1.0
         experts = balanced_experts(rows_M.size * topk, num_experts, phase)
         routes_TLK[rows_M, layer] = experts.reshape(rows_M.size, topk).astype(routes_TLK.dtype)
+    if src_index_T is not None:
+        copies_C = np.flatnonzero(~own_T)
+        routes_TLK[copies_C] = routes_TLK[src_index_T[copies_C]]
     return routes_TLK
 
 
+def _own_rows(src_index_T: np.ndarray | None, num_rows: int) -> np.ndarray:
+    """Rows that hold their own token or copy nothing (all rows without ``src_index_T``)."""
+    if src_index_T is None:
+        return np.ones(num_rows, dtype=bool)
+    src_index_T = np.asarray(src_index_T)
+    if src_index_T.shape != (num_rows,) or not np.issubdtype(src_index_T.dtype, np.integer):
+        raise ValueError(
+            f"src_index has shape {src_index_T.shape} ({src_index_T.dtype}) for {num_rows} route "
+            "rows; expected one integer per row"
+        )
+    if num_rows and (src_index_T.min() < -1 or src_index_T.max() >= num_rows):
+        raise ValueError(f"src_index holds values outside [-1, {num_rows})")
+    own_T = (src_index_T < 0) | (src_index_T == np.arange(num_rows))
+    copies_C = np.flatnonzero(~own_T)
+    bad = copies_C[~own_T[src_index_T[copies_C]]]
+    if bad.size:
+        row = int(bad[0])
+        raise ValueError(
+            f"src_index: row {row} copies row {int(src_index_T[row])}, which is itself a copy"
+        )
+    return own_T
+
+
 def apply_missing_policy(
-    routes_TLK: np.ndarray, policy: str, num_experts: int, seed: int = 0
+    routes_TLK: np.ndarray,
+    policy: str,
+    num_experts: int,
+    seed: int = 0,
+    src_index_T: np.ndarray | None = None,
 ) -> np.ndarray:
     """Applies ``--replay-missing-route-policy`` at data time.
 
-    ``native`` returns the buffer unchanged (rows stay missing; the router decides them in the
-    forward). ``balanced`` fills them with :func:`fill_missing_balanced` (``seed``: the pack
-    or document index, see there).
+    ``native`` returns the buffer unchanged (rows stay missing, a pad's copy of a missing row
+    too; the router decides them in the forward). ``balanced`` fills
+    them with :func:`fill_missing_balanced` (``seed``: the pack or document index;
+    ``src_index_T``: a padded pack's, so a self pad replays its source's fill; see there).
 
     Raises:
         ValueError: An unknown policy.
@@ -257,7 +306,7 @@ def apply_missing_policy(
     if policy == "native":
         return routes_TLK
     if policy == "balanced":
-        return fill_missing_balanced(routes_TLK, num_experts, seed)
+        return fill_missing_balanced(routes_TLK, num_experts, seed, src_index_T)
     raise ValueError(
         f"--replay-missing-route-policy must be one of {MISSING_ROUTE_POLICIES}, got {policy!r}"
     )

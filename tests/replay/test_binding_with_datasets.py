@@ -15,9 +15,11 @@ from tests.replay.replay_model import (
 )
 
 
-def _packed_self_padded_replay(root: str) -> dict:
+def _packed_self_padded_replay(root: str, policy: str = "native") -> dict:
     """Samples of a RoutedPackedDataset (self-padded packs) replayed on the model: every position,
-    pads included, routes to the experts of the sample's routes; pads = their source token's."""
+    pads included, routes to the experts of the sample's routes; pads = their source token's.
+    Under ``balanced`` the rows without a recorded route are filled by the data, a pad copying such
+    a token included: it must replay its source's fill."""
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
@@ -33,6 +35,7 @@ def _packed_self_padded_replay(root: str) -> dict:
         route_num_layers=2,
         route_topk=2,
         route_num_experts=8,
+        route_missing_policy=policy,
     )
     ds = BlendedMegatronDatasetBuilder(
         RoutedPackedDataset, [4, 0, 0], lambda: True, config
@@ -73,7 +76,27 @@ def _packed_self_padded_replay(root: str) -> dict:
             torch.zeros_like(got[pad_rows]).scatter(1, source_routes[pad_rows].long(), True),
         )
     binding.remove()
-    return {"ok": ok, "pads": int(pad_rows.sum())}
+    return {
+        "ok": ok,
+        "pads": int(pad_rows.sum()),
+        "routes": routes,
+        "pad_rows": pad_rows,  # router rows (Megatron's [S, B] order) that are pads with a route
+        "positions": positions,  # router row -> flat [B, S] position
+    }
+
+
+def _both_policies(root: str) -> dict:
+    native = _packed_self_padded_replay(root, "native")
+    balanced = _packed_self_padded_replay(root, "balanced")
+    # Pads whose source token has no recorded route (missing in the native samples): under
+    # balanced they carry a fill, which must be their source's (checked in the replay above).
+    missing_BS = (native["routes"].reshape(-1, 2, 2) == 255).all(-1).any(-1)
+    missing_N = missing_BS[balanced["positions"]]
+    return {
+        "native": native["ok"] and native["pads"] > 0,
+        "balanced": balanced["ok"] and bool((balanced["routes"] != 255).all()),
+        "balanced_pads_of_missing": int((balanced["pad_rows"] & missing_N).sum()),
+    }
 
 
 def test_packed_self_padded_data_replays_pad_routes_of_copied_tokens(tmp_path):
@@ -82,7 +105,8 @@ def test_packed_self_padded_data_replays_pad_routes_of_copied_tokens(tmp_path):
     from megatron_ext.data.indexed_writer import write_documents
 
     rng = np.random.default_rng(0)
-    docs = [rng.integers(1, 100, size=int(n)) for n in rng.integers(3, 20, size=12)]
+    # 10-25 tokens: packs of 32 leave pads that copy a token without a route (measured: 3 of 4)
+    docs = [rng.integers(1, 100, size=int(n)) for n in rng.integers(10, 25, size=12)]
     write_documents(str(tmp_path / "docs"), docs)
     routes = []
     for doc in docs:
@@ -90,10 +114,12 @@ def test_packed_self_padded_data_replays_pad_routes_of_copied_tokens(tmp_path):
             [[[(t + layer + k) % 8 for k in range(2)] for layer in range(2)] for t in doc]
         ).astype(np.uint8)
         r[-1] = 255  # vLLM: the last token has no route -> native
+        r[: len(doc) % 2] = 255  # odd-length documents: the first token has none either
         routes.append(r)
     write_documents(str(tmp_path / "docs_routes"), routes, dtype=np.uint8)
-    (result,) = run_distributed(_packed_self_padded_replay, 1, str(tmp_path))
-    assert result["ok"] and result["pads"] > 0
+    (result,) = run_distributed(_both_policies, 1, str(tmp_path))
+    assert result["native"] and result["balanced"]
+    assert result["balanced_pads_of_missing"] > 0  # the case balanced used to get wrong occurred
 
 
 def _record_sidecar_then_replay(root: str) -> dict:

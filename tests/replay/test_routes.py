@@ -249,6 +249,77 @@ def test_balanced_single_expert_and_everything_on_one_expert():
     assert (filled == 0).all()
 
 
+def test_balanced_pad_replays_its_sources_fill_hand_worked():
+    # routes [ra -- rc | -- --], src_index [0 1 2 1 -1]: rows 1 and 4 are filled (4 slots:
+    # experts (8j) // 4 = 0 2 4 6 -> [0 2] [4 6]); the pad at 3 copies token 1's fill.
+    routes = np.full((5, 1, 2), 255, dtype=np.uint8)
+    routes[0, 0], routes[2, 0] = [3, 5], [7, 1]
+    src_index = np.array([0, 1, 2, 1, -1])
+    filled = fill_missing_balanced(routes, 8, src_index_T=src_index)
+    assert filled[:, 0].tolist() == [[3, 5], [0, 2], [7, 1], [0, 2], [4, 6]]
+    # Without the source index the pad got a fill of its own: [2 4] against its source's [0 1].
+    alone = fill_missing_balanced(routes, 8)
+    assert alone[1, 0].tolist() == [0, 1] and alone[3, 0].tolist() == [2, 4]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    doc_lens=st.lists(st.integers(1, 12), min_size=1, max_size=4),
+    extra=st.integers(0, 30),
+    policy=st.sampled_from(["self", "constant"]),
+    seed=st.integers(0, 10**4),
+)
+def test_balanced_self_pads_replay_exactly_what_their_source_replays(doc_lens, extra, policy, seed):
+    """Real self-token padding (data.padding.pad_pack) of routes with missing rows: after the
+    balanced fill every pad row equals its source row, real rows keep their routes, and the rows
+    filled are exactly the fill of the unpadded pack (one EP-balanced fill, not two)."""
+    from megatron_ext.data.padding import pad_pack
+
+    lens = np.array(doc_lens)
+    tokens = np.arange(1, lens.sum() + 1)
+    routes = _routes(int(lens.sum()), 2, 2, 8, seed=seed)
+    routes[np.cumsum(lens) - 1] = missing_value(routes.dtype)  # vLLM: each document's last token
+    pack = pad_pack(tokens, lens, length=int(lens.sum()) + extra, policy=policy)
+    padded = pad_routes(routes, pack.src_index_S)
+    filled = apply_missing_policy(padded, "balanced", 8, seed, src_index_T=pack.src_index_S)
+    assert not missing_mask(filled).any()
+    copies = pack.src_index_S >= 0
+    assert np.array_equal(filled[copies], filled[pack.src_index_S[copies]])
+    real = np.arange(lens.sum())
+    assert np.array_equal(filled[real][~missing_mask(routes)], routes[~missing_mask(routes)])
+    own = ~copies | (pack.src_index_S == np.arange(pack.src_index_S.size))
+    assert np.array_equal(filled[own], fill_missing_balanced(padded[own], 8, seed))
+
+
+def test_balanced_self_pad_case_occurs_and_the_unindexed_fill_breaks_it():
+    # Non-vacuity for the property above: pads copying a missing row occur, and the fill without
+    # src_index gives those pads experts of their own (the disagreement this fixes).
+    from megatron_ext.data.padding import pad_pack
+
+    lens = np.array([3, 4])
+    routes = _routes(7, 2, 2, 8)
+    routes[[2, 6]] = missing_value(routes.dtype)
+    pack = pad_pack(np.arange(1, 8), lens, length=16, policy="self")  # pads copy 0..6, 0, 1
+    padded = pad_routes(routes, pack.src_index_S)
+    assert pack.src_index_S[[9, 13]].tolist() == [2, 6]  # two pads copy the missing rows
+    assert missing_mask(padded).all(-1).nonzero()[0].tolist() == [2, 6, 9, 13]
+    # Unindexed: 4 rows x 2 slots = one cycle over 8 experts, each row its own pair.
+    unindexed = fill_missing_balanced(padded, 8)
+    assert unindexed[[2, 9], 0].tolist() == [[0, 1], [4, 5]]
+    indexed = fill_missing_balanced(padded, 8, src_index_T=pack.src_index_S)
+    assert np.array_equal(indexed[[9, 13]], indexed[[2, 6]])
+
+
+def test_balanced_fill_refuses_a_bad_src_index():
+    routes = missing_routes(3, 1, 2, np.uint8)
+    with pytest.raises(ValueError, match="src_index has shape"):
+        fill_missing_balanced(routes, 8, src_index_T=np.array([0, 1]))
+    with pytest.raises(ValueError, match="outside"):
+        fill_missing_balanced(routes, 8, src_index_T=np.array([0, 1, 3]))
+    with pytest.raises(ValueError, match="row 2 copies row 1, which is itself a copy"):
+        fill_missing_balanced(routes, 8, src_index_T=np.array([0, 0, 1]))
+
+
 def test_apply_missing_policy():
     routes = missing_routes(2, 1, 2, np.uint8)
     assert apply_missing_policy(routes, "native", 8) is routes
