@@ -1,6 +1,7 @@
 """Tier: gloo ranks (providers on real parsed arguments) and subprocesses (dry runs of the examples).
 
-The training loop itself needs CUDA; everything it calls from megatron_ext is exercised here with
+The providers in isolation (the real loop runs them in test_real_loop.py); everything it calls from
+megatron_ext is exercised here with
 arguments parsed and validated by Megatron 0.19.2's own ``parse_and_validate_args``: the model provider
 (GPTModel and HybridModel, our MoE layer), the datasets provider (our datasets through Megatron's builder)
 and the forward step (pad mask, document masks, replay routes, load metrics), forward and backward.
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_ext.testing import run_distributed
 
@@ -125,7 +127,7 @@ def _run_providers(argv: list[str]) -> dict:
     loader = torch.utils.data.DataLoader(train, batch_size=args.micro_batch_size)
     routing = []
     for module in model.modules():
-        if type(module).__name__ == "TopKRouter":
+        if isinstance(module, TopKRouter):
             module.register_forward_hook(lambda m, i, o: routing.append(o[1].detach()))
     batch = next(iter(loader))
     output, loss_fn = forward_step(iter([batch]), model)
@@ -205,7 +207,7 @@ def _steps_with_eval(argv: list[str]) -> dict:
     rank = torch.distributed.get_rank()
     chosen = []
     for module in model.modules():
-        if type(module).__name__ == "TopKRouter":
+        if isinstance(module, TopKRouter):
             module.register_forward_hook(lambda m, i, o: chosen.append(o[1].detach()))
 
     def run(indices: list[int], train_mode: bool) -> tuple[bool, int]:
@@ -374,7 +376,7 @@ def _record_then_replay(argv: list[str], record_prefix: str) -> dict:
     batch = torch.utils.data.default_collate(samples)
     chosen = []
     for module in model.modules():
-        if type(module).__name__ == "TopKRouter":
+        if isinstance(module, TopKRouter):
             module.register_forward_hook(lambda m, i, o: chosen.append(o[1].detach()))
     forward_step(iter([batch]), model)
     written = run_state.finish_recording(args)
