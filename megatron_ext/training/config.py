@@ -34,6 +34,9 @@ class EntryConfig:
             from megatron_ext.training.cpu_args import check_cpu_args
 
             check_cpu_args(args)
+        from megatron_ext.training.vocab_check import check_vocabulary
+
+        check_vocabulary(args)
         if (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1 and getattr(
             args, "route_replay_mode", "off"
         ) != "off":

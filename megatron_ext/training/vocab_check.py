@@ -1,0 +1,83 @@
+"""Refuses, at argument time, token data whose ids do not fit the model's (padded) vocabulary.
+
+The byte-level tokenizer of ``tools/preprocess_data.py`` ends documents with id 256, so its data needs
+257 ids; with ``--tokenizer-type NullTokenizer --vocab-size 256`` Megatron builds a 256-row embedding
+and the first end-of-document token indexes past it (a crash on GPU, silent garbage nowhere better).
+:func:`check_vocabulary` reads each ``--data-path`` prefix's largest token id (a vectorised scan of the
+memory-mapped ``.bin``, once per launch) and compares it with Megatron's padded vocabulary size.
+
+Example::
+
+    check_vocabulary(args)   # ValueError: --vocab-size 256: /data/corpus.bin holds token id 256 ...
+"""
+
+import argparse
+import os
+import struct
+
+import numpy as np
+
+_MAGIC = b"MMIDIDX\x00\x00"
+_CHUNK = 1 << 26  # ids per scanned slice: bounded memory whatever the corpus size
+
+
+def _token_dtype(idx_path: str) -> np.dtype:
+    """The token dtype recorded in a Megatron ``.idx`` header."""
+    from megatron.core.datasets.indexed_dataset import DType
+
+    with open(idx_path, "rb") as f:
+        header = f.read(len(_MAGIC) + 9)
+    if header[: len(_MAGIC)] != _MAGIC:
+        raise ValueError(f"{idx_path} is not a Megatron IndexedDataset index (bad magic)")
+    (code,) = struct.unpack("<B", header[len(_MAGIC) + 8 :])
+    return np.dtype(DType.dtype_from_code(code))
+
+
+def max_token_id(prefix: str) -> int:
+    """The largest token id in ``prefix.bin`` (-1 when it holds no tokens)."""
+    dtype = _token_dtype(prefix + ".idx")
+    size = os.path.getsize(prefix + ".bin") // dtype.itemsize
+    if size == 0:
+        return -1
+    tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r", shape=(size,))
+    return int(max(tokens[i : i + _CHUNK].max() for i in range(0, size, _CHUNK)))
+
+
+def data_prefixes(args: argparse.Namespace) -> list[str]:
+    """Every token-data prefix of ``--data-path`` / ``--{train,valid,test}-data-path`` (not weights)."""
+    found = []
+    for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        for item in getattr(args, name, None) or []:
+            try:
+                float(item)
+            except ValueError:
+                found.append(item)
+    return found
+
+
+def padded_vocab_size(args: argparse.Namespace) -> int | None:
+    """Megatron's padded vocabulary size: set by its tokenizer, or derived for ``NullTokenizer``."""
+    padded = getattr(args, "padded_vocab_size", None)
+    if padded is None and getattr(args, "tokenizer_type", None) == "NullTokenizer":
+        from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+
+        padded = vocab_size_with_padding(args.vocab_size, args, logging_enabled=False)
+    return padded
+
+
+def check_vocabulary(args: argparse.Namespace) -> None:
+    """Raises ``ValueError`` naming ``--vocab-size`` and the file when a token id does not fit."""
+    vocab = padded_vocab_size(args)
+    if vocab is None or getattr(args, "mock_data", False):
+        return
+    for prefix in data_prefixes(args):
+        if not (os.path.exists(prefix + ".idx") and os.path.exists(prefix + ".bin")):
+            continue  # a missing file is reported by the data checks, naming it
+        largest = max_token_id(prefix)
+        if largest >= vocab:
+            raise ValueError(
+                f"--vocab-size {getattr(args, 'vocab_size', None)} "
+                f"(--tokenizer-type {args.tokenizer_type}): {prefix}.bin holds token id {largest}, "
+                f"but the model's embedding has {vocab} rows; use a vocabulary of at least "
+                f"{largest + 1} ids (the byte-level tokenizer of tools/preprocess_data.py needs 257)"
+            )

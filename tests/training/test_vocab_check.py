@@ -1,0 +1,52 @@
+"""Tier: pure (Megatron's padding rule, real IndexedDataset files): token ids must fit the vocabulary."""
+
+import argparse
+
+import numpy as np
+import pytest
+
+from megatron_ext.data.indexed_writer import write_documents
+from megatron_ext.training.vocab_check import check_vocabulary, max_token_id
+
+
+def _args(prefix: str, vocab: int, divisible_by: int = 128, **extra) -> argparse.Namespace:
+    return argparse.Namespace(
+        tokenizer_type="NullTokenizer", vocab_size=vocab, make_vocab_size_divisible_by=divisible_by,
+        tensor_model_parallel_size=1, rank=0, data_path=["0.5", prefix, "0.5", prefix], **extra,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def byte_prefix(tmp_path) -> str:
+    """Byte-level documents ending with the end-of-document id 256, as tools/preprocess_data.py writes."""
+    prefix = str(tmp_path / "bytes")
+    docs = [np.array([104, 105, 256], dtype=np.int64), np.array([7, 256], dtype=np.int64)]
+    write_documents(prefix, docs, np.uint16)
+    return prefix
+
+
+def test_max_token_id_reads_the_bin(byte_prefix):
+    assert max_token_id(byte_prefix) == 256
+
+
+def test_vocab_256_is_refused_naming_the_flag_and_file(byte_prefix):
+    # 256 is already a multiple of 128: Megatron builds 256 embedding rows, and id 256 overflows.
+    with pytest.raises(ValueError, match=r"--vocab-size 256 .*bytes\.bin holds token id 256"):
+        check_vocabulary(_args(byte_prefix, 256))
+
+
+def test_vocab_257_fits(byte_prefix):
+    check_vocabulary(_args(byte_prefix, 257))  # padded to 384 rows
+
+
+def test_padding_can_make_a_small_vocab_fit(byte_prefix):
+    # 200 ids padded to a multiple of 128 -> 256 rows, still too few; padded to 300 -> fits.
+    with pytest.raises(ValueError, match="256 rows"):
+        check_vocabulary(_args(byte_prefix, 200))
+    check_vocabulary(_args(byte_prefix, 257, divisible_by=300))
+
+
+def test_padded_vocab_size_from_the_tokenizer_wins(byte_prefix):
+    args = _args(byte_prefix, 1000, padded_vocab_size=256)  # what Megatron's tokenizer set
+    with pytest.raises(ValueError, match="256 rows"):
+        check_vocabulary(args)
