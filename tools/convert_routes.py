@@ -15,7 +15,11 @@ Formats (one document per JSONL line, in the order of the token documents):
   safetensors  one file, one tensor [T, L, K] per document, keyed "0".."N-1" (numeric order)
 T - 1 rows get a final missing row; the policy decides it (and tool tokens, pads) at train time
 ('native') or here ('balanced'). Invalid rows (ids out of range, duplicates) raise, or with
---reject-invalid-rows become missing and are counted.
+--reject-invalid-rows become missing and are counted. Every input value is an expert id (the
+payload dtype's maximum too); ids are never rounded or cast, and num_tokens must agree with
+token_ids. The output gets a header PREFIX.routes.json (L, K, E) that the dataset checks; an
+existing output is refused unless --overwrite. Errors are one line (file:line or file and key),
+exit status 2; --debug shows the traceback.
 """
 
 import argparse
@@ -27,15 +31,20 @@ from collections.abc import Iterator
 import numpy as np
 from tqdm import tqdm
 
-from megatron_ext.data.indexed_writer import write_documents
+from megatron_ext.data.safe_files import check_output_prefix
+from megatron_ext.data.tool_errors import add_common_flags, run_tool
 from megatron_ext.replay.rollout_routes import (
     RepairCounts,
+    check_route_array,
     decode_routed_experts,
     read_safetensors,
     repair_document,
     safetensors_documents,
 )
+from megatron_ext.replay.route_file import HEADER_EXTENSION
 from megatron_ext.replay.routes import route_dtype
+
+OUTPUT_EXTENSIONS = (".bin", ".idx", HEADER_EXTENSION)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,33 +71,56 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokens-prefix", help="token IndexedDataset: check document count and lengths against it"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_common_flags(p)
     return p
 
 
-def _num_tokens(record: dict) -> int | None:
+def _num_tokens(record: dict, name: str) -> int | None:
+    """T from ``num_tokens`` and/or ``token_ids``; both given must agree (neither wins)."""
+    count = None
     if "num_tokens" in record:
-        return int(record["num_tokens"])
+        count = record["num_tokens"]
+        if type(count) is not int or count < 0:
+            raise ValueError(f"{name}: num_tokens must be a non-negative integer, got {count!r}")
     if "token_ids" in record:
-        return len(record["token_ids"])
-    return None
+        ids = record["token_ids"]
+        if not isinstance(ids, list):
+            raise ValueError(f"{name}: token_ids must be a list, got {type(ids).__name__}")
+        if count is not None and count != len(ids):
+            raise ValueError(f"{name}: num_tokens {count} disagrees with the {len(ids)} token_ids")
+        count = len(ids)
+    return count
+
+
+def _load_npy(path: str) -> np.ndarray:
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as err:
+        raise ValueError(f"{path}: not a readable .npy of integer ids ({err})") from err
+    if not isinstance(array, np.ndarray):
+        raise ValueError(f"{path}: holds several arrays (.npz), expected one [T, L, K] array")
+    check_route_array(array, path)
+    return array
 
 
 def read_documents(paths: list[str], fmt: str) -> Iterator[tuple[str, np.ndarray, int | None]]:
     """Yields ``(name, rows_TLK, num_tokens or None)`` per document, in order."""
     for path in paths:
-        if not os.path.isfile(path):
-            raise ValueError(f"--input {path} does not exist")
         if fmt == "npy":
-            yield path, np.load(path), None
+            yield path, _load_npy(path), None
         elif fmt == "safetensors":
             for key, array in safetensors_documents(read_safetensors(path), path):
                 yield f"{path}[{key}]", array, None
         else:
-            with open(path, encoding="utf-8") as f:
-                for line_no, line in enumerate(f, start=1):
+            with open(path, "rb") as f:
+                for line_no, raw in enumerate(f, start=1):
+                    name = f"{path}:{line_no}"
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as err:
+                        raise ValueError(f"{name}: not UTF-8 ({err.reason})") from err
                     if not line.strip():
                         continue
-                    name = f"{path}:{line_no}"
                     yield (name, *_decode_line(line, fmt, name))
 
 
@@ -109,22 +141,40 @@ def _decode_line(line: str, fmt: str, name: str) -> tuple[np.ndarray, int | None
         raise ValueError(
             f"{name}: a --format {fmt} record needs a {' or '.join(map(repr, keys))} key"
         )
+    num_tokens = _num_tokens(record, name)
     if fmt == "vllm":
-        return decode_routed_experts(record["routed_experts"]), _num_tokens(record)
-    parts = [decode_routed_experts(record[key]) for key in keys if record.get(key)]
+        return decode_routed_experts(record["routed_experts"], f"{name} routed_experts"), num_tokens
+    parts = [decode_routed_experts(record[key], f"{name} {key}") for key in keys if record.get(key)]
+    shapes = {p.shape[1:] for p in parts}
+    if len(shapes) > 1:
+        raise ValueError(f"{name}: {' and '.join(keys)} have different [layers, topk] {shapes}")
     rows = np.concatenate(parts) if parts else np.zeros((0, 0, 0), dtype=np.int64)
-    return rows, _num_tokens(record)
+    return rows, num_tokens
 
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the conversion; returns the process exit status."""
     args = build_parser().parse_args(argv)
+    if args.num_layers < 1:
+        raise ValueError(f"--num-layers must be >= 1, got {args.num_layers}")
     route_dtype(args.num_experts, args.topk)  # rejects impossible E / K early
+    for path in args.input:
+        if not os.path.isfile(path):
+            raise ValueError(f"--input {path} does not exist")
+    inputs = list(args.input) + ([args.tokens_prefix] if args.tokens_prefix else [])
+    # Before the work: an existing output, or one that is an input, is refused now.
+    check_output_prefix(
+        args.output_prefix,
+        flag="--output-prefix",
+        inputs=inputs,
+        overwrite=args.overwrite,
+        extensions=OUTPUT_EXTENSIONS,
+    )
     token_lengths = None
     if args.tokens_prefix:
-        from megatron.core.datasets.indexed_dataset import IndexedDataset
+        from megatron_ext.data.indexed_checks import open_indexed
 
-        tokens = IndexedDataset(args.tokens_prefix)
+        tokens = open_indexed(args.tokens_prefix, "--tokens-prefix")
         # Copy while ``tokens`` lives: the lengths are a view of its index mmap.
         token_lengths = np.array(tokens.sequence_lengths)
         del tokens
@@ -163,9 +213,20 @@ def main(argv: list[str] | None = None) -> int:
             f"{len(docs)} route documents for {len(token_lengths)} token documents "
             f"in --tokens-prefix {args.tokens_prefix}"
         )
-    write_documents(args.output_prefix, docs, dtype=route_dtype(args.num_experts, args.topk).type)
+    from megatron_ext.replay.route_dataset import write_route_sidecar
+
+    write_route_sidecar(
+        args.output_prefix,
+        docs,
+        num_layers=args.num_layers,
+        topk=args.topk,
+        num_experts=args.num_experts,
+        overwrite=args.overwrite,
+        flag="--output-prefix",
+        inputs=tuple(inputs),
+    )
     print(
-        f"wrote {args.output_prefix}.bin/.idx: {totals.documents} documents, {totals.tokens} "
+        f"wrote {args.output_prefix}.bin/.idx/{HEADER_EXTENSION}: {totals.documents} documents, {totals.tokens} "
         f"tokens; fixed: {totals.appended_rows} T-1 rows appended, {totals.filled_rows} rows "
         f"filled ({args.missing_route_policy}); rejected: {totals.rejected_rows} invalid rows"
     )
@@ -173,4 +234,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

@@ -22,6 +22,7 @@ Legend: T tokens of a document, L MoE layers, K top-k.
 """
 
 import base64
+import binascii
 import dataclasses
 import json
 import struct
@@ -70,35 +71,94 @@ class RepairCounts:
             setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
 
 
-def decode_routed_experts(payload: Any) -> np.ndarray:
-    """Decodes a vLLM / prime-rl ``routed_experts`` value or Megatron's nested lists.
+def decode_routed_experts(payload: Any, name: str = "routed_experts") -> np.ndarray:
+    """Decodes a vLLM / prime-rl ``routed_experts`` value or Megatron's nested lists, exactly.
+
+    Ids are never coerced: fractional, NaN, huge, boolean or string ids, ragged rows and
+    payloads whose bytes do not match their shape are refused.
 
     Args:
-        payload: Nested lists ``[rows][L][K]``, or ``{"data": base64, "shape": [rows, L, K],
-            "dtype": "uint8" | "uint16"}``.
+        payload: Nested lists ``[rows][L][K]`` of integers, or ``{"data": base64, "shape":
+            [rows, L, K], "dtype": "uint8" | "uint16" | ...}``.
+        name: Names the payload in errors (``file:line key``).
 
     Returns:
         ``[rows, L, K]`` array (its own integer dtype).
 
     Raises:
-        ValueError: Bad base64 payload size or rank.
+        ValueError: Any of the above, naming ``name``.
     """
     if isinstance(payload, dict):
-        dtype = np.dtype(_DTYPES[payload.get("dtype", "uint8")])
-        shape = tuple(int(v) for v in payload["shape"])
-        raw = base64.b64decode(payload["data"])
-        if len(raw) != int(np.prod(shape)) * dtype.itemsize:
-            raise ValueError(
-                f"routed_experts: {len(raw)} bytes do not hold shape {shape} of {dtype}"
-            )
-        array = np.frombuffer(raw, dtype=dtype).reshape(shape)
+        array = _decode_base64(payload, name)
+    elif isinstance(payload, list):
+        try:
+            array = np.array(payload)
+        except (ValueError, OverflowError) as err:  # ragged nesting
+            raise ValueError(f"{name}: rows are ragged or not numbers ({err})") from err
+        if array.size == 0:
+            return np.zeros((0, 0, 0), dtype=np.int64)
+        check_route_array(array, name)
     else:
-        array = np.asarray(payload, dtype=np.int64)
+        raise ValueError(f"{name}: expected nested lists or a base64 object, got {payload!r:.40}")
     if array.ndim != 3:
         if array.size == 0:
             return array.reshape(0, 0, 0)
-        raise ValueError(f"routed_experts: expected [tokens, layers, topk], got {array.shape}")
+        raise ValueError(f"{name}: expected [tokens, layers, topk], got {array.shape}")
     return array
+
+
+def check_route_array(array: np.ndarray, name: str) -> None:
+    """Refuses an array that is not ``[T, L, K]`` integer ids (bools, floats, strings, objects).
+
+    Raises:
+        ValueError: Naming ``name``, the dtype and the first offending value.
+    """
+    if array.dtype.kind not in "iu":
+        flat = array.reshape(-1)
+        kind = {"b": "boolean", "U": "string", "S": "string"}.get(
+            array.dtype.kind, "non-integer (or beyond int64)"
+        )
+        example = flat[0] if flat.size else None
+        if array.dtype.kind == "f":
+            with np.errstate(invalid="ignore"):
+                odd = np.flatnonzero(~np.isfinite(flat) | (flat != np.round(flat)))
+            kind = "non-integer" if odd.size else "float (ids must be integers within int64)"
+            example = flat[odd[0]] if odd.size else flat[np.argmax(np.abs(flat))]
+        if isinstance(example, np.generic):
+            example = example.item()
+        raise ValueError(
+            f"{name}: expert ids must be integers, got {kind} values such as {example!r} "
+            "(never rounded or cast)"
+        )
+    if array.ndim != 3:
+        raise ValueError(f"{name}: expected [tokens, layers, topk], got shape {array.shape}")
+
+
+def _decode_base64(payload: dict, name: str) -> np.ndarray:
+    dtype_name = payload.get("dtype", "uint8")
+    if not isinstance(dtype_name, str) or dtype_name not in _DTYPES:
+        raise ValueError(
+            f"{name}: dtype {dtype_name!r} is not an integer route dtype "
+            f"({sorted(k for k in _DTYPES if k.islower())})"
+        )
+    dtype = np.dtype(_DTYPES[dtype_name])
+    shape = payload.get("shape")
+    if (
+        not isinstance(shape, list)
+        or len(shape) != 3
+        or any(type(v) is not int or v < 0 for v in shape)
+    ):
+        raise ValueError(f"{name}: 'shape' must be 3 non-negative integers, got {shape!r:.60}")
+    data = payload.get("data")
+    if not isinstance(data, str):
+        raise ValueError(f"{name}: 'data' must be a base64 string")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise ValueError(f"{name}: 'data' is not valid base64 ({err})") from err
+    if len(raw) != int(np.prod(shape)) * dtype.itemsize:
+        raise ValueError(f"{name}: {len(raw)} bytes do not hold shape {tuple(shape)} of {dtype}")
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
 
 def encode_routed_experts(routes_TLK: np.ndarray) -> dict[str, Any]:
@@ -147,21 +207,20 @@ def repair_document(
     dtype = route_dtype(num_experts, topk)
     if rows_TLK.size == 0:
         rows_TLK = np.zeros((0, num_layers, topk), dtype=np.int64)
+    check_route_array(rows_TLK, name)
     if rows_TLK.shape[1:] != (num_layers, topk):
         raise ValueError(
-            f"{name}: routes are [*, {rows_TLK.shape[1]}, {rows_TLK.shape[2]}], expected "
-            f"{num_layers} MoE layers x top-{topk}"
+            f"{name}: routes have {rows_TLK.shape[1]} MoE layers x top-{rows_TLK.shape[2]}, "
+            f"expected {num_layers} MoE layers x top-{topk} (--num-layers, --topk)"
         )
+    if rows_TLK.dtype == np.uint64 and rows_TLK.size and int(rows_TLK.max()) > 2**63 - 1:
+        raise ValueError(f"{name}: expert id {int(rows_TLK.max())} is beyond int64")
+    # Every input value is an id: the input dtype's maximum (255 in a uint8 payload) is a real
+    # expert at 256 experts, never a "missing" marker. Only the sidecar's own marker is missing.
     wide = rows_TLK.astype(np.int64)
-    was_marker = (
-        (wide == missing_value(np.dtype(rows_TLK.dtype))).all(-1)
-        if (rows_TLK.dtype in (np.uint8, np.uint16))
-        else np.zeros(wide.shape[:2], dtype=bool)
-    )
     bad_TL = ((wide < 0) | (wide >= num_experts)).any(-1)
     sorted_TLK = np.sort(wide, axis=-1)
     bad_TL |= (sorted_TLK[..., 1:] == sorted_TLK[..., :-1]).any(-1)
-    bad_TL &= ~was_marker
     counts = RepairCounts(documents=1)
     if bad_TL.any():
         if not reject_invalid:
@@ -172,7 +231,7 @@ def repair_document(
                 " such rows missing instead"
             )
         counts.rejected_rows = int(bad_TL.sum())
-    routes_TLK = np.where((bad_TL | was_marker)[..., None], missing_value(dtype), wide)
+    routes_TLK = np.where(bad_TL[..., None], missing_value(dtype), wide)
     routes_TLK = routes_TLK.astype(dtype)
     if num_tokens is not None:
         counts.appended_rows = num_tokens - routes_TLK.shape[0]
@@ -188,20 +247,46 @@ def repair_document(
 
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """Reads every tensor of a ``.safetensors`` file (8-byte header size, JSON header, bytes)."""
+    """Reads every tensor of a ``.safetensors`` file (8-byte header size, JSON header, bytes).
+
+    Raises:
+        ValueError: A truncated or corrupt file, naming the file and the tensor's key.
+    """
     with open(path, "rb") as f:
-        (header_size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_size))
-        data = f.read()
+        blob = f.read()
+    if len(blob) < 8:
+        raise ValueError(f"{path}: not a safetensors file (only {len(blob)} bytes)")
+    (header_size,) = struct.unpack("<Q", blob[:8])
+    if header_size > len(blob) - 8:
+        raise ValueError(f"{path}: safetensors header of {header_size} bytes exceeds the file")
+    try:
+        header = json.loads(blob[8 : 8 + header_size])
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: safetensors header is not valid JSON ({err})") from err
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: safetensors header is not a JSON object")
+    data = blob[8 + header_size :]
     tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+            raise ValueError(f"{where} lacks dtype/shape/data_offsets")
         if info["dtype"] not in _DTYPES:
-            raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        start, end = info["data_offsets"]
+            raise ValueError(f"{where} has unsupported dtype {info['dtype']}")
         dtype = np.dtype(_DTYPES[info["dtype"]])
-        tensors[name] = np.frombuffer(data[start:end], dtype=dtype).reshape(info["shape"])
+        offsets, shape = info["data_offsets"], info["shape"]
+        ints = [*offsets, *shape] if isinstance(offsets, list) and isinstance(shape, list) else []
+        if len(offsets) != 2 or not ints or any(type(v) is not int or v < 0 for v in ints):
+            raise ValueError(f"{where}: data_offsets/shape must be non-negative integers")
+        start, end = offsets
+        if not start <= end <= len(data) or end - start != int(np.prod(shape)) * dtype.itemsize:
+            raise ValueError(
+                f"{where}: bytes {start}..{end} do not hold shape {shape} of {dtype} in the "
+                f"{len(data)} data bytes (truncated or corrupt file)"
+            )
+        tensors[name] = np.frombuffer(data[start:end], dtype=dtype).reshape(shape)
     return tensors
 
 

@@ -32,7 +32,10 @@ def random_routes(num_tokens: int, seed: int, num_experts: int = E) -> np.ndarra
 
 
 def run(tmp_path, inputs, fmt, *extra) -> tuple[list, str]:
-    out = str(tmp_path / "routes")
+    n = 0
+    while os.path.exists(tmp_path / f"routes{n}.idx"):  # outputs are never replaced silently
+        n += 1
+    out = str(tmp_path / f"routes{n}")
     argv = [
         "--format",
         fmt,
@@ -198,3 +201,209 @@ def test_uint16_above_256_experts(tmp_path):
     ds = IndexedDataset(out)
     got = np.array(ds[0]).reshape(-1, L, K)
     assert got.dtype == np.uint16 and np.array_equal(got, routes)
+
+
+def run_cli(argv: list[str]) -> tuple[int, str]:
+    """The tool as a user runs it: one line on stderr and exit status 2 for a user error."""
+    import contextlib
+    import io
+
+    from megatron_ext.data.tool_errors import run_tool
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = run_tool(load_tool().main, argv)
+    return rc, err.getvalue()
+
+
+def test_uint8_id_255_is_a_real_expert_at_256_experts_top1(tmp_path, capsys):
+    # 256 experts, top-1: the sidecar is uint16 (route_dtype) and 255 is a real id in a uint8
+    # vLLM payload. It used to be taken as "missing" (and counted nowhere).
+    rows = np.array([[[255]], [[3]]], dtype=np.uint8)  # T - 1 = 2 rows, L = 1, K = 1
+    rec = {"routed_experts": encode_routed_experts(rows), "num_tokens": 3}
+    out = str(tmp_path / "r256")
+    argv = ["--format", "vllm", "--input", write_jsonl(tmp_path / "in.jsonl", [rec])]
+    argv += ["--output-prefix", out, "--num-layers", "1", "--topk", "1", "--num-experts", "256"]
+    assert load_tool().main([*argv, "--no-progress"]) == 0
+    ds = IndexedDataset(out)
+    got = np.array(ds[0]).reshape(-1, 1, 1)
+    assert got.dtype == np.uint16 and got[:2, 0, 0].tolist() == [255, 3]
+    assert missing_mask(got).tolist() == [[False], [False], [True]]  # only the T-1 row
+    assert "1 T-1 rows appended" in capsys.readouterr().out
+
+
+def _bad_input(tmp_path, kind: str, content) -> str:
+    path = tmp_path / f"in.{kind}"
+    if kind == "jsonl":
+        path.write_bytes(content if isinstance(content, bytes) else (content + "\n").encode())
+    elif kind == "npy":
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            np.save(path, content, allow_pickle=True)
+    else:  # safetensors: a valid file, then cut or replaced
+        write_safetensors(str(path), {"0": random_routes(3, seed=1).astype(np.uint8)})
+        data = path.read_bytes()
+        path.write_bytes(content(data))
+    return str(path)
+
+
+ROWS = random_routes(2, seed=0).tolist()  # [2, L, K], valid
+B64 = encode_routed_experts(np.asarray(ROWS, dtype=np.uint8))
+
+
+def _vllm(routes, **extra) -> str:
+    return json.dumps({"routed_experts": routes, "num_tokens": 3, **extra})
+
+
+#: (case, input kind, content, format, extra flags, expected one-line message)
+BAD_INPUTS = [
+    (
+        "fractional id",
+        "jsonl",
+        _vllm([[[1.5, 2]] * L] * 2),
+        "vllm",
+        [],
+        r"in\.jsonl:1 routed_"
+        r"experts: expert ids must be integers, got non-integer values such as 1\.5",
+    ),
+    (
+        "string id",
+        "jsonl",
+        _vllm([[["1", "2"]] * L] * 2),
+        "vllm",
+        [],
+        r":1 routed_experts: .*"
+        "string values",
+    ),
+    ("boolean id", "jsonl", _vllm([[[True, False]] * L] * 2), "vllm", [], "boolean values"),
+    ("NaN id", "jsonl", _vllm([[[float("nan"), 1]] * L] * 2), "vllm", [], "such as nan"),
+    ("1e30 id", "jsonl", _vllm([[[1e30, 1]] * L] * 2), "vllm", [], r"such as 1e\+30"),
+    ("2**64 id", "jsonl", _vllm([[[2**64, 1]] * L] * 2), "vllm", [], "beyond int64"),
+    ("2**63 id", "jsonl", _vllm([[[2**63, 1]] * L] * 2), "vllm", [], "within int64"),
+    ("2**63 ids", "jsonl", _vllm([[[2**63, 2**63 + 1]] * L] * 2), "vllm", [], "is beyond int64"),
+    ("ragged rows", "jsonl", _vllm([[[1, 2]] * L, [[1]] * L]), "vllm", [], ":1 .*ragged"),
+    (
+        "wrong layer count",
+        "jsonl",
+        _vllm([[[1, 2]] * (L - 1)] * 2),
+        "vllm",
+        [],
+        f"have {L - 1} MoE layers x top-2, expected {L} MoE layers x top-2",
+    ),
+    (
+        "num_tokens vs token_ids",
+        "jsonl",
+        _vllm(ROWS, token_ids=[1, 2, 3, 4]),
+        "vllm",
+        [],
+        "num_tokens 3 disagrees with the 4 token_ids",
+    ),
+    (
+        "non-numeric num_tokens",
+        "jsonl",
+        json.dumps({"routed_experts": ROWS, "num_tokens": "3"}),
+        "vllm",
+        [],
+        "num_tokens must be a non-negative integer, got '3'",
+    ),
+    ("bad base64", "jsonl", _vllm({**B64, "data": "@@not base64"}), "vllm", [], "not valid base64"),
+    (
+        "float16 dtype",
+        "jsonl",
+        _vllm({**B64, "dtype": "float16"}),
+        "vllm",
+        [],
+        "dtype 'float16' is not an integer route dtype",
+    ),
+    (
+        "wrong byte count",
+        "jsonl",
+        _vllm({**B64, "shape": [3, L, K]}),
+        "vllm",
+        [],
+        r"bytes do not hold shape \(3, 3, 2\)",
+    ),
+    (
+        "non-integer shape",
+        "jsonl",
+        _vllm({**B64, "shape": ["2", L, K]}),
+        "vllm",
+        [],
+        "'shape' must be 3 non-negative integers",
+    ),
+    ("non-UTF-8 line", "jsonl", b"\xff\xfe{}\n", "vllm", [], r"in\.jsonl:1: not UTF-8"),
+    ("2-D npy", "npy", np.zeros((3, 2), np.uint8), "npy", [], r"got shape \(3, 2\)"),
+    ("object npy", "npy", np.array([[[None]]], dtype=object), "npy", [], "not a readable .npy"),
+    ("corrupt npy", "npy", b"\x93NUMPY garbage", "npy", [], "not a readable .npy"),
+    ("float npy", "npy", np.full((2, L, K), 0.5), "npy", [], "non-integer values such as 0.5"),
+    (
+        "corrupt safetensors",
+        "safetensors",
+        lambda d: b"\x10" + b"\0" * 7 + b"{not json}xxxxxx",
+        "safetensors",
+        [],
+        "safetensors header is not valid JSON",
+    ),
+    (
+        "truncated safetensors",
+        "safetensors",
+        lambda d: d[:-5],
+        "safetensors",
+        [],
+        r"tensor '0': bytes .* \(truncated or corrupt file\)",
+    ),
+    ("tiny safetensors", "safetensors", lambda d: d[:3], "safetensors", [], "only 3 bytes"),
+    (
+        "missing --tokens-prefix",
+        "jsonl",
+        _vllm(ROWS),
+        "vllm",
+        ["--tokens-prefix", "{tmp}/nope"],
+        r"--tokens-prefix file .*nope\.idx does not exist",
+    ),
+    (
+        "output is the tokens",
+        "jsonl",
+        _vllm(ROWS),
+        "vllm",
+        ["--tokens-prefix", "{tmp}/tokens", "--output-prefix", "{tmp}/tokens"],
+        "is an input",
+    ),
+    (
+        "existing output",
+        "jsonl",
+        _vllm(ROWS),
+        "vllm",
+        ["--output-prefix", "{tmp}/tokens"],
+        r"tokens\.bin already exists; pass --overwrite",
+    ),
+    ("--num-layers 0", "jsonl", _vllm(ROWS), "vllm", ["--num-layers", "0"], "--num-layers must"),
+]
+
+
+@pytest.mark.parametrize(
+    "kind, content, fmt, extra, match", [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS]
+)
+def test_bad_inputs_give_one_line_errors(tmp_path, kind, content, fmt, extra, match):
+    write_documents(str(tmp_path / "tokens"), [np.arange(3)])
+    argv = ["--format", fmt, "--input", _bad_input(tmp_path, kind, content), "--no-progress"]
+    argv += ["--output-prefix", str(tmp_path / "out"), "--num-layers", str(L), "--topk", str(K)]
+    argv += ["--num-experts", str(E)] + [a.replace("{tmp}", str(tmp_path)) for a in extra]
+    rc, err = run_cli(argv)
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("error: ") and __import__("re").search(match, err), err
+    assert not os.path.exists(tmp_path / "out.idx")  # nothing half-written
+    with pytest.raises(ValueError, match=match):  # --debug: the exception itself
+        run_cli([*argv, "--debug"])
+
+
+def test_overwrite_replaces_output_and_header(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"routed_experts": ROWS, "num_tokens": 3}])
+    argv = ["--format", "vllm", "--input", src, "--output-prefix", str(tmp_path / "o")]
+    argv += ["--num-layers", str(L), "--topk", str(K), "--num-experts", str(E), "--no-progress"]
+    assert load_tool().main(argv) == 0
+    header = json.loads((tmp_path / "o.routes.json").read_text())
+    assert (header["num_layers"], header["topk"], header["num_experts"]) == (L, K, E)
+    assert run_cli(argv)[0] == 2
+    assert load_tool().main([*argv, "--overwrite"]) == 0
