@@ -4,9 +4,15 @@
         --prompt-key prompt --response-key response --append-eod
     # -> /data/sft.bin/.idx and /data/sft_loss_mask.bin/.idx; train with
     #    --data-path /data/sft --pack-documents --pack-loss-mask-suffix _loss_mask
+
+Outputs are written to temporary files and renamed at the end (a job reading the old files keeps
+them); an existing output prefix is refused unless --overwrite, which also removes a stale
+loss-mask sidecar of the prefix. Token ids are stored exactly (uint16, else int32) or refused.
+Errors are one line (file:line, flag), exit status 2; --debug shows the traceback.
 """
 
 import argparse
+import glob
 import os
 import sys
 
@@ -20,6 +26,8 @@ from megatron_ext.data.jsonl_documents import (
     hf_tokenizer,
     read_documents,
 )
+from megatron_ext.data.safe_files import check_output_prefix, remove_prefix_files
+from megatron_ext.data.tool_errors import add_common_flags, run_tool
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +49,47 @@ def build_parser() -> argparse.ArgumentParser:
         default="_loss_mask",
         help="sidecar PREFIX+SUFFIX written with --prompt-key (default: _loss_mask)",
     )
+    add_common_flags(p)
     return p
+
+
+#: Largest token id an IndexedDataset stores exactly here (int32).
+MAX_TOKEN_ID = 2**31 - 1
+
+
+def _token_dtype(top: int) -> type[np.number]:
+    """uint16 when every id fits, else int32; ids beyond int32 are refused (never wrapped)."""
+    if top > MAX_TOKEN_ID:
+        raise ValueError(f"token id {top} exceeds the largest storable id {MAX_TOKEN_ID} (int32)")
+    return np.uint16 if top < 2**16 else np.int32
+
+
+def check_outputs(args: argparse.Namespace) -> list[str]:
+    """Refuses, before any work, outputs that exist (without --overwrite) or are inputs.
+
+    Returns:
+        The output prefixes (tokens, then the loss-mask sidecar when written).
+    """
+    inputs = [args.input] + ([args.tokenizer_file] if args.tokenizer_file else [])
+    outputs = [args.output_prefix]
+    if args.prompt_key is not None:
+        if not args.loss_mask_suffix:
+            raise ValueError(
+                "--loss-mask-suffix must not be empty: the loss mask would overwrite the tokens"
+            )
+        outputs.append(args.output_prefix + args.loss_mask_suffix)
+    for prefix in outputs:
+        check_output_prefix(prefix, flag="--output-prefix", inputs=inputs, overwrite=args.overwrite)
+    return outputs
+
+
+def _utf8_lines(f, path: str):
+    """Decoded lines of a binary file; a line that is not UTF-8 is named."""
+    for lineno, raw in enumerate(f, start=1):
+        try:
+            yield raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path} line {lineno} is not UTF-8 ({err.reason})") from err
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if not os.path.isfile(args.input):
         raise ValueError(f"--input {args.input} does not exist")
+    if (args.prompt_key is None) != (args.response_key is None):
+        raise ValueError("--prompt-key and --response-key must be given together")
+    if args.eod_id is not None and not 0 <= args.eod_id <= MAX_TOKEN_ID:
+        raise ValueError(f"--eod-id must be in [0, {MAX_TOKEN_ID}], got {args.eod_id}")
+    if args.eod_id is not None and not args.append_eod:
+        print("warning: --eod-id has no effect without --append-eod", file=sys.stderr)
+    outputs = check_outputs(args)
     if args.tokenizer_file is not None:
         if not os.path.isfile(args.tokenizer_file):
             raise ValueError(f"--tokenizer-file {args.tokenizer_file} does not exist")
@@ -61,13 +116,13 @@ def main(argv: list[str] | None = None) -> int:
             byte_tokenizer,
             BYTE_EOD_ID if args.eod_id is None else args.eod_id,
         )
-    with open(args.input, encoding="utf-8") as f:
+    with open(args.input, "rb") as f:
         total = sum(1 for _ in f)
-    with open(args.input, encoding="utf-8") as f:
+    with open(args.input, "rb") as f:
         docs = list(
             tqdm(
                 read_documents(
-                    f,
+                    _utf8_lines(f, args.input),
                     tokenize,
                     text_key=args.text_key,
                     prompt_key=args.prompt_key,
@@ -80,16 +135,24 @@ def main(argv: list[str] | None = None) -> int:
                 unit="doc",
             )
         )
-    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
-    os.makedirs(out_dir, exist_ok=True)
+    if not docs:
+        raise ValueError(f"--input {args.input} holds no records: nothing to write")
     vocab_top = max((int(d[0].max()) for d in docs if d[0].size), default=0)
-    dtype = np.uint16 if vocab_top < 2**16 else np.int32
+    dtype = _token_dtype(vocab_top)
+    os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
+    if args.overwrite:  # a loss mask of the old data must not survive beside the new tokens
+        remove_prefix_files(args.output_prefix + args.loss_mask_suffix)
     write_documents(args.output_prefix, (d[0] for d in tqdm(docs, desc="writing")), dtype=dtype)
-    if args.prompt_key is not None:
-        write_documents(
-            args.output_prefix + args.loss_mask_suffix,
-            (d[1] for d in docs),
-            dtype=np.uint8,
+    if len(outputs) > 1:
+        write_documents(outputs[1], (d[1] for d in docs), dtype=np.uint8)
+    others = sorted(
+        set(glob.glob(glob.escape(args.output_prefix) + "?*.idx")) - {p + ".idx" for p in outputs}
+    )
+    if args.overwrite and others:
+        print(
+            f"warning: {', '.join(others)} beside the rewritten {args.output_prefix} were not "
+            "rewritten and may no longer match it",
+            file=sys.stderr,
         )
     num_tokens = sum(d[0].size for d in docs)
     print(f"wrote {len(docs)} documents, {num_tokens} tokens to {args.output_prefix}.bin/.idx")
@@ -97,4 +160,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

@@ -4,6 +4,7 @@ Tier: Megatron on one rank (IndexedDataset files; the tool runs in-process via i
 import importlib.util
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -124,3 +125,115 @@ def test_hf_tokenizer_file_round_trip(tmp_path) -> None:
         ]
     )
     assert IndexedDataset(str(tmp_path / "o"))[0].tolist() == [0, 1, 0, 2]
+
+
+def run_cli(argv: list[str]) -> tuple[int, str]:
+    """The tool as a user runs it: one line on stderr and exit status 2 for a user error."""
+    import contextlib
+    import io
+
+    from megatron_ext.data.tool_errors import run_tool
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = run_tool(load_tool().main, argv)
+    return rc, err.getvalue()
+
+
+SFT = ["--prompt-key", "prompt", "--response-key", "response"]
+
+#: (case, JSONL content, extra flags, expected one-line message)
+BAD_INPUTS = [
+    ("eod -1", '{"text": "a"}', ["--append-eod", "--eod-id", "-1"], r"--eod-id must be in \[0, "),
+    ("eod 2**31", '{"text": "a"}', ["--append-eod", "--eod-id", str(2**31)], "--eod-id must be"),
+    ("eod 2**32", '{"text": "a"}', ["--append-eod", "--eod-id", str(2**32)], "--eod-id must be"),
+    ("empty JSONL", "", [], r"in\.jsonl holds no records"),
+    ("blank lines only", "\n\n", [], "holds no records"),
+    ("non-UTF-8", b'{"text": "a"}\n\xff\xfe\n', [], r"in\.jsonl line 2 is not UTF-8"),
+    (
+        "empty --loss-mask-suffix",
+        '{"prompt": "a", "response": "b"}',
+        [*SFT, "--loss-mask-suffix", ""],
+        "--loss-mask-suffix must not be empty",
+    ),
+    (
+        "existing output",
+        '{"text": "a"}',
+        ["--output-prefix", "{tmp}/old"],
+        r"old\.bin already exists; pass --overwrite",
+    ),
+    (
+        "existing loss mask",
+        '{"prompt": "a", "response": "b"}',
+        [*SFT, "--output-prefix", "{tmp}/lonely"],
+        r"lonely_loss_mask\.bin already exists",
+    ),
+    (
+        "output is the input",
+        '{"text": "a"}',
+        ["--output-prefix", "{tmp}/in.jsonl.x", "--input", "{tmp}/in.jsonl.x.idx"],
+        r"in\.jsonl\.x\.idx is an input",
+    ),
+    (
+        "parent is a file",
+        '{"text": "a"}',
+        ["--output-prefix", "{tmp}/in.jsonl/o"],
+        "is a file, not a directory",
+    ),
+    ("bad JSON", '{"text": "a"}\n{oops', [], r"in\.jsonl line 2 is not valid JSON"),
+    ("missing key", '{"body": "a"}', [], r"line 1 has no string field 'text'"),
+    (
+        "prompt without response",
+        '{"prompt": "a"}',
+        ["--prompt-key", "prompt"],
+        "--prompt-key and --response-key must be given together",
+    ),
+    ("missing input", '{"text": "a"}', ["--input", "{tmp}/nope.jsonl"], "nope.jsonl does not"),
+]
+
+
+@pytest.mark.parametrize(
+    "content, extra, match", [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS]
+)
+def test_bad_inputs_give_one_line_errors(tmp_path, content, extra, match) -> None:
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(content if isinstance(content, bytes) else content.encode())
+    (tmp_path / "in.jsonl.x.idx").write_text("x")
+    for name in ("old.bin", "old.idx", "lonely_loss_mask.bin"):
+        (tmp_path / name).write_text("keep me")
+    argv = ["--input", str(src), "--output-prefix", str(tmp_path / "o")]
+    argv += [a.replace("{tmp}", str(tmp_path)) for a in extra]
+    rc, err = run_cli(argv)
+    errors = [line for line in err.splitlines() if "error" in line]  # besides the progress bar
+    assert rc == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].startswith("error: ") and re.search(match, errors[0]), err
+    assert not os.path.exists(tmp_path / "o.idx")
+    assert (tmp_path / "old.bin").read_text() == "keep me"  # nothing existing was touched
+    assert (tmp_path / "in.jsonl.x.idx").read_text() == "x"
+    with pytest.raises(ValueError, match=match):
+        run_cli([*argv, "--debug"])
+
+
+def test_overwrite_replaces_and_removes_the_stale_loss_mask(tmp_path) -> None:
+    src = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "a", "response": "bc"}])
+    prefix = str(tmp_path / "d")
+    load_tool().main(["--input", src, "--output-prefix", prefix, *SFT])
+    assert os.path.exists(prefix + "_loss_mask.idx")
+    text = write_jsonl(tmp_path / "t.jsonl", [{"text": "xyz"}, {"text": "q"}])
+    with pytest.raises(ValueError, match="already exists"):
+        load_tool().main(["--input", text, "--output-prefix", prefix])
+    load_tool().main(["--input", text, "--output-prefix", prefix, "--overwrite"])
+    assert not os.path.exists(prefix + "_loss_mask.idx")  # stale: it described the old data
+    assert not os.path.exists(prefix + "_loss_mask.bin")
+    ds = IndexedDataset(prefix)
+    assert ds.sequence_lengths.tolist() == [3, 1]
+
+
+def test_large_token_ids_are_stored_exactly(tmp_path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "ab"}])
+    prefix = str(tmp_path / "big")
+    load_tool().main(
+        ["--input", src, "--output-prefix", prefix, "--append-eod", "--eod-id", str(2**31 - 1)]
+    )
+    ds = IndexedDataset(prefix)
+    assert ds[0].dtype == np.int32 and ds[0].tolist() == [97, 98, 2**31 - 1]
