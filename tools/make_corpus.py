@@ -3,12 +3,19 @@
 The text is produced by a small seeded grammar, so it is ours to ship (no licence questions) and
 byte-identical on every machine. Documents have varied lengths, which is what packing and padding need.
 
-    python tools/make_corpus.py --docs 600 --out megatron_ext/assets/corpus.jsonl
+    python tools/make_corpus.py --docs 600 --out megatron_ext/assets/corpus.jsonl --overwrite
+
+The file is written through a temporary file and a rename; an existing --out is refused unless
+--overwrite. Errors are one line, exit status 2.
 """
 
 import argparse
 import json
 import random
+import sys
+
+from megatron_ext.data.safe_files import atomic_write_bytes, check_output_file
+from megatron_ext.data.tool_errors import add_common_flags, run_tool
 
 SUBJECTS = [
     "the router",
@@ -97,18 +104,22 @@ def document(rng: random.Random) -> str:
     return " ".join(sentence(rng) for _ in range(min(40, 1 + int(rng.expovariate(1 / 8)))))
 
 
-def main() -> None:
-    """Writes the corpus."""
+def main(argv: list[str] | None = None) -> int:
+    """Writes the corpus; returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--docs", type=int, default=600, help="number of documents")
+    parser.add_argument("--docs", type=int, default=600, help="number of documents (>= 1)")
     parser.add_argument("--seed", type=int, default=2026, help="grammar seed")
     parser.add_argument("--out", default="megatron_ext/assets/corpus.jsonl", help="output jsonl")
-    args = parser.parse_args()
+    add_common_flags(parser)
+    args = parser.parse_args(argv)
+    if args.docs < 1:
+        raise ValueError(f"--docs must be >= 1, got {args.docs}")
+    check_output_file(args.out, flag="--out", overwrite=args.overwrite)
     rng = random.Random(args.seed)
-    with open(args.out, "w", encoding="utf-8") as f:
-        for _ in range(args.docs):
-            f.write(json.dumps({"text": document(rng)}) + "\n")
+    lines = "".join(json.dumps({"text": document(rng)}) + "\n" for _ in range(args.docs))
+    atomic_write_bytes(args.out, lines.encode("utf-8"))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_tool(main))

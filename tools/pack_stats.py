@@ -10,6 +10,11 @@ stream (numpy default_rng((--seed, 0))), planned by the same planner
 (megatron_ext.data.pack_planning). With the run's --seed, --split and packing flags they equal
 what PackedDataset builds for one --data-path prefix (a blend packs each prefix on its own; later
 epochs reshuffle, so their packs differ slightly).
+
+--png / --json are checked before the work (an existing file is refused unless --overwrite, an
+input never) and written through a temporary file. A setting that leaves no pack (every document
+dropped by --pack-overlong-policy drop) is an error. Errors are one line, exit status 2; --debug
+shows the traceback.
 """
 
 import argparse
@@ -22,15 +27,22 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
     convert_split_vector_to_split_matrix,
     parse_and_normalize_split,
 )
-from megatron.core.datasets.indexed_dataset import IndexedDataset
 from tqdm import tqdm
 
+from megatron_ext.data.indexed_checks import open_indexed
 from megatron_ext.data.pack_planning import (
     OVERLONG_POLICIES,
     PACKING_ALGORITHMS,
     plan_packs,
 )
 from megatron_ext.data.padding import padded_lengths
+from megatron_ext.data.safe_files import (
+    INDEXED_EXTENSIONS,
+    atomic_write_bytes,
+    check_output_file,
+    create_temp,
+)
+from megatron_ext.data.tool_errors import add_common_flags, run_tool
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -75,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split-name", choices=SPLIT_NAMES, default="train", help="split to report")
     p.add_argument("--png", help="write a pack-length histogram here")
     p.add_argument("--json", help="write the statistics as JSON here")
+    add_common_flags(p)
     return p
 
 
@@ -119,17 +132,30 @@ def pack_statistics(doc_lens_D: np.ndarray, args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Prints (and optionally plots / dumps) the statistics; returns the exit status."""
     args = build_parser().parse_args(argv)
-    for ext in (".idx", ".bin"):
-        if not os.path.isfile(args.data_path + ext):
-            raise ValueError(f"--data-path file {args.data_path + ext} does not exist")
     if args.seq_length < 1:
         raise ValueError(f"--seq-length must be >= 1, got {args.seq_length}")
-    dataset = IndexedDataset(args.data_path)  # keep it alive: sequence_lengths views its mmap
+    if args.pad_to_multiple_of < 1:
+        raise ValueError(f"--pad-to-multiple-of must be >= 1, got {args.pad_to_multiple_of}")
+    dataset = open_indexed(args.data_path, "--data-path")  # alive: the lengths view its mmap
+    # Before the work: a long run must not fail at its end on an unwritable --png / --json.
+    inputs = [args.data_path + ext for ext in INDEXED_EXTENSIONS]
+    outputs = [(flag, path) for flag, path in (("--png", args.png), ("--json", args.json)) if path]
+    for flag, path in outputs:
+        check_output_file(path, flag=flag, inputs=inputs, overwrite=args.overwrite)
+    if args.png and args.json and os.path.abspath(args.png) == os.path.abspath(args.json):
+        raise ValueError(f"--png and --json are the same file {args.png}")
     lens = np.array(dataset.sequence_lengths, dtype=np.int64)
     with tqdm(total=1, desc="planning packs") as bar:
         stats = pack_statistics(lens, args)
         bar.update()
     pack_lengths = stats.pop("_pack_lengths")
+    if stats["packs"] == 0 and stats["documents"]:
+        raise ValueError(
+            f"no pack: all {stats['documents']} documents of the {args.split_name} split were "
+            f"dropped ({stats['documents_dropped']} longer than --seq-length {args.seq_length} "
+            f"with --pack-overlong-policy {args.pack_overlong_policy}, "
+            f"{stats['documents_empty']} empty)"
+        )
     for key, value in stats.items():
         if not key.startswith("histogram"):
             print(f"{key:>22}: {value:.4f}" if isinstance(value, float) else f"{key:>22}: {value}")
@@ -139,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     for lo, hi, c in zip(edges[:-1], edges[1:], counts, strict=True):
         print(f"  {lo:>7}-{hi:<7} {c:>8} {'#' * round(40 * c / top)}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(stats, f, indent=2)
+        atomic_write_bytes(args.json, (json.dumps(stats, indent=2) + "\n").encode("utf-8"))
     if args.png:
         import matplotlib
 
@@ -156,11 +181,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{stats['packs']} packs"
         )
         fig.tight_layout()
-        fig.savefig(args.png, dpi=100)
-        plt.close(fig)
+        fd, tmp = create_temp(args.png)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                fig.savefig(f, dpi=100, format="png")
+            os.replace(tmp, args.png)
+        finally:
+            plt.close(fig)
+            if os.path.exists(tmp):
+                os.unlink(tmp)
         print(f"wrote {args.png}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

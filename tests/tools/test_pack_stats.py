@@ -163,3 +163,54 @@ def test_numbers_equal_the_packed_datasets_first_epoch(
     assert sorted(tool_packs.tolist()) == sorted(pack_lengths.tolist())
     hist, _ = np.histogram(pack_lengths, bins=stats["histogram_edges"])
     assert stats["histogram_counts"] == hist.tolist()
+
+
+def run_cli(argv: list[str]) -> tuple[int, str]:
+    """The tool as a user runs it: one line on stderr and exit status 2 for a user error."""
+    import contextlib
+    import io
+
+    from megatron_ext.data.tool_errors import run_tool
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = run_tool(load_tool().main, argv)
+    return rc, err.getvalue()
+
+
+#: (case, extra flags, expected one-line message); data: "{tmp}/d" = 2 documents of 5 and 12.
+BAD_INPUTS = [
+    ("missing data", ["--data-path", "{tmp}/nope"], r"--data-path file .*nope\.idx does not"),
+    ("truncated .bin", ["--data-path", "{tmp}/cut"], r"cut\.bin has 4 bytes but .*cut\.idx"),
+    ("--seq-length 0", ["--seq-length", "0"], "--seq-length must be >= 1"),
+    ("--pad-to-multiple-of 0", ["--pad-to-multiple-of", "0"], "--pad-to-multiple-of must be"),
+    (
+        "all dropped",
+        ["--seq-length", "4", "--pack-overlong-policy", "drop"],
+        r"no pack: all 2 documents of the train split were dropped \(2 longer",
+    ),
+    ("--json over the .idx", ["--json", "{tmp}/d.idx"], r"d\.idx is an input"),
+    ("existing --png", ["--png", "{tmp}/old.png"], r"old\.png already exists; pass --overwrite"),
+    ("--png under a file", ["--png", "{tmp}/d.bin/x.png"], "is a file, not a directory"),
+    ("--json is a directory", ["--json", "{tmp}", "--overwrite"], "is a directory"),
+]
+
+
+@pytest.mark.parametrize(
+    "extra, match", [c[1:] for c in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS]
+)
+def test_bad_inputs_give_one_line_errors_before_the_work(tmp_path, extra, match) -> None:
+    write_documents(str(tmp_path / "d"), [np.ones(5), np.ones(12)])
+    write_documents(str(tmp_path / "cut"), [np.ones(5)])
+    with open(tmp_path / "cut.bin", "r+b") as f:
+        f.truncate(4)
+    (tmp_path / "old.png").write_bytes(b"keep me")
+    argv = ["--data-path", str(tmp_path / "d"), "--seq-length", "16"]
+    argv += [a.replace("{tmp}", str(tmp_path)) for a in extra]
+    rc, err = run_cli(argv)
+    errors = [line for line in err.splitlines() if "error" in line]  # besides the progress bar
+    assert rc == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].startswith("error: ") and __import__("re").search(match, errors[0]), err
+    assert (tmp_path / "old.png").read_bytes() == b"keep me"
+    with pytest.raises(ValueError, match=match):
+        run_cli([*argv, "--debug"])
