@@ -137,14 +137,28 @@ class PaddingConfig:
                     "packing_window",
                     "pack_overlong_policy",
                     "pack_loss_mask_suffix",
+                    "pad_to_seq_len",
+                    "pad_to_multiple_of",
                 )
                 if getattr(self, name) != PaddingConfig.__dataclass_fields__[name].default
             ]
             if unused:
                 warnings.warn(f"{unused} have no effect without --pack-documents", stacklevel=2)
+        self._check_data(args)
         seq_length = getattr(args, "seq_length", None)
         if seq_length is not None and seq_length % multiple:
             raise ValueError(
                 f"--seq-length {seq_length} is not a multiple of the pack-length multiple "
                 f"{multiple} (--pad-to-multiple-of / derived from CP, TP+SP, fp8/fp4)"
+            )
+
+    def _check_data(self, args: argparse.Namespace) -> None:
+        """Data files, blend weights and the pad id, checked at argument time (so by --dry-run)."""
+        from megatron_ext.data.data_args import check_data_args
+
+        check_data_args(args, self.pack_loss_mask_suffix if self.pack_documents else None)
+        vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None)
+        if isinstance(vocab, int) and self.pad_constant_id >= vocab:
+            raise ValueError(
+                f"--pad-constant-id {self.pad_constant_id} is outside the vocabulary (size {vocab})"
             )

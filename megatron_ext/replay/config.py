@@ -64,10 +64,13 @@ class ReplayConfig:
                 raise ValueError(f"--route-record-path: directory {parent} does not exist")
 
     def check_megatron_args(self, args: _argparse.Namespace) -> None:
-        """Refuses every Megatron setting under which 0.19.2 would silently skip replay."""
+        """Refuses every Megatron setting under which 0.19.2 would silently skip replay, and a
+        record path that exists or would overwrite token data or one of its sidecars."""
         if self.route_replay_mode == "off":
             return
         check_replay_supported(args, f"--route-replay-mode {self.route_replay_mode}")
+        if self.route_replay_mode == "record":
+            self._check_record_path(args)
         if self.route_replay_mode == "replay":
             if not getattr(args, "pack_documents", False):
                 raise ValueError(
@@ -83,6 +86,22 @@ class ReplayConfig:
                             f"--route-data-suffix {self.route_data_suffix}: route file {path} "
                             f"for --data-path prefix {prefix} does not exist"
                         )
+
+    def _check_record_path(self, args: _argparse.Namespace) -> None:
+        from megatron_ext.data.data_args import data_prefixes
+        from megatron_ext.data.safe_files import check_output_prefix
+        from megatron_ext.replay.route_file import HEADER_EXTENSION
+
+        inputs = []
+        suffix = getattr(args, "pack_loss_mask_suffix", None)
+        for _flag, prefixes, _weights in data_prefixes(args):
+            inputs += prefixes + ([p + suffix for p in prefixes] if suffix else [])
+        check_output_prefix(
+            self.route_record_path,
+            flag="--route-record-path",
+            inputs=inputs,
+            extensions=(".bin", ".idx", HEADER_EXTENSION),
+        )
 
 
 _DATA_PATH_ARGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")

@@ -122,3 +122,58 @@ def test_packing_flags_without_pack_documents_warn(
 ) -> None:
     with pytest.warns(UserWarning, match=r"\['--packing-window'\] have no effect without"):
         configs(["--packing-window", "5"], monkeypatch)
+
+
+@pytest.fixture
+def data_prefix(tmp_path) -> str:
+    import numpy as np
+
+    from megatron_ext.data.indexed_writer import write_documents
+
+    write_documents(str(tmp_path / "d"), [np.arange(1, 5)])
+    return str(tmp_path / "d")
+
+
+#: (case, flags after the data prefix P, expected message). The dry run calls the same checks.
+DRY_RUN_BAD_INPUTS = [
+    ("missing --data-path", ["--data-path", "{P}_nope"], r"--data-path prefix .*d_nope: data file"),
+    (
+        "missing loss mask",
+        ["--data-path", "{P}", "--pack-documents", "--pack-loss-mask-suffix", "_lm"],
+        r"--pack-loss-mask-suffix sidecar file .*d_lm\.bin does not exist",
+    ),
+    ("NaN weight", ["--data-path", "nan", "{P}", "1", "{P}"], "weight nan for .* finite and >= 0"),
+    ("negative weight", ["--data-path", "-1", "{P}", "1", "{P}"], "weight -1.0 for"),
+    ("zero weights", ["--data-path", "0", "{P}", "0", "{P}"], "--data-path weights are all zero"),
+    (
+        "pad id beyond vocab",
+        [
+            "--data-path",
+            "{P}",
+            "--pad-policy",
+            "constant",
+            "--pad-constant-id",
+            "500",
+            "--vocab-size",
+            "128",
+            "--tokenizer-type",
+            "NullTokenizer",
+        ],
+        "outside the vocabulary",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "flags, match", [c[1:] for c in DRY_RUN_BAD_INPUTS], ids=[c[0] for c in DRY_RUN_BAD_INPUTS]
+)
+def test_data_flags_are_checked_at_argument_time(monkeypatch, data_prefix, flags, match) -> None:
+    argv = ["--seq-length", "64"] + [f.replace("{P}", data_prefix) for f in flags]
+    with pytest.raises(ValueError, match=match):
+        configs(argv, monkeypatch)
+
+
+def test_existing_data_passes_and_flags_without_effect_warn(monkeypatch, data_prefix) -> None:
+    configs(["--seq-length", "64", "--data-path", "1", data_prefix], monkeypatch)
+    with pytest.warns(UserWarning, match=r"--pad-to-seq-len.* no effect without --pack-documents"):
+        configs(["--seq-length", "64", "--pad-to-seq-len"], monkeypatch)

@@ -1,0 +1,57 @@
+"""Checks of Megatron's data flags at argument time, so ``--dry-run`` checks the data too (glue).
+
+Megatron opens ``--data-path`` files only when it builds datasets, minutes into a launch; a
+typo'd prefix, a missing loss-mask sidecar or a NaN blend weight would pass the dry run. Here every
+prefix of ``--data-path`` / ``--{train,valid,test}-data-path`` (parsed by Megatron's own
+``get_blend_from_list``) must have its ``.bin``/``.idx`` (and the ``--pack-loss-mask-suffix``
+sidecar), and weights must be finite, >= 0 and not all zero::
+
+    --data-path 0.3 /d/a nan /d/b   ->  ValueError: --data-path weight 'nan' for /d/b must be ...
+"""
+
+import argparse
+import math
+import os
+
+from megatron.core.datasets.utils import get_blend_from_list
+
+DATA_PATH_ARGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+
+
+def data_prefixes(args: argparse.Namespace) -> list[tuple[str, list[str], list[float] | None]]:
+    """``[(flag, prefixes, weights or None)]`` of every data-path flag that is set."""
+    found = []
+    for name in DATA_PATH_ARGS:
+        value = getattr(args, name, None)
+        if value:
+            prefixes, weights = get_blend_from_list(list(value))
+            found.append(("--" + name.replace("_", "-"), prefixes, weights))
+    return found
+
+
+def check_data_args(args: argparse.Namespace, loss_mask_suffix: str | None) -> None:
+    """Refuses missing data files and unusable blend weights, naming the flag and prefix.
+
+    Raises:
+        ValueError: The first problem found.
+    """
+    if getattr(args, "mock_data", False):
+        return
+    for flag, prefixes, weights in data_prefixes(args):
+        if weights is not None:
+            for weight, prefix in zip(weights, prefixes, strict=True):
+                if not math.isfinite(weight) or weight < 0:
+                    raise ValueError(f"{flag} weight {weight} for {prefix} must be finite and >= 0")
+            if not any(w > 0 for w in weights):
+                raise ValueError(f"{flag} weights are all zero")
+        for prefix in prefixes:
+            suffixes = [("", "data")]
+            if loss_mask_suffix:
+                suffixes.append((loss_mask_suffix, "--pack-loss-mask-suffix sidecar"))
+            for suffix, what in suffixes:
+                for ext in (".bin", ".idx"):
+                    path = prefix + suffix + ext
+                    if not os.path.isfile(path):
+                        raise ValueError(
+                            f"{flag} prefix {prefix}: {what} file {path} does not exist"
+                        )
