@@ -116,6 +116,21 @@ def main() -> int:
     except ValueError as err:
         print(f"megatron_ext: invalid arguments: {err}", file=sys.stderr)
         return 2
+    if cpu:
+        from megatron_ext.training import run_state
+        from megatron_ext.training.cpu_rehearsal import describe, take_quantization
+
+        precision = take_quantization(args)
+        run_state.state(args).rehearsal = precision
+        if precision is not None:
+            resolved["cpu_rehearsal"] = describe(precision)
+        if precision is not None and os.environ.get("RANK", "0") == "0":
+            print(
+                f"megatron_ext: --cpu rehearsal of {describe(precision)}: the model computes "
+                f"unquantized; expert groups are aligned to {resolved['expert_group_alignment']} "
+                "and checked by the grouped-GEMM backend as the quantized kernels would",
+                flush=True,
+            )
     if dry_run:
         print("megatron_ext resolved configuration:")
         print(json.dumps(resolved, indent=2, default=str))
@@ -126,6 +141,7 @@ def main() -> int:
 
 def train(args: argparse.Namespace) -> int:
     """Runs Megatron's training loop with megatron_ext's providers (CUDA, or CPU under ``--cpu``)."""
+    import torch
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
@@ -146,6 +162,10 @@ def train(args: argparse.Namespace) -> int:
         forward_step,
         model_provider=model_provider,
     )
+    log = run_state.state(args).rehearsal_log
+    if log is not None:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        print(f"megatron_ext: rank {rank} rehearsal: {log.summary()}", flush=True)
     written = run_state.finish_recording(args)
     if written is not None:
         print(f"megatron_ext: wrote recorded routes of {written} documents")

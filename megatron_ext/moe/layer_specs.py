@@ -114,14 +114,27 @@ def _is_padded(router: Any) -> bool:
 def _walk_routers(node: Any, routers: list[type], swap: bool) -> Any:
     """Walks a spec, collecting (and with ``swap`` replacing) routers; returns ``node`` itself
     where nothing below it changed."""
+
+    def visit(moe: MoESubmodules) -> MoESubmodules:
+        if swap and moe.router is TopKRouter:
+            moe = dataclasses.replace(moe, router=PaddedTopKRouter)
+        routers.append(moe.router)
+        return moe
+
+    return map_moe_submodules(node, visit)
+
+
+def map_moe_submodules(node: Any, fn: Any) -> Any:
+    """``node`` (a layer, block or stack spec) with every ``MoESubmodules`` replaced by ``fn(it)``.
+
+    Parts of the spec where nothing changed are returned as they are (same objects), so a spec
+    without MoE layers comes back untouched.
+    """
     if isinstance(node, MoESubmodules):
-        if swap and node.router is TopKRouter:
-            node = dataclasses.replace(node, router=PaddedTopKRouter)
-        routers.append(node.router)
-        return node
+        return fn(node)
     if isinstance(node, functools.partial):
-        args = [_walk_routers(a, routers, swap) for a in node.args]
-        keywords = {k: _walk_routers(v, routers, swap) for k, v in node.keywords.items()}
+        args = [map_moe_submodules(a, fn) for a in node.args]
+        keywords = {k: map_moe_submodules(v, fn) for k, v in node.keywords.items()}
         unchanged = all(a is b for a, b in zip(args, node.args, strict=True)) and all(
             keywords[k] is v for k, v in node.keywords.items()
         )
@@ -131,17 +144,17 @@ def _walk_routers(node: Any, routers: list[type], swap: bool) -> Any:
         for f in dataclasses.fields(node):
             if f.init:
                 value = getattr(node, f.name)
-                new = _walk_routers(value, routers, swap)
+                new = map_moe_submodules(value, fn)
                 if new is not value:
                     changes[f.name] = new
         return dataclasses.replace(node, **changes) if changes else node
     if isinstance(node, (list, tuple)):
-        items = [_walk_routers(n, routers, swap) for n in node]
+        items = [map_moe_submodules(n, fn) for n in node]
         if all(a is b for a, b in zip(items, node, strict=True)):
             return node
         return type(node)(items)
     if isinstance(node, dict):
-        values = {k: _walk_routers(v, routers, swap) for k, v in node.items()}
+        values = {k: map_moe_submodules(v, fn) for k, v in node.items()}
         return node if all(values[k] is v for k, v in node.items()) else values
     return node
 
@@ -172,6 +185,15 @@ def _swap(node: Any, alignment: Any, load_metrics: Any, found: list[bool]) -> An
     if isinstance(node, list):
         return [_swap(n, alignment, load_metrics, found) for n in node]
     return node
+
+
+def with_grouped_mm_experts(spec: Any) -> Any:
+    """``spec`` with every MoE layer's experts replaced by :func:`grouped_mm_experts` (the
+    ``torch._grouped_mm`` backend that, like the real fp8/fp4 kernels, refuses unaligned groups):
+    the local equivalent of ``--moe-grouped-gemm`` on a machine without Transformer Engine."""
+    return map_moe_submodules(
+        spec, lambda moe: dataclasses.replace(moe, experts=grouped_mm_experts())
+    )
 
 
 def grouped_mm_experts() -> functools.partial:

@@ -28,6 +28,18 @@ def check_cpu_args(args: argparse.Namespace) -> None:
     for dest, gpu_value, flag, instead in _GPU_ONLY:
         if getattr(args, dest, None) == gpu_value:
             raise ValueError(f"--cpu cannot run {flag}: {instead}")
+    if getattr(args, "fp8", None) or getattr(args, "fp4", None):
+        flag = "--fp8-format" if getattr(args, "fp8", None) else "--fp4-format"
+        for dest, needed in (
+            ("moe_dispatch_align", "--moe-dispatch-align"),
+            ("moe_grouped_gemm", "--moe-grouped-gemm"),
+        ):
+            if not getattr(args, dest, False):
+                raise ValueError(
+                    f"--cpu with {flag} rehearses the quantized run's expert-group alignment on "
+                    f"grouped-GEMM experts: it needs {needed} (the model itself computes "
+                    "unquantized on CPU)"
+                )
     impl = getattr(args, "cuda_graph_impl", "none") or "none"
     if impl != "none":
         raise ValueError(f"--cpu cannot run --cuda-graph-impl {impl} (CUDA graphs): drop it")

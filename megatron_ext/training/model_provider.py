@@ -21,7 +21,7 @@ from typing import Any
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_ext.config import MoEAlignmentConfig, ReplayConfig
+from megatron_ext.config import EntryConfig, MoEAlignmentConfig, ReplayConfig
 from megatron_ext.training import run_state
 
 
@@ -40,6 +40,11 @@ def _aligned(spec: Any, args: argparse.Namespace) -> Any:
     if uses_aligned_moe(alignment):
         metrics = run_state.load_metrics(args)
         spec = with_aligned_moe(spec, alignment, metrics, padded_router=False)
+    if run_state.configs(args)[EntryConfig].cpu and args.moe_grouped_gemm:
+        from megatron_ext.moe.layer_specs import with_grouped_mm_experts
+
+        # --cpu: the torch._grouped_mm backend stands in for Transformer Engine's grouped GEMM.
+        spec = with_grouped_mm_experts(spec)
     # Megatron's own router unless expert bias needs ours (0.19.2's count fails on the pad mask).
     if args.moe_router_enable_expert_bias:
         spec = with_padded_router(spec, require="--moe-router-enable-expert-bias")
@@ -106,6 +111,13 @@ def model_provider(
     model = builder_cls(model_cfg).build_model(
         pg_collection, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage
     )
+    rehearsal = run_state.state(args).rehearsal
+    if rehearsal is not None:
+        from megatron_ext.training.cpu_rehearsal import GroupLog, rehearse_quantized_moe
+
+        run = run_state.state(args)
+        run.rehearsal_log = run.rehearsal_log or GroupLog()
+        rehearse_quantized_moe(model, rehearsal, run.rehearsal_log)
     replay = run_state.configs(args)[ReplayConfig]
     if replay.route_replay_mode != "off":
         run_state.bind_replay(model, replay)

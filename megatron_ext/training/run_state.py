@@ -33,6 +33,9 @@ class RunState:
     last_load_summary: dict[str, Any] | None = None
     record_dataset: Any = None
     recorded_packs: list[tuple[list[int], Any]] = field(default_factory=list)
+    #: ``--cpu`` with fp8/fp4: the quantized precision the MoE layers rehearse (cpu_rehearsal).
+    rehearsal: dict[str, Any] | None = None
+    rehearsal_log: Any = None
 
 
 _STATE: RunState | None = None
