@@ -83,3 +83,49 @@ def test_counts_add():
     total.add(RepairCounts(documents=1, tokens=3, rejected_rows=2))
     total.add(RepairCounts(documents=1, tokens=4, appended_rows=1))
     assert (total.documents, total.tokens, total.rejected_rows, total.appended_rows) == (2, 7, 2, 1)
+
+
+def test_route_file_and_rollout_modules_never_import_megatron():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, megatron_ext.replay.route_file, megatron_ext.replay.rollout_routes; "
+        "bad = [m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_route_file_header_round_trip_and_first_invalid_row(tmp_path):
+    from megatron_ext.replay.route_file import (
+        check_header,
+        first_invalid_row,
+        header_bytes,
+        read_header,
+    )
+
+    path = tmp_path / "r.routes.json"
+    lengths = np.array([3, 2])
+    path.write_bytes(
+        header_bytes(num_layers=2, topk=2, num_experts=8, dtype=np.uint8, lengths_D=lengths)
+    )
+    header = read_header(str(path))
+    kw = {"dtype": np.dtype(np.uint8), "num_documents": 2, "num_values": 5 * 2 * 2}
+    check_header(header, str(path), num_layers=2, topk=2, num_experts=8, **kw)
+    with pytest.raises(ValueError, match="written for 2 MoE layers x top-2 over 8 experts"):
+        check_header(header, str(path), num_layers=4, topk=1, num_experts=8, **kw)
+    with pytest.raises(ValueError, match="belongs to another file"):
+        check_header(
+            header, str(path), num_layers=2, topk=2, num_experts=8, **{**kw, "num_values": 4}
+        )
+    path.write_text('{"format": "other"}')
+    with pytest.raises(ValueError, match="is not a megatron_ext.routes header"):
+        read_header(str(path))
+    # Hand-worked rows (E = 8, K = 2): token 1 layer 0 duplicates; token 0 layer 1 is missing.
+    rows = np.array([[[1, 2], [255, 255]], [[3, 3], [0, 1]]], dtype=np.uint8)
+    assert first_invalid_row(rows, 8) == (1, 0, "has duplicate expert ids in its top-k")
+    rows[1, 0] = [3, 4]
+    assert first_invalid_row(rows, 8) is None
+    rows[0, 1] = [255, 1]
+    assert first_invalid_row(rows, 8) == (0, 1, "mixes the missing-row marker with real ids")
