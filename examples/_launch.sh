@@ -1,22 +1,66 @@
 # Shared launcher for the example scripts (sourced, not run). Reads the multi-node environment,
 # then runs megatron_ext.pretrain_gpt under torchrun, or validates the flags only when DRY_RUN=1.
-#   NNODES (1)  NODE_RANK (0)  MASTER_ADDR (localhost)  MASTER_PORT (6000)  GPUS_PER_NODE (8)
+#   NNODES (1)  NODE_RANK (0)  MASTER_ADDR (localhost)  MASTER_PORT (6000)
+#   GPUS_PER_NODE (8; 2 with CPU=1): processes per node
 #   PYTHON (python3)  DRY_RUN (0): 1 = parse and validate every flag with Megatron's parser plus
 #   megatron_ext's, print the resolved configuration and exit (no GPU, no data access needed).
+#   CPU (0): 1 = the same script, for real, on this machine's CPUs over gloo (a laptop, CI): appends
+#     `--cpu --transformer-impl local` (Transformer Engine modules and fused kernels swapped for
+#     Megatron's local, unfused equivalents; fp8/fp4 flags become a rehearsal) and CPU_SIZES.
+#   CPU_SIZES: with CPU=1, the tiny sizes appended after the script's flags (default below; Megatron
+#     takes the last value of a repeated flag, so they replace the script's sizes).
+#   CPU_DROP: with CPU=1, flags of the script left out with their values (e.g. "--bf16" while the
+#     CPU loop cannot run Megatron's bf16 optimizer); default none.
+#   OVERRIDES: flags appended last of all, e.g. the parallel sizes that fit GPUS_PER_NODE:
+#     CPU=1 OVERRIDES="--expert-model-parallel-size 2" bash examples/pretrain_moe_blended.sh
+# Flags given to the script itself are appended after the script's own (before CPU_SIZES).
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+if [ "${CPU:-0}" = "1" ]; then
+  GPUS_PER_NODE=${GPUS_PER_NODE:-2}
+else
+  GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+fi
 PYTHON=${PYTHON:-python3}
 # Megatron asserts this with tensor or context parallelism on pre-Blackwell GPUs.
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+# A 2-layer, 8-expert top-2 model of hidden size 64, 4 iterations of 8 sequences of 128 tokens at a
+# constant learning rate a tiny model learns from in 4 steps.
+CPU_SIZES=${CPU_SIZES:-"--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4
+  --seq-length 128 --max-position-embeddings 128 --num-experts 8 --moe-router-topk 2
+  --moe-ffn-hidden-size 64 --micro-batch-size 1 --global-batch-size 8 --train-iters 4
+  --lr 1e-3 --min-lr 0 --lr-decay-style constant --lr-warmup-iters 0 --log-interval 1"}
 
 launch() {
+  local extra=()
+  if [ "${CPU:-0}" = "1" ]; then
+    if [ -n "${CPU_DROP:-}" ]; then
+      local kept=() arg dropping=0
+      for arg in "$@"; do
+        case "$arg" in --*) dropping=0 ;; esac
+        case " $CPU_DROP " in *" $arg "*) dropping=1 ;; esac
+        [ "$dropping" = "1" ] || kept+=("$arg")
+      done
+      set -- "${kept[@]}"
+    fi
+    local sizes=()
+    # Word splitting only (read -a does no glob expansion: "*E*E" patterns stay as written).
+    read -r -d '' -a sizes <<<"$CPU_SIZES" || true
+    extra+=(--cpu --transformer-impl local "${sizes[@]}")
+  fi
+  if [ -n "${OVERRIDES:-}" ]; then
+    local overrides=()
+    read -r -d '' -a overrides <<<"$OVERRIDES" || true
+    extra+=("${overrides[@]}")
+  fi
   if [ "${DRY_RUN:-0}" = "1" ]; then
     # Validate against the world size the job will have, not this login node's.
-    WORLD_SIZE=$((NNODES * GPUS_PER_NODE)) RANK=0 exec "$PYTHON" -m megatron_ext.pretrain_gpt "$@" --dry-run
+    WORLD_SIZE=$((NNODES * GPUS_PER_NODE)) RANK=0 exec "$PYTHON" -m megatron_ext.pretrain_gpt \
+      "$@" "${extra[@]}" --dry-run
   fi
-  exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE" \
-    --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" -m megatron_ext.pretrain_gpt "$@"
+  exec "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" \
+    --nproc-per-node "$GPUS_PER_NODE" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+    -m megatron_ext.pretrain_gpt "$@" "${extra[@]}"
 }

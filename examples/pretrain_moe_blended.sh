@@ -30,5 +30,7 @@ ARGS=(
   --micro-batch-size 1 --global-batch-size 512 --train-iters 100000
   --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2000 --weight-decay 0.1 --clip-grad 1.0
   --save "$CKPT" --load "$CKPT" --save-interval 1000 --log-interval 10 --tensorboard-dir "$CKPT/tb"
+  # Megatron 0.19.2 has no default --eval-interval: pretrain() fails at startup without one.
+  --eval-interval 1000 --eval-iters 10
 )
 launch "${ARGS[@]}" "$@"

@@ -31,5 +31,7 @@ ARGS=(
   --micro-batch-size 1 --global-batch-size 128 --train-iters 2000
   --lr 1e-5 --min-lr 1e-6 --lr-decay-style cosine --lr-warmup-iters 50 --weight-decay 0.0 --clip-grad 1.0
   --load "$CKPT/base" --save "$CKPT" --save-interval 500 --log-interval 10 --finetune
+  # Megatron 0.19.2 has no default --eval-interval: pretrain() fails at startup without one.
+  --eval-interval 500 --eval-iters 10
 )
 launch "${ARGS[@]}" "$@"
