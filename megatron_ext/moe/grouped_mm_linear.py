@@ -8,6 +8,14 @@ observe: Megatron's router padding raises here for nvfp4 when a rank has fewer t
 megatron_ext's aligning dispatcher does not. The math itself stays in the config's dtype (the
 fp8 kernel is exercised on a GPU by tools/gpu_check.sh).
 
+Empty groups. An expert with no tokens is a 0-row group. PyTorch issue 172439: on B200 (SM100)
+``torch._grouped_mm``'s backward writes non-zero (uninitialised) weight gradients for 0-row groups;
+they should be exactly 0. The aligner keeps empty groups empty (0 rounds up to 0), so this layer
+guards the weight gradient itself: when the host group sizes show an empty group, the gradient
+of those groups' weights is replaced by 0 (``torch.where``, so NaN/inf garbage is dropped too). The
+mask comes from the host list the kernel already takes: no device-to-host sync, and nothing runs
+when no group is empty.
+
 Example::
 
     submodules = GroupedMLPSubmodules(linear_fc1=GroupedMMLinear, linear_fc2=GroupedMMLinear)
@@ -39,6 +47,17 @@ def check_groups_aligned(tokens_per_expert: list[int], align: int, where: str) -
             f"{where}: quantized grouped GEMM needs every group's rows to be a multiple of "
             f"{align}; got (expert, rows) {bad} of {list(tokens_per_expert)}"
         )
+
+
+def _zero_grad_of_empty_groups(w_GIO: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+    """An alias of ``w_GIO`` whose gradient is exactly 0 for the groups with no rows.
+
+    A per-call alias (``w_GIO[:]``) carries the hook, so hooks never pile up on the parameter.
+    """
+    empty_G = torch.tensor([n == 0 for n in tokens_per_expert], device=w_GIO.device)
+    alias_GIO = w_GIO[:]
+    alias_GIO.register_hook(lambda grad: torch.where(empty_G[:, None, None], 0, grad))
+    return alias_GIO
 
 
 class GroupedMMLinear(torch.nn.Module):
@@ -101,6 +120,8 @@ class GroupedMMLinear(torch.nn.Module):
         assert x.shape[0] == sum(tokens_per_expert), "rows differ from the group sizes"
         offs = torch.tensor(tokens_per_expert, device=x.device).cumsum(0, dtype=torch.int32)
         w = self.weight.to(x.dtype)
+        if w.requires_grad and 0 in tokens_per_expert:
+            w = _zero_grad_of_empty_groups(w, tokens_per_expert)
         y = torch._grouped_mm(x, w, offs=offs)
         if y.requires_grad:
             # _grouped_mm's backward rejects stride-0 (expanded) gradients.
