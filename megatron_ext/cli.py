@@ -18,8 +18,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--only", nargs="+", metavar="NAME", help="run only these benchmarks")
 
-    demo = sub.add_parser("demo", help="the CPU main job: 2 gloo ranks, EP=2, tiny MoE GPTModel")
-    demo.add_argument("--steps", type=int, default=4, help="training steps per pad policy")
+    demo = sub.add_parser(
+        "demo", help="the CPU main job: Megatron's real training loop, 2 gloo ranks, EP=2"
+    )
+    demo.add_argument("--steps", type=int, default=6, help="training iterations per run")
+    demo.add_argument(
+        "--workdir", metavar="DIR", help="keep data and logs here (an empty or new directory)"
+    )
     demo.add_argument("--json", metavar="PATH", help="write the summary as JSON")
     demo.add_argument(
         "--png", metavar="PATH", default="out/demo_load.png", help="per-expert load plot"

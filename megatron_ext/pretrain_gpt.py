@@ -162,6 +162,9 @@ def train(args: argparse.Namespace) -> int:
         forward_step,
         model_provider=model_provider,
     )
+    from megatron_ext.training.forward_step import flush_logs
+
+    flush_logs(args)
     log = run_state.state(args).rehearsal_log
     if log is not None:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

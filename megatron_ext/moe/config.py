@@ -36,7 +36,14 @@ class MoEAlignmentConfig:
     max/mean and max_vio = (max - mean) / mean, on device; reduced only when logged. Counts one
     pass per training micro-batch (not recomputes, not evaluation). Needs --num-experts."""
 
+    moe_expert_load_log: str | None = None
+    """With --moe-expert-load-metrics: also append every logged summary (per layer: tokens per
+    expert with and without pads, per-EP-rank and per-expert max_vio) as one JSON line to this
+    file (rank 0), for analysis beside TensorBoard/W&B."""
+
     def __post_init__(self) -> None:
+        if self.moe_expert_load_log and not self.moe_expert_load_metrics:
+            raise ValueError("--moe-expert-load-log needs --moe-expert-load-metrics")
         if self.moe_dispatch_align_size is not None and self.moe_dispatch_align_size < 0:
             raise ValueError(
                 f"--moe-dispatch-align-size must be >= 0, got {self.moe_dispatch_align_size}"

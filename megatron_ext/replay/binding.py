@@ -167,6 +167,8 @@ class RouteReplayBinding:
         self._device_positions: dict[tuple[torch.device, int, int], torch.Tensor] = {}
         self._forward_key: Hashable | None = None
         self._backward_key: Hashable | None = None
+        #: Called with each replayed layer's indices (training forwards); see ReplayCheck.
+        self.on_replay: Callable[..., None] | None = None
 
     def _swap_in(self, router: TopKRouter, ordinal: int) -> KeyedRouterReplay:
         """Replaces ``router.router_replay`` (and its slot in Megatron's global list)."""
@@ -330,6 +332,14 @@ class RouteReplayBinding:
             # Missing rows hold the marker id; where() swaps in the router's choice before gather.
             _, native_NK = default_compute_topk(scores, topk, num_groups, group_topk)
             idx_NK = torch.where(missing_N.unsqueeze(-1), native_NK, idx_NK)
+        if self.on_replay is not None and not in_backward and torch.is_grad_enabled():
+            # --route-replay-check (replay_check.ReplayCheck): compare with what Megatron uses.
+            self.on_replay(
+                replay.moe_ordinal,
+                scores,
+                idx_NK,
+                lambda: default_compute_topk(scores, topk, num_groups, group_topk)[1],
+            )
         return scores.gather(1, idx_NK), idx_NK
 
     # ----- record mode output ----------------------------------------------------------------

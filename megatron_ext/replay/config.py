@@ -33,7 +33,17 @@ class ReplayConfig:
     'native' lets the router decide them; 'balanced' fills a distinct top-k spread evenly over
     EP ranks for every EP size dividing the expert count."""
 
+    route_replay_check: bool = False
+    """With --route-replay-mode replay: count, on the device, the (token, layer) rows whose
+    routing Megatron's router used equals the replayed top-k, and those where the model's own
+    top-k would differ (one extra top-k per MoE layer); printed whenever Megatron logs."""
+
     def __post_init__(self) -> None:
+        if self.route_replay_check and self.route_replay_mode != "replay":
+            raise ValueError(
+                "--route-replay-check needs --route-replay-mode replay "
+                f"(got {self.route_replay_mode!r})"
+            )
         if self.route_replay_mode not in ("off", "record", "replay"):
             raise ValueError(
                 "--route-replay-mode must be 'off', 'record' or 'replay', "

@@ -17,12 +17,14 @@ Example::
     loss, num_tokens, report = loss_fn(output)
 """
 
+import json
 from collections.abc import Hashable, Iterator
 from functools import partial
 from typing import Any
 
 import torch
 
+from megatron_ext.config import MoEAlignmentConfig
 from megatron_ext.training import run_state
 
 
@@ -70,6 +72,7 @@ def begin_micro_batch(args: Any) -> tuple[Hashable, bool]:
         finished, run.iteration, run.position = run.iteration, iteration, 0
         if finished is not None:
             log_expert_load(args, finished)
+            log_replay_check(args, finished)
     key = (iteration, run.position)
     run.position += 1
     return key, first
@@ -147,6 +150,10 @@ def log_expert_load(args: Any, iteration: int) -> dict[str, Any] | None:
     scalars = {k: v for k, v in summary.items() if isinstance(v, float)}
     worst = max((v for k, v in scalars.items() if k.endswith("rank_max_vio")), default=0.0)
     print_rank_0(f"megatron_ext expert load: worst EP-rank max_vio {worst:.3f}")
+    path = run_state.configs(args)[MoEAlignmentConfig].moe_expert_load_log
+    if path and torch.distributed.get_rank() == 0:
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(json.dumps({"iteration": iteration + 1, **summary}) + "\n")
     writer, wandb = get_tensorboard_writer(), get_wandb_writer()
     for name, value in scalars.items():
         if writer is not None:
@@ -154,3 +161,32 @@ def log_expert_load(args: Any, iteration: int) -> dict[str, Any] | None:
     if wandb is not None:
         wandb.log({f"expert_load/{k}": v for k, v in scalars.items()}, iteration + 1)
     return summary
+
+
+def log_replay_check(args: Any, iteration: int) -> tuple[int, int, int] | None:
+    """After a log iteration with ``--route-replay-check``: how many replayed routes Megatron used.
+
+    NOTE: device-to-host sync (``ReplayCheck.take``), only every ``--log-interval``.
+    """
+    check = run_state.state(args).replay_check
+    if check is None or (iteration + 1) % args.log_interval:
+        return None
+    from megatron.core import parallel_state
+    from megatron.training import print_rank_0
+
+    rows, matched, differs = check.take(parallel_state.get_data_parallel_group())
+    print_rank_0(
+        f"megatron_ext replay check: {matched}/{rows} (token, layer) routes replayed exactly; "
+        f"the model's own router would have chosen differently on {differs}"
+    )
+    return rows, matched, differs
+
+
+def flush_logs(args: Any) -> None:
+    """Logs the last training iteration's expert load and replay check (the loop has ended, so no
+    next step starts to trigger them)."""
+    run = run_state.state(args)
+    if run.iteration is not None:
+        log_expert_load(args, run.iteration)
+        log_replay_check(args, run.iteration)
+        run.iteration = None

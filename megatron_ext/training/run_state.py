@@ -36,6 +36,7 @@ class RunState:
     #: ``--cpu`` with fp8/fp4: the quantized precision the MoE layers rehearse (cpu_rehearsal).
     rehearsal: dict[str, Any] | None = None
     rehearsal_log: Any = None
+    replay_check: Any = None
 
 
 _STATE: RunState | None = None
@@ -75,7 +76,13 @@ def bind_replay(model: Any, replay: ReplayConfig) -> Any:
         replay.route_replay_mode,
         missing_route_policy=replay.replay_missing_route_policy,
     )
-    state(get_args()).replay_bindings.append(binding)
+    run = state(get_args())
+    run.replay_bindings.append(binding)
+    if replay.route_replay_check:
+        from megatron_ext.replay.replay_check import ReplayCheck
+
+        run.replay_check = run.replay_check or ReplayCheck()
+        run.replay_check.attach(binding)
     return binding
 
 

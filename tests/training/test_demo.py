@@ -1,14 +1,20 @@
-"""Tier: gloo ranks. The CPU main job: its JSON summary carries the promised fields and its checks hold."""
+"""Tier: subprocesses (Megatron's real training loop, 2 gloo ranks, three launches of examples/cpu_demo.sh).
+
+The CPU main job: its JSON summary carries the promised fields, comes from the real loop, and its checks
+hold; the interesting cases occurred (rows mostly padding, constant pads skew per-expert load, the
+replaying model would have routed differently).
+"""
 
 import argparse
 import json
 
-from megatron_ext.training.demo import LOSS_TOLERANCE, main
+from megatron_ext.training.demo import LOSS_TOLERANCE, TRAINING_LOOP, main
 
 
-def test_demo_runs_its_checks_and_writes_json_and_png(tmp_path, capsys) -> None:
+def test_demo_runs_the_real_loop_and_its_checks_hold(tmp_path, capsys) -> None:
     out, png = tmp_path / "demo.json", tmp_path / "load.png"
-    status = main(argparse.Namespace(steps=2, json=str(out), png=str(png)))
+    args = argparse.Namespace(steps=3, json=str(out), png=str(png), workdir=str(tmp_path / "work"))
+    status = main(args)
     printed = capsys.readouterr().out
     summary = json.loads(out.read_text())
     assert status == 0, printed
@@ -20,17 +26,21 @@ def test_demo_runs_its_checks_and_writes_json_and_png(tmp_path, capsys) -> None:
         "replay_match_rate",
     ):
         assert key in summary
+    assert summary["training_loop"] == TRAINING_LOOP == "megatron.training.pretrain"
+    assert summary["iterations"] == 3 and len(summary["losses_self"]) == 3
     assert summary["loss_equal"] and summary["loss_max_abs_diff"] <= LOSS_TOLERANCE
-    assert (
-        len(summary["losses_self"]) == 2 and summary["losses_self"][1] < summary["losses_self"][0]
-    )
-    # The interesting case occurred: rows are mostly padding and constant pads skew EP-rank load.
-    assert summary["pad_fraction"] >= 0.5
-    assert summary["peak_over_mean_constant"] > summary["peak_over_mean_self"]
-    assert summary["replay_match_rate"] == 1.0 and summary["natural_routing_changed"] > 0.3
-    assert summary["alignment_ok"] and all(
-        g % 16 == 0 for layer in summary["alignment_groups"] for g in layer
-    )
+    assert summary["losses_self"][-1] < summary["losses_self"][0]
+    # The interesting case occurred: rows are largely padding and constant pads pile onto experts.
+    assert summary["pad_fraction"] >= 0.4
+    assert summary["expert_peak_over_mean_constant"] > summary["expert_peak_over_mean_self"] + 0.3
+    assert summary["replay_rows"] > 0 and summary["replay_match_rate"] == 1.0
+    assert summary["natural_routing_changed"] > 0.2
+    assert summary["alignment_ok"] and summary["alignment_multiple"] == [16]
+    assert all(g % 16 == 0 for rank in summary["alignment_groups"] for g in rank)
     assert all(summary["checks"].values())
     assert png.stat().st_size > 10_000  # a real plot, not an empty file
-    assert "[ok] loss identical under both pad policies" in printed
+    assert "[ok] loss equal under both pad policies" in printed
+    # The three launches' logs were kept in --workdir, with the recorded route sidecar.
+    work = tmp_path / "work"
+    assert {"constant.log", "self.log", "replay.log"} <= {p.name for p in work.iterdir()}
+    assert (work / "corpus_routes.bin").stat().st_size > 0
