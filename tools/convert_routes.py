@@ -11,6 +11,9 @@ Formats (one document per JSONL line, in the order of the token documents):
              "dtype": "uint8"}, "num_tokens": T or "token_ids": [...]}
   megatron  {"prompt_moe_topk_indices": [...], "moe_topk_indices": [...], "num_tokens": T
              or "token_ids": [...]} (Megatron inference; T - 1 rows in total)
+  sglang    SGLang /generate responses {"meta_info": {"routed_experts": base64 of int32
+             [T-1, L, K] or nested lists, "prompt_tokens": P, "completion_tokens": C}, ...}
+             with T = P + C, or samples {"tokens" or "token_ids": [...], "meta_info": {...}}
   npy       one .npy [T, L, K] per --input (repeat --input for several documents)
   safetensors  one file, one tensor [T, L, K] per document, keyed "0".."N-1" (numeric order)
 T - 1 rows get a final missing row; the policy decides it (and tool tokens, pads) at train time
@@ -20,6 +23,19 @@ payload dtype's maximum too); ids are never rounded or cast, and num_tokens must
 token_ids. The output gets a header PREFIX.routes.json (L, K, E) that the dataset checks; an
 existing output is refused unless --overwrite. Errors are one line (file:line or file and key),
 exit status 2; --debug shows the traceback.
+
+Field names and layouts were checked against the engines' source (read, not run):
+  vLLM     vllm/outputs.py at commit 003d3ee2: CompletionOutput.routed_experts, an array
+           [seq_len, layer_num, topk] (the base64 {"data", "shape", "dtype"} object is
+           prime-rl's wire form of it; OpenAI-style responses add a top-level
+           prompt_routed_experts, which this tool does not read).
+  SGLang   python/sglang/srt/layers/moe/routed_experts_capturer.py at commit d4d0fc58
+           (int32 host buffer [tokens, num_hidden_layers, topk]; a request's routes are its
+           seqlen - 1 rows; extract_routed_experts_from_meta_info decodes base64 -> int32), and
+           python/sglang/srt/managers/{tokenizer,detokenizer}_manager.py of a recent main
+           (stored copy, commit not recorded): meta_info["routed_experts"] = base64 of the
+           tensor's bytes.
+           SGLang's L is num_hidden_layers: for a model whose every layer is MoE, --num-layers.
 """
 
 import argparse
@@ -43,6 +59,7 @@ from megatron_ext.replay.rollout_routes import (
 )
 from megatron_ext.replay.route_file import HEADER_EXTENSION
 from megatron_ext.replay.routes import route_dtype
+from megatron_ext.replay.sglang_routes import decode_sglang_record
 
 OUTPUT_EXTENSIONS = (".bin", ".idx", HEADER_EXTENSION)
 
@@ -51,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The tool's arguments."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--input", required=True, action="append", help="input file (repeatable)")
-    p.add_argument("--format", required=True, choices=["vllm", "megatron", "npy", "safetensors"])
+    p.add_argument(
+        "--format", required=True, choices=["vllm", "megatron", "sglang", "npy", "safetensors"]
+    )
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin/.idx")
     p.add_argument("--num-layers", type=int, required=True, help="MoE layers L (MTP excluded)")
     p.add_argument("--topk", type=int, required=True, help="experts per token K")
@@ -103,8 +122,13 @@ def _load_npy(path: str) -> np.ndarray:
     return array
 
 
-def read_documents(paths: list[str], fmt: str) -> Iterator[tuple[str, np.ndarray, int | None]]:
-    """Yields ``(name, rows_TLK, num_tokens or None)`` per document, in order."""
+def read_documents(
+    paths: list[str], fmt: str, *, num_layers: int = 0, topk: int = 0
+) -> Iterator[tuple[str, np.ndarray, int | None]]:
+    """Yields ``(name, rows_TLK, num_tokens or None)`` per document, in order.
+
+    ``num_layers`` and ``topk`` shape SGLang's base64 payloads, which carry no shape.
+    """
     for path in paths:
         if fmt == "npy":
             yield path, _load_npy(path), None
@@ -121,7 +145,7 @@ def read_documents(paths: list[str], fmt: str) -> Iterator[tuple[str, np.ndarray
                         raise ValueError(f"{name}: not UTF-8 ({err.reason})") from err
                     if not line.strip():
                         continue
-                    yield (name, *_decode_line(line, fmt, name))
+                    yield (name, *_decode_line(line, fmt, name, num_layers, topk))
 
 
 _ROUTE_KEYS = {
@@ -130,12 +154,16 @@ _ROUTE_KEYS = {
 }
 
 
-def _decode_line(line: str, fmt: str, name: str) -> tuple[np.ndarray, int | None]:
+def _decode_line(
+    line: str, fmt: str, name: str, num_layers: int, topk: int
+) -> tuple[np.ndarray, int | None]:
     """One JSONL record -> ``(rows_TLK, num_tokens or None)``; errors name ``file:line``."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{name}: not valid JSON ({exc})") from exc
+    if fmt == "sglang":
+        return decode_sglang_record(record, num_layers=num_layers, topk=topk, name=name)
     keys = _ROUTE_KEYS[fmt]
     if not isinstance(record, dict) or not any(key in record for key in keys):
         raise ValueError(
@@ -180,7 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         del tokens
     totals, docs = RepairCounts(), []
     stream = tqdm(
-        read_documents(args.input, args.format), desc="routes", unit="doc", disable=args.no_progress
+        read_documents(args.input, args.format, num_layers=args.num_layers, topk=args.topk),
+        desc="routes",
+        unit="doc",
+        disable=args.no_progress,
     )
     for index, (name, rows, num_tokens) in enumerate(stream):
         if token_lengths is not None:
