@@ -18,7 +18,9 @@ setup(
     install_requires=["torch>=2.6", "megatron-core>=0.19.2,<0.20", "numpy"],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6"],
-        "tools": ["tqdm", "matplotlib"],
+        # tokenizers: tools/preprocess_data.py --tokenizer-file; transformers: Megatron's
+        # --tokenizer-type HuggingFaceTokenizer (AutoTokenizer) on a local tokenizer directory.
+        "tools": ["tqdm", "matplotlib", "tokenizers>=0.21", "transformers>=4.51"],
         # GPU users only: importing a transformer-engine that cannot find CUDA raises RuntimeError and takes
         # `import megatron.core` down with it, so never install this extra on a CPU machine.
         "te": ["transformer-engine[pytorch]>=2.6"],

@@ -7,7 +7,8 @@
 
 Outputs are written to temporary files and renamed at the end (a job reading the old files keeps
 them); an existing output prefix is refused unless --overwrite, which also removes a stale
-loss-mask sidecar of the prefix. Token ids are stored exactly (uint16, else int32) or refused.
+loss-mask sidecar of the prefix. --tokenizer-file takes a tokenizer.json or a Hugging Face
+tokenizer directory (its tokenizer_config.json eos_token is the default --eod-id). Token ids are stored exactly (uint16, else int32) or refused.
 Errors are one line (file:line, flag), exit status 2; --debug shows the traceback.
 """
 
@@ -40,10 +41,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--response-key", help="field with the response (trained on)")
     p.add_argument(
         "--tokenizer-file",
-        help="local Hugging Face tokenizer.json; default: built-in byte-level (vocab 257)",
+        "--tokenizer-model",
+        dest="tokenizer_file",
+        help="local Hugging Face tokenizer.json, or a tokenizer directory (save_pretrained "
+        "layout,\nthe DIR of Megatron's --tokenizer-type HuggingFaceTokenizer --tokenizer-model "
+        "DIR);\ndefault: built-in byte-level (vocab 257)",
     )
     p.add_argument("--append-eod", action="store_true", help="end every document with --eod-id")
-    p.add_argument("--eod-id", type=int, default=None, help=f"default {BYTE_EOD_ID} (byte-level)")
+    p.add_argument(
+        "--eod-id",
+        type=int,
+        default=None,
+        help=f"default {BYTE_EOD_ID} (byte-level), or the eos_token of a tokenizer directory",
+    )
     p.add_argument(
         "--loss-mask-suffix",
         default="_loss_mask",
@@ -105,12 +115,21 @@ def main(argv: list[str] | None = None) -> int:
         print("warning: --eod-id has no effect without --append-eod", file=sys.stderr)
     outputs = check_outputs(args)
     if args.tokenizer_file is not None:
-        if not os.path.isfile(args.tokenizer_file):
+        if not os.path.exists(args.tokenizer_file):
             raise ValueError(f"--tokenizer-file {args.tokenizer_file} does not exist")
-        tokenize = hf_tokenizer(args.tokenizer_file)
-        eod_id = args.eod_id
+        hf = hf_tokenizer(args.tokenizer_file)
+        tokenize = hf.tokenize
+        eod_id = hf.eos_id if args.eod_id is None else args.eod_id
         if args.append_eod and eod_id is None:
-            raise ValueError("--append-eod with --tokenizer-file needs --eod-id")
+            raise ValueError(
+                "--append-eod with --tokenizer-file needs --eod-id (or a tokenizer directory "
+                "whose tokenizer_config.json names an eos_token)"
+            )
+        if args.append_eod and eod_id >= hf.vocab_size:
+            raise ValueError(
+                f"--eod-id {eod_id} is outside the vocabulary of --tokenizer-file "
+                f"{args.tokenizer_file} ({hf.vocab_size} ids)"
+            )
     else:
         tokenize, eod_id = (
             byte_tokenizer,

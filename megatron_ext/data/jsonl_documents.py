@@ -1,7 +1,9 @@
 """JSONL records -> token documents (+ per-token loss mask), for ``tools/preprocess_data.py``.
 
 Tokenizers run locally: the built-in byte-level one (UTF-8 bytes, ids 0..255, end-of-document
-id 256) or a Hugging Face ``tokenizer.json`` file (needs the ``tokenizers`` package; no network).
+id 256), or a Hugging Face ``tokenizer.json`` file or tokenizer directory (the layout
+``save_pretrained`` writes, which Megatron's ``--tokenizer-type HuggingFaceTokenizer
+--tokenizer-model DIR`` loads; needs the ``tokenizers`` package; no network).
 A record is either ``{"text": ...}`` (every token trained on) or ``{"prompt": ..., "response":
 ...}`` (prompt tokens get loss mask 0)::
 
@@ -9,8 +11,11 @@ A record is either ``{"text": ...}`` (every token trained on) or ``{"prompt": ..
                                                 mask   [ 0  0 ...  1  1   1]
 """
 
+import dataclasses
 import json
+import os
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -25,25 +30,75 @@ def byte_tokenizer(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
 
 
-def hf_tokenizer(path: str) -> Tokenize:
-    """A tokenizer from a local Hugging Face ``tokenizer.json`` (no special tokens added).
+@dataclasses.dataclass(frozen=True)
+class HFTokenizer:
+    """A local Hugging Face tokenizer, as :func:`hf_tokenizer` loads it."""
+
+    tokenize: Tokenize
+    """Text -> ids (int64), no special tokens added."""
+    vocab_size: int
+    """Ids the tokenizer can produce, added tokens included."""
+    eos_id: int | None
+    """Id of the directory's ``eos_token`` (``tokenizer_config.json``); None for a bare file."""
+
+
+def hf_tokenizer(path: str, flag: str = "--tokenizer-file") -> HFTokenizer:
+    """A tokenizer from a local ``tokenizer.json`` or a Hugging Face tokenizer directory.
+
+    A directory is read as ``DIR/tokenizer.json`` (the vocabulary and merges) and
+    ``DIR/tokenizer_config.json`` (its ``eos_token``, the end-of-document token), the files
+    ``save_pretrained`` writes and Megatron's ``HuggingFaceTokenizer`` loads.
 
     Raises:
-        ValueError: The file is missing/unreadable or the ``tokenizers`` package is absent.
+        ValueError: A missing/unreadable file, an ``eos_token`` outside the vocabulary, or the
+            ``tokenizers`` package absent; the message names ``flag`` and the file.
     """
     try:
         from tokenizers import Tokenizer
     except ImportError as err:
         raise ValueError(
-            f"--tokenizer-file {path} needs the 'tokenizers' package (pip install tokenizers)"
+            f"{flag} {path} needs the 'tokenizers' package (pip install -e .[tools])"
         ) from err
+    file, config = path, None
+    if os.path.isdir(path):
+        file = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(file):
+            raise ValueError(
+                f"{flag} {path} is a directory without tokenizer.json (a Hugging Face tokenizer "
+                "directory as save_pretrained writes it; slow-only tokenizers are not supported)"
+            )
+        config = os.path.join(path, "tokenizer_config.json")
     try:
-        tok = Tokenizer.from_file(path)
+        tok = Tokenizer.from_file(file)
     except Exception as err:  # the Rust library raises its own exception types
-        raise ValueError(
-            f"--tokenizer-file {path} is not a readable tokenizer.json: {err}"
-        ) from err
-    return lambda text: np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+        raise ValueError(f"{flag} {file} is not a readable tokenizer.json: {err}") from err
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    eos_id = None
+    if config is not None and os.path.isfile(config):
+        eos_id = _eos_id(tok, config, flag)
+
+    def tokenize(text: str) -> np.ndarray:
+        return np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+    return HFTokenizer(tokenize=tokenize, vocab_size=vocab_size, eos_id=eos_id)
+
+
+def _eos_id(tok: Any, config_path: str, flag: str) -> int | None:
+    """The id of ``eos_token`` in ``tokenizer_config.json`` (a string or an AddedToken dict)."""
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{flag} {config_path} is not valid JSON ({err})") from err
+    eos = config.get("eos_token") if isinstance(config, dict) else None
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if eos is None:
+        return None
+    eos_id = tok.token_to_id(eos) if isinstance(eos, str) else None
+    if eos_id is None:
+        raise ValueError(f"{flag} {config_path}: eos_token {eos!r} is not in the vocabulary")
+    return int(eos_id)
 
 
 def read_documents(

@@ -107,24 +107,17 @@ def test_missing_input_file(tmp_path) -> None:
 
 
 def test_hf_tokenizer_file_round_trip(tmp_path) -> None:
-    tokenizers = pytest.importorskip("tokenizers")
+    import tokenizers  # in the tools extra and requirements/lock.txt: never skipped
     from tokenizers import models, pre_tokenizers
 
     tok = tokenizers.Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": "a b a c"}])
-    load_tool().main(
-        [
-            "--input",
-            src,
-            "--output-prefix",
-            str(tmp_path / "o"),
-            "--tokenizer-file",
-            str(tmp_path / "tokenizer.json"),
-        ]
-    )
-    assert IndexedDataset(str(tmp_path / "o"))[0].tolist() == [0, 1, 0, 2]
+    argv = ["--input", src, "--output-prefix", str(tmp_path / "o")]
+    assert load_tool().main([*argv, "--tokenizer-file", str(tmp_path / "tokenizer.json")]) == 0
+    ds = IndexedDataset(str(tmp_path / "o"))  # kept alive: ds[0] is a view of its mmap
+    assert ds[0].tolist() == [0, 1, 0, 2]  # "c" is unknown: [UNK] = 2
 
 
 def run_cli(argv: list[str]) -> tuple[int, str]:
