@@ -15,7 +15,8 @@ setup(
     python_requires=">=3.12",
     packages=find_packages(include=["megatron_ext", "megatron_ext.*"]),
     package_data={"megatron_ext": ["assets/*.jsonl"]},
-    install_requires=["torch>=2.6", "megatron-core>=0.19.2,<0.20", "numpy"],
+    # psutil: Megatron's torch_dist checkpoint writer needs it (filesystem_async) but does not declare it.
+    install_requires=["torch>=2.6", "megatron-core>=0.19.2,<0.20", "numpy", "psutil"],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6"],
         # tokenizers: tools/preprocess_data.py --tokenizer-file; transformers: Megatron's

@@ -6,9 +6,10 @@
 #   group reaching the grouped GEMM is padded to 16 and checked). `make demo` runs it three times:
 #   constant pads, self pads + route recording, replay of the recorded routes.
 # Hardware: any machine, CPU only, 2 processes over gloo (--cpu). Copy it to try a launch before a cluster.
-# Command: DATA=<prefix from tools/preprocess_data.py> bash examples/cpu_demo.sh [more flags, last wins]
+# Command: DATA=<dir> bash examples/cpu_demo.sh [more flags, last wins]   (DATA/corpus_text_document is
+#   tools/preprocess_data.py --append-eod output; DRY_RUN=1 validates every flag and exits)
 set -euo pipefail
-DATA=${DATA:?set DATA to a token data prefix written by tools/preprocess_data.py}
+DATA=${DATA:?set DATA to the directory holding corpus_text_document.bin/.idx}
 NPROC=${NPROC:-2}
 PYTHON=${PYTHON:-python3}
 MASTER_PORT=${MASTER_PORT:-29500}
@@ -26,12 +27,15 @@ ARGS=(
   # fp8 rehearsal: groups aligned to 16 after dispatch, checked by the grouped-GEMM backend
   --fp8-format e4m3 --fp8-recipe tensorwise --moe-dispatch-align
   # data: one document per row (rollouts), self-token padding to the sequence length
-  --data-path "$DATA" --split 100,0,0 --tokenizer-type NullTokenizer --vocab-size 257
+  --data-path "$DATA/corpus_text_document" --split 100,0,0 --tokenizer-type NullTokenizer --vocab-size 257
   --pack-documents --packing-window 1 --pad-to-seq-len --pack-overlong-policy truncate
   --pad-policy self --moe-expert-load-metrics
   # training
   --micro-batch-size 2 --global-batch-size 4 --train-iters 6 --lr 3e-3 --lr-decay-style constant
   --seed 7 --log-interval 1 --eval-iters 0 --eval-interval 1000
 )
+if [ "${DRY_RUN:-0}" = "1" ]; then
+  WORLD_SIZE=$NPROC RANK=0 exec "$PYTHON" -m megatron_ext.pretrain_gpt "${ARGS[@]}" "$@" --dry-run
+fi
 exec "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" --master-port "$MASTER_PORT" \
   -m megatron_ext.pretrain_gpt "${ARGS[@]}" "$@"

@@ -20,6 +20,9 @@ _GPU_ONLY: tuple[tuple[str, object, str, str], ...] = (
     ("external_cuda_graph", True, "--external-cuda-graph", "drop it (CUDA graphs)"),
     ("use_torch_fsdp2", True, "--use-torch-fsdp2", "drop it"),
     ("use_megatron_fsdp", True, "--use-megatron-fsdp", "drop it"),
+    ("ckpt_fully_parallel_load", True, "--ckpt-fully-parallel-load",
+     "drop it (Megatron moves loaded shards with .cuda())"),
+    ("async_save", True, "--async-save", "drop it (needs nvidia-resiliency-ext and CUDA)"),
 )  # fmt: skip
 
 

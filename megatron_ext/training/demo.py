@@ -52,7 +52,7 @@ _REHEARSAL = re.compile(
 def _launch(flags: list[str], data: str, log_name: str, workdir: Path) -> LoopRun:
     env = {
         **os.environ,
-        "DATA": data,
+        "DATA": str(Path(data).parent),
         "PYTHON": sys.executable,
         "MASTER_PORT": str(free_port()),
         "TORCHDYNAMO_DISABLE": "1",
@@ -228,7 +228,7 @@ def plot_load(summary: dict[str, Any], path: str) -> None:
 
 def run_demo(steps: int, workdir: Path) -> tuple[dict[str, LoopRun], dict[str, Any]]:
     """Preprocesses the corpus and runs the three launches in ``workdir``; returns runs and loads."""
-    prefix = str(workdir / "corpus")
+    prefix = str(workdir / "corpus_text_document")
     corpus = ROOT / "megatron_ext" / "assets" / "corpus.jsonl"
     tool = ROOT / "tools" / "preprocess_data.py"
     if not tool.exists():

@@ -160,9 +160,6 @@ def test_resume_packed_documents_with_replayed_routes_torch_format(routed_prefix
 
 def test_resume_self_padded_gpt_dataset_torch_dist_format(corpus_prefix, tmp_path) -> None:
     """``torch_dist`` format (sync, fully parallel save); the default self-padded ``GPTDataset``."""
-    pytest.importorskip(
-        "psutil", reason="torch_dist saves need psutil, which megatron-core does not declare"
-    )
     args = ["--data-path", corpus_prefix, "--ckpt-format", "torch_dist"]
     reference, resumed = _uninterrupted_and_resumed(args, tmp_path)
     assert "building SelfPaddedGPTDataset" in resumed.output

@@ -43,4 +43,4 @@ def test_demo_runs_the_real_loop_and_its_checks_hold(tmp_path, capsys) -> None:
     # The three launches' logs were kept in --workdir, with the recorded route sidecar.
     work = tmp_path / "work"
     assert {"constant.log", "self.log", "replay.log"} <= {p.name for p in work.iterdir()}
-    assert (work / "corpus_routes.bin").stat().st_size > 0
+    assert (work / "corpus_text_document_routes.bin").stat().st_size > 0

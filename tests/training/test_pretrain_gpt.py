@@ -94,6 +94,7 @@ REPLAY_ARGS = [
 def data_prefix(tmp_path_factory) -> str:
     """Corpus documents as a token IndexedDataset plus an aligned route sidecar (random valid routes)."""
     from megatron_ext.data.indexed_writer import write_documents
+    from megatron_ext.replay.route_dataset import write_route_sidecar
     from megatron_ext.training.corpus import corpus_documents
 
     prefix = str(tmp_path_factory.mktemp("data") / "corpus_text_document")
@@ -104,7 +105,9 @@ def data_prefix(tmp_path_factory) -> str:
         np.argsort(rng.random((d.size, NUM_LAYERS, EXPERTS)), axis=-1)[..., :TOPK].astype(np.uint8)
         for d in docs
     ]
-    write_documents(prefix + "_routes", routes, np.uint8)
+    write_route_sidecar(
+        prefix + "_routes", routes, num_layers=NUM_LAYERS, topk=TOPK, num_experts=EXPERTS
+    )
     return prefix
 
 
@@ -306,16 +309,29 @@ def _dry_run(script: Path, data_dir: Path) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def example_data(tmp_path_factory, data_prefix) -> Path:
     """DATA for the examples: the files they name exist (the dry run checks route sidecars)."""
+    from megatron_ext.data.indexed_writer import write_documents
+    from megatron_ext.replay.route_file import HEADER_EXTENSION
+    from megatron_ext.training.corpus import corpus_documents
+
     data = tmp_path_factory.mktemp("example_data")
-    for name in ("rollouts_text_document", "rollouts_text_document_routes"):
-        source = data_prefix + ("_routes" if name.endswith("_routes") else "")
+    names = ["web_text_document", "code_text_document", "chat_text_document", "corpus_text_document"]
+    for name in [*names, "rollouts_text_document"]:
         for ext in (".bin", ".idx"):
-            shutil.copy(source + ext, data / f"{name}{ext}")
+            shutil.copy(data_prefix + ext, data / f"{name}{ext}")
+    for ext in (".bin", ".idx", HEADER_EXTENSION):
+        shutil.copy(data_prefix + "_routes" + ext, data / f"rollouts_text_document_routes{ext}")
+    masks = [np.ones(d[:90].size, dtype=np.uint8) for d in corpus_documents()[:80]]
+    write_documents(str(data / "chat_text_document_loss_mask"), masks, np.uint8)
     return data
 
 
 def test_there_are_three_examples() -> None:
-    assert EXAMPLES == ["pretrain_moe_blended.sh", "rl_route_replay.sh", "sft_fp8_moe_packed.sh"]
+    assert EXAMPLES == [
+        "cpu_demo.sh",
+        "pretrain_moe_blended.sh",
+        "rl_route_replay.sh",
+        "sft_fp8_moe_packed.sh",
+    ]
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
@@ -445,7 +461,7 @@ def test_context_parallelism_is_refused_at_argument_time(monkeypatch) -> None:
         configs_from_args(args)
 
 
-def test_record_mode_needs_one_data_prefix(monkeypatch, tmp_path) -> None:
+def test_record_mode_needs_one_data_prefix(monkeypatch, tmp_path, data_prefix) -> None:
     from megatron.training.arguments import parse_args
 
     from megatron_ext.arguments import add_megatron_ext_args, configs_from_args
@@ -459,9 +475,9 @@ def test_record_mode_needs_one_data_prefix(monkeypatch, tmp_path) -> None:
         str(tmp_path / "r"),
         "--data-path",
         "0.5",
-        "/a",
+        data_prefix,
         "0.5",
-        "/b",
+        data_prefix + "_routes",  # an existing second prefix: the count is what is refused
     ]
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt", *argv])
     with pytest.raises(ValueError, match="exactly one --data-path prefix"):
