@@ -28,7 +28,7 @@ $(STAMP): requirements/lock.txt setup.py
 	touch $(STAMP)
 
 demo: setup
-	$(VENV)/bin/megatron-ext demo
+	$(VENV)/bin/megatron-ext demo --overwrite --json out/demo.json
 
 test: setup
 	TORCHDYNAMO_DISABLE=1 $(PY) -m pytest -q

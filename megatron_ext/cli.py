@@ -4,10 +4,14 @@ import argparse
 import os
 import sys
 
+import megatron_ext.cli_quiet  # noqa: F401  (first: hides inapplicable warnings unless --verbose)
+
 
 def build_parser() -> argparse.ArgumentParser:
     """Parser for ``megatron-ext``."""
     parser = argparse.ArgumentParser(prog="megatron-ext", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    parser.add_argument("--verbose", action="store_true", help="show every warning")
     sub = parser.add_subparsers(dest="command", required=True)
 
     bench = sub.add_parser("bench", help="run benchmarks side by side and write docs/BENCHMARKS.md")
@@ -25,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--workdir", metavar="DIR", help="keep data and logs here (an empty or new directory)"
     )
+    demo.add_argument("--overwrite", action="store_true", help="replace an existing --json/--png")
     demo.add_argument("--json", metavar="PATH", help="write the summary as JSON")
     demo.add_argument(
         "--png", metavar="PATH", default="out/demo_load.png", help="per-expert load plot"
@@ -34,15 +39,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``megatron-ext`` console script."""
+    from megatron_ext.data.tool_errors import run_tool
+
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     args = build_parser().parse_args(argv)
-    if args.command == "bench":
-        from megatron_ext.bench.report import main as bench_main
 
-        return bench_main(args)
-    from megatron_ext.training.demo import main as demo_main
+    def run(_: list[str] | None) -> int:
+        if args.command == "bench":
+            from megatron_ext.bench.report import main as bench_main
 
-    return demo_main(args)
+            return bench_main(args)
+        from megatron_ext.training.demo import main as demo_main
+
+        return demo_main(args)
+
+    return run_tool(run, argv)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from megatron_ext.quiet import quiet_warnings
 #: What ``--cpu`` implies, put before the user's flags: gloo, and the unfused local equivalents of
 #: Megatron's fused GPU kernels (same math; the fused ones need CUDA, Apex or Transformer Engine).
 CPU_IMPLIED_FLAGS: tuple[str, ...] = (
-    "--distributed-backend", "gloo",
+    "--distributed-backend", "gloo", "--no-one-logger",
     "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-rope-fusion",
     "--no-persist-layer-norm", "--no-bias-swiglu-fusion", "--no-bias-gelu-fusion",
     "--no-bias-dropout-fusion",

@@ -18,11 +18,18 @@ QUIET_WARNINGS: tuple[str, ...] = (
     "absl.logging is not installed",
     "Apex is not installed",
     "Transformer Engine is not installed",
+    "Only transformer-engine>=1.7.0 supports MoE experts",  # local experts: what --cpu uses
+    "'pin_memory' argument is set as true but no accelerator is found",  # CPU run: nothing to pin
+    "MimoModelConfig is experimental",  # imported by Megatron, never used by megatron_ext
+    "\n        It is recommended to use a ModelConfig",  # megatron_ext's provider, not the user's choice
+    "`torch.distributed.all_gather_into_tensor` is deprecated",  # inside Megatron, not user code
 )
 
 #: Log records (logger name, message prefix) that never apply.
 QUIET_LOGS: tuple[tuple[str, str], ...] = (
     ("torch.utils.cpp_extension", "No CUDA runtime is found"),  # CPU machine: expected
+    # The user chose GPTModel on purpose (no --hybrid-layer-pattern); megatron_ext supports both.
+    ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),
 )
 
 

@@ -29,6 +29,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 )
 from tqdm import tqdm
 
+import megatron_ext.cli_quiet  # noqa: F401  (first: hides inapplicable warnings unless --verbose)
 from megatron_ext.data.indexed_checks import open_indexed
 from megatron_ext.data.pack_planning import (
     OVERLONG_POLICIES,

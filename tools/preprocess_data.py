@@ -20,6 +20,7 @@ import sys
 import numpy as np
 from tqdm import tqdm
 
+import megatron_ext.cli_quiet  # noqa: F401  (first: hides inapplicable warnings unless --verbose)
 from megatron_ext.data.indexed_writer import write_documents
 from megatron_ext.data.jsonl_documents import (
     BYTE_EOD_ID,

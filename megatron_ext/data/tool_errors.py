@@ -15,8 +15,14 @@ from collections.abc import Callable
 
 
 def add_common_flags(parser: argparse.ArgumentParser, overwrite: bool = True) -> None:
-    """Adds ``--debug`` (and ``--overwrite``) to a tool's parser."""
+    """Adds ``--debug``, ``--verbose`` (and ``--overwrite``) to a tool's parser."""
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show every warning (by default those that do not apply, e.g. a missing Transformer "
+        "Engine on a CPU machine, are hidden)",
+    )
     if overwrite:
         parser.add_argument(
             "--overwrite",
@@ -37,6 +43,10 @@ def one_line(err: BaseException) -> str:
 def run_tool(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
     """Runs ``main(argv)``; a ``ValueError`` / ``OSError`` becomes one stderr line and status 2."""
     args = sys.argv[1:] if argv is None else argv
+    if "--verbose" not in args:
+        from megatron_ext.quiet import quiet_warnings
+
+        quiet_warnings()
     try:
         return main(argv)
     except (ValueError, OSError) as err:

@@ -222,8 +222,10 @@ def plot_load(summary: dict[str, Any], path: str) -> None:
     ax.legend()
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    temp = f"{path}.tmp-{os.getpid()}.png"
+    fig.savefig(temp, dpi=110)
     plt.close(fig)
+    os.replace(temp, path)  # written whole, or not at all
 
 
 def run_demo(steps: int, workdir: Path) -> tuple[dict[str, LoopRun], dict[str, Any]]:
@@ -261,6 +263,14 @@ def run_demo(steps: int, workdir: Path) -> tuple[dict[str, LoopRun], dict[str, A
 
 def main(args: argparse.Namespace) -> int:
     """Runs the demo; exit status 1 if a check fails."""
+    from megatron_ext.data.safe_files import atomic_write_bytes, check_output_file
+
+    png = getattr(args, "png", None) or "out/demo_load.png"
+    overwrite = getattr(args, "overwrite", False)
+    for flag, path in (("--png", png), ("--json", args.json)):
+        if path:  # checked before minutes of training, not after
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            check_output_file(path, flag=flag, overwrite=overwrite)
     start = time.perf_counter()
     print(
         f"megatron_ext demo: {TRAINING_LOOP} on CPU (--cpu), tiny MoE HybridModel, EP={EP}, "
@@ -282,11 +292,9 @@ def main(args: argparse.Namespace) -> int:
     summary = summarize(runs, loads)
     summary["wall_seconds"] = seconds
     print(report(summary, seconds))
-    png = getattr(args, "png", None) or "out/demo_load.png"
     plot_load(summary, png)
     print(f"per-expert load plot: {png}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(summary, indent=2))
+        atomic_write_bytes(args.json, json.dumps(summary, indent=2).encode())
         print(f"summary: {args.json}")
     return 0 if all(summary["checks"].values()) else 1
