@@ -1,0 +1,36 @@
+"""Tier: subprocesses. Tools hide only the warnings that do not apply; --verbose shows them (so the quiet
+default provably hides something)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+NOT_APPLICABLE = "Transformer Engine and Apex are not installed"
+
+
+def _help(*extra: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools/preprocess_data.py"), "--help", *extra],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return proc.stderr
+
+
+def test_tools_are_quiet_by_default_and_verbose_shows_everything():
+    assert NOT_APPLICABLE not in _help()
+    assert NOT_APPLICABLE in _help("--verbose")
+
+
+def test_real_warnings_still_show():
+    import warnings
+
+    from megatron_ext.quiet import quiet_warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        quiet_warnings()  # the filters sit on top of "default"
+        warnings.warn("Transformer Engine and Apex are not installed. Falling back", stacklevel=1)
+        warnings.warn("something the user must see", stacklevel=1)
+    assert [str(w.message) for w in caught] == ["something the user must see"]

@@ -1,0 +1,50 @@
+"""Tier: Megatron's argument parser on one process. ``--cpu`` refuses, at argument time, what needs a GPU,
+naming the flag; a CPU-runnable configuration passes; fp8 under --cpu needs the aligned grouped-GEMM path."""
+
+import argparse
+import sys
+
+import pytest
+
+from megatron_ext.training.cpu_args import check_cpu_args
+
+OK = dict(transformer_impl="local", distributed_backend="gloo", cuda_graph_impl="none")
+
+
+@pytest.mark.parametrize(
+    ("change", "flag"),
+    [
+        ({"transformer_impl": "transformer_engine"}, "--transformer-impl transformer_engine"),
+        ({"distributed_backend": "nccl"}, "--distributed-backend nccl"),
+        ({"cuda_graph_impl": "local"}, "--cuda-graph-impl local"),
+        ({"enable_cuda_graph": True}, "--enable-cuda-graph"),
+        ({"tp_comm_overlap": True}, "--tp-comm-overlap"),
+        ({"ckpt_fully_parallel_load": True}, "--ckpt-fully-parallel-load"),
+        ({"async_save": True}, "--async-save"),
+        ({"fp8": "e4m3", "moe_grouped_gemm": True}, "--moe-dispatch-align"),
+        ({"fp4": "e2m1", "moe_dispatch_align": True}, "--moe-grouped-gemm"),
+    ],
+)
+def test_refused_naming_the_flag(change, flag):
+    with pytest.raises(ValueError, match="--cpu") as err:
+        check_cpu_args(argparse.Namespace(**{**OK, **change}))
+    assert flag in str(err.value)
+
+
+def test_cpu_runnable_configuration_passes():
+    check_cpu_args(argparse.Namespace(**OK))
+    check_cpu_args(
+        argparse.Namespace(**OK, fp8="e4m3", moe_dispatch_align=True, moe_grouped_gemm=True)
+    )
+
+
+def test_megatrons_parser_default_transformer_engine_is_refused(monkeypatch):
+    """Through Megatron's real parser: its default --transformer-impl is transformer_engine."""
+    from megatron.training.arguments import parse_args
+
+    from megatron_ext.arguments import add_megatron_ext_args, configs_from_args
+
+    argv = ["x", "--cpu", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(ValueError, match="--cpu cannot run --transformer-impl transformer_engine"):
+        configs_from_args(parse_args(extra_args_provider=add_megatron_ext_args))
