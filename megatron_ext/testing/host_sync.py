@@ -133,8 +133,8 @@ class _DispatchSpy(TorchDispatchMode):
 def _moves_to_host(args: tuple, kwargs: dict) -> bool:
     """``t.to("cpu")`` / ``t.to(torch.device("cpu"))`` / ``t.to(device="cpu")``.
 
-    On CPU every tensor stands for a device tensor, so a CPU tensor's move to the host is flagged
-    too, with one exception: inside the Megatron modules where CPU mode turns
+    On a machine without CUDA every tensor stands for a device tensor, so a CPU tensor's move to
+    the host is flagged too, with one exception: inside the Megatron modules where CPU mode turns
     ``torch.cuda.current_device()`` into the string ``"cpu"`` (``megatron_ext.cpu``), a ``.to("cpu")``
     of a CPU tensor is that device placement, a no-op on a GPU.
     """
@@ -147,6 +147,8 @@ def _moves_to_host(args: tuple, kwargs: dict) -> bool:
         return False
     if source.device.type != "cpu":
         return True
+    if torch.cuda.is_available():
+        return False  # a host tensor on a GPU machine: a host-to-host no-op
     from megatron_ext.cpu import _CURRENT_DEVICE_USERS  # imports only torch
 
     placement = isinstance(device, str) and _caller()[1] in _CURRENT_DEVICE_USERS
