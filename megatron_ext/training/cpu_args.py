@@ -43,6 +43,21 @@ def check_cpu_args(args: argparse.Namespace) -> None:
                     f"grouped-GEMM experts: it needs {needed} (the model itself computes "
                     "unquantized on CPU)"
                 )
+    for dest, flag in (("bf16", "--bf16"), ("fp16", "--fp16")):
+        if getattr(args, dest, False):
+            raise ValueError(
+                f"--cpu cannot run {flag} yet: Megatron's Float16OptimizerWithFloat16Params accepts "
+                "only torch.cuda parameter types; drop it (the CPU run computes in fp32)"
+            )
+    if (
+        getattr(args, "sequence_parallel", False)
+        and (getattr(args, "tensor_model_parallel_size", 1) or 1) > 1
+    ):
+        raise ValueError(
+            "--cpu cannot run --sequence-parallel with --tensor-model-parallel-size > 1 yet: "
+            "Megatron's local (torch) norms refuse sequence parallelism; drop --sequence-parallel "
+            "or use --tensor-model-parallel-size 1"
+        )
     impl = getattr(args, "cuda_graph_impl", "none") or "none"
     if impl != "none":
         raise ValueError(f"--cpu cannot run --cuda-graph-impl {impl} (CUDA graphs): drop it")
