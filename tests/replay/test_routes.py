@@ -211,8 +211,11 @@ def test_balanced_fill_stays_balanced_across_the_packs_of_a_micro_batch(
     # Every pack has the same few missing rows (the common case: each pack's last token).
     # A layer-only phase gave each pack the same experts: with one missing row, K = 2, E = 8,
     # experts 0 and 4 took all 2 * num_packs slots. The per-pack seed spreads them over a
-    # golden-ratio sequence; 3 is the spread measured over runs of up to 64 consecutive packs
-    # (not a proven bound; within one pack the bound stays 1, tested above).
+    # golden-ratio sequence; 4 is the worst spread measured (not a proven bound; within one pack
+    # the bound stays 1, tested above) over every window of 2..64 consecutive packs starting at
+    # 0..100000 for E, K in (8, 1), (8, 2), (12, 1), (16, 3), and starting at 0..1500 for every
+    # E drawn here, K in 1, 2, 3, 8 and 1..3 missing rows. (3, claimed before, fails: E = 8, K = 1, 46
+    # packs from 6661 give 21 and 25 at EP = 2.)
     routes = missing_routes(missing_per_pack, 1, topk, route_dtype(num_experts, topk))
     packs = [
         fill_missing_balanced(routes, num_experts, seed=first_pack + p) for p in range(num_packs)
@@ -220,7 +223,7 @@ def test_balanced_fill_stays_balanced_across_the_packs_of_a_micro_batch(
     for ep in range(1, 65):
         if num_experts % ep == 0:
             counts = rank_counts(np.concatenate(packs), num_experts, ep)
-            assert counts.max() - counts.min() <= 3, (ep, counts)
+            assert counts.max() - counts.min() <= 4, (ep, counts)
 
 
 def test_balanced_fill_differs_per_pack_hand_worked():
