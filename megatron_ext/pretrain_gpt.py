@@ -110,6 +110,8 @@ def main() -> int:
         from megatron_ext.cpu_loop import enable_cpu_training
 
         enable_cpu_training()
+        # validate_args asserts it under TP/CP (a CUDA stream setting; nothing to tune on CPU).
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     args = parse_arguments(dry_run, cpu)
     try:
         resolved = resolved_configuration(args)

@@ -251,6 +251,10 @@ class LocalHybridStack(HybridStack):
         self.post_layer_norm = post_layer_norm
         if self.post_process and post_layer_norm:
             norm = get_gpt_layer_local_spec().submodules.input_layernorm
+            if self.config.sequence_parallel:
+                from megatron_ext.local_norms import with_sequence_parallel_norms
+
+                norm = with_sequence_parallel_norms(norm)
             self.final_norm = norm(
                 config=self.config,
                 hidden_size=self.config.hidden_size,

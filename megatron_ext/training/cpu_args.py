@@ -49,15 +49,6 @@ def check_cpu_args(args: argparse.Namespace) -> None:
                 f"--cpu cannot run {flag} yet: Megatron's Float16OptimizerWithFloat16Params accepts "
                 "only torch.cuda parameter types; drop it (the CPU run computes in fp32)"
             )
-    if (
-        getattr(args, "sequence_parallel", False)
-        and (getattr(args, "tensor_model_parallel_size", 1) or 1) > 1
-    ):
-        raise ValueError(
-            "--cpu cannot run --sequence-parallel with --tensor-model-parallel-size > 1 yet: "
-            "Megatron's local (torch) norms refuse sequence parallelism; drop --sequence-parallel "
-            "or use --tensor-model-parallel-size 1"
-        )
     impl = getattr(args, "cuda_graph_impl", "none") or "none"
     if impl != "none":
         raise ValueError(f"--cpu cannot run --cuda-graph-impl {impl} (CUDA graphs): drop it")

@@ -91,9 +91,29 @@ def model_inputs(batch: dict[str, torch.Tensor], args: Any) -> dict[str, Any]:
         }
         if "padding_mask" in batch:
             kwargs["padding_mask"] = batch["padding_mask"].to(torch.bool)
-        return kwargs
+        return _shard_padding_mask_for_hybrid_sp(kwargs, args)
     layout = "mask" if args.transformer_impl == "local" else "thd"
-    return gpt_forward_kwargs(batch, layout=layout)
+    kwargs = gpt_forward_kwargs(batch, layout=layout)
+    return _shard_padding_mask_for_hybrid_sp(kwargs, args)
+
+
+def _shard_padding_mask_for_hybrid_sp(kwargs: dict[str, Any], args: Any) -> dict[str, Any]:
+    """HybridModel under sequence parallelism: hand the routers this TP rank's slice of the pad mask.
+
+    ``GPTModel.forward`` scatters ``padding_mask`` along the sequence with the embedding output when
+    ``--sequence-parallel`` is on; megatron-core 0.19.2's ``HybridModel.forward`` passes it on whole,
+    so every MoE router (aux losses, z-loss, expert-bias counts) would see S tokens of mask for S/TP
+    tokens and fail on the shapes. The same scatter Megatron's GPTModel applies is applied here.
+    """
+    from megatron.training.utils import is_hybrid_model
+
+    mask = kwargs.get("padding_mask")
+    if mask is None or not args.sequence_parallel or not is_hybrid_model(args):
+        return kwargs
+    from megatron.core import tensor_parallel
+
+    scattered = tensor_parallel.scatter_to_sequence_parallel_region(mask.transpose(0, 1).contiguous())
+    return {**kwargs, "padding_mask": scattered.transpose(0, 1).contiguous()}
 
 
 def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:

@@ -45,6 +45,11 @@ def _aligned(spec: Any, args: argparse.Namespace) -> Any:
 
         # --cpu: the torch._grouped_mm backend stands in for Transformer Engine's grouped GEMM.
         spec = with_grouped_mm_experts(spec)
+    if args.sequence_parallel and args.transformer_impl == "local":
+        from megatron_ext.local_norms import with_sequence_parallel_norms
+
+        # Megatron's local norms refuse SP (TE's are its SP path); ours mark params for TP reduce.
+        spec = with_sequence_parallel_norms(spec)
     # Megatron's own router unless expert bias needs ours (0.19.2's count fails on the pad mask).
     if args.moe_router_enable_expert_bias:
         spec = with_padded_router(spec, require="--moe-router-enable-expert-bias")
