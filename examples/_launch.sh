@@ -1,6 +1,7 @@
 # Shared launcher for the example scripts (sourced, not run). Reads the multi-node environment,
 # then runs megatron_ext.pretrain_gpt under torchrun, or validates the flags only when DRY_RUN=1.
-#   NNODES (1)  NODE_RANK (0)  MASTER_ADDR (localhost)  MASTER_PORT (6000)
+#   NNODES (1)  NODE_RANK (0)  MASTER_ADDR (localhost)  MASTER_PORT (6000); under Slurm from
+#     SLURM_NNODES, SLURM_NODEID and the first host of SLURM_JOB_NODELIST (explicit values win)
 #   GPUS_PER_NODE (8; 2 with CPU=1): processes per node
 #   PYTHON (python3)  DRY_RUN (0): 1 = parse and validate every flag with Megatron's parser plus
 #   megatron_ext's, print the resolved configuration and exit (no GPU, no data access needed).
@@ -14,6 +15,25 @@
 #   OVERRIDES: flags appended last of all, e.g. the parallel sizes that fit GPUS_PER_NODE:
 #     CPU=1 OVERRIDES="--expert-model-parallel-size 2" bash examples/pretrain_moe_blended.sh
 # Flags given to the script itself are appended after the script's own (before CPU_SIZES).
+# Under Slurm (sbatch/srun: one task per node), the nodes come from Slurm unless set explicitly:
+#   NNODES <- SLURM_NNODES, NODE_RANK <- SLURM_NODEID, MASTER_ADDR <- first host of SLURM_JOB_NODELIST.
+first_slurm_host() {
+  # "gpu[03-05,07],cpu1" -> gpu03; scontrol when present, else the list's own syntax.
+  if command -v scontrol >/dev/null 2>&1; then
+    scontrol show hostnames "$1" | head -n 1
+    return
+  fi
+  local first=${1%%,*}
+  if [[ $1 =~ ^([^,\[]+)\[([^],-]+) ]]; then
+    first="${BASH_REMATCH[1]}${BASH_REMATCH[2]}"
+  fi
+  echo "$first"
+}
+if [ -n "${SLURM_JOB_NODELIST:-}" ]; then
+  NNODES=${NNODES:-${SLURM_NNODES:-1}}
+  NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
+  MASTER_ADDR=${MASTER_ADDR:-$(first_slurm_host "$SLURM_JOB_NODELIST")}
+fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
@@ -56,6 +76,8 @@ launch() {
     extra+=("${overrides[@]}")
   fi
   if [ "${DRY_RUN:-0}" = "1" ]; then
+    echo "launch: nnodes=$NNODES node_rank=$NODE_RANK master_addr=$MASTER_ADDR" \
+      "nproc_per_node=$GPUS_PER_NODE" >&2
     # Validate against the world size the job will have, not this login node's.
     WORLD_SIZE=$((NNODES * GPUS_PER_NODE)) RANK=0 exec "$PYTHON" -m megatron_ext.pretrain_gpt \
       "$@" "${extra[@]}" --dry-run

@@ -482,3 +482,22 @@ def test_record_mode_needs_one_data_prefix(monkeypatch, tmp_path, data_prefix) -
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt", *argv])
     with pytest.raises(ValueError, match="exactly one --data-path prefix"):
         configs_from_args(parse_args(extra_args_provider=add_megatron_ext_args))
+
+
+def test_examples_take_the_nodes_from_slurm(example_data) -> None:
+    """Under sbatch/srun the launcher reads SLURM_NNODES, SLURM_NODEID and the first host of
+    SLURM_JOB_NODELIST; the dry run validates for that world size."""
+    env = dict(
+        os.environ, DRY_RUN="1", PYTHON=sys.executable, DATA=str(example_data),
+        SLURM_JOB_NODELIST="gpu[03-05,07],cpu1", SLURM_NNODES="4", SLURM_NODEID="2",
+        PATH="/usr/bin:/bin",  # no scontrol: the launcher's own nodelist parsing
+    )  # fmt: skip
+    for key in ("WORLD_SIZE", "NNODES", "NODE_RANK", "MASTER_ADDR"):
+        env.pop(key, None)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "examples" / "pretrain_moe_blended.sh")],
+        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "launch: nnodes=4 node_rank=2 master_addr=gpu03 nproc_per_node=8" in proc.stderr
+    assert '"world_size": 32' in proc.stdout
