@@ -64,13 +64,17 @@ def _setup_parallel(sizes: ParallelSizes) -> None:
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=sizes.tp,
-        pipeline_model_parallel_size=sizes.pp,
-        context_parallel_size=sizes.cp,
-        expert_model_parallel_size=sizes.ep,
-    )
+    if not _same_groups(parallel_state, sizes):
+        # Every initialize creates Megatron's process groups anew, and each gloo group keeps a TCP
+        # loop thread alive after destroy_model_parallel drops it; re-creating them for every call
+        # grew a worker to ~1700 polling threads (most of a core) over the suite. Same sizes: reuse.
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=sizes.tp,
+            pipeline_model_parallel_size=sizes.pp,
+            context_parallel_size=sizes.cp,
+            expert_model_parallel_size=sizes.ep,
+        )
     torch.manual_seed(sizes.seed)
     model_parallel_cuda_manual_seed(sizes.seed, force_reset_rng=True)
     RouterReplay.clear_global_router_replay_instances()
@@ -79,6 +83,19 @@ def _setup_parallel(sizes: ParallelSizes) -> None:
     # A plain backward leaves a 0-d aux-loss scale behind; Megatron's schedules expect None or [1].
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
     _SEQUENCE_PARALLEL = sizes.sp
+
+
+def _same_groups(parallel_state: Any, sizes: ParallelSizes) -> bool:
+    """Whether Megatron's parallel state is initialised with exactly these sizes (groups reusable)."""
+    if not parallel_state.model_parallel_is_initialized():
+        return False
+    return (
+        parallel_state.get_tensor_model_parallel_world_size() == sizes.tp
+        and parallel_state.get_pipeline_model_parallel_world_size() == sizes.pp
+        and parallel_state.get_context_parallel_world_size() == sizes.cp
+        and parallel_state.get_expert_model_parallel_world_size() == sizes.ep
+        and parallel_state.get_virtual_pipeline_model_parallel_world_size() in (None, 1)
+    )
 
 
 def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:

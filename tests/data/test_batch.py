@@ -177,20 +177,16 @@ def test_moe_gpt_real_loss_bitwise_and_grads_within_a_measured_bound(invariance:
     r = invariance[("moe", mode)]
     a, b = r["self"], r["constant"]
     assert a["real_loss"].abs().min() > 0
-    # Measured: the loss is bitwise equal. Expert weight gradients are not always: pads change how
-    # many rows each expert's GEMM sums over (self pads spread, constant pads pile onto two experts),
-    # and fp32 summation order follows the row count, so they may differ by a few ulps of the
-    # gradient scale (measured 2.2e-8 at max|g| 0.13, i.e. ~1.4 eps*max|g|); bound 16 eps*max|g|.
-    # Every other gradient must be bitwise. A leak of pads into real tokens is orders larger.
+    # Measured: the loss is bitwise equal. Gradients are not always: pads change how many rows each
+    # expert's GEMM sums over (self pads spread, constant pads pile onto two experts), fp32 summation
+    # order follows the row count, and the backward carries those last-bit differences into earlier
+    # layers (the embedding too). Measured up to 2.2e-8 at max|g| 0.13 (~1.4 eps*max|g|); bound
+    # 16 eps*max|g| per tensor. A leak of pads into real tokens is orders of magnitude larger.
     assert torch.equal(a["real_loss"], b["real_loss"])
     eps = torch.finfo(torch.float32).eps
     for name, grad in a["grads"].items():
-        other = b["grads"][name]
-        if "experts" not in name:
-            assert torch.equal(grad, other), name
-            continue
         bound = 16 * eps * grad.abs().max().item()
-        assert (grad - other).abs().max().item() <= bound, name
+        assert (grad - b["grads"][name]).abs().max().item() <= bound, name
 
 
 @pytest.mark.parametrize("mode", ["seq_len", "multiple"])

@@ -7,11 +7,13 @@ trains (asserted here too), as do all the other real-loop tests.
 """
 
 import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from megatron_ext import cpu_loop
-from megatron_ext.testing.real_loop import TINY_MOE_ARGS, launch
+from megatron_ext.testing.real_loop import TINY_MOE_ARGS, LoopRun, launch
 
 #: The Megatron files (under site-packages/megatron/) each patch covers.
 PATCHED_FILES = {
@@ -48,18 +50,34 @@ def test_every_patch_is_listed():
     assert set(PATCHED_FILES) == set(cpu_loop.PATCHES)
 
 
-def test_positive_control_trains(corpus_prefix, tmp_path):
-    run = launch(_args(corpus_prefix, tmp_path), nproc=1).check()
-    assert set(run.losses) == {1}
-    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+@pytest.fixture(scope="module")
+def probes(corpus_prefix, tmp_path_factory) -> dict[str, tuple[LoopRun, Path]]:
+    """The positive control and one launch per left-out patch, each a single process, run two at a
+    time (the machine has 2 cores; each probe is mostly imports)."""
+    jobs = {"all": ("megatron_ext.pretrain_gpt", None)}
+    jobs.update({name: ("tests.cpu_loop_probe", name) for name in cpu_loop.PATCHES})
+
+    def run(item: tuple[str, tuple[str, str | None]]) -> tuple[str, tuple[LoopRun, Path]]:
+        name, (module, patch) = item
+        fmt = "torch_dist" if patch == "checkpoint_dist" else "torch"
+        workdir = tmp_path_factory.mktemp(name)
+        args = _args(corpus_prefix, workdir, fmt)
+        return name, (launch([patch, *args] if patch else args, nproc=1, module=module), workdir)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(pool.map(run, jobs.items()))
+
+
+def test_positive_control_trains(probes):
+    run, workdir = probes["all"]
+    assert set(run.check().losses) == {1}
+    assert (workdir / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("patch", sorted(cpu_loop.PATCHES))
-def test_loop_fails_without_patch(patch, corpus_prefix, tmp_path):
-    ckpt_format = "torch_dist" if patch == "checkpoint_dist" else "torch"
-    args = [patch, *_args(corpus_prefix, tmp_path, ckpt_format)]
-    run = launch(args, nproc=1, module="tests.cpu_loop_probe")
+def test_loop_fails_without_patch(patch, probes):
+    run, _ = probes[patch]
     assert run.returncode != 0, f"the loop trained without the {patch!r} patch: it is not needed"
     frame = deepest_megatron_frame(run.output)
     assert frame.startswith(PATCHED_FILES[patch]), (
