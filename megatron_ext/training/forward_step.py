@@ -112,7 +112,9 @@ def _shard_padding_mask_for_hybrid_sp(kwargs: dict[str, Any], args: Any) -> dict
         return kwargs
     from megatron.core import tensor_parallel
 
-    scattered = tensor_parallel.scatter_to_sequence_parallel_region(mask.transpose(0, 1).contiguous())
+    scattered = tensor_parallel.scatter_to_sequence_parallel_region(
+        mask.transpose(0, 1).contiguous()
+    )
     return {**kwargs, "padding_mask": scattered.transpose(0, 1).contiguous()}
 
 

@@ -173,7 +173,9 @@ def test_dense_gpt_real_loss_and_grads_bitwise_equal(invariance: dict, mode: str
 
 
 @pytest.mark.parametrize("mode", ["seq_len", "multiple"])
-def test_moe_gpt_real_loss_bitwise_and_grads_within_a_measured_bound(invariance: dict, mode: str) -> None:
+def test_moe_gpt_real_loss_bitwise_and_grads_within_a_measured_bound(
+    invariance: dict, mode: str
+) -> None:
     r = invariance[("moe", mode)]
     a, b = r["self"], r["constant"]
     assert a["real_loss"].abs().min() > 0

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -314,7 +315,12 @@ def example_data(tmp_path_factory, data_prefix) -> Path:
     from megatron_ext.training.corpus import corpus_documents
 
     data = tmp_path_factory.mktemp("example_data")
-    names = ["web_text_document", "code_text_document", "chat_text_document", "corpus_text_document"]
+    names = [
+        "web_text_document",
+        "code_text_document",
+        "chat_text_document",
+        "corpus_text_document",
+    ]
     for name in [*names, "rollouts_text_document"]:
         for ext in (".bin", ".idx"):
             shutil.copy(data_prefix + ext, data / f"{name}{ext}")
@@ -334,30 +340,45 @@ def test_there_are_three_examples() -> None:
     ]
 
 
+BROKEN = [
+    ("--pad-policy zeros", "--pad-policy: invalid choice"),
+    ("--moe-router-padding-for-quantization", "--moe-router-padding-for-quantization both pad"),
+    ("--no-such-flag 3", "unrecognized arguments: --no-such-flag"),
+]
+
+
+@pytest.fixture(scope="module")
+def dry_runs(example_data: Path, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Every example's dry run and the broken copies', two processes at a time (2 cores; each
+    is mostly Megatron's imports)."""
+    scripts = {name: ROOT / "examples" / name for name in EXAMPLES}
+    original = (ROOT / "examples" / "sft_fp8_moe_packed.sh").read_text()
+    assert "  --moe-dispatch-align" in original
+    for broken, _ in BROKEN:
+        folder = tmp_path_factory.mktemp("broken")
+        copy = folder / "sft_copy.sh"
+        copy.write_text(
+            original.replace("  --moe-dispatch-align", f"  {broken} --moe-dispatch-align")
+        )
+        shutil.copy(ROOT / "examples" / "_launch.sh", folder / "_launch.sh")
+        scripts[broken] = copy
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        done = pool.map(lambda item: (item[0], _dry_run(item[1], example_data)), scripts.items())
+        return dict(done)
+
+
 @pytest.mark.parametrize("name", EXAMPLES)
-def test_example_script_flags_parse_and_validate(name: str, example_data: Path) -> None:
-    proc = _dry_run(ROOT / "examples" / name, example_data)
+def test_example_script_flags_parse_and_validate(name: str, dry_runs) -> None:
+    proc = dry_runs[name]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "megatron_ext: dry run OK" in proc.stdout
 
 
-@pytest.mark.parametrize(
-    ("broken", "message"),
-    [
-        ("--pad-policy zeros", "--pad-policy: invalid choice"),
-        ("--moe-router-padding-for-quantization", "--moe-router-padding-for-quantization both pad"),
-        ("--no-such-flag 3", "unrecognized arguments: --no-such-flag"),
-    ],
-)
+@pytest.mark.parametrize(("broken", "message"), BROKEN)
 def test_a_wrong_flag_in_a_copy_of_an_example_fails_clearly(
-    broken: str, message: str, example_data: Path, tmp_path: Path
+    broken: str, message: str, dry_runs
 ) -> None:
-    original = (ROOT / "examples" / "sft_fp8_moe_packed.sh").read_text()
-    assert "  --moe-dispatch-align" in original
-    copy = tmp_path / "sft_copy.sh"
-    copy.write_text(original.replace("  --moe-dispatch-align", f"  {broken} --moe-dispatch-align"))
-    shutil.copy(ROOT / "examples" / "_launch.sh", tmp_path / "_launch.sh")
-    proc = _dry_run(copy, example_data)
+    proc = dry_runs[broken]
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-2000:]
 
