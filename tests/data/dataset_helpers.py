@@ -50,3 +50,26 @@ def gpt_config_kwargs(
 def build_splits(dataset_cls: type, config: Any, sizes: list[int | None]) -> list:
     """Train/valid/test datasets of ``dataset_cls`` through Megatron's builder."""
     return BlendedMegatronDatasetBuilder(dataset_cls, list(sizes), lambda: True, config).build()
+
+
+def write_documents_with_random_routes(
+    prefix: str, docs: list, rng: Any, *, num_layers: int, topk: int, num_experts: int
+) -> str:
+    """``prefix.bin/.idx`` (int32 tokens) plus a ``prefix_routes`` sidecar (with its header) of
+    random valid routes: per token and layer, ``topk`` distinct experts drawn from ``rng``."""
+    import numpy as np
+
+    from megatron_ext.data.indexed_writer import write_documents
+    from megatron_ext.replay.route_dataset import write_route_sidecar
+
+    write_documents(prefix, docs, np.int32)
+    routes = [
+        np.argsort(rng.random((d.size, num_layers, num_experts)), axis=-1)[..., :topk].astype(
+            np.uint8
+        )
+        for d in docs
+    ]
+    write_route_sidecar(
+        prefix + "_routes", routes, num_layers=num_layers, topk=topk, num_experts=num_experts
+    )
+    return prefix

@@ -163,3 +163,11 @@ def test_align_under_bf16_warns_once():
         warnings.simplefilter("always")
         on.check_megatron_args(_args(fp8="e4m3"))  # fp8: it has an effect, no warning
     assert not seen
+
+
+def test_load_log_needs_load_metrics():
+    from megatron_ext.config import MoEAlignmentConfig
+
+    with pytest.raises(ValueError, match="--moe-expert-load-log needs --moe-expert-load-metrics"):
+        MoEAlignmentConfig(moe_expert_load_log="load.jsonl")
+    MoEAlignmentConfig(moe_expert_load_log="load.jsonl", moe_expert_load_metrics=True)

@@ -57,3 +57,9 @@ def test_a_fresh_record_path_is_accepted(monkeypatch, prefix) -> None:
     argv = ["--data-path", prefix, "--route-replay-mode", "record", "--pack-documents"]
     cfg = configs([*argv, "--route-record-path", prefix + "_rec"], monkeypatch)
     assert cfg.route_record_path == prefix + "_rec"
+
+
+def test_route_replay_check_needs_replay_mode():
+    with pytest.raises(ValueError, match="--route-replay-check needs --route-replay-mode replay"):
+        ReplayConfig(route_replay_check=True, route_replay_mode="record")
+    ReplayConfig(route_replay_check=True, route_replay_mode="replay", route_data_suffix="_routes")

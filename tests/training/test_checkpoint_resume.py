@@ -39,23 +39,16 @@ def routed_prefix(tmp_path_factory) -> str:
     """Corpus documents of 43..63 tokens with a route sidecar (random valid top-2 of 8, header
     included). Packed to 128 with ``--pad-to-seq-len``, every pack holds one or two documents
     (3 x 43 > 128) and at least 2 pads (2 x 63 = 126), so every row has pads and pad routes."""
-    from megatron_ext.data.indexed_writer import write_documents
-    from megatron_ext.replay.route_dataset import write_route_sidecar
     from megatron_ext.training.corpus import corpus_documents
+    from tests.data.dataset_helpers import write_documents_with_random_routes
 
     rng = np.random.default_rng(0)
     long_docs = [d for d in corpus_documents() if d.size >= 63][:160]
     docs = [d[: int(rng.integers(43, 64))] for d in long_docs]
     prefix = str(tmp_path_factory.mktemp("routed") / "docs")
-    write_documents(prefix, docs, np.int32)
-    routes = [
-        np.argsort(rng.random((d.size, NUM_LAYERS, EXPERTS)), axis=-1)[..., :TOPK].astype(np.uint8)
-        for d in docs
-    ]
-    write_route_sidecar(
-        prefix + "_routes", routes, num_layers=NUM_LAYERS, topk=TOPK, num_experts=EXPERTS
+    return write_documents_with_random_routes(
+        prefix, docs, rng, num_layers=NUM_LAYERS, topk=TOPK, num_experts=EXPERTS
     )
-    return prefix
 
 
 def _uninterrupted_and_resumed(args: list[str], root: Path) -> tuple[LoopRun, LoopRun]:

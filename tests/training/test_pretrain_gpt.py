@@ -94,22 +94,15 @@ REPLAY_ARGS = [
 @pytest.fixture(scope="module")
 def data_prefix(tmp_path_factory) -> str:
     """Corpus documents as a token IndexedDataset plus an aligned route sidecar (random valid routes)."""
-    from megatron_ext.data.indexed_writer import write_documents
-    from megatron_ext.replay.route_dataset import write_route_sidecar
     from megatron_ext.training.corpus import corpus_documents
+    from tests.data.dataset_helpers import write_documents_with_random_routes
 
     prefix = str(tmp_path_factory.mktemp("data") / "corpus_text_document")
     docs = [d[:90] for d in corpus_documents()[:80]]
-    write_documents(prefix, docs, np.int32)
     rng = np.random.default_rng(0)
-    routes = [
-        np.argsort(rng.random((d.size, NUM_LAYERS, EXPERTS)), axis=-1)[..., :TOPK].astype(np.uint8)
-        for d in docs
-    ]
-    write_route_sidecar(
-        prefix + "_routes", routes, num_layers=NUM_LAYERS, topk=TOPK, num_experts=EXPERTS
+    return write_documents_with_random_routes(
+        prefix, docs, rng, num_layers=NUM_LAYERS, topk=TOPK, num_experts=EXPERTS
     )
-    return prefix
 
 
 def _run_providers(argv: list[str]) -> dict:
