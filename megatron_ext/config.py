@@ -23,7 +23,7 @@ from megatron_ext.config_registry import FEATURE_CONFIGS, feature_config, flag
 
 # Importing a feature config registers it; this order is the order of the --help groups.
 from megatron_ext.data.config import PaddingConfig
-from megatron_ext.moe.config import MoEAlignmentConfig
+from megatron_ext.moe.config import MoEAlignmentConfig, MoEPadRoutingConfig
 from megatron_ext.replay.config import ReplayConfig
 from megatron_ext.training.config import EntryConfig
 
@@ -31,6 +31,7 @@ __all__ = [
     "FEATURE_CONFIGS",
     "EntryConfig",
     "MoEAlignmentConfig",
+    "MoEPadRoutingConfig",
     "PaddingConfig",
     "ReplayConfig",
     "feature_config",

@@ -59,13 +59,21 @@ def resolved_configuration(args: argparse.Namespace) -> dict[str, Any]:
     """What megatron_ext will do for these arguments, after every check has passed."""
     from megatron.training.utils import is_hybrid_model
 
-    from megatron_ext.config import MoEAlignmentConfig, PaddingConfig, ReplayConfig
+    from megatron_ext.config import (
+        MoEAlignmentConfig,
+        MoEPadRoutingConfig,
+        PaddingConfig,
+        ReplayConfig,
+    )
     from megatron_ext.training import run_state
     from megatron_ext.training.dataset_provider import pad_multiple_from_args
     from megatron_ext.training.model_provider import uses_aligned_moe
 
     cfgs = run_state.configs(args)  # raises ValueError naming the flag on any bad value/combination
     alignment, padding, replay = cfgs[MoEAlignmentConfig], cfgs[PaddingConfig], cfgs[ReplayConfig]
+    pad_routing, why = (
+        cfgs[MoEPadRoutingConfig].resolve(args) if args.num_experts else ("none", "dense model")
+    )
     if replay.route_replay_mode == "replay":
         dataset = "RoutedPackedDataset"
     elif padding.pack_documents:
@@ -75,10 +83,11 @@ def resolved_configuration(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "model": "HybridModel" if is_hybrid_model(args) else "GPTModel",
         "moe_layer": "AlignedMoELayer"
-        if args.num_experts and uses_aligned_moe(alignment)
+        if args.num_experts and uses_aligned_moe(alignment, pad_routing == "skip")
         else "MoELayer"
         if args.num_experts
         else "dense",
+        "moe_pad_routing": f"{pad_routing} ({why})",
         "expert_group_alignment": alignment.align_size(
             fp8=args.fp8, fp8_recipe=args.fp8_recipe, fp4=args.fp4, fp4_recipe=args.fp4_recipe
         ),
@@ -133,6 +142,8 @@ def main() -> int:
                 "and checked by the grouped-GEMM backend as the quantized kernels would",
                 flush=True,
             )
+    if not dry_run and args.num_experts and os.environ.get("RANK", "0") == "0":
+        print(f"megatron_ext: --moe-pad-routing {resolved['moe_pad_routing']}", flush=True)
     if dry_run:
         print("megatron_ext resolved configuration:")
         print(json.dumps(resolved, indent=2, default=str))

@@ -158,3 +158,60 @@ def _moe_warn_once(message: str) -> None:
     if message not in _MOE_WARNED:
         _MOE_WARNED.add(message)
         _moe_warnings.warn(message, stacklevel=3)
+
+
+@feature_config("moe: pad tokens in the MoE layer, skipped or dropped first (issue 12)")
+@_moe_dataclass(frozen=True, kw_only=True)
+class MoEPadRoutingConfig:
+    """What pad tokens cost in the MoE layer (megatron_ext.moe.pad_routing)."""
+
+    moe_pad_routing: _MoeLiteral["dispatch", "skip", "auto"] = "auto"
+    """Pad tokens (padding_mask) in the MoE layer. 'skip': after routing (and replay) pads' rows
+    of the routing map are cleared and their probabilities zeroed, so pads send no all-to-all row
+    and reach no expert GEMM (their MoE output is the shared experts' or zero); real tokens are
+    unchanged. 'dispatch': pads are routed like text (Megatron's behaviour; self-padding keeps them
+    spread). 'auto': skip wherever nothing needs the pads' rows (dropless alltoall/allgather
+    dispatch, no capacity padding, no CUDA graphs over the MoE layer, no router padding for
+    quantization), else dispatch. Under --moe-expert-capacity-factor pads are always dropped
+    before real tokens."""
+
+    def __post_init__(self) -> None:
+        from megatron_ext.moe.pad_routing import PAD_ROUTING_MODES
+
+        if self.moe_pad_routing not in PAD_ROUTING_MODES:
+            raise ValueError(
+                f"--moe-pad-routing must be one of {list(PAD_ROUTING_MODES)}, "
+                f"got {self.moe_pad_routing!r}"
+            )
+
+    def resolve(self, args: _moe_argparse.Namespace) -> tuple[str, str]:
+        """``(mode, reason)`` for these Megatron arguments: 'skip' or 'dispatch'.
+
+        Raises:
+            ValueError: ``skip`` with a configuration that needs the pads' rows, naming both flags.
+        """
+        from megatron_ext.moe.pad_routing import resolve_pad_routing
+
+        return resolve_pad_routing(
+            self.moe_pad_routing,
+            capacity_factor=getattr(args, "moe_expert_capacity_factor", None),
+            pad_to_capacity=bool(getattr(args, "moe_pad_expert_input_to_capacity", False)),
+            cuda_graph_over_moe=_cuda_graph_over_moe(args),
+            dispatcher=getattr(args, "moe_token_dispatcher_type", "allgather"),
+            router_padding=bool(getattr(args, "moe_router_padding_for_quantization", False)),
+        )
+
+    def check_megatron_args(self, args: _moe_argparse.Namespace) -> None:
+        """Refuses ``skip`` where static shapes or another padding need the pads' rows."""
+        if getattr(args, "num_experts", None):
+            self.resolve(args)
+
+
+def _cuda_graph_over_moe(args: _moe_argparse.Namespace) -> bool:
+    """Whether Megatron's CUDA graphs capture the MoE layer or part of it (router, preprocess)."""
+    impl = getattr(args, "cuda_graph_impl", "none")
+    if impl in (None, "none"):
+        return False
+    modules = getattr(args, "cuda_graph_modules", None) or []
+    names = {str(getattr(m, "name", m)) for m in modules}
+    return not names or bool(names & {"moe", "moe_router", "moe_preprocess"})

@@ -39,6 +39,7 @@ from megatron_ext.config import MoEAlignmentConfig
 from megatron_ext.moe.grouped_mm_linear import GroupedMMLinear
 from megatron_ext.moe.load_metrics import ExpertLoadMetrics
 from megatron_ext.moe.moe_layer import AlignedMoELayer
+from megatron_ext.moe.pad_routing import PadRouting
 from megatron_ext.moe.router import PaddedTopKRouter
 
 
@@ -48,6 +49,7 @@ def with_aligned_moe(
     load_metrics: ExpertLoadMetrics | None = None,
     *,
     padded_router: bool = True,
+    pad_routing: PadRouting | None = None,
 ) -> Any:
     """Returns a copy of ``spec`` with every ``MoELayer`` replaced by ``AlignedMoELayer``.
 
@@ -55,6 +57,8 @@ def with_aligned_moe(
         spec: A layer spec, block spec or stack spec (``ModuleSpec``, partial or dataclass).
         alignment: megatron_ext's MoE config.
         load_metrics: Optional tracker every MoE layer records into.
+        pad_routing: The run's :class:`~megatron_ext.moe.pad_routing.PadRouting` (``skip``: pads
+            reach no expert); None routes pads like text.
         padded_router: Also swap Megatron's ``TopKRouter`` for :class:`PaddedTopKRouter`
             (:func:`with_padded_router`; needed with expert bias and a padding mask, the same
             as ``TopKRouter`` otherwise).
@@ -63,7 +67,8 @@ def with_aligned_moe(
         ValueError: ``spec`` contains no ``MoELayer`` (nothing would be aligned).
     """
     found: list[bool] = []
-    out = _swap(spec, alignment, load_metrics, found)
+    extra = {"alignment": alignment, "load_metrics": load_metrics, "pad_routing": pad_routing}
+    out = _swap(spec, extra, found)
     if not found:
         raise ValueError("with_aligned_moe: the spec contains no MoELayer to align")
     return with_padded_router(out) if padded_router else out
@@ -159,8 +164,7 @@ def map_moe_submodules(node: Any, fn: Any) -> Any:
     return node
 
 
-def _swap(node: Any, alignment: Any, load_metrics: Any, found: list[bool]) -> Any:
-    extra = {"alignment": alignment, "load_metrics": load_metrics}
+def _swap(node: Any, extra: dict[str, Any], found: list[bool]) -> Any:
     if isinstance(node, functools.partial) and node.func is MoELayer:
         found.append(True)
         return functools.partial(AlignedMoELayer, *node.args, **node.keywords, **extra)
@@ -172,18 +176,16 @@ def _swap(node: Any, alignment: Any, load_metrics: Any, found: list[bool]) -> An
             )
         if node.submodules is None:
             return node
-        return dataclasses.replace(
-            node, submodules=_swap(node.submodules, alignment, load_metrics, found)
-        )
+        return dataclasses.replace(node, submodules=_swap(node.submodules, extra, found))
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
         changes = {
-            f.name: _swap(getattr(node, f.name), alignment, load_metrics, found)
+            f.name: _swap(getattr(node, f.name), extra, found)
             for f in dataclasses.fields(node)
             if f.init
         }
         return dataclasses.replace(node, **changes)
     if isinstance(node, list):
-        return [_swap(n, alignment, load_metrics, found) for n in node]
+        return [_swap(n, extra, found) for n in node]
     return node
 
 

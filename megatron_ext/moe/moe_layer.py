@@ -29,10 +29,13 @@ from megatron.core.transformer.moe.moe_utils import (
     get_align_size_for_quantization,
     get_default_pg_collection,
 )
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.config import MoEAlignmentConfig
 from megatron_ext.moe.load_metrics import ExpertLoadMetrics
+from megatron_ext.moe.pad_routing import PadRouting, clear_pad_routes
+from megatron_ext.moe.pad_skip_dispatcher import SkipPadRowsMixin, skip_pad_rows_dispatcher
 from megatron_ext.moe.token_dispatcher import (
     AlignedAllGatherTokenDispatcher,
     AlignedAlltoAllTokenDispatcher,
@@ -133,12 +136,16 @@ def is_training_forward(module: torch.nn.Module) -> bool:
 
 
 class AlignedMoELayer(MoELayer):
-    """``MoELayer`` whose token dispatcher aligns expert groups (and optionally logs load).
+    """``MoELayer`` whose token dispatcher aligns expert groups, whose pads can skip dispatch
+    (``--moe-pad-routing skip``), and which optionally logs load.
 
     Args:
         config, submodules, layer_number, pg_collection, is_mtp_layer, name: As ``MoELayer``.
         alignment: megatron_ext's MoE config (``--moe-dispatch-align`` and friends).
         load_metrics: Optional tracker recording this layer's routing (``--moe-expert-load-metrics``).
+        pad_routing: The run's pad routing (None or ``dispatch``: pads are routed like text); in
+            ``skip`` mode pads' routes are cleared after routing, so they send no all-to-all row and
+            reach no expert.
     """
 
     def __init__(
@@ -152,32 +159,49 @@ class AlignedMoELayer(MoELayer):
         *,
         alignment: MoEAlignmentConfig,
         load_metrics: ExpertLoadMetrics | None = None,
+        pad_routing: PadRouting | None = None,
     ) -> None:
         if pg_collection is None:
             pg_collection = get_default_pg_collection()
-        self._check(config, alignment)
+        self._check(config, alignment, pad_routing)
         super().__init__(config, submodules, layer_number, pg_collection, is_mtp_layer, name)
         self.alignment = alignment
         self.load_metrics = load_metrics
+        self.pad_routing = pad_routing
         dispatcher_type = config.moe_token_dispatcher_type
-        if not alignment.moe_dispatch_align:
-            return
-        if dispatcher_type == "flex":
+        if alignment.moe_dispatch_align and dispatcher_type == "flex":
             self._pass_multiple_to_flex()
             return
-        dispatcher = _ALIGNED_DISPATCHERS[dispatcher_type](
+        aligned = alignment.moe_dispatch_align
+        # allgather needs no change to skip pads: it sizes its permute from the routing map.
+        skip_rows = self.skips_pads and dispatcher_type == "alltoall"
+        if not (aligned or skip_rows):
+            return
+        if aligned:
+            cls, extra = _ALIGNED_DISPATCHERS[dispatcher_type], {"alignment": alignment}
+        else:
+            cls, extra = MoEAlltoAllTokenDispatcher, {}
+        if skip_rows:
+            cls = skip_pad_rows_dispatcher(cls)
+        dispatcher = cls(
             self.num_local_experts,
             self.local_expert_indices,
             config=self.config,
             pg_collection=pg_collection,
-            alignment=alignment,
+            **extra,
         )
         if self.use_shared_expert and self.shared_expert_overlap:
             dispatcher.set_shared_experts(self.shared_experts)
         self.token_dispatcher = dispatcher
         if hasattr(self, "_training_token_dispatcher"):
             self._training_token_dispatcher = dispatcher
-        tell_experts_groups_are_aligned(self.experts, dispatcher.aligner)
+        if aligned:
+            tell_experts_groups_are_aligned(self.experts, dispatcher.aligner)
+
+    @property
+    def skips_pads(self) -> bool:
+        """Whether pads' routes are cleared before dispatch (``--moe-pad-routing skip``)."""
+        return self.pad_routing is not None and self.pad_routing.skip
 
     @property
     def align(self) -> int:
@@ -185,7 +209,20 @@ class AlignedMoELayer(MoELayer):
         return align_size_for_config(self.config, self.alignment)
 
     @staticmethod
-    def _check(config: TransformerConfig, alignment: MoEAlignmentConfig) -> None:
+    def _check(
+        config: TransformerConfig, alignment: MoEAlignmentConfig, pad_routing: PadRouting | None
+    ) -> None:
+        if pad_routing is not None and pad_routing.skip:
+            if config.moe_token_dispatcher_type not in ("alltoall", "allgather"):
+                raise ValueError(
+                    "--moe-pad-routing skip supports --moe-token-dispatcher-type alltoall or "
+                    f"allgather, got {config.moe_token_dispatcher_type!r}"
+                )
+            if config.moe_pad_expert_input_to_capacity:
+                raise ValueError(
+                    "--moe-pad-routing skip cannot be combined with "
+                    "--moe-pad-expert-input-to-capacity"
+                )
         if not alignment.moe_dispatch_align:
             return
         if config.moe_router_padding_for_quantization:
@@ -211,12 +248,20 @@ class AlignedMoELayer(MoELayer):
             manager.pad_multiple = self.align
 
     def route(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None):
-        """Megatron's routing, recorded into the load tracker when one is attached.
+        """Megatron's routing (and replay), then in skip mode pads' routes cleared; recorded into
+        the load tracker when one is attached (pads then count 0).
 
         Only training forwards are recorded (see :func:`is_training_forward`): a recompute or an
         evaluation forward does not count a micro-batch again.
         """
         probs, routing_map = super().route(hidden_states, padding_mask)
+        real_tokens = None
+        if self.skips_pads and padding_mask is not None:
+            real_tokens = self.pad_routing.real_tokens(padding_mask)
+        if real_tokens is not None:
+            probs, routing_map = clear_pad_routes(probs, routing_map, padding_mask)
+            if isinstance(self.token_dispatcher, SkipPadRowsMixin):
+                self.token_dispatcher.real_tokens = real_tokens
         if self.load_metrics is not None and is_training_forward(self):
             pad_mask_T = None if padding_mask is None else padding_mask.reshape(-1)
             self.load_metrics.record(self.layer_number, routing_map, pad_mask_T)

@@ -22,13 +22,26 @@ or in the ``no_grad`` first pass of an activation checkpoint). Without a padding
 expert bias off, the router is ``TopKRouter`` exactly. It reaches a model through the spec
 (``MoESubmodules.router``; see :func:`megatron_ext.moe.layer_specs.with_padded_router`).
 
+Under a capacity factor (``--moe-expert-capacity-factor``) Megatron's token dropping ranks pads and real
+tokens together, so a pad can keep an expert slot while a real token is dropped. This router drops pads
+first, under both drop policies: Megatron's own ``apply_router_token_dropping`` chooses among the real
+tokens alone (exactly Megatron's result when there are no pads), and pads get only the slots real tokens
+left free (:func:`megatron_ext.moe.pad_routing.pads_first_keep`). With capacity padding
+(``--moe-pad-expert-input-to-capacity``) Megatron's filler slots carry pads at probability 0.
+
 The aux-loss paths of 0.19.2 (``aux_loss``, ``seq_aux_loss``, ``global_aux_loss``) and the z-loss
 already apply the flattened mask with the right shapes (``valid[:, None]`` on ``[N, E]``, ``[N]`` on
 ``[N]``), so they are left as they are.
 """
 
+import copy
+import functools
+
 import torch
+from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping, get_capacity
 from megatron.core.transformer.moe.router import TopKRouter
+
+from megatron_ext.moe.pad_routing import pads_first_keep
 
 
 def real_tokens_per_expert(
@@ -51,7 +64,66 @@ def real_tokens_per_expert(
 
 
 class PaddedTopKRouter(TopKRouter):
-    """``TopKRouter`` whose expert-bias counts (``local_tokens_per_expert``) exclude pads."""
+    """``TopKRouter`` whose expert-bias counts (``local_tokens_per_expert``) exclude pads and whose
+    capacity dropping drops pads first."""
+
+    def __init__(self, config, pg_collection=None, is_mtp_layer: bool = False) -> None:
+        super().__init__(config=config, pg_collection=pg_collection, is_mtp_layer=is_mtp_layer)
+        self.capacity_factor = config.moe_expert_capacity_factor
+        self._bias_deferred = False
+        if self.capacity_factor is not None:
+            # Megatron's routing() reads the factor from the config in one place, to drop tokens
+            # between top-k and the aux losses; this router drops after it (pads first), so it keeps
+            # a copy of the config without the factor. The MoE layer and dispatcher keep theirs.
+            self.config = copy.copy(config)
+            self.config.moe_expert_capacity_factor = None
+
+    def routing(self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None):
+        """Megatron's routing; under a capacity factor, then its token dropping with pads first.
+
+        Dropping after Megatron's aux losses are attached gives the same values and gradients as
+        dropping before (the aux losses are computed from the logits, and attaching is an identity
+        on the probabilities); the expert-bias counts are taken after dropping, as Megatron does.
+        """
+        if self.capacity_factor is None:
+            return super().routing(logits, padding_mask)
+        self._bias_deferred = True
+        try:
+            probs, routing_map = super().routing(logits, padding_mask)
+        finally:
+            self._bias_deferred = False
+        probs, routing_map = self._drop_pads_first(probs, routing_map, padding_mask)
+        self._apply_expert_bias(routing_map, padding_mask)
+        return probs, routing_map
+
+    def _drop_pads_first(
+        self, probs_TE: torch.Tensor, routing_map_TE: torch.Tensor, pad: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Megatron's ``apply_router_token_dropping`` among real tokens; pads take what is left."""
+        pad_to_capacity = self.config.moe_pad_expert_input_to_capacity
+        drop = functools.partial(
+            apply_router_token_dropping,
+            router_topk=self.topk,
+            capacity_factor=self.capacity_factor,
+            drop_policy=self.config.moe_token_drop_policy,
+            pad_to_capacity=pad_to_capacity,
+        )
+        if pad is None:
+            return drop(probs_TE, routing_map_TE)
+        pad_T1 = pad.reshape(-1, 1).bool()
+        kept_probs_TE, kept_TE = drop(probs_TE.masked_fill(pad_T1, 0.0), routing_map_TE & ~pad_T1)
+        if pad_to_capacity:  # every slot is filled; pads may be fillers, at probability 0
+            return kept_probs_TE, kept_TE
+        num_tokens, num_experts = routing_map_TE.shape
+        capacity = get_capacity(
+            num_tokens=num_tokens * self.topk,
+            num_experts=num_experts,
+            capacity_factor=self.capacity_factor,
+        )
+        kept_TE = kept_TE | pads_first_keep(
+            kept_TE, routing_map_TE, probs_TE, pad, capacity, self.config.moe_token_drop_policy
+        )
+        return probs_TE * kept_TE, kept_TE
 
     def _apply_expert_bias(
         self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None
@@ -60,8 +132,11 @@ class PaddedTopKRouter(TopKRouter):
 
         Same gate as Megatron's: only with expert bias on and grad enabled (a training forward
         or the recompute of a checkpoint; Megatron evaluates under ``no_grad``). Not wrapped in
-        Megatron's ``jit_fuser``: two element-wise ops and a sum, nothing to fuse.
+        Megatron's ``jit_fuser``: two element-wise ops and a sum, nothing to fuse. Under a capacity
+        factor the count waits for the dropping (see :meth:`routing`).
         """
+        if self._bias_deferred:
+            return
         if self.enable_expert_bias and torch.is_grad_enabled():
             with torch.no_grad():
                 self.local_tokens_per_expert += real_tokens_per_expert(routing_map, padding_mask)

@@ -32,7 +32,11 @@ def get_batch(data_iterator: Iterator[dict[str, torch.Tensor]] | None) -> dict[s
     """This rank's micro-batch on the current device (every rank reads its own copy; see provider)."""
     if data_iterator is None:
         return {}
-    batch = next(data_iterator)
+    return batch_to_device(next(data_iterator))
+
+
+def batch_to_device(batch: dict[str, Any]) -> dict[str, Any]:
+    """A host micro-batch's tensors on the current device (non-blocking copies)."""
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     return {
         key: value.to(device, non_blocking=True) if torch.is_tensor(value) else value
@@ -123,13 +127,15 @@ def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tens
     from megatron.training import get_args
 
     args = get_args()
-    batch = get_batch(data_iterator)
+    host_batch = next(data_iterator) if data_iterator is not None else {}
+    batch = batch_to_device(host_batch)
     key, starts_step = begin_micro_batch(args)
     training = key[0] != "eval"
     kwargs = model_inputs(batch, args)
     # The model's [batch, seq] layout: THD flattens the micro-batch to one row of B*S tokens, so routes
     # are installed (and recorded) in that layout too; router rows then follow the model's token order.
     model_shape = tuple(kwargs["input_ids"].shape)
+    announce_real_tokens(args, host_batch.get("padding_mask"), model_shape, starts_step)
     binding = run_state.replay_binding(args)
     if binding is not None:
         if starts_step:
@@ -148,6 +154,42 @@ def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tens
     # loss_func flattens both: the per-token loss ([B, S] or THD's [1, B*S]) and the mask share one order.
     # (On a non-last pipeline stage ``output`` is hidden states, which loss_func never sees.)
     return output, partial(loss_func, batch["loss_mask"])
+
+
+def announce_real_tokens(
+    args: Any, host_pad_mask: torch.Tensor | None, model_shape: tuple[int, int], starts_step: bool
+) -> None:
+    """``--moe-pad-routing skip``: tells the MoE layers how many of their router rows are real.
+
+    Counted on the host copy of the pad mask, before the batch reaches the device (so the dispatcher
+    sizes its permute without reading the device): the rows this rank's routers see are the micro-batch
+    in the model's layout, sliced for CP and, under sequence parallelism, for this TP rank.
+    """
+    pad_routing = run_state.pad_routing(args)
+    if pad_routing is None or not pad_routing.skip:
+        return
+    if starts_step:
+        pad_routing.clear()  # every backward of the previous step has run
+    if host_pad_mask is None:
+        return  # no pads: the routers get no padding mask and route every token
+    if host_pad_mask.device.type != "cpu":
+        raise ValueError(
+            "--moe-pad-routing skip counts pads on the host: the data iterator must yield CPU tensors"
+        )
+    from megatron.core import parallel_state
+
+    from megatron_ext.replay.layout import router_row_positions
+
+    positions_N = router_row_positions(
+        *model_shape,
+        cp_size=parallel_state.get_context_parallel_world_size(),
+        cp_rank=parallel_state.get_context_parallel_rank(),
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        sequence_parallel=args.sequence_parallel,
+    )
+    pads = int(host_pad_mask.reshape(-1).bool()[positions_N].sum())  # host tensor: no device sync
+    pad_routing.set_micro_batch(positions_N.numel(), positions_N.numel() - pads)
 
 
 def log_expert_load(args: Any, iteration: int) -> dict[str, Any] | None:

@@ -6,9 +6,10 @@ comes from Megatron's ``gpt_config_from_args`` / ``hybrid_config_from_args`` and
 ``GPTModelBuilder`` / ``HybridModelBuilder``; the only change is the layer spec: Megatron's default spec
 for the run (TE or local, as ``--transformer-impl`` says) with every ``MoELayer`` swapped for
 :class:`~megatron_ext.moe.moe_layer.AlignedMoELayer` when ``--moe-dispatch-align`` or
-``--moe-expert-load-metrics`` is on, and every ``TopKRouter`` for
-:class:`~megatron_ext.moe.router.PaddedTopKRouter` when ``--moe-router-enable-expert-bias`` is on
-(pads out of the expert-bias counts; Megatron 0.19.2's own count fails on the pad mask). Route
+``--moe-expert-load-metrics`` is on or pads skip dispatch (``--moe-pad-routing``, skip under ``auto``
+for dropless runs), and every ``TopKRouter`` for :class:`~megatron_ext.moe.router.PaddedTopKRouter`
+when ``--moe-router-enable-expert-bias`` is on (pads out of the expert-bias counts; Megatron 0.19.2's
+own count fails on the pad mask) or ``--moe-expert-capacity-factor`` is set (pads dropped first). Route
 replay binds to the built model (see :mod:`.run_state`).
 
 Example (inside an initialised Megatron run)::
@@ -25,9 +26,9 @@ from megatron_ext.config import EntryConfig, MoEAlignmentConfig, ReplayConfig
 from megatron_ext.training import run_state
 
 
-def uses_aligned_moe(alignment: MoEAlignmentConfig) -> bool:
-    """Whether the MoE layers must be megatron_ext's (alignment or load metrics requested)."""
-    return alignment.moe_dispatch_align or alignment.moe_expert_load_metrics
+def uses_aligned_moe(alignment: MoEAlignmentConfig, skip_pads: bool = False) -> bool:
+    """Whether the MoE layers must be megatron_ext's (alignment, load metrics or pad skipping)."""
+    return alignment.moe_dispatch_align or alignment.moe_expert_load_metrics or skip_pads
 
 
 def _aligned(spec: Any, args: argparse.Namespace) -> Any:
@@ -37,9 +38,12 @@ def _aligned(spec: Any, args: argparse.Namespace) -> Any:
     from megatron_ext.moe.layer_specs import with_aligned_moe, with_padded_router
 
     alignment = run_state.configs(args)[MoEAlignmentConfig]
-    if uses_aligned_moe(alignment):
+    pad_routing = run_state.pad_routing(args)
+    if uses_aligned_moe(alignment, pad_routing.skip):
         metrics = run_state.load_metrics(args)
-        spec = with_aligned_moe(spec, alignment, metrics, padded_router=False)
+        spec = with_aligned_moe(
+            spec, alignment, metrics, padded_router=False, pad_routing=pad_routing
+        )
     if run_state.configs(args)[EntryConfig].cpu and args.moe_grouped_gemm:
         from megatron_ext.moe.layer_specs import with_grouped_mm_experts
 
@@ -50,9 +54,12 @@ def _aligned(spec: Any, args: argparse.Namespace) -> Any:
 
         # Megatron's local norms refuse SP (TE's are its SP path); ours mark params for TP reduce.
         spec = with_sequence_parallel_norms(spec)
-    # Megatron's own router unless expert bias needs ours (0.19.2's count fails on the pad mask).
+    # Megatron's own router unless expert bias needs ours (0.19.2's count fails on the pad mask) or
+    # a capacity factor does (ours drops pads before real tokens).
     if args.moe_router_enable_expert_bias:
         spec = with_padded_router(spec, require="--moe-router-enable-expert-bias")
+    elif args.moe_expert_capacity_factor is not None:
+        spec = with_padded_router(spec, require="--moe-expert-capacity-factor")
     return spec
 
 

@@ -37,6 +37,8 @@ class RunState:
     rehearsal: dict[str, Any] | None = None
     rehearsal_log: Any = None
     replay_check: Any = None
+    #: ``--moe-pad-routing`` resolved for this run, with the per-micro-batch real-token counts.
+    pad_routing: Any = None
 
 
 _STATE: RunState | None = None
@@ -63,6 +65,20 @@ def load_metrics(args: argparse.Namespace) -> Any:
 
         run.load_metrics = ExpertLoadMetrics(args.num_experts, args.expert_model_parallel_size)
     return run.load_metrics
+
+
+def pad_routing(args: argparse.Namespace) -> Any:
+    """The run's ``PadRouting`` (``--moe-pad-routing`` resolved against Megatron's flags); None for a
+    dense model."""
+    run = state(args)
+    if run.pad_routing is None and getattr(args, "num_experts", None):
+        from megatron_ext.config import MoEPadRoutingConfig
+        from megatron_ext.moe.pad_routing import PadRouting
+
+        config = run.configs[MoEPadRoutingConfig]
+        mode, _ = config.resolve(args)
+        run.pad_routing = PadRouting(mode, required=config.moe_pad_routing == "skip")
+    return run.pad_routing
 
 
 def bind_replay(model: Any, replay: ReplayConfig) -> Any:

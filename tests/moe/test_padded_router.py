@@ -435,9 +435,10 @@ def _provider_checks(argv: list[str]) -> dict:
 @pytest.mark.parametrize(
     "extra, model, layer",
     [
-        ([], "GPTModel", "MoELayer"),
+        (["--moe-pad-routing", "dispatch"], "GPTModel", "MoELayer"),
         (["--moe-dispatch-align", "--moe-expert-load-metrics"], "GPTModel", "AlignedMoELayer"),
-        (["--hybrid-layer-pattern", "*E*E", "--num-layers", "4"], "HybridModel", "MoELayer"),
+        # auto: pads skip dispatch (ours); called without forward_step, pads are routed like text.
+        (["--hybrid-layer-pattern", "*E*E", "--num-layers", "4"], "HybridModel", "AlignedMoELayer"),
     ],
 )
 def test_model_provider_uses_the_padded_router_with_expert_bias(extra, model, layer):

@@ -162,7 +162,8 @@ def test_gpt_providers_and_forward_step_with_self_padded_gpt_dataset(data_prefix
     argv = BASE_ARGS + ["--data-path", data_prefix]
     for result in run_distributed(_run_providers, 2, argv, ep=2):
         assert result["model"] == "GPTModel" and result["dataset"] == "SelfPaddedGPTDataset"
-        assert result["moe_layers"] == ["MoELayer"] * NUM_LAYERS  # nothing asked for ours
+        # Nothing asked for alignment or metrics, but --moe-pad-routing auto skips pads (dropless).
+        assert result["moe_layers"] == ["AlignedMoELayer"] * NUM_LAYERS
         assert np.isfinite(result["loss"]) and result["num_tokens"] > 0 and result["grad_norm"] > 0
         assert "padding_mask" in result["batch_keys"]
 
@@ -241,7 +242,10 @@ def _steps_with_eval(argv: list[str]) -> dict:
     }
 
 
-def test_keys_metrics_and_replay_across_micro_batches_and_evaluation(data_prefix) -> None:
+@pytest.mark.parametrize("pad_routing", ["dispatch", "skip"])
+def test_keys_metrics_and_replay_across_micro_batches_and_evaluation(
+    data_prefix, pad_routing
+) -> None:
     argv = BASE_ARGS + [
         "--data-path",
         data_prefix,
@@ -249,6 +253,8 @@ def test_keys_metrics_and_replay_across_micro_batches_and_evaluation(data_prefix
         "--moe-expert-load-metrics",
         "--log-interval",
         "1",
+        "--moe-pad-routing",
+        pad_routing,
     ]
     argv[argv.index("--global-batch-size") + 1] = "8"
     for r in run_distributed(_steps_with_eval, 2, argv, ep=2):
@@ -256,7 +262,9 @@ def test_keys_metrics_and_replay_across_micro_batches_and_evaluation(data_prefix
         assert r["replay_matches"] == [True] * 4  # both micro-batches, the evaluation, step 1
         # Step 0 only (not the evaluation, not step 1): 2 ranks x 2 micro-batches x 2 rows x 64 tokens,
         # each routed to top-2 experts; real tokens exclude the pads.
-        assert r["tokens"] == [2 * 2 * 2 * 64 * TOPK] * NUM_LAYERS
+        # In skip mode pads reach no expert: the tokens counted with pads are the real ones.
+        routed = 2 * 2 * 2 * 64 if pad_routing == "dispatch" else r["real_tokens_step0"]
+        assert r["tokens"] == [routed * TOPK] * NUM_LAYERS
         assert r["real"] == [r["real_tokens_step0"] * TOPK] * NUM_LAYERS
         assert 0 < r["real_tokens_step0"] < 2 * 2 * 2 * 64  # the packs do have pads
         assert r["has_max_vio"]
@@ -365,6 +373,8 @@ def test_example_script_flags_parse_and_validate(name: str, dry_runs) -> None:
     proc = dry_runs[name]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "megatron_ext: dry run OK" in proc.stdout
+    # HybridModel by default (Megatron 0.19.2 deprecates GPTModel); MODEL=gpt: the Slurm test below.
+    assert '"model": "HybridModel"' in proc.stdout
 
 
 @pytest.mark.parametrize(("broken", "message"), BROKEN)
@@ -500,11 +510,13 @@ def test_record_mode_needs_one_data_prefix(monkeypatch, tmp_path, data_prefix) -
 
 def test_examples_take_the_nodes_from_slurm(example_data) -> None:
     """Under sbatch/srun the launcher reads SLURM_NNODES, SLURM_NODEID and the first host of
-    SLURM_JOB_NODELIST; the dry run validates for that world size."""
+    SLURM_JOB_NODELIST; the dry run validates for that world size. With MODEL=gpt: the examples'
+    GPTModel variant (the same 16 layers as --num-layers) validates too."""
     env = dict(
         os.environ, DRY_RUN="1", PYTHON=sys.executable, DATA=str(example_data),
         SLURM_JOB_NODELIST="gpu[03-05,07],cpu1", SLURM_NNODES="4", SLURM_NODEID="2",
         PATH="/usr/bin:/bin",  # no scontrol: the launcher's own nodelist parsing
+        MODEL="gpt",
     )  # fmt: skip
     for key in ("WORLD_SIZE", "NNODES", "NODE_RANK", "MASTER_ADDR"):
         env.pop(key, None)
@@ -515,3 +527,4 @@ def test_examples_take_the_nodes_from_slurm(example_data) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "launch: nnodes=4 node_rank=2 master_addr=gpu03 nproc_per_node=8" in proc.stderr
     assert '"world_size": 32' in proc.stdout
+    assert '"model": "GPTModel"' in proc.stdout

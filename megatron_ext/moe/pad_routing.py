@@ -1,0 +1,242 @@
+"""Pads cost nothing in the MoE layer: skip-dispatch of pad tokens and pads-first capacity dropping
+(pure torch, never imports megatron).
+
+Self-token padding spreads pads evenly over the experts, but Megatron still routes them: they go through
+the all-to-all and the expert GEMMs and their outputs are thrown away (the loss masks them). In ``skip``
+mode the MoE layer clears the pads' rows of the routing map and zeroes their probabilities after routing
+(after replay too), so pads send no row through the all-to-all and reach no expert GEMM; a pad's MoE
+output is then the shared experts' output (or zero). Real tokens are untouched: their routes, their
+probabilities and the rows they send are the same as in ``dispatch`` mode.
+
+Worked example (4 tokens, 3 experts, top-1; tokens 2 and 3 are pads)::
+
+    routing_map = [[1 0 0]    pad_T = [F F T T]    cleared = [[1 0 0]
+                   [0 1 0]                                    [0 1 0]
+                   [0 1 0]                                    [0 0 0]
+                   [0 0 1]]                                   [0 0 0]]
+    Megatron's dropless all-to-all sizes its permute output N * topk = 4 rows on the host; with the pads
+    cleared only (N - pads) * topk = 2 rows exist, a number the host knows before the batch reaches the
+    device (:class:`PadRouting` carries it; nothing is read back from the device).
+
+Under a capacity factor (``dispatch`` mode), Megatron's token dropping ranks pads and real tokens
+together, so a pad can hold an expert slot while a real token is dropped. :func:`pads_first_keep` keeps
+Megatron's own choice among the real tokens (its drop function on the real tokens alone) and gives pads
+only the slots real tokens left free, ranked by the same policy (probability, or position).
+
+Legend: T tokens the router sees, E experts.
+"""
+
+import warnings
+from collections.abc import Hashable
+from typing import Literal
+
+import torch
+
+PadRoutingMode = Literal["dispatch", "skip", "auto"]
+PAD_ROUTING_MODES: tuple[str, ...] = ("dispatch", "skip", "auto")
+
+
+def resolve_pad_routing(
+    mode: str,
+    *,
+    capacity_factor: float | None,
+    pad_to_capacity: bool,
+    cuda_graph_over_moe: bool,
+    dispatcher: str,
+    router_padding: bool,
+) -> tuple[Literal["dispatch", "skip"], str]:
+    """The pad routing a run uses, and why.
+
+    ``auto`` is ``skip`` wherever nothing needs the pads' rows: dropless dispatch (no capacity factor),
+    no static expert shapes (capacity padding, CUDA graphs over the MoE layer), Megatron's alltoall or
+    allgather dispatcher and no router padding for quantization (it re-adds rows to the routing map).
+
+    Args:
+        mode: ``--moe-pad-routing``.
+        capacity_factor: ``--moe-expert-capacity-factor`` (None: dropless).
+        pad_to_capacity: ``--moe-pad-expert-input-to-capacity``.
+        cuda_graph_over_moe: Whether CUDA graphs capture (part of) the MoE layer.
+        dispatcher: ``--moe-token-dispatcher-type``.
+        router_padding: ``--moe-router-padding-for-quantization``.
+
+    Returns:
+        ``(resolved mode, reason)``.
+
+    Raises:
+        ValueError: ``skip`` asked for where it cannot run, naming both flags.
+    """
+    if mode not in PAD_ROUTING_MODES:
+        raise ValueError(f"--moe-pad-routing must be one of {PAD_ROUTING_MODES}, got {mode!r}")
+    blockers = []
+    if pad_to_capacity:
+        blockers.append(
+            "--moe-pad-expert-input-to-capacity (static expert shapes: every slot is filled anyway)"
+        )
+    if cuda_graph_over_moe:
+        blockers.append("--cuda-graph-impl over the MoE layer (captured static shapes)")
+    if dispatcher not in ("alltoall", "allgather"):
+        blockers.append(f"--moe-token-dispatcher-type {dispatcher} (only alltoall and allgather)")
+    if router_padding:
+        blockers.append(
+            "--moe-router-padding-for-quantization (it re-adds token rows to the routing map; "
+            "use --moe-dispatch-align)"
+        )
+    if mode == "skip" and blockers:
+        raise ValueError(f"--moe-pad-routing skip cannot be combined with {blockers[0]}")
+    if mode == "dispatch":
+        return "dispatch", "asked for"
+    if mode == "skip":
+        return "skip", "asked for"
+    if blockers:
+        return "dispatch", f"auto: {blockers[0].split(' (')[0]} needs the pads' rows"
+    if capacity_factor is not None:
+        return "dispatch", "auto: --moe-expert-capacity-factor (pads are dropped first instead)"
+    return "skip", "auto: dropless dispatch, nothing needs the pads' rows"
+
+
+def clear_pad_routes(
+    probs_TE: torch.Tensor, routing_map_TE: torch.Tensor, pad_T: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pads route nowhere: their routing-map rows cleared, their probabilities zeroed (sync-free).
+
+    Real tokens' rows are returned bit for bit (``masked_fill`` only writes pad rows), and so are their
+    probabilities' gradients.
+
+    Args:
+        probs_TE: The router's probabilities ``[T, E]`` (zero where not routed).
+        routing_map_TE: bool ``[T, E]``.
+        pad_T: ``[T]`` (any shape with T elements, in the router's token order), True = pad.
+    """
+    pad_T1 = pad_T.reshape(-1, 1).bool()
+    assert pad_T1.shape[0] == routing_map_TE.shape[0], (
+        f"padding_mask has {pad_T1.shape[0]} tokens, routing map {routing_map_TE.shape[0]}"
+    )
+    return probs_TE.masked_fill(pad_T1, 0.0), routing_map_TE & ~pad_T1
+
+
+def pads_first_keep(
+    kept_real_TE: torch.Tensor,
+    routing_map_TE: torch.Tensor,
+    probs_TE: torch.Tensor,
+    pad_T: torch.Tensor,
+    capacity: int,
+    drop_policy: str,
+) -> torch.Tensor:
+    """Which pads keep their slot: only the slots real tokens left free, per expert (sync-free).
+
+    Args:
+        kept_real_TE: bool ``[T, E]``, the real tokens' routes that survived Megatron's dropping.
+        routing_map_TE: bool ``[T, E]``, every token's routes before dropping.
+        probs_TE: Routing probabilities ``[T, E]`` (the ``probs`` policy ranks pads by them).
+        pad_T: ``[T]``, True = pad.
+        capacity: Slots per expert (Megatron's ``get_capacity``).
+        drop_policy: ``"probs"`` (highest probability first) or ``"position"`` (earliest first).
+
+    Returns:
+        bool ``[T, E]``: the pads' routes that are kept.
+    """
+    pad_T1 = pad_T.reshape(-1, 1).bool()
+    pad_map_TE = routing_map_TE & pad_T1
+    free_E = capacity - kept_real_TE.sum(dim=0)
+    if drop_policy == "position":
+        rank_TE = pad_map_TE.long().cumsum(dim=0) - 1
+    elif drop_policy == "probs":
+        score_TE = probs_TE.detach().masked_fill(~pad_map_TE, float("-inf"))
+        order_TE = score_TE.argsort(dim=0, descending=True, stable=True)
+        rank_TE = torch.empty_like(order_TE)
+        position_T1 = torch.arange(order_TE.shape[0], device=order_TE.device).unsqueeze(1)
+        position_TE = position_T1.expand_as(order_TE)
+        rank_TE.scatter_(0, order_TE, position_TE)
+    else:
+        raise ValueError(
+            f"--moe-token-drop-policy must be 'probs' or 'position', got {drop_policy!r}"
+        )
+    return pad_map_TE & (rank_TE < free_E.unsqueeze(0))
+
+
+class PadRouting:
+    """The pad routing of one run and the host-side real-token count of each micro-batch.
+
+    Megatron's dropless all-to-all sizes its permute output on the host; in skip mode that size is the
+    number of real tokens the router sees times top-k. The forward step knows it before the batch goes
+    to the device (:meth:`set_micro_batch`); the MoE layer asks for it with the padding mask it received
+    (:meth:`real_tokens`). Activation recompute reruns the layer during backward, possibly after later
+    micro-batches' forwards (pipeline schedules): the count is kept per padding-mask storage, which a
+    recompute reuses (checkpoints save their inputs) and which no other live micro-batch can share.
+
+    A forward step that announces nothing (a user's own, calling the model directly) gets, under
+    ``required=False`` (``--moe-pad-routing auto``), Megatron's behaviour for that micro-batch, pads
+    routed like text, with one warning; under ``required=True`` (``skip`` asked for) an error.
+
+    Args:
+        mode: The resolved mode, ``"skip"`` or ``"dispatch"``.
+        required: Whether a micro-batch without an announced count is an error.
+    """
+
+    def __init__(self, mode: Literal["dispatch", "skip"], *, required: bool = True) -> None:
+        if mode not in ("dispatch", "skip"):
+            raise ValueError(
+                f"PadRouting needs a resolved mode ('dispatch' or 'skip'), got {mode!r}"
+            )
+        self.mode = mode
+        self.required = required
+        self._current: tuple[int, int] | None = None
+        self._by_mask: dict[Hashable, int] = {}
+        self._warned = False
+
+    @property
+    def skip(self) -> bool:
+        """Whether pads are cleared from the routing map before dispatch."""
+        return self.mode == "skip"
+
+    def set_micro_batch(self, num_tokens: int, num_real_tokens: int) -> None:
+        """The next forward's router rows on this rank: how many, and how many are real (host ints)."""
+        if not 0 <= num_real_tokens <= num_tokens:
+            raise ValueError(f"{num_real_tokens} real tokens of {num_tokens}: not a count")
+        self._current = (int(num_tokens), int(num_real_tokens))
+
+    def clear(self) -> None:
+        """Forgets every micro-batch (once per training step, after the last backward)."""
+        self._by_mask.clear()
+        self._current = None
+
+    def real_tokens(self, padding_mask: torch.Tensor) -> int | None:
+        """Real tokens among the rows of ``padding_mask`` (host int; nothing read from the device).
+
+        Returns:
+            The count, or None (route pads like text) when none was announced and not ``required``.
+
+        Raises:
+            ValueError: No count was announced (``required``), or one for another number of tokens.
+        """
+        key = (
+            padding_mask.untyped_storage().data_ptr(),
+            padding_mask.storage_offset(),
+            tuple(padding_mask.shape),
+        )
+        if torch._C._current_graph_task_id() != -1:  # inside backward: an activation recompute
+            if key not in self._by_mask and self.required:
+                raise ValueError(
+                    "--moe-pad-routing skip: a recomputed MoE layer got a padding mask no forward saw"
+                )
+            return self._by_mask.get(key)
+        if self._current is None:
+            message = (
+                "--moe-pad-routing skip needs the host-side real-token count of each micro-batch: "
+                "call PadRouting.set_micro_batch before the forward (megatron_ext.pretrain_gpt's "
+                "forward_step does), or use --moe-pad-routing dispatch"
+            )
+            if self.required:
+                raise ValueError(message)
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"{message}; pads are routed like text meanwhile", stacklevel=2)
+            return None
+        num_tokens, num_real = self._current
+        if padding_mask.numel() != num_tokens:
+            raise ValueError(
+                f"--moe-pad-routing skip: the router sees {padding_mask.numel()} tokens, the "
+                f"forward step announced {num_tokens}"
+            )
+        self._by_mask[key] = num_real
+        return num_real

@@ -1,0 +1,183 @@
+"""Tier: pure (and Megatron's argument parser). ``--moe-pad-routing``: how ``auto`` resolves, what ``skip``
+refuses at argument time, clearing pad routes, the pads-first slot rule and the host-side counts."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_ext.moe.pad_routing import (
+    PadRouting,
+    clear_pad_routes,
+    pads_first_keep,
+    resolve_pad_routing,
+)
+from megatron_ext.testing import assert_no_host_sync
+
+DROPLESS = dict(
+    capacity_factor=None,
+    pad_to_capacity=False,
+    cuda_graph_over_moe=False,
+    dispatcher="alltoall",
+    router_padding=False,
+)
+
+
+def test_module_never_imports_megatron() -> None:
+    code = (
+        "import sys, megatron_ext.moe.pad_routing; "
+        "assert not any(m == 'megatron' or m.startswith('megatron.') for m in sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    "change, auto",
+    [
+        ({}, "skip"),
+        ({"dispatcher": "allgather"}, "skip"),
+        ({"capacity_factor": 1.0}, "dispatch"),
+        ({"capacity_factor": 1.0, "pad_to_capacity": True}, "dispatch"),
+        ({"cuda_graph_over_moe": True}, "dispatch"),
+        ({"dispatcher": "flex"}, "dispatch"),
+        ({"router_padding": True}, "dispatch"),
+    ],
+)
+def test_auto_skips_only_where_nothing_needs_the_pads_rows(change: dict, auto: str) -> None:
+    settings = {**DROPLESS, **change}
+    mode, why = resolve_pad_routing("auto", **settings)
+    assert mode == auto and why.startswith("auto")
+    assert resolve_pad_routing("dispatch", **settings)[0] == "dispatch"
+
+
+@pytest.mark.parametrize(
+    "change, flag",
+    [
+        ({"capacity_factor": 1.0, "pad_to_capacity": True}, "--moe-pad-expert-input-to-capacity"),
+        ({"cuda_graph_over_moe": True}, "--cuda-graph-impl"),
+        ({"dispatcher": "flex"}, "--moe-token-dispatcher-type flex"),
+        ({"router_padding": True}, "--moe-router-padding-for-quantization"),
+    ],
+)
+def test_skip_with_static_shapes_is_refused_naming_both_flags(change: dict, flag: str) -> None:
+    with pytest.raises(ValueError, match=f"--moe-pad-routing skip .*{flag}"):
+        resolve_pad_routing("skip", **{**DROPLESS, **change})
+    # Skip under a capacity factor (no capacity padding) is allowed: pads are dropped first anyway.
+    assert resolve_pad_routing("skip", **{**DROPLESS, "capacity_factor": 1.0})[0] == "skip"
+
+
+def _parse(argv: list[str]):
+    from megatron.training.arguments import parse_args
+
+    from megatron_ext.arguments import add_megatron_ext_args
+
+    old, sys.argv = sys.argv, ["x", *argv]
+    try:
+        return parse_args(extra_args_provider=add_megatron_ext_args, ignore_unknown_args=True)
+    finally:
+        sys.argv = old
+
+
+def test_flag_parses_and_refusals_reach_argument_time() -> None:
+    from megatron_ext.arguments import configs_from_args
+    from megatron_ext.config import MoEPadRoutingConfig
+
+    moe = ["--num-experts", "8", "--moe-token-dispatcher-type", "alltoall"]
+    cfg = configs_from_args(_parse(moe))[MoEPadRoutingConfig]
+    assert cfg.moe_pad_routing == "auto" and cfg.resolve(_parse(moe))[0] == "skip"
+    capacity = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
+    with pytest.raises(ValueError, match="skip .*--moe-pad-expert-input-to-capacity"):
+        configs_from_args(_parse([*moe, "--moe-pad-routing", "skip", *capacity]))
+    graphs = ["--cuda-graph-impl", "transformer_engine"]
+    with pytest.raises(ValueError, match="skip .*--cuda-graph-impl"):
+        configs_from_args(_parse([*moe, "--moe-pad-routing", "skip", *graphs]))
+    assert (
+        configs_from_args(_parse([*moe, *capacity]))[MoEPadRoutingConfig].resolve(
+            _parse([*moe, *capacity])
+        )[0]
+        == "dispatch"
+    )
+    with pytest.raises(SystemExit):  # argparse's choices: not a mode
+        _parse([*moe, "--moe-pad-routing", "drop"])
+
+
+def test_clear_pad_routes_hand_worked() -> None:
+    # The module docstring's example: 4 tokens, 3 experts, top-1, tokens 2 and 3 are pads.
+    routing_map = torch.tensor([[1, 0, 0], [0, 1, 0], [0, 1, 0], [0, 0, 1]], dtype=torch.bool)
+    probs = routing_map.float() * torch.tensor([[0.7], [0.6], [0.9], [0.8]])
+    pad = torch.tensor([False, False, True, True])
+    probs_out, map_out = assert_no_host_sync(clear_pad_routes, probs, routing_map, pad)
+    assert map_out.tolist() == [[1, 0, 0], [0, 1, 0], [0, 0, 0], [0, 0, 0]]
+    assert torch.equal(probs_out[:2], probs[:2]) and not probs_out[2:].any()
+    # The mask may come in the MoE layer's [S, B] layout: flattened in the router's order.
+    sb = clear_pad_routes(probs, routing_map, pad.view(2, 2))[1]
+    assert torch.equal(sb, map_out)
+
+
+def test_pads_first_keep_is_sync_free_and_zero_tokens_safe() -> None:
+    empty = torch.zeros(0, 4, dtype=torch.bool)
+    kept = assert_no_host_sync(
+        pads_first_keep,
+        empty,
+        empty,
+        torch.zeros(0, 4),
+        torch.zeros(0, dtype=torch.bool),
+        2,
+        "probs",
+    )
+    assert kept.shape == (0, 4)
+    routing = torch.ones(3, 1, dtype=torch.bool)
+    pad = torch.tensor([True, True, True])
+    kept = assert_no_host_sync(
+        pads_first_keep, torch.zeros_like(routing), routing, torch.ones(3, 1), pad, 2, "position"
+    )
+    assert kept[:, 0].tolist() == [True, True, False]  # one expert, all pads: the first two
+    with pytest.raises(ValueError, match="--moe-token-drop-policy"):
+        pads_first_keep(routing, routing, torch.ones(3, 1), pad, 2, "random")
+
+
+def test_pad_routing_counts_per_micro_batch_and_for_recompute() -> None:
+    routing = PadRouting("skip")
+    mask_a = torch.tensor([[False, True], [False, True]])
+    with pytest.raises(ValueError, match="set_micro_batch"):
+        routing.real_tokens(mask_a)
+    routing.set_micro_batch(4, 2)
+    assert routing.real_tokens(mask_a) == 2
+    routing.set_micro_batch(4, 3)  # the next micro-batch's forward ...
+    mask_b = torch.zeros(2, 2, dtype=torch.bool)
+    assert routing.real_tokens(mask_b) == 3
+
+    # ... then micro-batch a's recompute, inside its backward: its own count, found by its mask.
+    seen = []
+
+    class Recompute(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(routing.real_tokens(mask_a.transpose(0, 1).transpose(0, 1)))
+            return grad
+
+    Recompute.apply(torch.ones(1, requires_grad=True)).sum().backward()
+    assert seen == [2]
+    with pytest.raises(ValueError, match="tokens"):
+        routing.set_micro_batch(4, 1)
+        routing.real_tokens(torch.zeros(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="not a count"):
+        routing.set_micro_batch(4, 5)
+    routing.clear()
+    with pytest.raises(ValueError, match="set_micro_batch"):
+        routing.real_tokens(mask_a)
+
+
+def test_auto_without_an_announced_count_routes_pads_like_text_with_one_warning() -> None:
+    routing = PadRouting("skip", required=False)
+    mask = torch.zeros(4, dtype=torch.bool)
+    with pytest.warns(UserWarning, match="routed like text"):
+        assert routing.real_tokens(mask) is None
+    assert routing.real_tokens(mask) is None  # warned once
+    routing.set_micro_batch(4, 4)
+    assert routing.real_tokens(mask) == 4

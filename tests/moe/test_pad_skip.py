@@ -1,0 +1,194 @@
+"""Tier: gloo ranks (EP=2). ``--moe-pad-routing skip`` on Megatron's real MoE GPTModel: pads send no
+all-to-all row and reach no expert, real tokens' loss, aux loss and gradients are those of ``dispatch``
+mode, the experts' load equals the no-padding baseline exactly, and no device-to-host sync is added.
+
+Bitwise: real tokens' per-token loss, the aux loss, and every gradient outside the experts. Expert
+weight gradients are not bitwise: in dispatch mode each expert's weight-gradient GEMM sums its real rows
+among (zero-gradient) pad rows, so the blocking order differs; the bound is 16 eps x max|grad| (the
+measured worst is printed by the assertion message on failure).
+"""
+
+import pytest
+import torch
+
+from megatron_ext.testing import run_distributed
+
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _build(mode: str, dispatcher: str, align: bool):
+    from megatron_ext.config import MoEAlignmentConfig
+    from megatron_ext.moe.layer_specs import with_aligned_moe
+    from megatron_ext.moe.pad_routing import PadRouting
+    from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
+    from megatron_ext.testing.tiny_model import local_layer_spec
+
+    config = tiny_moe_config(moe_token_dispatcher_type=dispatcher)
+    pad_routing = PadRouting(mode)
+    spec = with_aligned_moe(
+        local_layer_spec(config),
+        MoEAlignmentConfig(moe_dispatch_align=align),
+        padded_router=False,
+        pad_routing=pad_routing,
+    )
+    torch.manual_seed(0)
+    model = build_tiny_gpt(config, vocab_size=128, max_seq_len=64, layer_spec=spec)
+    if align:  # fp8 rehearsal: the dispatcher aligns to 16 while the model computes in fp32
+        config.fp8 = "e4m3"
+    return model, pad_routing
+
+
+def _run(model, pad_routing, batch: dict) -> dict:
+    """Forward + backward; loss of real tokens, grads, aux loss, rows sent and rows per expert."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    from megatron_ext.data.batch import gpt_forward_kwargs, masked_mean_loss
+
+    moes = [layer.mlp for layer in model.decoder.layers]
+    expert_rows: list[torch.Tensor] = []  # host tokens_per_expert of each layer; read after the run
+    hooks = [
+        moe.experts.register_forward_pre_hook(lambda m, args: expert_rows.append(args[1].clone()))
+        for moe in moes
+    ]
+    mask = batch["padding_mask"]
+    pad_routing.set_micro_batch(mask.numel(), int((~mask).sum()))
+    model.zero_grad(set_to_none=True)
+    get_moe_metrics_tracker().clear()
+    loss_BS = model(**gpt_forward_kwargs(batch))
+    masked_mean_loss(loss_BS, batch["loss_mask"]).backward()
+    for hook in hooks:
+        hook.remove()
+    aux = get_moe_metrics_tracker().metrics.get("load_balancing_loss")
+    dispatcher = moes[0].token_dispatcher
+    splits = getattr(dispatcher, "input_splits", None)
+    return {
+        "real_loss": loss_BS.detach()[batch["loss_mask"].bool()].clone(),
+        "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        "aux": None if aux is None else aux.values.clone(),
+        "a2a_rows": None if splits is None else torch.as_tensor(splits).clone(),
+        "expert_rows": expert_rows,
+    }
+
+
+def _host_counts(run: dict) -> dict:
+    """The run's row counts as ints (read outside the sync-counted region)."""
+    a2a = run["a2a_rows"]
+    return {
+        **run,
+        "a2a_rows": None if a2a is None else int(a2a.sum()),
+        "expert_rows": [[int(n) for n in rows] for rows in run["expert_rows"]],
+    }
+
+
+def _unpadded(batch: dict, b: int) -> dict:
+    """Pack ``b`` of ``batch`` cut to its real tokens: the no-padding baseline (same documents)."""
+    n = int((~batch["padding_mask"][b]).sum())
+    cut = {k: batch[k][b : b + 1, :n] for k in ("tokens", "labels", "loss_mask", "position_ids")}
+    cut["padding_mask"] = torch.zeros(1, n, dtype=torch.bool)
+    cut["cu_seqlens"] = batch["cu_seqlens"][b : b + 1].clamp(max=n)
+    return cut
+
+
+def _skip_vs_dispatch(dispatcher: str) -> dict:
+    from megatron_ext.testing import count_host_syncs
+    from tests.data.test_batch import _batch
+
+    rank = torch.distributed.get_rank()
+    batch = _batch("self", 64, seed=rank)  # > 50 % pads
+    real = int((~batch["padding_mask"]).sum())
+    out: dict = {"real": real, "tokens": batch["padding_mask"].numel()}
+    for align in (False, True):
+        runs, syncs = {}, {}
+        for mode in ("dispatch", "skip"):
+            model, pad_routing = _build(mode, dispatcher, align)
+            run, syncs[mode] = count_host_syncs(_run, model, pad_routing, batch)
+            runs[mode] = _host_counts(run)
+        a, b = runs["skip"], runs["dispatch"]
+        expert = [k for k in a["grads"] if ".experts." in k]
+        out[align] = {
+            "loss_bitwise": torch.equal(a["real_loss"], b["real_loss"]),
+            "aux_bitwise": torch.equal(a["aux"], b["aux"]),
+            "other_grads_not_bitwise": [
+                k
+                for k in a["grads"]
+                if k not in expert and not torch.equal(a["grads"][k], b["grads"][k])
+            ],
+            "num_other_grads": len(a["grads"]) - len(expert),
+            "expert_grad_ulps": max(
+                float(
+                    (a["grads"][k] - b["grads"][k]).abs().max()
+                    / (EPS32 * b["grads"][k].abs().max())
+                )
+                for k in expert
+            ),
+            "a2a_rows": (a["a2a_rows"], b["a2a_rows"]),
+            "expert_rows": (a["expert_rows"], b["expert_rows"]),
+            "syncs": (len(syncs["skip"]), len(syncs["dispatch"])),
+            "new_syncs": sorted(set(syncs["skip"]) - set(syncs["dispatch"])),
+        }
+    # No-padding baseline: each pack cut to its real tokens, run alone; its experts' load per layer.
+    model, pad_routing = _build("dispatch", dispatcher, align=False)
+    skip_model, skip_routing = _build("skip", dispatcher, align=False)
+    loads = {"nopad": None, "skip": None}
+    for b in range(batch["tokens"].shape[0]):
+        cut = _unpadded(batch, b)
+        rows = _host_counts(_run(model, pad_routing, cut))["expert_rows"]
+        loads["nopad"] = rows if loads["nopad"] is None else _add(loads["nopad"], rows)
+    loads["skip"] = _host_counts(_run(skip_model, skip_routing, batch))["expert_rows"]
+    out["loads"] = loads
+    return out
+
+
+def _add(a: list[list[int]], b: list[list[int]]) -> list[list[int]]:
+    return [[x + y for x, y in zip(ra, rb, strict=True)] for ra, rb in zip(a, b, strict=True)]
+
+
+@pytest.fixture(scope="module", params=["alltoall", "allgather"])
+def ep2_results(request) -> tuple[str, list[dict]]:
+    return request.param, run_distributed(_skip_vs_dispatch, 2, request.param, ep=2)
+
+
+def test_real_tokens_are_unchanged_by_skipping_pads(ep2_results) -> None:
+    _, results = ep2_results
+    for r in results:
+        assert r["tokens"] - r["real"] > r["real"]  # > 50 % pads: the interesting case
+        for align in (False, True):
+            x = r[align]
+            assert x["loss_bitwise"] and x["aux_bitwise"], x
+            assert x["num_other_grads"] > 5 and x["other_grads_not_bitwise"] == [], x
+            assert x["expert_grad_ulps"] <= 16.0, x
+
+
+def test_pads_send_no_row_and_reach_no_expert(ep2_results) -> None:
+    dispatcher, results = ep2_results
+    topk = 2
+    for r in results:
+        for align in (False, True):
+            (skip_a2a, dispatch_a2a), (skip_rows, dispatch_rows) = (
+                r[align]["a2a_rows"],
+                r[align]["expert_rows"],
+            )
+            if dispatcher == "alltoall":
+                assert skip_a2a == r["real"] * topk and dispatch_a2a == r["tokens"] * topk
+            if not align:  # expert rows without alignment's zero rows: exactly the routed tokens
+                assert sum(map(sum, skip_rows)) < sum(map(sum, dispatch_rows))
+    # Over both ranks, every real token's K routes reach an expert once per layer; no pad does.
+    for layer in range(2):
+        got = sum(sum(r[False]["expert_rows"][0][layer]) for r in results)
+        assert got == sum(r["real"] for r in results) * topk
+
+
+def test_skip_load_equals_the_no_padding_baseline_exactly(ep2_results) -> None:
+    _, results = ep2_results
+    for r in results:
+        assert r["loads"]["skip"] == r["loads"]["nopad"], r["loads"]
+        assert sum(map(sum, r["loads"]["skip"])) > 0
+
+
+def test_skip_adds_no_host_sync(ep2_results) -> None:
+    _, results = ep2_results
+    for r in results:
+        for align in (False, True):
+            skip, dispatch = r[align]["syncs"]
+            assert r[align]["new_syncs"] == [] and skip <= dispatch, r[align]
+            assert dispatch > 0  # the detector saw Megatron's own copies (non-vacuous)
