@@ -2,12 +2,14 @@
 
 It preprocesses the embedded corpus with ``tools/preprocess_data.py`` and runs ``examples/cpu_demo.sh``
 (``torchrun --nproc-per-node 2 -m megatron_ext.pretrain_gpt --cpu ...``: ``megatron.training.pretrain``
-on 2 gloo processes, a tiny MoE HybridModel, EP=2, rollout-style rows that are mostly padding) three times:
+on 2 gloo processes, a tiny MoE HybridModel, EP=2, rollout-style rows that are mostly padding) four times:
 
-1. ``--pad-policy constant``: pads are one id (0), as most packers do;
-2. ``--pad-policy self --route-replay-mode record``: pads are the row's own tokens; the routes Megatron
-   chose are written as a route sidecar beside the tokens;
-3. ``--route-replay-mode replay --route-replay-check`` from other initial weights: every MoE layer
+1. ``--pad-policy constant --moe-pad-routing dispatch``: pads are one id (0), as most packers do, and are
+   routed like text;
+2. ``--pad-policy self --moe-pad-routing dispatch --route-replay-mode record``: pads are the row's own
+   tokens; the routes Megatron chose are written as a route sidecar beside the tokens;
+3. ``--moe-pad-routing skip``: self pads that reach no expert (what ``auto`` chooses for this run);
+4. ``--route-replay-mode replay --route-replay-check`` from other initial weights: every MoE layer
    replays the recorded routes, and the loop counts how many it used exactly.
 
 Everything it reports comes from what the loop logged: the ``lm loss`` lines, the expert-load JSON lines
@@ -44,6 +46,7 @@ EP = 2
 LOSS_TOLERANCE = 5e-6
 TRAINING_LOOP = "megatron.training.pretrain"
 _REPLAY = re.compile(r"replay check: (\d+)/(\d+) \(token, layer\).*differently on (\d+)")
+_ELAPSED = re.compile(r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([0-9.]+)")
 _REHEARSAL = re.compile(
     r"rank (\d+) rehearsal: (\d+) expert groups .*?, (\d+) not a multiple of (\d+); last: (\[.*\])"
 )
@@ -71,6 +74,11 @@ def _launch(flags: list[str], data: str, log_name: str, workdir: Path) -> LoopRu
     return run
 
 
+def _step_ms(run: LoopRun) -> dict[int, float]:
+    """Megatron's ``elapsed time per iteration (ms)`` per logged iteration."""
+    return {int(i): float(ms) for i, ms in _ELAPSED.findall(run.output)}
+
+
 def _load_counts(path: Path) -> dict[str, np.ndarray]:
     """Tokens per expert summed over every logged iteration: ``{"all"|"real": [layers, experts]}``."""
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -92,12 +100,17 @@ def _peak_over_mean(counts_LE: np.ndarray, groups: int) -> float:
 
 def summarize(runs: dict[str, LoopRun], loads: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
     """The JSON summary and its checks, from what the three runs logged."""
-    constant, self_pad, replay = runs["constant"], runs["self"], runs["replay"]
+    constant, self_pad, replay, skip = runs["constant"], runs["self"], runs["replay"], runs["skip"]
     iterations = sorted(self_pad.losses)
     losses_c = [constant.losses[i] for i in iterations]
     losses_s = [self_pad.losses[i] for i in iterations]
     diff = float(np.max(np.abs(np.subtract(losses_c, losses_s))))
-    load_c, load_s = loads["constant"], loads["self"]
+    load_c, load_s, load_k = loads["constant"], loads["self"], loads["skip"]
+    losses_k = [skip.losses[i] for i in iterations]
+    step_ms = {  # the first iteration includes warm-up (allocations, gloo buffers)
+        name: float(np.median([ms for i, ms in _step_ms(run).items() if i > iterations[0]]))
+        for name, run in (("self", self_pad), ("skip", skip))
+    }
     experts = load_s["all"].shape[1]
     matched = [tuple(map(int, m)) for m in _REPLAY.findall(replay.output)]
     replayed_rows = sum(rows for _, rows, _ in matched)
@@ -131,6 +144,10 @@ def summarize(runs: dict[str, LoopRun], loads: dict[str, dict[str, np.ndarray]])
         and all(g["groups"] > 0 and g["unaligned"] == 0 for g in groups.values()),
         "alignment_groups": [groups[r]["last"] for r in sorted(groups)],
         "alignment_multiple": sorted({g["align"] for g in groups.values()}),
+        "skip_expert_rows": int(load_k["all"].sum()),
+        "self_expert_rows": int(load_s["all"].sum()),
+        "skip_step_time_vs_self": step_ms["skip"] / step_ms["self"],
+        "skip_loss_max_abs_diff": float(np.max(np.abs(np.subtract(losses_k, losses_s)))),
         "tokens_per_expert": {
             "constant": load_c["all"].tolist(),
             "self": load_s["all"].tolist(),
@@ -149,6 +166,10 @@ def summarize(runs: dict[str, LoopRun], loads: dict[str, dict[str, np.ndarray]])
             np.array_equal(load_c["real"], load_s["real"])
         ),
         "self padding keeps per-expert load near no padding": gap_self < gap_constant,
+        "skip: experts receive exactly the real tokens' rows, loss unchanged": bool(
+            np.array_equal(load_k["all"], load_s["real"])
+        )
+        and summary["skip_loss_max_abs_diff"] <= LOSS_TOLERANCE,
         "replay reproduces every recorded route": replayed_rows > 0
         and summary["replay_match_rate"] == 1.0
         and summary["natural_routing_changed"] > 0,
@@ -184,6 +205,11 @@ def report(summary: dict[str, Any], seconds: float) -> str:
         )
     lines += [
         "  * the same rows' real tokens only (their routing is identical under both policies)",
+        f"skip pads (--moe-pad-routing skip): expert rows {summary['skip_expert_rows']} vs "
+        f"{summary['self_expert_rows']} with self pads routed "
+        f"({summary['skip_expert_rows'] / summary['self_expert_rows'] - 1:+.0%}), step time "
+        f"{summary['skip_step_time_vs_self']:.2f}x self pads (median of iterations 2-"
+        f"{summary['iterations']}, whole step)",
         f"route replay: {summary['replay_match_rate']:.1%} of {summary['replay_rows']} (token, layer) "
         "routes used exactly as recorded; the replaying model's own router would have chosen "
         f"differently on {summary['natural_routing_changed']:.1%}",
@@ -229,7 +255,7 @@ def plot_load(summary: dict[str, Any], path: str) -> None:
 
 
 def run_demo(steps: int, workdir: Path) -> tuple[dict[str, LoopRun], dict[str, Any]]:
-    """Preprocesses the corpus and runs the three launches in ``workdir``; returns runs and loads."""
+    """Preprocesses the corpus and runs the four launches in ``workdir``; returns runs and loads."""
     prefix = str(workdir / "corpus_text_document")
     corpus = ROOT / "megatron_ext" / "assets" / "corpus.jsonl"
     tool = ROOT / "tools" / "preprocess_data.py"
@@ -243,9 +269,11 @@ def run_demo(steps: int, workdir: Path) -> tuple[dict[str, LoopRun], dict[str, A
     common = ["--train-iters", str(steps)]
     runs, loads = {}, {}
     for name, flags in (
-        ("constant", ["--pad-policy", "constant"]),
-        ("self", ["--route-replay-mode", "record", "--route-record-path", prefix + "_routes"]),
-    ):
+        ("constant", ["--pad-policy", "constant", "--moe-pad-routing", "dispatch"]),
+        ("self", ["--moe-pad-routing", "dispatch", "--route-replay-mode", "record",
+                  "--route-record-path", prefix + "_routes"]),
+        ("skip", ["--moe-pad-routing", "skip"]),
+    ):  # fmt: skip
         log = workdir / f"load_{name}.jsonl"
         print(f"  run '{name}' ...", flush=True)
         runs[name] = _launch(
@@ -274,7 +302,7 @@ def main(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     print(
         f"megatron_ext demo: {TRAINING_LOOP} on CPU (--cpu), tiny MoE HybridModel, EP={EP}, "
-        "2 gloo processes, 3 runs (examples/cpu_demo.sh) ...",
+        "2 gloo processes, 4 runs (examples/cpu_demo.sh) ...",
         flush=True,
     )
     keep = getattr(args, "workdir", None)

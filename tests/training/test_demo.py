@@ -1,4 +1,4 @@
-"""Tier: subprocesses (Megatron's real training loop, 2 gloo ranks, three launches of examples/cpu_demo.sh).
+"""Tier: subprocesses (Megatron's real training loop, 2 gloo ranks, four launches of examples/cpu_demo.sh).
 
 The CPU main job: its JSON summary carries the promised fields, comes from the real loop, and its checks
 hold; the interesting cases occurred (rows mostly padding, constant pads skew per-expert load, the
@@ -42,5 +42,10 @@ def test_demo_runs_the_real_loop_and_its_checks_hold(tmp_path, capsys) -> None:
     assert "[ok] loss equal under both pad policies" in printed
     # The three launches' logs were kept in --workdir, with the recorded route sidecar.
     work = tmp_path / "work"
-    assert {"constant.log", "self.log", "replay.log"} <= {p.name for p in work.iterdir()}
+    assert {"constant.log", "self.log", "skip.log", "replay.log"} <= {
+        p.name for p in work.iterdir()
+    }
+    # Skip mode: the experts got exactly the real rows, fewer than with self pads routed.
+    assert 0 < summary["skip_expert_rows"] < 0.7 * summary["self_expert_rows"]
+    assert "skip pads (--moe-pad-routing skip): expert rows" in printed
     assert (work / "corpus_text_document_routes.bin").stat().st_size > 0
