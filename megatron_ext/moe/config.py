@@ -199,12 +199,19 @@ class MoEPadRoutingConfig:
             cuda_graph_over_moe=_cuda_graph_over_moe(args),
             dispatcher=getattr(args, "moe_token_dispatcher_type", "allgather"),
             router_padding=bool(getattr(args, "moe_router_padding_for_quantization", False)),
+            gloo_expert_tp=bool(getattr(args, "cpu", False)) and _expert_tp(args) > 1,
         )
 
     def check_megatron_args(self, args: _moe_argparse.Namespace) -> None:
         """Refuses ``skip`` where static shapes or another padding need the pads' rows."""
         if getattr(args, "num_experts", None):
             self.resolve(args)
+
+
+def _expert_tp(args: _moe_argparse.Namespace) -> int:
+    """Megatron's expert tensor-parallel size (it defaults to the tensor-parallel size)."""
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    return int(etp if etp is not None else getattr(args, "tensor_model_parallel_size", 1) or 1)
 
 
 def _cuda_graph_over_moe(args: _moe_argparse.Namespace) -> bool:

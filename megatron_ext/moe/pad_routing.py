@@ -44,6 +44,7 @@ def resolve_pad_routing(
     cuda_graph_over_moe: bool,
     dispatcher: str,
     router_padding: bool,
+    gloo_expert_tp: bool = False,
 ) -> tuple[Literal["dispatch", "skip"], str]:
     """The pad routing a run uses, and why.
 
@@ -58,6 +59,8 @@ def resolve_pad_routing(
         cuda_graph_over_moe: Whether CUDA graphs capture (part of) the MoE layer.
         dispatcher: ``--moe-token-dispatcher-type``.
         router_padding: ``--moe-router-padding-for-quantization``.
+        gloo_expert_tp: ``--cpu`` with expert tensor parallelism > 1: the dispatcher's TP all-gather
+            then gets uneven sizes (real tokens differ per TP rank), which gloo cannot gather.
 
     Returns:
         ``(resolved mode, reason)``.
@@ -80,6 +83,10 @@ def resolve_pad_routing(
         blockers.append(
             "--moe-router-padding-for-quantization (it re-adds token rows to the routing map; "
             "use --moe-dispatch-align)"
+        )
+    if gloo_expert_tp:
+        blockers.append(
+            "--cpu and --expert-tensor-parallel-size > 1 (gloo has no uneven all-gather; NCCL has)"
         )
     if mode == "skip" and blockers:
         raise ValueError(f"--moe-pad-routing skip cannot be combined with {blockers[0]}")
@@ -152,6 +159,42 @@ def pads_first_keep(
             f"--moe-token-drop-policy must be 'probs' or 'position', got {drop_policy!r}"
         )
     return pad_map_TE & (rank_TE < free_E.unsqueeze(0))
+
+
+def count_router_tokens(
+    pad_mask: torch.Tensor,
+    model_shape: tuple[int, int],
+    *,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    sequence_parallel: bool = False,
+) -> tuple[int, int]:
+    """``(router rows, real among them)`` on this rank, from a host pad mask (no device read).
+
+    The rows a rank's routers see are the micro-batch in the model's layout ``model_shape`` (``[B, S]``,
+    or THD's ``[1, B*S]``), sliced for context parallelism and, under sequence parallelism, for this TP
+    rank (:func:`megatron_ext.replay.layout.router_row_positions`).
+
+    Args:
+        pad_mask: The micro-batch's pad mask on the host (True = pad), any shape with B*S elements.
+        model_shape: The model's ``[batch, seq]``.
+        cp_size, cp_rank, tp_size, tp_rank, sequence_parallel: This rank's parallel layout.
+    """
+    from megatron_ext.replay.layout import router_row_positions
+
+    assert pad_mask.device.type == "cpu", "the pad count is taken on the host copy"
+    positions_N = router_row_positions(
+        *model_shape,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        sequence_parallel=sequence_parallel,
+    )
+    pads = int(pad_mask.reshape(-1).bool()[positions_N].sum())
+    return positions_N.numel(), positions_N.numel() - pads
 
 
 class PadRouting:

@@ -42,6 +42,8 @@ class ParallelSizes:
     cp: int = 1
     sp: bool = False
     seed: int = 1234
+    #: Expert tensor-parallel size; None is Megatron's default (the tensor-parallel size).
+    etp: int | None = None
 
 
 def sequence_parallel() -> bool:
@@ -74,6 +76,7 @@ def _setup_parallel(sizes: ParallelSizes) -> None:
             pipeline_model_parallel_size=sizes.pp,
             context_parallel_size=sizes.cp,
             expert_model_parallel_size=sizes.ep,
+            expert_tensor_parallel_size=sizes.etp,
         )
     torch.manual_seed(sizes.seed)
     model_parallel_cuda_manual_seed(sizes.seed, force_reset_rng=True)
@@ -94,6 +97,7 @@ def _same_groups(parallel_state: Any, sizes: ParallelSizes) -> bool:
         and parallel_state.get_pipeline_model_parallel_world_size() == sizes.pp
         and parallel_state.get_context_parallel_world_size() == sizes.cp
         and parallel_state.get_expert_model_parallel_world_size() == sizes.ep
+        and parallel_state.get_expert_tensor_parallel_world_size() == (sizes.etp or sizes.tp)
         and parallel_state.get_virtual_pipeline_model_parallel_world_size() in (None, 1)
     )
 
@@ -206,6 +210,7 @@ def run_distributed(
     pp: int = 1,
     cp: int = 1,
     sp: bool = False,
+    etp: int | None = None,
     seed: int = 1234,
     timeout: float = 240.0,
     **kwargs: Any,
@@ -218,6 +223,7 @@ def run_distributed(
         *args: Positional arguments for ``fn`` (picklable; CPU tensors are fine).
         tp, ep, pp, cp: Tensor-, expert-, pipeline- and context-parallel sizes for Megatron.
         sp: Sequence parallelism; read by :func:`sequence_parallel` and the tiny model config.
+        etp: Expert tensor-parallel size (None: Megatron's default, ``tp``).
         seed: Seed for torch and Megatron's model-parallel RNG tracker.
         timeout: Seconds before a hung call fails (the pool is then rebuilt).
         **kwargs: Keyword arguments for ``fn``.
@@ -228,7 +234,7 @@ def run_distributed(
     Raises:
         RuntimeError: A rank raised (its traceback is included) or did not answer in time.
     """
-    sizes = ParallelSizes(tp=tp, ep=ep, pp=pp, cp=cp, sp=sp, seed=seed)
+    sizes = ParallelSizes(tp=tp, ep=ep, pp=pp, cp=cp, sp=sp, seed=seed, etp=etp)
     pool = _pool(world_size)
     done = pool.run(fn, args, kwargs, sizes, timeout)
     failed = {rank: value for rank, (ok, value) in done.items() if not ok}

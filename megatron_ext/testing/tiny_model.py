@@ -44,6 +44,7 @@ def tiny_moe_config(**overrides: Any) -> TransformerConfig:
         moe_router_dtype="fp32",
         tensor_model_parallel_size=tp,
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
         sequence_parallel=sequence_parallel() and tp > 1,
         hidden_dropout=0.0,
         attention_dropout=0.0,

@@ -42,6 +42,7 @@ def test_module_never_imports_megatron() -> None:
         ({"cuda_graph_over_moe": True}, "dispatch"),
         ({"dispatcher": "flex"}, "dispatch"),
         ({"router_padding": True}, "dispatch"),
+        ({"gloo_expert_tp": True}, "dispatch"),
     ],
 )
 def test_auto_skips_only_where_nothing_needs_the_pads_rows(change: dict, auto: str) -> None:
@@ -58,6 +59,7 @@ def test_auto_skips_only_where_nothing_needs_the_pads_rows(change: dict, auto: s
         ({"cuda_graph_over_moe": True}, "--cuda-graph-impl"),
         ({"dispatcher": "flex"}, "--moe-token-dispatcher-type flex"),
         ({"router_padding": True}, "--moe-router-padding-for-quantization"),
+        ({"gloo_expert_tp": True}, "--cpu and --expert-tensor-parallel-size"),
     ],
 )
 def test_skip_with_static_shapes_is_refused_naming_both_flags(change: dict, flag: str) -> None:

@@ -50,8 +50,21 @@ def _run(model, pad_routing, batch: dict) -> dict:
         moe.experts.register_forward_pre_hook(lambda m, args: expert_rows.append(args[1].clone()))
         for moe in moes
     ]
+    from megatron.core import parallel_state
+
+    from megatron_ext.moe.pad_routing import count_router_tokens
+
     mask = batch["padding_mask"]
-    pad_routing.set_micro_batch(mask.numel(), int((~mask).sum()))
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pad_routing.set_micro_batch(
+        *count_router_tokens(
+            mask,
+            tuple(mask.shape),
+            tp_size=tp,
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+            sequence_parallel=model.config.sequence_parallel,
+        )
+    )
     model.zero_grad(set_to_none=True)
     get_moe_metrics_tracker().clear()
     loss_BS = model(**gpt_forward_kwargs(batch))
@@ -192,3 +205,42 @@ def test_skip_adds_no_host_sync(ep2_results) -> None:
             skip, dispatch = r[align]["syncs"]
             assert r[align]["new_syncs"] == [] and skip <= dispatch, r[align]
             assert dispatch > 0  # the detector saw Megatron's own copies (non-vacuous)
+
+
+def _tp_skip_vs_dispatch() -> dict:
+    """TP=2 with sequence parallelism and EP=2 (expert TP 1): each TP rank's routers see half the
+    sequence, whose real-token count differs per rank (the second half is mostly pads)."""
+    from tests.data.test_batch import _batch
+
+    batch = _batch("self", 64, seed=0)  # the same batch on both TP ranks, as Megatron feeds them
+    runs = {
+        mode: _host_counts(_run(*_build(mode, "alltoall", False), batch))
+        for mode in ("dispatch", "skip")
+    }
+    a, b = runs["skip"], runs["dispatch"]
+    return {
+        "loss_bitwise": torch.equal(a["real_loss"], b["real_loss"]),
+        "grads_close": all(
+            torch.allclose(
+                a["grads"][k],
+                b["grads"][k],
+                rtol=0,
+                atol=16 * EPS32 * float(b["grads"][k].abs().max()),
+            )
+            for k in b["grads"]
+        ),
+        "expert_rows": [sum(map(sum, a["expert_rows"])), sum(map(sum, b["expert_rows"]))],
+        "real": int((~batch["padding_mask"]).sum()),
+        "tokens": batch["padding_mask"].numel(),
+    }
+
+
+def test_tp2_sequence_parallel_skip_counts_this_ranks_slice() -> None:
+    results = run_distributed(_tp_skip_vs_dispatch, 2, tp=2, ep=2, etp=1, sp=True)
+    for r in results:
+        assert r["loss_bitwise"] and r["grads_close"], r
+        skip_rows, dispatch_rows = r["expert_rows"]
+    # Over both ranks every real token's K routes reach an expert once per layer (2 layers), no pad.
+    skip_rows = sum(r["expert_rows"][0] for r in results)
+    dispatch_rows = sum(r["expert_rows"][1] for r in results)
+    assert skip_rows == results[0]["real"] * 2 * 2 and dispatch_rows == results[0]["tokens"] * 2 * 2
