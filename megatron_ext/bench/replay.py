@@ -1,19 +1,28 @@
 """Benchmark: route replay memory and forward time, ours vs Megatron's RouterReplay vs native.
 
-One rank, real tiny MoE ``GPTModel`` (local spec, 8 experts, top-2, CPU), side by side in one run:
+One rank, real tiny MoE ``GPTModel`` (local spec, 8 experts, top-2, CPU, one intra-op thread),
+side by side in one process:
 
 - route bytes per token per MoE layer: our uint8 route buffer (what is stored, read and copied
   host-to-device), Megatron's ``RouterReplay`` targets as it records them (int64), and Megatron
   inference's ``RoutingMetadata`` buffer dtype (int32); plus what our binding keeps installed on
   the device per micro-batch, measured as the nbytes of its tensors (the uint8 rows, widened per
-  router call, and the ``native`` policy's bool missing-row mask), and its cached row index;
-- forward time: native routing, Megatron's ``REPLAY_FORWARD`` with ``set_replay_data``, and
-  megatron_ext's keyed binding (install + forward, ``native`` missing-row policy, i.e. including
-  the router's own top-k for the ``where``). Medians over repeats; ratios are to native.
+  router call, and, when the micro-batch may have missing rows, the ``native`` policy's bool
+  mask), and its cached row index;
+- forward time of four variants (and ``install()`` alone), **interleaved round by round** (each round runs every variant,
+  in an order rotated per round, so drift of a shared machine hits all of them alike; a round
+  keeps each variant's fastest of a few passes), timed in thread CPU time (the machine's cores
+  are shared; one intra-op thread): native routing, Megatron's ``REPLAY_FORWARD`` with its
+  targets set, megatron_ext's binding with the dataset's host count saying the micro-batch has no missing row (``has_missing=False``:
+  install + gather, the fast path), and the binding with ``has_missing`` unknown (missing mask,
+  native top-k and ``where`` in every router). Reported per variant: the median time, and the
+  median of the per-round paired ratios to native (and to Megatron's replay) with their min and
+  max.
 """
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -21,17 +30,50 @@ from megatron_ext.bench.registry import BenchResult, register_benchmark
 from megatron_ext.testing import run_distributed
 
 
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+def interleaved_rounds(
+    variants: dict[str, Callable[[], None]],
+    rounds: int,
+    clock: Callable[[], float] = time.thread_time,
+    inner: int = 1,
+) -> dict[str, list[float]]:
+    """Times every variant in every round (order rotated per round) after one warm-up pass.
+
+    A round runs the rotated order ``inner`` times over and keeps each variant's fastest call,
+    so a burst of other work on a shared machine during one call does not decide the round.
+
+    Args:
+        variants: ``{name: fn}``.
+        rounds: Rounds timed.
+        clock: Seconds; by default this thread's CPU time, which a shared machine's other jobs
+            do not inflate (with one intra-op thread every op runs on the calling thread).
+        inner: Passes per round.
+
+    Returns:
+        ``{name: [ms of round 0, ms of round 1, ...]}``: entry ``r`` of two variants is a pair.
+    """
+    names = list(variants)
+    for name in names:
+        variants[name]()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        best = dict.fromkeys(names, float("inf"))
+        for _ in range(inner):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                start = clock()
+                variants[name]()
+                best[name] = min(best[name], (clock() - start) * 1e3)
+        for name in names:
+            times[name].append(best[name])
+    return times
 
 
-def _worker(batch: int, seq: int, layers: int, repeats: int) -> dict:
+def paired_ratio(times: dict[str, list[float]], name: str, base: str) -> dict[str, float]:
+    """Median, min and max over rounds of ``times[name][r] / times[base][r]``."""
+    ratios = [a / b for a, b in zip(times[name], times[base], strict=True)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
+def _worker(batch: int, seq: int, layers: int, rounds: int, inner: int) -> dict:
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
     from megatron_ext.replay.binding import RouteReplayBinding
@@ -39,6 +81,8 @@ def _worker(batch: int, seq: int, layers: int, repeats: int) -> dict:
     from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
 
     torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # two cores shared with other jobs: one thread is steadier
     config = tiny_moe_config(
         num_layers=layers, hidden_size=128, moe_ffn_hidden_size=128, moe_enable_routing_replay=True
     )
@@ -69,92 +113,166 @@ def _worker(batch: int, seq: int, layers: int, repeats: int) -> dict:
         batch * seq * layers
     )
 
-    native_ms = _median_ms(forward, repeats)
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    theirs = [r.router_replay for r in routers]  # Megatron's instances, before the binding
+    binding = RouteReplayBinding(model, "replay", missing_route_policy="native")
+    ours = [r.router_replay for r in routers]
+
+    def use(instances):
+        for router, instance in zip(routers, instances, strict=True):
+            router.router_replay = instance
+
+    def native():
+        use(theirs)  # no action set: Megatron's instances route natively
+        forward()
 
     def megatron_replay():
-        RouterReplay.set_replay_data(recorded)
-        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        use(theirs)
+        for instance, target in zip(theirs, recorded, strict=True):  # set_replay_data
+            instance.set_target_indices(target)
+            instance.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         forward()
-        RouterReplay.clear_global_indices()
+        for instance in theirs:
+            instance.clear_indices()
+            instance.clear_router_replay_action()
 
-    megatron_ms = _median_ms(megatron_replay, repeats)
-    RouterReplay.clear_global_router_replay_action()
+    def ours_replay(has_missing):
+        def run():
+            use(ours)
+            binding.install(routes_BSLK, key=0, has_missing=has_missing)
+            forward()
+            binding.clear()
 
-    binding = RouteReplayBinding(model, "replay", missing_route_policy="native")
+        return run
 
-    def ours_replay():
-        binding.install(routes_BSLK, key=0)
-        forward()
+    def install_only():  # the per-micro-batch part of "ours" alone: slicing, layer-major copy
+        binding.install(routes_BSLK, key=0, has_missing=False)
         binding.clear()
 
-    ours_ms = _median_ms(ours_replay, repeats)
-    binding.install(routes_BSLK, key=0)
-    # Everything install() keeps per micro-batch: the uint8 rows [N, K] and, with the native
-    # policy and a route that may have missing rows, the bool mask missing_N (1 B/token/layer).
-    tokens_layers = batch * seq * layers
-    device_bytes = (
-        sum(t.nbytes for pair in binding._targets.values() for t in pair if t is not None)
-        / tokens_layers
+    times = interleaved_rounds(
+        {
+            "native": native,
+            "megatron": megatron_replay,
+            "ours": ours_replay(False),
+            "ours_unknown": ours_replay(None),
+            "install": install_only,
+        },
+        rounds,
+        inner=inner,
     )
+    # Every variant routes exactly as recorded (the model is the recording one): checked once.
+    maps: list[torch.Tensor] = []
+    hooks = [r.register_forward_hook(lambda m, a, out: maps.append(out[1])) for r in routers]
+    for variant in (native, megatron_replay, ours_replay(False), ours_replay(None)):
+        maps.clear()
+        variant()
+        for routing_map_NE, target_NK in zip(maps, recorded, strict=True):
+            assert torch.equal(
+                routing_map_NE.nonzero()[:, 1].view(-1, target_NK.shape[1]),
+                target_NK.sort(-1).values,
+            )
+    for hook in hooks:
+        hook.remove()
+    use(ours)
+    device_bytes = {}
+    for name, has_missing in (("ours", False), ("ours_unknown", None)):
+        binding.install(routes_BSLK, key=0, has_missing=has_missing)
+        # Everything install() keeps per micro-batch: the uint8 rows [N, K] and, when the
+        # micro-batch may have missing rows, the bool mask missing_N (1 B/token/layer).
+        device_bytes[name] = sum(
+            t.nbytes for pair in binding._targets.values() for t in pair if t is not None
+        ) / (batch * seq * layers)
+        binding.clear()
     # Cached once per (device, B, S), shared by every layer and micro-batch: int64 row index.
     index_bytes = sum(t.nbytes for t in binding._device_positions.values()) / (batch * seq)
     binding.remove()
+    torch.set_num_threads(threads)
     return {
         "ours_bytes": ours_bytes,
         "megatron_bytes": megatron_bytes,
         "inference_bytes": inference_bytes,
         "device_bytes": device_bytes,
         "index_bytes": index_bytes,
-        "native_ms": native_ms,
-        "megatron_ms": megatron_ms,
-        "ours_ms": ours_ms,
+        "times": times,
     }
+
+
+def _ratio_cells(times: dict[str, list[float]], name: str) -> list:
+    vs_native = paired_ratio(times, name, "native")
+    vs_megatron = paired_ratio(times, name, "megatron")
+    return [
+        round(statistics.median(times[name]), 2),
+        round(vs_native["median"], 3),
+        f"{vs_native['min']:.3f}..{vs_native['max']:.3f}",
+        round(vs_megatron["median"], 3),
+        f"{vs_megatron['min']:.3f}..{vs_megatron['max']:.3f}",
+    ]
 
 
 @register_benchmark("replay")
 def replay(quick: bool) -> BenchResult:
     """Route bytes per token per layer and replay forward time vs native routing."""
-    batch, seq, layers, repeats = (2, 128, 2, 5) if quick else (4, 512, 4, 15)
-    (r,) = run_distributed(_worker, 1, batch, seq, layers, repeats)
+    batch, seq, layers, rounds, inner = (2, 128, 2, 9, 2) if quick else (4, 512, 4, 15, 3)
+    (r,) = run_distributed(_worker, 1, batch, seq, layers, rounds, inner)
+    times, dash = r["times"], ["-"] * 5
     rows = [
-        ["native routing (no replay)", "-", round(r["native_ms"], 2), 1.0],
+        ["native routing (no replay)", "-", *_ratio_cells(times, "native")],
+        ["Megatron RouterReplay (REPLAY_FORWARD)", r["megatron_bytes"]]
+        + _ratio_cells(times, "megatron"),
+        ["Megatron inference RoutingMetadata (int32)", r["inference_bytes"], *dash],
+        ["megatron_ext route buffer (uint8, stored/H2D), no missing row (data's host count)"]
+        + [r["ours_bytes"], *_ratio_cells(times, "ours")],
+        ["megatron_ext, missing rows unknown (mask, native top-k, where per layer)"]
+        + [r["ours_bytes"], *_ratio_cells(times, "ours_unknown")],
         [
-            "Megatron RouterReplay (REPLAY_FORWARD)",
-            r["megatron_bytes"],
-            round(r["megatron_ms"], 2),
-            round(r["megatron_ms"] / r["native_ms"], 3),
-        ],
-        ["Megatron inference RoutingMetadata (int32)", r["inference_bytes"], "-", "-"],
-        [
-            "megatron_ext route buffer (uint8, stored/H2D)",
-            r["ours_bytes"],
-            round(r["ours_ms"], 2),
-            round(r["ours_ms"] / r["native_ms"], 3),
-        ],
-        [
-            "megatron_ext installed on device (per micro-batch, rows + missing mask)",
-            r["device_bytes"],
+            "megatron_ext install() alone (per micro-batch; share of a native forward)",
             "-",
-            "-",
+            round(statistics.median(times["install"]), 3),
+            round(paired_ratio(times, "install", "native")["median"], 4),
+            *dash[:3],
+        ],
+        [
+            "megatron_ext installed on device per micro-batch: rows (no missing row)",
+            r["device_bytes"]["ours"],
+            *dash,
+        ],
+        [
+            "megatron_ext installed on device per micro-batch: rows + missing mask",
+            r["device_bytes"]["ours_unknown"],
+            *dash,
         ],
         [
             "megatron_ext row index (once per shape; bytes/token, all layers)",
             r["index_bytes"],
-            "-",
-            "-",
+            *dash,
         ],
     ]
     return BenchResult(
         title="Route replay: bytes per token per MoE layer and forward time (top-2, 8 experts)",
-        columns=["path", "route bytes/token/layer", "forward ms (median)", "time vs native"],
+        columns=[
+            "path",
+            "route bytes/token/layer",
+            "forward ms (median)",
+            "time vs native",
+            "vs native min..max",
+            "vs Megatron replay",
+            "vs Megatron min..max",
+        ],
         rows=rows,
         notes=(
-            f"Tiny MoE GPTModel on CPU, B={batch}, S={seq}, {layers} MoE layers, hidden 128, "
-            f"{repeats} repeats. uint8 costs K = 2 bytes per token per layer; Megatron keeps "
-            "int64 targets (8K) and its inference buffer is int32 (4K). Installed on device, "
-            "the native missing-route policy adds a 1-byte bool mask per token per layer "
-            "(measured nbytes of what install() keeps). Our forward includes "
-            "install() (CP/SP slicing), the per-call int64 widening and the native top-k used "
-            "for missing rows."
+            f"Tiny MoE GPTModel on CPU (1 intra-op thread), B={batch}, S={seq}, {layers} MoE "
+            f"layers, hidden 128. {rounds} interleaved rounds: every round runs the variants "
+            f"{inner} times over in an order rotated per round and keeps each one's fastest "
+            "call, timed in thread CPU time (other jobs on the shared cores do not count); "
+            "ratios are the median over rounds of the paired per-round ratio, with its "
+            "min..max. uint8 costs K = 2 bytes per token per layer; Megatron "
+            "keeps int64 targets (8K) and its inference buffer is int32 (4K). Our forward "
+            "includes install() (CP/SP slicing) and the per-call int64 widening; with the "
+            "dataset's host count saying a micro-batch has no missing row (has_missing=False) "
+            "no mask, native top-k or where is computed; with the count unknown, the native "
+            "policy adds a 1-byte bool mask per token per layer and the router's own top-k."
         ),
+        extra={"times_ms": times},
     )

@@ -14,14 +14,18 @@ in Megatron's global list) that looks its targets up by ``(micro-batch key, MoE 
   their forward (pipeline schedules). A marker on each decoder block's output records, when that
   micro-batch's backward starts, whose key is current; recomputed routers read that key. No FIFO.
 - ``native`` missing rows (all-max marker, see :mod:`~megatron_ext.replay.routes`) take the
-  router's own top-k: ``where(missing, native_topk, replayed)``, no host sync.
+  router's own top-k: ``where(missing, native_topk, replayed)``, no host sync. The missing mask is
+  built once per micro-batch for all layers; a micro-batch the data says has no missing row
+  (``install(..., has_missing=False)``, counted on the host by the dataset) skips the mask, the
+  native top-k and the ``where``: the router then only gathers, as Megatron's replay does.
 - ``record`` mode keeps the forward's top-k per key and layer; :meth:`recorded_routes` gathers
   them back to the data layout ``[B, S, L, K]`` across SP/CP (and PP) ranks.
 
 Example::
 
     binding = RouteReplayBinding(model_chunks, mode="replay", missing_route_policy="native")
-    binding.install(batch["routes"], key=micro_batch_index)   # routes_BSLK, uint8
+    binding.install(batch["routes"], key=micro_batch_index,   # routes_BSLK, uint8
+                    has_missing=has_missing_routes(host_batch))  # host count, no device read
     loss = forward_backward(...)                              # every MoE layer replays routes
     binding.clear()                                           # once per training step
 """
@@ -160,6 +164,7 @@ class RouteReplayBinding:
         if not self.replays:
             raise ValueError("--route-replay-mode: this pipeline stage has no MoE router")
         self.stage_ordinals = [r.moe_ordinal for r in self.replays]
+        self._stage_range = (min(self.stage_ordinals), max(self.stage_ordinals) + 1)
         self._targets: dict[tuple[Hashable, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._recorded: dict[tuple[Hashable, int], torch.Tensor] = {}
         self._shapes: dict[Hashable, tuple[int, int]] = {}
@@ -219,7 +224,9 @@ class RouteReplayBinding:
             parallel_state.get_context_parallel_rank(),
         )
 
-    def install(self, routes_BSLK: torch.Tensor, key: Hashable) -> None:
+    def install(
+        self, routes_BSLK: torch.Tensor, key: Hashable, *, has_missing: bool | None = None
+    ) -> None:
         """Stores a micro-batch's routes for the MoE layers of this stage and makes it current.
 
         Args:
@@ -229,12 +236,24 @@ class RouteReplayBinding:
                 ``[1, B*S]``): the router rows run ``b * S + s``, so pass
                 ``routes_BSLK.reshape(1, B * S, L, K)``, not ``[B, S, L, K]``.
             key: Identifies the micro-batch until :meth:`clear` (e.g. its index in the step).
+            has_missing: Whether any row of the micro-batch is missing, as the host knows it
+                (:func:`~megatron_ext.replay.route_dataset.has_missing_routes` of the batch).
+                ``False`` skips the missing mask and, in every router call, the native top-k and
+                the ``where`` (a missing row would then index out of range: pass ``False`` only
+                from the data's count). ``None``: unknown, the mask is built (on the device, no
+                sync). Only the ``native`` policy reads it; ``balanced`` rows are never missing.
 
         Raises:
-            ValueError: Wrong rank, MoE layer count or top-k.
+            ValueError: Wrong rank, MoE layer count or top-k; ``has_missing`` not a host bool.
         """
         if self.mode != "replay":
             raise ValueError("install() needs --route-replay-mode replay")
+        if has_missing is not None and not isinstance(has_missing, (bool, np.bool_)):
+            # A device tensor here would be read by `if` below: a device-to-host sync.
+            raise ValueError(
+                f"install(has_missing=...) takes a host bool or None, got {type(has_missing)}"
+            )
+        has_missing = None if has_missing is None else bool(has_missing)
         if routes_BSLK.dim() != 4:
             raise ValueError(
                 f"routes must be [batch, seq, moe_layers, topk], got {routes_BSLK.shape}"
@@ -250,11 +269,17 @@ class RouteReplayBinding:
         if device_key not in self._device_positions:  # one host-to-device copy per shape
             self._device_positions[device_key] = positions_N.to(routes_BSLK.device)
         rows_NLK = rows_for_router(routes_BSLK, self._device_positions[device_key])
-        marker = torch.iinfo(rows_NLK.dtype).max
+        # This stage's layers [lo, hi) as one layer-major copy: every layer's rows (and mask) are
+        # then a contiguous slice, made by one kernel per micro-batch instead of one per layer.
+        lo, hi = self._stage_range
+        rows_LNK = rows_NLK[:, lo:hi].transpose(0, 1).contiguous()
+        missing_LN = None
+        if self.native_missing and has_missing is not False:
+            missing_LN = (rows_LNK == torch.iinfo(rows_LNK.dtype).max).all(-1)
         for ordinal in self.stage_ordinals:
             # Kept narrow (K bytes per token); widened to int64 inside the router call.
-            rows_NK = rows_NLK[:, ordinal].contiguous()
-            missing_N = (rows_NK == marker).all(-1) if self.native_missing else None
+            rows_NK = rows_LNK[ordinal - lo]
+            missing_N = None if missing_LN is None else missing_LN[ordinal - lo]
             self._targets[(key, ordinal)] = (rows_NK, missing_N)
         self._shapes[key] = (batch_size, seq_len)
         self._forward_key, self._backward_key = key, None
@@ -328,7 +353,7 @@ class RouteReplayBinding:
                 f"{scores.shape[0]} tokens on this rank (sequence/batch shape mismatch)"
             )
         idx_NK = rows_NK.to(torch.int64)
-        if missing_N is not None:
+        if missing_N is not None:  # None: no missing row in this micro-batch (or balanced)
             # Missing rows hold the marker id; where() swaps in the router's choice before gather.
             _, native_NK = default_compute_topk(scores, topk, num_groups, group_topk)
             idx_NK = torch.where(missing_N.unsqueeze(-1), native_NK, idx_NK)

@@ -13,9 +13,9 @@ index cache under the file's identity; a bad route never stops a run mid-trainin
 only get the missing-route policy. It is built through ``BlendedMegatronDatasetBuilder`` and uses
 the pack cache like ``PackedDataset``.
 
-:class:`RouteRecorder` is the way back: routes recorded per pack (record mode) are scattered to
-their documents through the pack plan and written (atomically, with the header) as a route
-sidecar aligned with the tokens.
+:class:`RouteRecorder` is the way back: routes recorded per pack (record mode) are streamed to
+disk with the pack's pieces and assembled (atomically, with the header) into a route sidecar
+aligned with the tokens (:mod:`~megatron_ext.replay.route_stream`; peak RAM one pack).
 
 Example::
 
@@ -24,6 +24,7 @@ Example::
     train, _, _ = BlendedMegatronDatasetBuilder(RoutedPackedDataset, [100, 0, 0], lambda: True,
                                                 config).build()
     train[0]["routes"]   # [S, L, K] uint8; pad positions hold the routes of the tokens they copy
+    train[0]["route_missing_rows"]   # (token, layer) rows without a route, counted on the host
 
 Legend: S positions of a pack, T tokens of a document, L MoE layers, K top-k, Q pack pieces.
 """
@@ -60,8 +61,10 @@ from megatron_ext.replay.route_file import (
     header_bytes,
     read_header,
 )
+from megatron_ext.replay.route_recorder import RouteRecorder as RouteRecorder  # re-exported
 from megatron_ext.replay.routes import (
     apply_missing_policy,
+    count_missing_rows,
     missing_routes,
     missing_value,
     route_dtype,
@@ -69,6 +72,30 @@ from megatron_ext.replay.routes import (
 
 #: Key of the routes in a sample (and of the sidecar in ``PackedDatasetConfig.sidecars``).
 ROUTES_KEY = "routes"
+#: Key of a sample's count of missing (token, layer) route rows, int64, counted on the host when
+#: the pack is read; it must stay on the host (see :func:`has_missing_routes`).
+MISSING_ROWS_KEY = "route_missing_rows"
+
+
+def has_missing_routes(batch: dict[str, Any]) -> bool | None:
+    """Whether any route row of a micro-batch is missing, from its host-side counts.
+
+    What ``RouteReplayBinding.install(..., has_missing=...)`` takes: ``False`` lets every router
+    skip the native top-k and the ``where``. ``None`` when the batch carries no counts (not a
+    :class:`RoutedPackedDataset` batch).
+
+    Raises:
+        ValueError: The counts were moved to an accelerator (reading them would sync).
+    """
+    counts = batch.get(MISSING_ROWS_KEY)
+    if counts is None:
+        return None
+    if counts.device.type != "cpu":
+        raise ValueError(
+            f"batch[{MISSING_ROWS_KEY!r}] is on {counts.device}: keep it on the host (reading "
+            "it from the device would be a device-to-host sync per micro-batch)"
+        )
+    return bool(counts.any())
 
 
 def route_sidecar(suffix: str, num_layers: int, topk: int, num_experts: int) -> Sidecar:
@@ -146,6 +173,9 @@ class RoutedPackedDataset(PackedDataset):
             src_index_T=sample["src_index"].numpy(),  # a self pad replays its source's fill
         )
         sample[ROUTES_KEY] = torch.from_numpy(np.ascontiguousarray(routes_SLK))
+        # balanced leaves no row missing; native: counted here, where the rows are on the host.
+        missing = 0 if cfg.route_missing_policy != "native" else count_missing_rows(routes_SLK)
+        sample[MISSING_ROWS_KEY] = torch.tensor(missing, dtype=torch.int64)
         return sample
 
     def pack_pieces(self, idx: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -155,72 +185,6 @@ class RoutedPackedDataset(PackedDataset):
             self.plan["piece_doc_Q"][q0:q1],
             self.plan["piece_start_Q"][q0:q1],
             self.plan["piece_len_Q"][q0:q1],
-        )
-
-
-class RouteRecorder:
-    """Collects routes recorded per pack into per-document buffers; writes a route sidecar.
-
-    Tokens that were never recorded (documents no pack reached, dropped overlong tails) stay
-    missing, so a replay routes them natively or by the balanced policy.
-
-    Args:
-        doc_lengths: Token count of every document of the token dataset.
-        num_layers: L.
-        topk: K.
-        num_experts: E (selects uint8/uint16).
-    """
-
-    def __init__(self, doc_lengths: np.ndarray, num_layers: int, topk: int, num_experts: int):
-        self.dtype = route_dtype(num_experts, topk)
-        self.docs_shape = (num_layers, topk)
-        self.num_experts = num_experts
-        self.docs = [missing_routes(int(n), num_layers, topk, self.dtype) for n in doc_lengths]
-        self.recorded_tokens = 0
-
-    @classmethod
-    def for_dataset(cls, dataset: RoutedPackedDataset) -> "RouteRecorder":
-        """A recorder sized for the documents under ``dataset``."""
-        cfg = dataset.config
-        lengths = dataset.dataset.tokens.sequence_lengths
-        return cls(lengths, cfg.route_num_layers, cfg.route_topk, cfg.route_num_experts)
-
-    def add_pack(
-        self, pieces: tuple[np.ndarray, np.ndarray, np.ndarray], routes_SLK: np.ndarray
-    ) -> None:
-        """Scatters one pack's recorded routes (real positions first, pads after) to documents.
-
-        Args:
-            pieces: ``RoutedPackedDataset.pack_pieces(idx)``.
-            routes_SLK: The routes the forward chose for that pack (``recorded_routes()[b]``).
-        """
-        doc_Q, start_Q, len_Q = pieces
-        if int(len_Q.sum()) > routes_SLK.shape[0]:
-            raise ValueError(
-                f"pack holds {int(len_Q.sum())} real tokens but {routes_SLK.shape[0]} routes"
-            )
-        offset = 0
-        for doc, start, length in zip(
-            doc_Q.tolist(), start_Q.tolist(), len_Q.tolist(), strict=True
-        ):
-            self.docs[doc][start : start + length] = routes_SLK[offset : offset + length]
-            offset += length
-        self.recorded_tokens += offset
-
-    def write(self, path_prefix: str, overwrite: bool = False) -> int:
-        """Writes ``path_prefix.bin/.idx`` and its header atomically; returns the number of
-        documents.
-
-        Raises:
-            ValueError: The output exists (without ``overwrite``) or its directory is unusable.
-        """
-        return write_route_sidecar(
-            path_prefix,
-            self.docs,
-            num_layers=self.docs_shape[0],
-            topk=self.docs_shape[1],
-            num_experts=self.num_experts,
-            overwrite=overwrite,
         )
 
 

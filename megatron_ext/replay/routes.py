@@ -85,8 +85,25 @@ def missing_routes(num_tokens: int, num_layers: int, topk: int, dtype: np.dtype)
 
 
 def missing_mask(routes_TLK: np.ndarray) -> np.ndarray:
-    """Returns ``missing_TL``: True where the row holds no recorded route."""
-    return (routes_TLK == missing_value(routes_TLK.dtype)).all(axis=-1)
+    """Returns ``missing_TL``: True where the row holds no recorded route.
+
+    Built slot by slot into one ``[T, L]`` array (temporaries ``2 T L`` bools, i.e. ``2 / K`` of
+    a uint8 buffer), not through a ``[T, L, K]`` comparison.
+    """
+    marker = missing_value(routes_TLK.dtype)
+    missing_TL = routes_TLK[..., 0] == marker
+    for k in range(1, routes_TLK.shape[-1]):
+        np.logical_and(missing_TL, routes_TLK[..., k] == marker, out=missing_TL)
+    return missing_TL
+
+
+def count_missing_rows(routes_TLK: np.ndarray, block_rows: int = 4096) -> int:
+    """The number of missing (token, layer) rows, counted in blocks of ``block_rows`` tokens
+    (temporaries bounded by the block, whatever the buffer's size)."""
+    return sum(
+        int(np.count_nonzero(missing_mask(routes_TLK[start : start + block_rows])))
+        for start in range(0, routes_TLK.shape[0], block_rows)
+    )
 
 
 def validate_routes(

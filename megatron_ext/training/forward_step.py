@@ -143,14 +143,26 @@ def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tens
             # first forward, so the routes kept for recompute can go.
             binding.clear()
         if binding.mode == "replay":
+            from megatron_ext.replay.route_dataset import has_missing_routes
+
             routes_BSLK = batch["routes"]
-            binding.install(routes_BSLK.reshape(*model_shape, *routes_BSLK.shape[2:]), key=key)
+            binding.install(
+                routes_BSLK.reshape(*model_shape, *routes_BSLK.shape[2:]),
+                key=key,
+                # Counted by the dataset on the host: packs without a missing row skip native top-k.
+                has_missing=has_missing_routes(host_batch),
+            )
         else:
             binding.begin_record(key, *model_shape)
     output = model(**kwargs, loss_mask=batch["loss_mask"].reshape(model_shape))
     if binding is not None and binding.mode == "record" and training:
         # Only training packs: evaluation packs index another dataset (the validation split).
-        run_state.record_routes(args, binding, key, batch["pack_index"], batch["tokens"].shape)
+        # Skip mode: pads reached no expert, so what their routers computed is no route: missing.
+        routing = run_state.pad_routing(args)
+        pads = host_batch.get("padding_mask") if routing is not None and routing.skip else None
+        run_state.record_routes(
+            args, binding, key, batch["pack_index"], batch["tokens"].shape, pad_mask_BS=pads
+        )
     # loss_func flattens both: the per-token loss ([B, S] or THD's [1, B*S]) and the mask share one order.
     # (On a non-last pipeline stage ``output`` is hidden states, which loss_func never sees.)
     return output, partial(loss_func, batch["loss_mask"])
@@ -178,18 +190,19 @@ def announce_real_tokens(
         )
     from megatron.core import parallel_state
 
-    from megatron_ext.replay.layout import router_row_positions
+    from megatron_ext.moe.pad_routing import count_router_tokens
 
-    positions_N = router_row_positions(
-        *model_shape,
-        cp_size=parallel_state.get_context_parallel_world_size(),
-        cp_rank=parallel_state.get_context_parallel_rank(),
-        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
-        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-        sequence_parallel=args.sequence_parallel,
+    pad_routing.set_micro_batch(
+        *count_router_tokens(
+            host_pad_mask,
+            model_shape,
+            cp_size=parallel_state.get_context_parallel_world_size(),
+            cp_rank=parallel_state.get_context_parallel_rank(),
+            tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+            sequence_parallel=args.sequence_parallel,
+        )
     )
-    pads = int(host_pad_mask.reshape(-1).bool()[positions_N].sum())  # host tensor: no device sync
-    pad_routing.set_micro_batch(positions_N.numel(), positions_N.numel() - pads)
 
 
 def log_expert_load(args: Any, iteration: int) -> dict[str, Any] | None:

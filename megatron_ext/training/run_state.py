@@ -32,7 +32,9 @@ class RunState:
     eval_forwards: int = 0
     last_load_summary: dict[str, Any] | None = None
     record_dataset: Any = None
-    recorded_packs: list[tuple[list[int], Any]] = field(default_factory=list)
+    #: Record mode: this rank's streaming ``RouteRecorder`` (None until the first recorded pack, and
+    #: off global rank 0's data-parallel group, which holds the same routes).
+    route_recorder: Any = None
     #: ``--cpu`` with fp8/fp4: the quantized precision the MoE layers rehearse (cpu_rehearsal).
     rehearsal: dict[str, Any] | None = None
     rehearsal_log: Any = None
@@ -111,49 +113,82 @@ def replay_binding(args: argparse.Namespace) -> Any:
 
 
 def record_routes(
-    args: argparse.Namespace, binding: Any, key: Any, pack_index: Any, batch_shape: tuple[int, int]
+    args: argparse.Namespace,
+    binding: Any,
+    key: Any,
+    pack_index: Any,
+    batch_shape: tuple[int, int],
+    pad_mask_BS: Any = None,
 ) -> None:
-    """Keeps the routes the forward of micro-batch ``key`` chose, per pack (record mode).
+    """Streams the routes the forward of micro-batch ``key`` chose, per pack, to disk (record mode).
 
     ``batch_shape`` is the data layout ``[B, S]``; the model may have run it flattened (THD).
-    NOTE: device-to-host sync (the recorded routes and pack indices go to the host); record mode only.
+    ``pad_mask_BS`` (optional, True = pad, e.g. the batch's ``padding_mask``): pad rows are written
+    as missing (a "skip pads" MoE layer routes pads nowhere, so what it chose is no route).
+    Routes are complete on every rank of a model-parallel group (``recorded_routes`` gathers over
+    TP/CP/PP, a collective every rank joins), so only the data-parallel group of global rank 0
+    streams: rank r of it to ``<--route-record-path>.dp<r>.pieces/.rows`` (:func:`_record_stream`).
+    NOTE: device-to-host sync (the recorded routes, pack indices and pad mask go to the host); record
+    mode only.
     """
     routes = binding.recorded_routes(key)
-    routes_BSLK = routes.reshape(*batch_shape, *routes.shape[2:])
-    state(args).recorded_packs.append((pack_index.tolist(), routes_BSLK.cpu().numpy()))
+    recorder = _record_stream(args)
+    if recorder is None:
+        return
+    routes_BSLK = routes.reshape(*batch_shape, *routes.shape[2:]).cpu().numpy()
+    pads_BS = None if pad_mask_BS is None else pad_mask_BS.reshape(batch_shape).cpu().numpy()
+    dataset = state(args).record_dataset
+    for b, pack in enumerate(pack_index.tolist()):
+        pad_mask_S = None if pads_BS is None else pads_BS[b]
+        recorder.add_pack(dataset.pack_pieces(pack), routes_BSLK[b], pad_mask_S)
+
+
+def _record_stream(args: argparse.Namespace) -> Any:
+    """This rank's route recorder, created on first use; None off global rank 0's DP group."""
+    from megatron_ext.replay.route_recorder import RouteRecorder, record_streams
+
+    run = state(args)
+    if run.route_recorder is not None:
+        return run.route_recorder
+    if run.record_dataset is None:
+        raise ValueError("--route-replay-mode record: no dataset was built to record against")
+    dp_rank, _, streams = record_streams(run.configs[ReplayConfig].route_record_path)
+    if dp_rank is None:
+        return None
+    run.route_recorder = RouteRecorder.for_dataset(run.record_dataset, stream=streams[dp_rank])
+    return run.route_recorder
 
 
 def finish_recording(args: argparse.Namespace) -> int | None:
-    """Gathers every data-parallel rank's recorded packs to rank 0 and writes the route sidecar.
+    """Assembles the route sidecar on rank 0 from the streams of its data-parallel group.
 
-    Routes are already complete on every rank of a model-parallel group (``recorded_routes`` gathers over
-    TP/CP/PP), so only the data-parallel group's distinct packs are merged. Returns the number of
-    documents written on the writing rank, else None.
+    Every rank calls it (it holds a barrier). The streams are closed, rank 0 writes the sidecar by
+    streaming (temporary files renamed into place; an existing output is refused), in DP rank order
+    (a token recorded twice keeps the last, as when the packs were gathered), and removes the
+    streams. The streams sit beside ``--route-record-path``, so that path must be on a filesystem
+    the data-parallel ranks share. Returns the number of documents written on rank 0, else None.
     """
     import torch
-    from megatron.core import parallel_state
 
-    from megatron_ext.replay.route_dataset import RouteRecorder
+    from megatron_ext.replay.route_recorder import record_streams
+    from megatron_ext.replay.route_stream import remove_stream
 
     run = state(args)
     replay = run.configs[ReplayConfig]
     if replay.route_replay_mode != "record":
         return None
-    packs = run.recorded_packs
-    group = parallel_state.get_data_parallel_group()
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
-        gathered: list[Any] = [None] * torch.distributed.get_world_size(group)
-        torch.distributed.all_gather_object(gathered, packs, group=group)
-        packs = [pack for part in gathered for pack in part]
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+    _, writes, streams = record_streams(replay.route_record_path)
+    recorder = _record_stream(args)  # also on a rank that recorded nothing: an empty stream
+    if recorder is not None:
+        recorder.close()  # flushed to disk (a named stream stays until assembled)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every stream is complete on disk
+    if not writes:
         return None
-    if run.record_dataset is None:
-        raise ValueError("--route-replay-mode record: no dataset was built to record against")
-    recorder = RouteRecorder.for_dataset(run.record_dataset)
-    for pack_indices, routes_BSLK in packs:
-        for b, pack in enumerate(pack_indices):
-            recorder.add_pack(run.record_dataset.pack_pieces(pack), routes_BSLK[b])
-    return recorder.write(replay.route_record_path)
+    written = recorder.write(replay.route_record_path, streams=streams)
+    for base in streams:
+        remove_stream(base)
+    return written
 
 
 def reset() -> None:
