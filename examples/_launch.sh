@@ -8,8 +8,14 @@
 #   CPU (0): 1 = the same script, for real, on this machine's CPUs over gloo (a laptop, CI): appends
 #     `--cpu --transformer-impl local` (Transformer Engine modules and fused kernels swapped for
 #     Megatron's local, unfused equivalents; fp8/fp4 flags become a rehearsal) and CPU_SIZES.
+#   MODEL (hybrid): the model class. hybrid = HybridModel (Megatron 0.19.2 deprecates GPTModel for
+#     it): the script's N transformer layers as `--hybrid-layer-pattern` of N "*E" (attention, then
+#     MoE: 2N Megatron layers; Megatron derives --num-layers from the pattern). gpt = GPTModel with
+#     `--num-layers N`, the same layers (e.g. to load a GPTModel checkpoint: neither class's
+#     checkpoint loads into the other).
 #   CPU_SIZES: with CPU=1, the tiny sizes appended after the script's flags (default below; Megatron
-#     takes the last value of a repeated flag, so they replace the script's sizes).
+#     takes the last value of a repeated flag, so they replace the script's sizes), after
+#     CPU_LAYERS (2) transformer layers of MODEL's class.
 #   CPU_DROP: with CPU=1, flags of the script left out with their values (e.g. "--bf16" while the
 #     CPU loop cannot run Megatron's bf16 optimizer); default none.
 #   OVERRIDES: flags appended last of all, e.g. the parallel sizes that fit GPUS_PER_NODE:
@@ -46,12 +52,27 @@ fi
 PYTHON=${PYTHON:-python3}
 # Megatron asserts this with tensor or context parallelism on pre-Blackwell GPUs.
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+MODEL=${MODEL:-hybrid}
 # A 2-layer, 8-expert top-2 model of hidden size 64, 4 iterations of 8 sequences of 128 tokens at a
 # constant learning rate a tiny model learns from in 4 steps.
-CPU_SIZES=${CPU_SIZES:-"--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4
+CPU_LAYERS=${CPU_LAYERS:-2}
+CPU_SIZES=${CPU_SIZES:-"--hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4
   --seq-length 128 --max-position-embeddings 128 --num-experts 8 --moe-router-topk 2
   --moe-ffn-hidden-size 64 --micro-batch-size 1 --global-batch-size 8 --train-iters 4
   --lr 1e-3 --min-lr 0 --lr-decay-style constant --lr-warmup-iters 0 --log-interval 1"}
+
+# model_layers N: MODEL_ARGS = N transformer layers (attention + MoE) of MODEL's class, e.g.
+#   hybrid, N=2: --hybrid-layer-pattern '*E*E'    gpt, N=2: --num-layers 2
+model_layers() {
+  local pattern="" i
+  case "$MODEL" in
+    hybrid)
+      for ((i = 0; i < $1; i++)); do pattern+="*E"; done
+      MODEL_ARGS=(--hybrid-layer-pattern "$pattern") ;;
+    gpt) MODEL_ARGS=(--num-layers "$1") ;;
+    *) echo "MODEL=$MODEL: expected hybrid (HybridModel) or gpt (GPTModel)" >&2; exit 2 ;;
+  esac
+}
 
 launch() {
   local extra=()
@@ -68,7 +89,8 @@ launch() {
     local sizes=()
     # Word splitting only (read -a does no glob expansion: "*E*E" patterns stay as written).
     read -r -d '' -a sizes <<<"$CPU_SIZES" || true
-    extra+=(--cpu --transformer-impl local "${sizes[@]}")
+    model_layers "$CPU_LAYERS"
+    extra+=(--cpu --transformer-impl local "${MODEL_ARGS[@]}" "${sizes[@]}")
   fi
   if [ -n "${OVERRIDES:-}" ]; then
     local overrides=()

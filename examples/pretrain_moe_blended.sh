@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# What: MoE pretraining (16 layers, 64 experts, top-6, bf16) on a weighted blend of two corpora, with
-#   megatron_ext's self-token padding (short samples padded with their own tokens, not token 0) and
-#   per-expert / per-EP-rank load metrics in TensorBoard.
+# What: MoE pretraining of a HybridModel (16 transformer layers, pattern "*E" x 16: attention then MoE;
+#   64 experts, top-6, bf16) on a weighted blend of two corpora, with megatron_ext's self-token padding
+#   (short samples padded with their own tokens, not token 0) and per-expert / per-EP-rank load metrics
+#   in TensorBoard. MODEL=gpt trains the same layers as a GPTModel (deprecated in Megatron 0.19).
 # Hardware: 4 nodes x 8 H100/H200 (TP 2, EP 8, PP 1, DP 16).
 # Command: NNODES=4 NODE_RANK=<0..3> MASTER_ADDR=<node0> bash examples/pretrain_moe_blended.sh
 #   (DRY_RUN=1 validates every flag on any machine and exits.)
@@ -10,9 +11,10 @@ source "$(dirname "$0")/_launch.sh"
 DATA=${DATA:-/data/corpora}
 CKPT=${CKPT:-/checkpoints/moe_pretrain}
 
+model_layers 16  # MODEL_ARGS: --hybrid-layer-pattern '*E*E...' (MODEL=gpt: --num-layers 16)
 ARGS=(
   # model
-  --num-layers 16 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16
+  "${MODEL_ARGS[@]}" --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16
   --seq-length 4096 --max-position-embeddings 4096 --position-embedding-type rope
   --normalization RMSNorm --swiglu --untie-embeddings-and-output-weights --disable-bias-linear
   --num-experts 64 --moe-router-topk 6 --moe-ffn-hidden-size 1024 --moe-grouped-gemm

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# What: RL-style policy update of a MoE model on rollouts, replaying the experts the inference engine
-#   chose (R3): routes converted from vLLM dumps sit beside the token data, are packed and self-padded
-#   with the tokens (a pad replays the route of the token it copies), validated, sliced for SP/CP and
-#   installed into Megatron's RouterReplay per micro-batch; the vLLM T-1 final token routes natively.
+# What: RL-style policy update of a MoE HybridModel (16 transformer layers, pattern "*E" x 16: attention
+#   then MoE) on rollouts, replaying the experts the inference engine chose (R3): routes converted from
+#   vLLM dumps sit beside the token data, are packed and self-padded with the tokens (a pad replays the
+#   route of the token it copies), validated, sliced for SP/CP and installed into Megatron's
+#   RouterReplay per micro-batch; the vLLM T-1 final token routes natively. The policy checkpoint must
+#   be of the same class: MODEL=gpt for a GPTModel one (deprecated in Megatron 0.19); the route
+#   sidecar is the same for both (one top-k row per MoE layer).
 # Hardware: 1 node x 8 H100/H200 (TP 2 with sequence parallelism, EP 4).
 # Command: bash examples/rl_route_replay.sh
 #   Routes: python tools/convert_routes.py --format vllm --input rollouts.jsonl --out "$DATA/rollouts_text_document_routes" ...
@@ -12,8 +15,9 @@ source "$(dirname "$0")/_launch.sh"
 DATA=${DATA:-/data/rl}
 CKPT=${CKPT:-/checkpoints/moe_rl}
 
+model_layers 16  # MODEL_ARGS: --hybrid-layer-pattern '*E*E...' (MODEL=gpt: --num-layers 16)
 ARGS=(
-  --num-layers 16 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16
+  "${MODEL_ARGS[@]}" --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16
   --seq-length 4096 --max-position-embeddings 4096 --position-embedding-type rope
   --normalization RMSNorm --swiglu --untie-embeddings-and-output-weights --disable-bias-linear
   --num-experts 64 --moe-router-topk 6 --moe-ffn-hidden-size 1024 --moe-grouped-gemm

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# What: fp8 MoE SFT on packed conversations (prompt tokens loss-masked via a sidecar), every pack padded
-#   to --seq-length with the pack's own tokens (static shapes: torch.compile / CUDA graphs stop
-#   recompiling) and every expert's token group aligned to the fp8 grouped-GEMM multiple after dispatch
-#   (16; 32 with RECIPE=mxfp8), with no extra host sync and no extra all-to-all traffic.
+# What: fp8 MoE SFT of a HybridModel (16 transformer layers, pattern "*E" x 16: attention then MoE) on
+#   packed conversations (prompt tokens loss-masked via a sidecar), every pack padded to --seq-length
+#   with the pack's own tokens (static shapes: torch.compile / CUDA graphs stop recompiling) and every
+#   expert's token group aligned to the fp8 grouped-GEMM multiple after dispatch (16; 32 with
+#   RECIPE=mxfp8), with no extra host sync and no extra all-to-all traffic. The base checkpoint must
+#   be of the same class: MODEL=gpt for a GPTModel one (deprecated in Megatron 0.19).
 # Hardware: 2 nodes x 8 H100/H200 (fp8 needs Hopper or newer; mxfp8 needs Blackwell). TP 1, EP 8, DP 16.
 # Command: NNODES=2 NODE_RANK=<0|1> MASTER_ADDR=<node0> RECIPE=tensorwise bash examples/sft_fp8_moe_packed.sh
 #   Data: python tools/preprocess_data.py --input sft.jsonl --prompt-key prompt --response-key response ...
@@ -13,8 +15,9 @@ DATA=${DATA:-/data/sft}
 CKPT=${CKPT:-/checkpoints/moe_sft}
 RECIPE=${RECIPE:-tensorwise}   # tensorwise | delayed | blockwise | mxfp8
 
+model_layers 16  # MODEL_ARGS: --hybrid-layer-pattern '*E*E...' (MODEL=gpt: --num-layers 16)
 ARGS=(
-  --num-layers 16 --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16
+  "${MODEL_ARGS[@]}" --hidden-size 2048 --ffn-hidden-size 5632 --num-attention-heads 16
   --seq-length 8192 --max-position-embeddings 8192 --position-embedding-type rope
   --normalization RMSNorm --swiglu --untie-embeddings-and-output-weights --disable-bias-linear
   --num-experts 64 --moe-router-topk 6 --moe-ffn-hidden-size 1024 --moe-grouped-gemm

@@ -2,20 +2,24 @@
 
 Every ``examples/*.sh`` runs for real with ``CPU=1`` (``examples/_launch.sh``: ``--cpu --transformer-impl
 local`` and tiny sizes appended; the parallel sizes that fit 2 ranks in ``OVERRIDES``), and a matrix of
-model/router/parallel features runs in as few launches as prove it:
+model/router/parallel features runs in as few launches as prove it. The examples build a HybridModel
+(``*E*E`` on CPU) unless ``MODEL=gpt``; GPTModel (deprecated in Megatron 0.19) keeps a real-loop run of
+what HybridModel runs elsewhere: the fp8 rehearsal here (HybridModel's: the demo, tests/training/
+test_demo.py), replay in tests/training/test_checkpoint_resume.py (HybridModel's: below and the demo).
 
-| launch                 | proves                                                                  |
-|------------------------|-------------------------------------------------------------------------|
-| pretrain_moe_blended   | GPTModel, alltoall, aux_loss, EP=2, a weighted blend, load metrics, save |
-| sft_fp8_moe_packed     | fp8 rehearsal (groups aligned to 16), best-fit packing, loss-mask sidecar |
-| rl_route_replay record | route record -> sidecar of every document (``finish_recording``)         |
-| rl_route_replay        | replay of that sidecar reproduces the recording run exactly             |
-| tiny HybridModel       | ``*E*E``, allgather, seq_aux_loss + global_aux_loss, z-loss, EP=2        |
-| tiny GPTModel PP=2     | pipeline parallelism, aux-loss-free expert bias (written to the ckpt)   |
+| launch                     | proves                                                                 |
+|----------------------------|------------------------------------------------------------------------|
+| pretrain_moe_blended       | HybridModel, alltoall, aux_loss, EP=2, a weighted blend, load metrics, save |
+| sft_fp8_moe_packed, gpt    | GPTModel: fp8 rehearsal (groups aligned to 16), best-fit packing, loss mask |
+| rl_route_replay record     | HybridModel at the script's TP 2 + SP: route record -> sidecar of every doc |
+| rl_route_replay            | replay of that sidecar reproduces the recording run exactly            |
+| tiny HybridModel           | TP 2 + SP, allgather, seq_aux_loss + global_aux_loss, z-loss, EP=2     |
+| tiny GPTModel PP=2         | pipeline parallelism, aux-loss-free expert bias (written to the ckpt)  |
 
-Each launch: exit 0, 4 iterations of finite, falling ``lm loss`` (fixed seed, constant lr 1e-3), and
-the effect of each feature in what the loop logged or wrote. What the CPU loop cannot run yet (the
-examples' own ``--bf16``) is refused at argument time, naming the flag.
+Each launch: exit 0, 4 iterations of finite, falling ``lm loss`` (fixed seed, constant lr 1e-3), the
+model class the loop built (:func:`built_model`), and the effect of each feature in what the loop
+logged or wrote. What the CPU loop cannot run yet (the examples' own ``--bf16``) is refused at argument
+time, naming the flag.
 """
 
 import json
@@ -37,20 +41,28 @@ ROOT = Path(__file__).resolve().parents[2]
 #: byte-level (tools/preprocess_data.py, end-of-document id 256). The HF path is tested on its own
 #: (tests/tools/test_hf_tokenizer.py trains a real-loop run with a tokenizer directory).
 BYTE_TOKENIZER = ("--tokenizer-type", "NullTokenizer", "--vocab-size", "257")
-#: Flags of the examples the CPU loop cannot run yet (see test_examples_own_precision_and_sp).
+#: Flags of the examples the CPU loop cannot run yet (see test_examples_own_bf16_is_refused_...).
 CPU_GAPS_DROPPED = "--bf16"
+#: Shows the warnings megatron_ext hides by default, GPTModel's deprecation among them (built_model).
+VERBOSE = "--verbose"
 ITERATIONS = 4
 EXPERTS, TOPK, MOE_LAYERS = 8, 2, 2  # CPU_SIZES in examples/_launch.sh and TINY_MOE_ARGS
 
 
 def run_example(
-    name: str, data: Path, ckpt: Path, overrides: list[str], drop: str = CPU_GAPS_DROPPED
+    name: str,
+    data: Path,
+    ckpt: Path,
+    overrides: list[str],
+    drop: str = CPU_GAPS_DROPPED,
+    model: str = "hybrid",
 ) -> LoopRun:
-    """``CPU=1 bash examples/<name>`` with ``DATA``/``CKPT`` and ``OVERRIDES`` appended last."""
+    """``MODEL=<model> CPU=1 bash examples/<name>`` with ``DATA``/``CKPT`` and ``OVERRIDES`` appended
+    last (``--verbose`` among them, for :func:`built_model`)."""
     env = {
-        **os.environ, "CPU": "1", "GPUS_PER_NODE": "2", "PYTHON": sys.executable,
+        **os.environ, "CPU": "1", "GPUS_PER_NODE": "2", "PYTHON": sys.executable, "MODEL": model,
         "MASTER_PORT": str(free_port()), "DATA": str(data), "CKPT": str(ckpt),
-        "OVERRIDES": " ".join([*BYTE_TOKENIZER, *overrides]), "CPU_DROP": drop,
+        "OVERRIDES": " ".join([*BYTE_TOKENIZER, *overrides, VERBOSE]), "CPU_DROP": drop,
         "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1",
     }  # fmt: skip
     for key in ("DRY_RUN", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
@@ -73,6 +85,17 @@ def assert_trains(run: LoopRun) -> dict[int, float]:
     assert all(math.isfinite(v) for v in losses.values()), losses
     assert losses[ITERATIONS] < losses[1], losses
     return losses
+
+
+def built_model(run: LoopRun) -> str:
+    """The model class the loop built, from what Megatron logged while building it (``--verbose``):
+    every HybridModel logs its layer allocation (``HybridModel: pp_rank=.. layers='*E*E'``), every
+    GPTModel its deprecation (``GPTModel.__init__``); exactly one of the two must be there."""
+    assert re.search(r"^ *verbose \.+ True$", run.output, re.M), "built_model needs --verbose"
+    hybrid = re.findall(r"HybridModel: pp_rank=\d+/\d+, .*layers='([^']*)'", run.output)
+    gpt = "GPTModel IS DEPRECATED" in run.output
+    assert bool(hybrid) != gpt, (hybrid, gpt, run.output[-3000:])
+    return "HybridModel" if hybrid else "GPTModel"
 
 
 def field_per_iteration(run: LoopRun, name: str) -> list[float]:
@@ -108,7 +131,7 @@ def test_blended_pretraining_example_trains(corpus_prefix, tmp_path) -> None:
     data.mkdir()
     link_prefix(corpus_prefix, data / "web_text_document")
     link_prefix(corpus_prefix, data / "code_text_document")
-    # TP 2 -> 1 (TP=2 + SP is a known gap, below; Megatron turns SP off at TP=1), EP 8 -> 2.
+    # TP 2 -> 1 (TP 2 + SP runs in the RL example's launch; Megatron turns SP off at TP=1), EP 8 -> 2.
     run = run_example(
         "pretrain_moe_blended.sh",
         data,
@@ -117,6 +140,7 @@ def test_blended_pretraining_example_trains(corpus_prefix, tmp_path) -> None:
          "--eval-iters", "1"],
     )  # fmt: skip
     assert_trains(run)
+    assert built_model(run) == "HybridModel"  # the script's default (MODEL unset: hybrid)
     field_per_iteration(run, "load_balancing_loss")  # --moe-router-load-balancing-type aux_loss
     expert_load_lines(run)  # --moe-expert-load-metrics
     assert (
@@ -167,13 +191,16 @@ def test_sft_example_trains_on_packed_loss_masked_data(sft_data, tmp_path) -> No
     mask = IndexedDataset(str(sft_data / "chat_text_document_loss_mask"))
     masked = np.concatenate([np.asarray(mask[i]) for i in range(len(mask))])
     assert 0 < masked.mean() < 1  # the sidecar masks prompts and keeps responses
+    # MODEL=gpt: GPTModel's real-loop run of the fp8 rehearsal (HybridModel's is the demo's).
     run = run_example(
         "sft_fp8_moe_packed.sh",
         sft_data,
         tmp_path / "ckpt",
         ["--expert-model-parallel-size", "2", "--eval-iters", "1"],
+        model="gpt",
     )
     assert_trains(run)
+    assert built_model(run) == "GPTModel"
     field_per_iteration(run, "load_balancing_loss")
     expert_load_lines(run)
     # --fp8-format e4m3 --fp8-recipe tensorwise --moe-dispatch-align under --cpu: a rehearsal; every
@@ -199,8 +226,12 @@ def test_sft_example_trains_on_packed_loss_masked_data(sft_data, tmp_path) -> No
 # examples/rl_route_replay.sh: record routes, then replay them
 # ------------------------------------------------------------------------------------------------
 
-#: The RL example on 2 ranks: TP 2 -> 1 (TP=2 + SP is a known gap), EP 4 -> 2.
-RL_PARALLEL = ["--tensor-model-parallel-size", "1", "--expert-model-parallel-size", "2"]
+#: The RL example on 2 ranks: its own TP 2 + sequence parallelism, EP 4 -> 2 on the same 2 ranks
+#: (expert TP 1); micro-batches of 2 (DP is 1: 4 micro-batches a step, as at TP 1 and DP 2). Its
+#: final save in ``torch`` format: ``torch_dist`` refuses the CPU grouped-GEMM experts (megatron_ext's
+#: ``GroupedMMLinear``) at EP 2 x TP 2, their sharded tensors carrying no expert-parallel offset.
+RL_PARALLEL = ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+               "--micro-batch-size", "2", "--ckpt-format", "torch"]  # fmt: skip
 #: Group-limited routing (4 groups of 2 experts, 1 group per token): a router with these flags can
 #: only choose both experts of a token inside one group {2g, 2g+1}.
 ONE_GROUP_ROUTING = ["--moe-router-num-groups", "4", "--moe-router-group-topk", "1"]
@@ -239,6 +270,9 @@ def test_route_record_writes_a_sidecar_for_every_document(corpus_prefix, rl_reco
 
     data, run = rl_record
     assert_trains(run)
+    assert built_model(run) == "HybridModel"
+    assert re.search(r"sequence_parallel \.+ True", run.output)
+    assert re.search(r"tensor_model_parallel_size \.+ 2", run.output)
     tokens = IndexedDataset(corpus_prefix)
     prefix = data / "rollouts_text_document_routes"
     assert f"megatron_ext: wrote recorded routes of {len(tokens)} documents" in run.output
@@ -269,6 +303,7 @@ def test_rl_example_replays_the_recorded_routes(rl_record, tmp_path) -> None:
         "rl_route_replay.sh", data, tmp_path / "ckpt", RL_PARALLEL + ONE_GROUP_ROUTING
     )
     assert_trains(run)
+    assert built_model(run) == "HybridModel"
     assert "building RoutedPackedDataset" in run.output  # --route-replay-mode replay
     assert re.search(r"moe_router_group_topk \.+ 1\n", run.output)
     # Same weights, data and packs as the recording run: with the recorded routes replayed, every real
@@ -300,9 +335,10 @@ def test_hybrid_model_tp2_sp_allgather_seq_and_global_aux_loss_and_z_loss(corpus
         "--moe-aux-loss-coeff", "1e-2", "1e-2", "--moe-z-loss-coeff", "1e-3",
         "--moe-expert-load-metrics",
         "--tensor-model-parallel-size", "2", "--sequence-parallel",
-        "--expert-tensor-parallel-size", "1",
+        "--expert-tensor-parallel-size", "1", VERBOSE,
     ])  # fmt: skip
     assert_trains(run)
+    assert built_model(run) == "HybridModel"
     assert "layers='*E*E' (4 layers)" in run.output  # Megatron's HybridModel layer allocation
     assert re.search(r"sequence_parallel \.+ True", run.output)
     assert re.search(r"tensor_model_parallel_size \.+ 2", run.output)
@@ -322,9 +358,10 @@ def test_pipeline_parallel_with_aux_loss_free_expert_bias(corpus_prefix, tmp_pat
         "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "1",
         "--moe-router-load-balancing-type", "none", "--moe-router-enable-expert-bias",
         "--moe-router-score-function", "sigmoid",
-        "--save", str(ckpt), "--save-interval", "1000", "--ckpt-format", "torch",
+        "--save", str(ckpt), "--save-interval", "1000", "--ckpt-format", "torch", VERBOSE,
     ])  # fmt: skip
     assert_trains(run)
+    assert built_model(run) == "GPTModel"
     assert "load_balancing_loss" not in run.iterations[1]
     # One file per pipeline stage (mp_rank_<tp>_<pp>), each with its one MoE layer's expert bias.
     files = sorted((ckpt / f"iter_{ITERATIONS:07d}").glob("mp_rank_00_*/model_optim_rng.pt"))
@@ -361,21 +398,44 @@ def test_examples_own_bf16_is_refused_at_argument_time(sft_data, tmp_path) -> No
     assert "invalid arguments: --cpu cannot run --bf16" in proc.stderr, proc.stderr[-2000:]
 
 
-def test_cpu_overrides_reach_the_command_line(tmp_path) -> None:
-    """``CPU=1``: the script's flags, then ``--cpu --transformer-impl local`` and CPU_SIZES, then
-    OVERRIDES; CPU_DROP leaves flags out with their values; patterns are not glob-expanded."""
+def _launch_argv(tmp_path: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """What ``bash examples/sft_fp8_moe_packed.sh *args`` would run, printed by a stand-in python."""
     fake = tmp_path / "python"
     fake.write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@"\n')
     fake.chmod(0o755)
     (tmp_path / "EEEE").touch()  # a file "*E*E" would glob to
-    env = {
-        **os.environ, "CPU": "1", "PYTHON": str(fake), "CPU_DROP": "--bf16 --fp8-format --fp8-recipe",
-        "OVERRIDES": "--hybrid-layer-pattern *E*E --lr 5e-4",
-    }  # fmt: skip
-    proc = subprocess.run(
-        ["bash", str(ROOT / "examples/sft_fp8_moe_packed.sh"), "--seed", "3"],
-        capture_output=True, text=True, env=env, cwd=tmp_path, check=True,
+    full_env = {**os.environ, "CPU": "1", "PYTHON": str(fake), **env}
+    if "MODEL" not in env:
+        full_env.pop("MODEL", None)  # the script's default
+    return subprocess.run(
+        ["bash", str(ROOT / "examples/sft_fp8_moe_packed.sh"), *args],
+        capture_output=True, text=True, env=full_env, cwd=tmp_path,
     )  # fmt: skip
+
+
+def without(argv: list[str], flag: str) -> list[str]:
+    """``argv`` with every ``flag VALUE`` pair left out."""
+    drop = {i for i, a in enumerate(argv) if a == flag} | {
+        i + 1 for i, a in enumerate(argv) if a == flag
+    }
+    return [a for i, a in enumerate(argv) if i not in drop]
+
+
+def values_of(argv: list[str], flag: str) -> list[str]:
+    """Every value ``flag`` is given in ``argv``, in order (Megatron takes the last)."""
+    return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
+
+
+def test_cpu_overrides_reach_the_command_line(tmp_path) -> None:
+    """``CPU=1``: the script's flags, then ``--cpu --transformer-impl local``, the tiny model's layers
+    and CPU_SIZES, then OVERRIDES; CPU_DROP leaves flags out with their values; patterns are not
+    glob-expanded."""
+    proc = _launch_argv(
+        tmp_path,
+        {"CPU_DROP": "--bf16 --fp8-format --fp8-recipe", "OVERRIDES": "--lr 5e-4"},
+        "--seed", "3",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
     argv = proc.stdout.splitlines()
     assert argv[:2] == ["-m", "torch.distributed.run"]
     assert argv[argv.index("--nproc-per-node") + 1] == "2"
@@ -383,8 +443,28 @@ def test_cpu_overrides_reach_the_command_line(tmp_path) -> None:
         assert dropped not in argv
     assert "--moe-dispatch-align" in argv  # the flag after a dropped value is kept
     cpu = argv.index("--cpu")
-    assert argv[cpu + 1 : cpu + 3] == ["--transformer-impl", "local"]
-    assert argv.index("--seed") < cpu < argv.index("--hybrid-layer-pattern")
-    assert argv[argv.index("--hybrid-layer-pattern") + 1] == "*E*E"
-    lrs = [argv[i + 1] for i, a in enumerate(argv) if a == "--lr"]
+    assert argv[cpu + 1 : cpu + 5] == [
+        "--transformer-impl",
+        "local",
+        "--hybrid-layer-pattern",
+        "*E*E",
+    ]
+    assert argv.index("--seed") < cpu
+    lrs = values_of(argv, "--lr")
     assert lrs == ["1e-5", "1e-3", "5e-4"]  # script, CPU_SIZES, OVERRIDES: Megatron takes the last
+
+
+def test_model_switch_gives_the_same_layers_to_either_class(tmp_path) -> None:
+    """MODEL unset: HybridModel, the script's 16 transformer layers as 16 x ``*E`` (attention, MoE),
+    CPU=1's 2 as ``*E*E``; MODEL=gpt: GPTModel, ``--num-layers`` 16 then 2, no pattern."""
+    hybrid = _launch_argv(tmp_path, {}).stdout.splitlines()
+    assert values_of(hybrid, "--hybrid-layer-pattern") == ["*E" * 16, "*E*E"]
+    assert "--num-layers" not in hybrid  # derived from the pattern by Megatron
+    gpt = _launch_argv(tmp_path, {"MODEL": "gpt"}).stdout.splitlines()
+    assert values_of(gpt, "--num-layers") == ["16", "2"]
+    assert "--hybrid-layer-pattern" not in gpt
+    # Everything else is the same command.
+    assert without(gpt, "--num-layers") == without(hybrid, "--hybrid-layer-pattern")
+    wrong = _launch_argv(tmp_path, {"MODEL": "llama"})
+    assert wrong.returncode == 2 and wrong.stdout == ""
+    assert "MODEL=llama: expected hybrid (HybridModel) or gpt (GPTModel)" in wrong.stderr
