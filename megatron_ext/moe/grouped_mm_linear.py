@@ -128,5 +128,37 @@ class GroupedMMLinear(torch.nn.Module):
             y.register_hook(lambda g: g.contiguous())
         return y, None
 
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
+        """The weight as this EP rank's slice of every expert's weight (distributed checkpoints).
+
+        The local weight ``[G, in, out]`` holds experts ``ep_rank * G .. ep_rank * G + G - 1``, so it is
+        placed at that offset along the expert axis of a global ``[ep_size * G, in, out]`` tensor;
+        the expert-data-parallel ranks hold replicas. Without this, Megatron's default mapping gave
+        every EP rank the same key and shape, and a ``torch_dist`` checkpoint kept one EP rank's
+        experts (or, at TP 2, failed with an invalid access pattern).
+        """
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        del metadata
+        key = f"{prefix}weight"
+        expert_axis = (
+            len(sharded_offsets),
+            parallel_state.get_expert_model_parallel_rank(),
+            parallel_state.get_expert_model_parallel_world_size(),
+        )
+        return {
+            key: ShardedTensor.from_rank_offsets(
+                key,
+                self.weight,
+                *sharded_offsets,
+                expert_axis,
+                replica_id=(0, 0, parallel_state.get_expert_data_parallel_rank()),
+                prepend_axis_num=len(sharded_offsets),
+            )
+        }
+
     def backward_dw(self) -> None:
         """Weight gradients are computed in the normal backward (no delayed wgrad)."""

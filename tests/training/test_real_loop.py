@@ -157,6 +157,13 @@ def test_blended_pretraining_example_trains(corpus_prefix, tmp_path) -> None:
     )
     # --save: Megatron saved the final iteration.
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERATIONS)
+    # torch_dist holds every EP rank's experts: the grouped experts' weights span all 8 experts
+    # (before GroupedMMLinear mapped its EP offset, one rank's 4 were kept and the others lost).
+    from megatron.core import dist_checkpointing
+
+    metadata = dist_checkpointing.load_tensors_metadata(str(ckpt / f"iter_{ITERATIONS:07d}"))
+    expert_shapes = {k: tuple(v.global_shape) for k, v in metadata.items() if ".experts." in k}
+    assert expert_shapes and all(8 in shape for shape in expert_shapes.values()), expert_shapes
 
 
 # ------------------------------------------------------------------------------------------------
