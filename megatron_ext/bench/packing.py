@@ -9,12 +9,22 @@ IndexedDataset; every method sees exactly those documents:
   that overflows, pad to ``pack_length``), applied over the same lengths in order. SFTDataset
   itself packs inside one JSONL row and needs a chat tokenizer, so the rule is re-stated here.
 - ours: :class:`~megatron_ext.data.packed_dataset.PackedDataset` with ``sequential`` and
-  ``best_fit`` packing, built through ``BlendedMegatronDatasetBuilder`` (cache miss).
+  ``best_fit`` packing, built through ``BlendedMegatronDatasetBuilder`` (cache miss), planned by
+  the compiled loops of :mod:`~megatron_ext.data.pack_kernel`, whose one-time compile and
+  per-process load are timed as rows of their own.
+
+Method: every round builds every method once (a fresh cache directory each, the starting method
+rotating), and a method's ratio is the median over rounds of its time / GPTDataset's time *in the
+same round*, with the min and max. Index bytes per document are the cache files' size; peak
+build memory is the peak of traced allocations (numpy and Python, ``tracemalloc``) in an
+untimed build before the rounds, after an untimed warm-up build of every method.
 """
 
 import os
+import statistics
 import tempfile
 import time
+import tracemalloc
 
 import numpy as np
 
@@ -23,7 +33,19 @@ from megatron_ext.bench.registry import BenchResult, register_benchmark
 SEQ_LENGTH = 4096
 
 
-def _lengths(num_docs: int) -> np.ndarray:
+def write_lengths_only(prefix: str, lens_D: np.ndarray) -> None:
+    """An IndexedDataset with these document lengths: Megatron's ``.idx`` writer and a sparse
+    ``.bin`` of the size it indexes (index builds read only the ``.idx``; 1M documents would be
+    3.6 GB of tokens)."""
+    from megatron.core.datasets.indexed_dataset import _IndexWriter
+
+    with _IndexWriter(prefix + ".idx", np.int32) as writer:
+        writer.write(lens_D.astype(np.int32), None, np.arange(lens_D.size + 1))
+    with open(prefix + ".bin", "wb") as f:
+        f.truncate(int(lens_D.sum()) * np.dtype(np.int32).itemsize)
+
+
+def sft_like_lengths(num_docs: int) -> np.ndarray:
     rng = np.random.default_rng(0)
     return np.clip(rng.lognormal(6.3, 1.0, size=num_docs), 8, 3 * SEQ_LENGTH).astype(np.int64)
 
@@ -63,72 +85,148 @@ def _config(cls, prefix: str, cache: str, **kw):
     )
 
 
-def _build_timed(dataset_cls, config) -> tuple[object, float]:
+def _timed(fn) -> tuple[object, float, float]:
+    """``(fn(), wall seconds, CPU seconds of this process)``."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    result = fn()
+    return result, time.perf_counter() - t0, time.process_time() - c0
+
+
+def _build(dataset_cls, config):
+    """The train split built through Megatron's builder (a cache miss: a fresh cache path)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
 
-    t0 = time.perf_counter()
-    train = BlendedMegatronDatasetBuilder(dataset_cls, [None, 0, 0], lambda: True, config).build()[
-        0
-    ]
-    return train, time.perf_counter() - t0
+    return BlendedMegatronDatasetBuilder(dataset_cls, [None, 0, 0], lambda: True, config).build()[0]
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def _peak_mib(fn):
+    """``(fn(), MiB)``: its result and the peak of traced allocations above those before it."""
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        result = fn()
+        return result, (tracemalloc.get_traced_memory()[1] - base) / 2**20
+    finally:
+        tracemalloc.stop()
+
+
+def _kernel_costs() -> tuple[float, float]:
+    """Seconds to compile the pack kernel into an empty directory, and to load the result."""
+    from megatron_ext.data import pack_kernel
+
+    with tempfile.TemporaryDirectory() as cold:
+        t0 = time.perf_counter()
+        path = pack_kernel.compile_library(cold)
+        compile_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        pack_kernel.load_library(path)
+        return compile_s, time.perf_counter() - t0
 
 
 @register_benchmark("packing")
 def packing(quick: bool) -> BenchResult:
-    """Pad fraction, lost tokens and index build time per packing method."""
+    """Pad fraction, lost tokens, index build time, bytes and peak memory per packing method."""
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-    from megatron_ext.data.indexed_writer import write_documents
+    from megatron_ext.data import pack_kernel
     from megatron_ext.data.packed_dataset import PackedDataset, PackedDatasetConfig
 
-    num_docs = 20_000 if quick else 200_000
-    lens_D = _lengths(num_docs)
+    num_docs, rounds = (20_000, 5) if quick else (1_000_000, 7)
+    lens_D = sft_like_lengths(num_docs)
     total = int(lens_D.sum())
-    rows: list[list] = []
+    order = np.random.default_rng(1).permutation(num_docs)
+    compile_s, load_s = _kernel_costs()
+    if pack_kernel.library() is None:  # compiles on a cold machine: before any timed build
+        raise RuntimeError("the pack kernel did not compile; the figures would be the fallback's")
     with tempfile.TemporaryDirectory() as root:
         prefix = os.path.join(root, "docs")
-        ones = np.ones(int(lens_D.max()), dtype=np.int32)
-        write_documents(prefix, (ones[:n] for n in lens_D))
+        write_lengths_only(prefix, lens_D)
 
-        gpt, gpt_s = _build_timed(GPTDataset, _config(GPTDatasetConfig, prefix, root + "/g"))
-        rows.append(["Megatron GPTDataset (cuts documents)", len(gpt), 0.0, 0.0, gpt_s, 1.0])
+        def gpt(cache: str):
+            return _build(GPTDataset, _config(GPTDatasetConfig, prefix, cache))
 
-        t0 = time.perf_counter()
-        order = np.random.default_rng(1).permutation(num_docs)
-        packs, real, lost = megatron_sft_rule(lens_D[order], SEQ_LENGTH)
-        sft_s = time.perf_counter() - t0
-        rows.append(
-            [
-                "Megatron SFT rule (truncate overflow)",
-                packs,
-                1 - real / (packs * SEQ_LENGTH),
-                lost / total,
-                sft_s,
-                sft_s / gpt_s,
-            ]
-        )
-        for algorithm in ("sequential", "best_fit"):
-            cfg = _config(
-                PackedDatasetConfig,
-                prefix,
-                f"{root}/{algorithm}",
-                packing_algorithm=algorithm,
-                pad_to_seq_len=True,
-            )
-            ds, build_s = _build_timed(PackedDataset, cfg)
-            real = int(ds.plan["piece_len_Q"].sum())
+        def sft_rule(cache: str):
+            return megatron_sft_rule(lens_D[order], SEQ_LENGTH)
+
+        def ours(algorithm: str):
+            def build(cache: str):
+                cfg = _config(
+                    PackedDatasetConfig,
+                    prefix,
+                    cache,
+                    packing_algorithm=algorithm,
+                    pad_to_seq_len=True,
+                )
+                return _build(PackedDataset, cfg)
+
+            return build
+
+        methods = {
+            "Megatron GPTDataset (cuts documents)": gpt,
+            "Megatron SFT rule (truncate overflow)": sft_rule,
+            "ours: PackedDataset sequential": ours("sequential"),
+            "ours: PackedDataset best_fit": ours("best_fit"),
+        }
+        names = list(methods)
+        built, peak, index_bytes = {}, {}, {}
+        for name, build in methods.items():  # untimed: warm up, then memory and bytes
+            build(os.path.join(root, "warmup", str(names.index(name))))
+            cache = os.path.join(root, "memory", str(names.index(name)))
+            built[name], peak[name] = _peak_mib(lambda b=build, c=cache: b(c))
+            index_bytes[name] = _dir_bytes(cache) if os.path.isdir(cache) else None
+        seconds = {name: [] for name in names}
+        cpu_seconds = {name: [] for name in names}
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                cache = os.path.join(root, f"round{r}", str(names.index(name)))
+                _, wall_s, cpu_s = _timed(lambda n=name, c=cache: methods[n](c))
+                seconds[name].append(wall_s)
+                cpu_seconds[name].append(cpu_s)
+
+        def paired(times: dict[str, list[float]], name: str) -> list[float]:
+            return [t / g for t, g in zip(times[name], times[names[0]], strict=True)]
+
+        rows: list[list] = []
+        for name in names:
+            ratios = paired(seconds, name)
+            result = built[name]
+            if name == names[1]:
+                packs, real, lost = result
+            else:
+                packs, real = len(result), total
+                if name != names[0]:  # ours: real tokens of the packs
+                    real = int(result.plan["piece_len_Q"].sum())
+                lost = total - real
+            pad = 0.0 if name == names[0] else 1 - real / (packs * SEQ_LENGTH)
+            b = index_bytes[name]
             rows.append(
                 [
-                    f"ours: PackedDataset {algorithm}",
-                    len(ds),
-                    1 - real / (len(ds) * SEQ_LENGTH),
-                    0.0,
-                    build_s,
-                    build_s / gpt_s,
+                    name,
+                    packs,
+                    pad,
+                    lost / total,
+                    statistics.median(seconds[name]),
+                    statistics.median(ratios),
+                    min(ratios),
+                    max(ratios),
+                    statistics.median(paired(cpu_seconds, name)),
+                    "-" if b is None else b / num_docs,
+                    peak[name],
                 ]
             )
+        gpt_median = statistics.median(seconds[names[0]])
+        for label, cost in (
+            ("ours: pack kernel compile (once per machine, cached)", compile_s),
+            ("ours: pack kernel load (once per process)", load_s),
+        ):
+            rows.append([label, "-", "-", "-", cost, cost / gpt_median, "-", "-", "-", "-", "-"])
     return BenchResult(
         title=f"Packing: pad fraction and index build time ({num_docs} documents, seq {SEQ_LENGTH})",
         columns=[
@@ -138,12 +236,27 @@ def packing(quick: bool) -> BenchResult:
             "tokens lost",
             "index build s",
             "vs GPTDataset build",
+            "ratio min",
+            "ratio max",
+            "CPU-time ratio",
+            "index B/doc",
+            "peak build MiB",
         ],
         rows=rows,
         notes=(
             f"{num_docs} documents, log-normal lengths (median ~545 tokens, clipped to 8..12288), "
             f"{total} tokens, one epoch, pad to seq_length {SEQ_LENGTH}. best_fit window 1000, "
             "over-long documents split (ours lose no tokens). Build times include writing the "
-            "index cache (cache miss); the SFT rule is a Python loop over lengths only."
+            "index cache (cache miss); the SFT rule is a Python loop over lengths only. "
+            f"{rounds} rounds, methods interleaved (starting method rotated); 'index build s' "
+            "and 'vs GPTDataset build' are medians, the ratio is paired per round (min and max "
+            "beside it); 'CPU-time ratio' is the same median over this process's CPU time, "
+            "which a busy machine disturbs less than wall time. Index B/doc: cache files / "
+            "documents. Peak build MiB: tracemalloc peak "
+            "of one untimed build (Megatron's C++ sample index, about 8 B per sample, is not "
+            "traced). Kernel rows: compiling the pack kernel into an empty directory (once per "
+            "machine and source version) and loading it (once per process that builds an "
+            "index; a cache hit loads nothing), relative to the median GPTDataset build."
         ),
+        extra={"seconds": seconds, "cpu_seconds": cpu_seconds, "num_docs": num_docs},
     )

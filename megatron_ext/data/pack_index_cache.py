@@ -1,10 +1,12 @@
 """On-disk cache of pack indices, written atomically (pure numpy + os; never imports megatron).
 
-A pack index is a few int64 arrays (:class:`~megatron_ext.data.pack_planning.PackPlan` fields).
-It is saved as one ``.npz`` whose name carries a hash of everything that affects it -- the flags
-*and the data's identity* (document count and a fingerprint of the ``.idx`` sequence lengths, see
-:func:`~megatron_ext.data.safe_files.lengths_fingerprint`), so rewritten data at the same prefix
-gets a new plan, never the old one. The full description is stored inside and compared on load: a
+A pack index is a few arrays (for ``PackedDataset``, the compact layout of
+:mod:`~megatron_ext.data.pack_index`: one int32 slot per piece, int32 pack offsets, ~5 B per
+document). It is saved as one ``.npz`` whose name carries a hash of everything that affects it --
+the flags, the index layout's version *and the data's identity* (document count and a fingerprint
+of the ``.idx`` sequence lengths, see :func:`~megatron_ext.data.safe_files.lengths_fingerprint`),
+so rewritten data at the same prefix gets a new plan, never the old one, and an index of another
+layout is never misread. The full description is stored inside and compared on load: a
 file whose description differs (copied, or a hash collision) is rebuilt, not reused. The file is
 written to a temporary file in the same directory (mode 0o666 minus the umask, readable by the
 group like Megatron's own caches) and then ``os.replace``d into place: a killed writer leaves

@@ -16,20 +16,28 @@ Worked example (capacity 8, lengths ``[5, 6, 3, 2]``)::
     best_fit:   [6 2] [5 3]          pads 0 + 0     = 0   (window >= 4)
 
 Output is a :class:`PackPlan` (piece arrays + pack offsets), identical for identical inputs.
+The per-piece loops run compiled (:mod:`~megatron_ext.data.pack_kernel`, built on first use);
+without a C compiler the Python loops kept here (``*_python``) give the same packs, slower.
 
-Legend: D documents, Q pieces (documents after over-long handling), P packs.
+Legend: D documents, Q pieces (documents after over-long handling), P packs, L over-long
+documents, R the pieces of those.
 """
 
 import bisect
+import ctypes
 import dataclasses
 from typing import Literal
 
 import numpy as np
 
+from megatron_ext.data import pack_kernel
+
 PackingAlgorithm = Literal["sequential", "best_fit"]
 PACKING_ALGORITHMS: tuple[str, ...] = ("sequential", "best_fit")
 OverlongPolicy = Literal["split", "truncate", "drop"]
 OVERLONG_POLICIES: tuple[str, ...] = ("split", "truncate", "drop")
+#: Above this capacity the kernel's one-bucket-per-room table (8 B per room) is not worth it.
+MAX_KERNEL_CAPACITY = 1 << 22
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,15 +94,30 @@ def cut_overlong(
         raise ValueError("document lengths must be >= 0")
     overlong_D = doc_lens_D > capacity
     counts = {"num_split": 0, "num_truncated": 0, "num_dropped": 0}
-    counts["num_empty"] = int((doc_lens_D == 0).sum())
+    counts["num_empty"] = int(doc_lens_D.size - np.count_nonzero(doc_lens_D))
     if policy == "split":
-        n_pieces_D = -(-doc_lens_D // capacity)  # 0 for empty documents
-        counts["num_split"] = int(overlong_D.sum())
+        # Every document with tokens gives a piece at 0 (one pass over the pieces each for the
+        # document, start and length); the later pieces of over-long documents (few) are then
+        # filled in from small per-split-document arrays.
+        long_D = np.flatnonzero(overlong_D)
+        counts["num_split"] = int(long_D.size)
+        n_pieces_D = np.minimum(doc_lens_D, 1)  # lengths are >= 0
+        n_long_L = -(-doc_lens_D[long_D] // capacity)
+        n_pieces_D[long_D] = n_long_L
         piece_doc_Q = np.repeat(np.arange(doc_lens_D.size, dtype=np.int64), n_pieces_D)
-        first_piece_D = np.cumsum(n_pieces_D) - n_pieces_D
-        piece_rank_Q = np.arange(piece_doc_Q.size, dtype=np.int64) - first_piece_D[piece_doc_Q]
-        piece_start_Q = piece_rank_Q * capacity
-        piece_len_Q = np.minimum(capacity, doc_lens_D[piece_doc_Q] - piece_start_Q)
+        piece_start_Q = np.zeros_like(piece_doc_Q)
+        piece_len_Q = doc_lens_D[piece_doc_Q]
+        np.minimum(piece_len_Q, capacity, out=piece_len_Q)
+        if long_D.size:
+            first_L = np.cumsum(n_pieces_D)[long_D] - n_long_L
+            rank_R = np.arange(int(n_long_L.sum())) - np.repeat(
+                np.cumsum(n_long_L) - n_long_L, n_long_L
+            )
+            at_R = np.repeat(first_L, n_long_L) + rank_R
+            piece_start_Q[at_R] = rank_R * capacity
+            piece_len_Q[at_R] = np.minimum(
+                capacity, doc_lens_D[piece_doc_Q[at_R]] - rank_R * capacity
+            )
         return piece_doc_Q, piece_start_Q, piece_len_Q, counts
     keep_D = doc_lens_D > 0
     if policy == "drop":
@@ -108,7 +131,20 @@ def cut_overlong(
 
 
 def next_fit_offsets(piece_len_Q: np.ndarray, capacity: int) -> np.ndarray:
-    """Pack offsets of next-fit packing in the given order (each piece <= capacity).
+    """Pack offsets of next-fit packing in the given order (each piece 1..capacity tokens).
+
+    Runs the compiled loop of :mod:`~megatron_ext.data.pack_kernel`, else
+    :func:`next_fit_offsets_python` (same offsets).
+    """
+    piece_len_Q = _checked_lengths(piece_len_Q, capacity)
+    lib = _kernel(capacity, piece_len_Q.size)
+    if lib is None:
+        return next_fit_offsets_python(piece_len_Q, capacity)
+    return pack_kernel.next_fit(lib, piece_len_Q, capacity)
+
+
+def next_fit_offsets_python(piece_len_Q: np.ndarray, capacity: int) -> np.ndarray:
+    """:func:`next_fit_offsets` without the compiled kernel (the fallback and the reference).
 
     One ``searchsorted`` per pack: a pack starting at piece i ends before the first piece
     whose cumulative length exceeds ``cum[i] + capacity``.
@@ -125,17 +161,29 @@ def next_fit_offsets(piece_len_Q: np.ndarray, capacity: int) -> np.ndarray:
 def best_fit_order(
     piece_len_Q: np.ndarray, capacity: int, window: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Best-fit-decreasing inside consecutive windows of ``window`` pieces.
+    """Best-fit-decreasing inside consecutive windows of ``window`` pieces (1..capacity tokens).
 
     Packs never span windows, so a piece stays within ``window`` of its input position.
     Ties (equal lengths, equal room) break by input position / pack creation order, so the
-    result is deterministic.
+    result is deterministic. Runs the compiled loop of :mod:`~megatron_ext.data.pack_kernel`,
+    else :func:`best_fit_order_python` (same result).
 
     Returns:
         ``(order_Q, pack_offsets_P1)``: piece permutation in pack order, and pack offsets.
     """
     if window < 1:
         raise ValueError(f"--packing-window must be >= 1, got {window}")
+    piece_len_Q = _checked_lengths(piece_len_Q, capacity)
+    lib = _kernel(capacity, piece_len_Q.size)
+    if lib is None:
+        return best_fit_order_python(piece_len_Q, capacity, window)
+    return pack_kernel.best_fit(lib, piece_len_Q, capacity, min(window, max(piece_len_Q.size, 1)))
+
+
+def best_fit_order_python(
+    piece_len_Q: np.ndarray, capacity: int, window: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`best_fit_order` without the compiled kernel (the fallback and the reference)."""
     order: list[np.ndarray] = []
     offsets = [0]
     for w0 in range(0, piece_len_Q.size, window):
@@ -161,6 +209,65 @@ def best_fit_order(
     return order_Q, np.asarray(offsets, dtype=np.int64)
 
 
+def _checked_lengths(piece_len_Q: np.ndarray, capacity: int) -> np.ndarray:
+    piece_len_Q = np.asarray(piece_len_Q, dtype=np.int64)
+    if piece_len_Q.size and (piece_len_Q.min() < 1 or piece_len_Q.max() > capacity):
+        raise ValueError(f"piece lengths must lie in 1..{capacity} (cut_overlong makes them so)")
+    return piece_len_Q
+
+
+def _kernel(capacity: int, num_pieces: int) -> ctypes.CDLL | None:
+    """The compiled kernel, or None: no pieces (config checks plan nothing: no compile), rooms
+    too many to bucket cheaply, or no compiler."""
+    if num_pieces == 0 or capacity > MAX_KERNEL_CAPACITY:
+        return None
+    return pack_kernel.library()
+
+
+def pack_order(
+    piece_len_Q: np.ndarray, capacity: int, algorithm: PackingAlgorithm, window: int
+) -> tuple[np.ndarray | None, np.ndarray]:
+    """``(order_Q, pack_offsets_P1)`` of ``algorithm``; ``order_Q`` None: the pieces' own order.
+
+    The packing step of :func:`plan_packs`, for callers that compose the piece permutation with
+    their own (``PackedDataset`` shuffles packs) instead of gathering the piece arrays twice.
+    """
+    if algorithm not in PACKING_ALGORITHMS:
+        raise ValueError(f"unknown --packing-algorithm {algorithm!r}; choose {PACKING_ALGORITHMS}")
+    if algorithm == "sequential":
+        return None, next_fit_offsets(piece_len_Q, capacity)
+    return best_fit_order(piece_len_Q, capacity, window)
+
+
+def shuffle_packs(
+    values_Q: np.ndarray, pack_offsets_P1: np.ndarray, order_P: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(values_Q, sizes_P)`` of packs ``order_P[0], order_P[1], ...``: per-piece values (in pack
+    order) regrouped in that order, each pack's run kept, and the packs' sizes. Compiled, else
+    :func:`shuffle_packs_python`."""
+    num_packs = pack_offsets_P1.size - 1
+    if order_P.size != num_packs or (
+        num_packs and not 0 <= order_P.min() <= order_P.max() < num_packs
+    ):
+        raise ValueError(f"order_P must be a permutation of the {num_packs} packs")
+    sizes_P = np.diff(pack_offsets_P1)[order_P]
+    if int(sizes_P.sum()) != values_Q.size:  # a repeated pack: not a permutation
+        raise ValueError(f"order_P must be a permutation of the {num_packs} packs")
+    lib = pack_kernel.library() if values_Q.size else None
+    if lib is None:
+        return shuffle_packs_python(values_Q, pack_offsets_P1, order_P), sizes_P
+    return pack_kernel.gather_packs(lib, values_Q, pack_offsets_P1, order_P), sizes_P
+
+
+def shuffle_packs_python(
+    values_Q: np.ndarray, pack_offsets_P1: np.ndarray, order_P: np.ndarray
+) -> np.ndarray:
+    """The regrouped ``values_Q`` of :func:`shuffle_packs`, without a per-pack loop."""
+    sizes_P = np.diff(pack_offsets_P1)[order_P]
+    first_P = pack_offsets_P1[order_P] - (np.cumsum(sizes_P) - sizes_P)
+    return values_Q[np.repeat(first_P, sizes_P) + np.arange(int(sizes_P.sum()))]
+
+
 def plan_packs(
     doc_lens_D: np.ndarray,
     capacity: int,
@@ -181,13 +288,11 @@ def plan_packs(
     Returns:
         The :class:`PackPlan`.
     """
-    if algorithm not in PACKING_ALGORITHMS:
+    if algorithm not in PACKING_ALGORITHMS:  # before any work on the lengths
         raise ValueError(f"unknown --packing-algorithm {algorithm!r}; choose {PACKING_ALGORITHMS}")
     piece_doc_Q, piece_start_Q, piece_len_Q, counts = cut_overlong(doc_lens_D, capacity, overlong)
-    if algorithm == "sequential":
-        offsets_P1 = next_fit_offsets(piece_len_Q, capacity)
-    else:
-        order_Q, offsets_P1 = best_fit_order(piece_len_Q, capacity, window)
+    order_Q, offsets_P1 = pack_order(piece_len_Q, capacity, algorithm, window)
+    if order_Q is not None:
         piece_doc_Q, piece_start_Q, piece_len_Q = (
             piece_doc_Q[order_Q],
             piece_start_Q[order_Q],

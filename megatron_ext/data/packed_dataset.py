@@ -36,18 +36,18 @@ from megatron_ext.data.indexed_checks import (
     default_cache_dir,
     open_indexed,
 )
-from megatron_ext.data.pack_planning import plan_packs
+from megatron_ext.data.pack_index import (
+    PACK_INDEX_FORMAT,
+    PackIndex,
+    PieceSlots,
+    smallest_index_dtype,
+)
+from megatron_ext.data.pack_planning import cut_overlong, pack_order, plan_packs, shuffle_packs
 from megatron_ext.data.padding import check_fill, gather_by_src_index, pad_pack, target_length
 
 logger = logging.getLogger(__name__)
 
-_PLAN_KEYS = (
-    "piece_doc_Q",
-    "piece_start_Q",
-    "piece_len_Q",
-    "pack_offsets_P1",
-    "counts",
-)
+_PLAN_KEYS = ("piece_Q", "pack_offsets_P1", "counts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +140,10 @@ class PackedDataset(MegatronDataset):
     Determinism: document order per epoch comes from ``numpy.random.default_rng((seed, epoch))``
     and the plan from pure numpy, so every rank and run computes the same packs; the index is
     cached under ``path_to_cache`` (else ``<data dir>/cache/PackedDataset_indices``), keyed by the
-    flags and the data's identity (document count and lengths fingerprint).
+    flags, the index layout (:data:`~megatron_ext.data.pack_index.PACK_INDEX_FORMAT`) and the
+    data's identity (document count and lengths fingerprint). The index holds one slot number per
+    piece (:class:`~megatron_ext.data.pack_index.PackIndex`, ~5 B per document); a sample decodes
+    its pack's documents, starts and lengths from the ``.idx`` lengths (:meth:`pack_pieces`).
     """
 
     def __init__(
@@ -154,12 +157,21 @@ class PackedDataset(MegatronDataset):
     ) -> None:
         super().__init__(dataset, dataset_path, indices, num_samples, index_split, config)
         self.config: PackedDatasetConfig = config
-        # The plan depends on the document lengths: key the cache (and a blend's) by them too.
+        # The plan depends on the document lengths: key the cache (and a blend's) by them too,
+        # and by the index layout, so an index of another format is never misread.
+        self.unique_identifiers["pack_index_format"] = PACK_INDEX_FORMAT
         add_data_identity(self, dataset.identity or data_identity(dataset.tokens))
-        self.plan, self.cache_hit = pack_index_cache.load_or_build(
+        self._slots = PieceSlots.of(
+            dataset.tokens.sequence_lengths,
+            config.sequence_length,
+            split=config.pack_overlong_policy == "split",
+        )
+        arrays, self.cache_hit = pack_index_cache.load_or_build(
             self._cache_path(), self._build_plan, self.unique_description, _PLAN_KEYS
         )
-        counts = json.loads(str(self.plan["counts"]))
+        # Pieces of every pack; plan.pack_pieces(p) decodes one pack (see pack_index).
+        self.plan = PackIndex(arrays["piece_Q"], arrays["pack_offsets_P1"], self._slots)
+        counts = json.loads(str(arrays["counts"]))
         self.stats: dict[str, int] = counts
         if len(self) == 0 and self.indices.size and num_samples != 0:
             raise ValueError(
@@ -217,79 +229,80 @@ class PackedDataset(MegatronDataset):
 
     def _build_plan(self) -> dict[str, np.ndarray]:
         """Epochs of shuffled documents, each planned into packs, until num_samples packs."""
-        doc_lens_all = self.dataset.tokens.sequence_lengths.astype(np.int64)
+        doc_lens_all = self.dataset.tokens.sequence_lengths
         cfg = self.config
-        parts: list[tuple[np.ndarray, ...]] = []
+        parts: list[tuple[np.ndarray, np.ndarray]] = []
         counts = {"num_split": 0, "num_truncated": 0, "num_dropped": 0, "num_empty": 0}
         num_packs, epoch = 0, 0
         target = self.num_samples if self.num_samples is not None else 1
         while num_packs < target or epoch == 0:
             rng = np.random.default_rng((cfg.random_seed, epoch))
             docs_D = rng.permutation(self.indices.astype(np.int64))
-            plan = plan_packs(
+            # plan_packs' steps, with the pieces encoded once and gathered once into pack order.
+            doc_Q, start_Q, len_Q, epoch_counts = cut_overlong(
                 doc_lens_all[docs_D],
                 cfg.sequence_length,
-                algorithm=cfg.packing_algorithm,  # type: ignore[arg-type]
-                window=cfg.packing_window,
-                overlong=cfg.pack_overlong_policy,  # type: ignore[arg-type]
+                cfg.pack_overlong_policy,  # type: ignore[arg-type]
             )
-            if plan.num_packs == 0:
+            order_Q, offsets_P1 = pack_order(
+                len_Q,
+                cfg.sequence_length,
+                cfg.packing_algorithm,  # type: ignore[arg-type]
+                cfg.packing_window,
+            )
+            del len_Q  # (peak build memory: drop each per-piece array once it has been used)
+            epoch_packs = offsets_P1.size - 1
+            if epoch_packs == 0:
                 break  # nothing to pack (empty split): more epochs cannot help
-            order_P = np.arange(plan.num_packs)
-            if cfg.packing_algorithm == "best_fit":  # undo the longest-first order of packs
-                order_P = rng.permutation(plan.num_packs)
-            sizes = np.diff(plan.pack_offsets_P1)[order_P]
-            # Piece indices of the reordered packs, without a per-pack loop.
-            first = plan.pack_offsets_P1[order_P] - (np.cumsum(sizes) - sizes)
-            take = np.repeat(first, sizes) + np.arange(int(sizes.sum()))
-            parts.append(
-                (
-                    docs_D[plan.piece_doc_Q[take]],
-                    plan.piece_start_Q[take],
-                    plan.piece_len_Q[take],
-                    sizes,
-                )
-            )
+            slot_Q = self._slots.encode(docs_D[doc_Q], start_Q)
+            del doc_Q, start_Q
+            sizes = np.diff(offsets_P1)
+            if order_Q is not None:  # best_fit: undo the longest-first order of packs
+                order_P = rng.permutation(epoch_packs)
+                slot_Q, sizes = shuffle_packs(slot_Q[order_Q], offsets_P1, order_P)
+            parts.append((slot_Q, sizes))
             if epoch == 0:  # per pass over the split's documents (later epochs repeat it)
-                counts = {k: getattr(plan, k) for k in counts}
-            num_packs += plan.num_packs
+                counts = epoch_counts
+            num_packs += epoch_packs
             epoch += 1
             if self.num_samples is None:
                 break
         if not parts:
-            parts.append((np.zeros(0, np.int64),) * 4)
-        sizes_P = np.concatenate([p[3] for p in parts])
+            parts.append((self._slots.encode(np.zeros(0, np.int64), np.zeros(0, np.int64)),) * 2)
+        piece_Q = parts[0][0] if len(parts) == 1 else np.concatenate([p[0] for p in parts])
+        offsets_P1 = np.zeros(num_packs + 1, dtype=smallest_index_dtype(piece_Q.size))
+        np.cumsum(np.concatenate([p[1] for p in parts]), out=offsets_P1[1:])
         return {
-            "piece_doc_Q": np.concatenate([p[0] for p in parts]),
-            "piece_start_Q": np.concatenate([p[1] for p in parts]),
-            "piece_len_Q": np.concatenate([p[2] for p in parts]),
-            "pack_offsets_P1": np.concatenate([[0], np.cumsum(sizes_P)]).astype(np.int64),
+            "piece_Q": piece_Q,
+            "pack_offsets_P1": offsets_P1,
             "counts": np.array(json.dumps({**counts, "num_epochs": epoch})),
         }
 
     def _check_plan(self) -> None:
-        off = self.plan["pack_offsets_P1"]
-        lens = self.plan["piece_len_Q"]
-        ok = (
-            off.ndim == 1
-            and off.size >= 1
-            and off[0] == 0
-            and off[-1] == lens.size
-            and np.all(np.diff(off) >= 1)
-            and np.all(lens >= 1)
-            and np.all(lens <= self.config.sequence_length)
-        )
-        if not ok:
-            raise ValueError(f"pack-index cache {self._cache_path()} is inconsistent; delete it")
+        problem = self.plan.problem()
+        if problem is not None:
+            raise ValueError(
+                f"pack-index cache {self._cache_path()} is inconsistent ({problem}); delete it"
+            )
 
     def __len__(self) -> int:
-        return int(self.plan["pack_offsets_P1"].size - 1)
+        return self.plan.num_packs
 
-    def _gather(self, source: IndexedDataset, width: int, q0: int, q1: int) -> np.ndarray:
-        doc, start, ln = (self.plan[k][q0:q1] for k in _PLAN_KEYS[:3])
+    def pack_pieces(self, idx: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(doc_Q, start_Q, len_Q)``: the document pieces pack ``idx`` holds, in order."""
+        doc_Q, start_Q, len_Q = self.plan.pack_pieces(idx)
+        if len_Q.size and len_Q.min() < 1:  # a slot of an empty document: not this data's index
+            raise ValueError(
+                f"pack-index cache {self._cache_path()} is inconsistent (pack {idx} holds an "
+                "empty piece); delete it"
+            )
+        return doc_Q, start_Q, len_Q
+
+    @staticmethod
+    def _gather(source: IndexedDataset, width: int, pieces: tuple[np.ndarray, ...]) -> np.ndarray:
         parts = [
             source.get(int(d), offset=int(s) * width, length=int(n) * width)
-            for d, s, n in zip(doc, start, ln, strict=True)
+            for d, s, n in zip(*pieces, strict=True)
         ]
         flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         return flat.reshape(-1, width) if width > 1 else flat
@@ -298,14 +311,11 @@ class PackedDataset(MegatronDataset):
         if not 0 <= idx < len(self):
             raise IndexError(f"PackedDataset index {idx} out of range 0..{len(self) - 1}")
         cfg = self.config
-        q0, q1 = (
-            int(self.plan["pack_offsets_P1"][idx]),
-            int(self.plan["pack_offsets_P1"][idx + 1]),
-        )
-        tokens_N = self._gather(self.dataset.tokens, 1, q0, q1).astype(np.int64)
+        pieces = self.pack_pieces(idx)
+        tokens_N = self._gather(self.dataset.tokens, 1, pieces).astype(np.int64)
         target_mask_N = None
         if self.dataset.loss_mask is not None:
-            target_mask_N = self._gather(self.dataset.loss_mask, 1, q0, q1)
+            target_mask_N = self._gather(self.dataset.loss_mask, 1, pieces)
         length = target_length(
             tokens_N.size,
             seq_length=cfg.sequence_length,
@@ -314,7 +324,7 @@ class PackedDataset(MegatronDataset):
         )
         pack = pad_pack(
             tokens_N,
-            self.plan["piece_len_Q"][q0:q1],
+            pieces[2],
             length,
             policy=cfg.pad_policy,  # type: ignore[arg-type]
             pad_id=cfg.pad_constant_id,
@@ -337,7 +347,7 @@ class PackedDataset(MegatronDataset):
         }
         for name, source in self.dataset.sidecars.items():
             spec = cfg.sidecars[name]
-            values = self._gather(source, spec.width, q0, q1)
+            values = self._gather(source, spec.width, pieces)
             sample[name] = torch.from_numpy(
                 gather_by_src_index(values, pack.src_index_S, spec.fill)
             )

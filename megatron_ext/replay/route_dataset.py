@@ -178,15 +178,6 @@ class RoutedPackedDataset(PackedDataset):
         sample[MISSING_ROWS_KEY] = torch.tensor(missing, dtype=torch.int64)
         return sample
 
-    def pack_pieces(self, idx: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(doc_Q, start_Q, len_Q)``: the document pieces pack ``idx`` holds, in order."""
-        q0, q1 = (int(v) for v in self.plan["pack_offsets_P1"][idx : idx + 2])
-        return (
-            self.plan["piece_doc_Q"][q0:q1],
-            self.plan["piece_start_Q"][q0:q1],
-            self.plan["piece_len_Q"][q0:q1],
-        )
-
 
 def write_route_sidecar(
     path_prefix: str,

@@ -146,6 +146,32 @@ def test_plan_invariants(lens, cap, algorithm, overlong, window) -> None:
             assert starts.tolist() == list(range(0, lens[d], cap))
 
 
+def naive_cut(lens: list[int], cap: int, policy: str) -> list[tuple[int, int, int]]:
+    """(document, start, length) of every piece, document by document."""
+    pieces = []
+    for d, n in enumerate(lens):
+        if n == 0 or (n > cap and policy == "drop"):
+            continue
+        ends = range(0, n, cap) if policy == "split" else [0]
+        pieces += [(d, s, min(cap, n - s)) for s in ends]
+    return pieces
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.integers(0, 50), max_size=40),
+    st.integers(1, 20),
+    st.sampled_from(["split", "truncate", "drop"]),
+)
+def test_cut_overlong_matches_a_loop(lens, cap, policy) -> None:
+    doc, start, ln, counts = cut_overlong(np.array(lens, dtype=np.int64), cap, policy)
+    assert list(zip(doc.tolist(), start.tolist(), ln.tolist(), strict=True)) == naive_cut(
+        lens, cap, policy
+    )
+    assert doc.dtype == start.dtype == ln.dtype == np.int64
+    assert counts["num_split"] == (sum(n > cap for n in lens) if policy == "split" else 0)
+
+
 def test_next_fit_and_best_fit_primitives() -> None:
     assert next_fit_offsets(np.array([4, 4, 4]), 8).tolist() == [0, 2, 3]
     order, offsets = best_fit_order(np.array([1, 7, 2, 6]), 8, 4)
