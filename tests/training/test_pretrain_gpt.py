@@ -375,6 +375,8 @@ def test_example_script_flags_parse_and_validate(name: str, dry_runs) -> None:
     assert "megatron_ext: dry run OK" in proc.stdout
     # HybridModel by default (Megatron 0.19.2 deprecates GPTModel); MODEL=gpt: the Slurm test below.
     assert '"model": "HybridModel"' in proc.stdout
+    # --moe-pad-routing auto resolved, and said why: every example is dropless alltoall.
+    assert '"moe_pad_routing": "skip (auto: dropless dispatch' in proc.stdout, proc.stdout[-3000:]
 
 
 @pytest.mark.parametrize(("broken", "message"), BROKEN)
