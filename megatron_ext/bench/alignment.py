@@ -1,18 +1,25 @@
-"""Benchmark: grouped-GEMM alignment in the token dispatcher, ours vs Megatron's router padding.
+"""Benchmark: grouped-GEMM alignment in the token dispatcher, ours vs unaligned vs router padding.
 
-Runs Megatron's real all-to-all dispatcher (EP=1, 8 local experts, top-2, fp32 rows, CPU) on the
-routing of a real ``TopKRouter``. For fp8 / mxfp8 / nvfp4, side by side in one run:
+Runs Megatron's real all-to-all and all-gather dispatchers (8 experts, top-2, fp32 rows, CPU) on
+the routing of a real ``TopKRouter``, at EP=1 (one process) and EP=2 (two gloo processes). For
+fp8 / mxfp8 / nvfp4, in one process per EP size:
 
-- dispatch time: Megatron's dispatch + combine round trip without alignment (bf16 path), with
-  megatron_ext's alignment, and with ``--moe-router-padding-for-quantization``;
-- rows sent through the all-to-all: ours never adds any (pads are created after it); router
-  padding sends extra duplicated real tokens;
+- dispatch + combine time of Megatron's dispatcher without alignment (the bf16 path), with
+  megatron_ext's alignment, and (all-to-all) with ``--moe-router-padding-for-quantization``.
+  The variants are interleaved round by round, in an order that rotates every round, and the
+  figure is the median of the per-round paired ratios ``ours / unaligned`` with its min and max
+  (paired ratios cancel the drift of a shared machine);
+- rows entering the EP all-to-all (EP=2): ours never adds any (pads are created after it);
+  router padding sends extra duplicated real tokens;
 - pad rows added, and whether every group ended up aligned (router padding cannot align when a
-  rank has fewer tokens than the multiple: nvfp4 with few tokens stays unaligned).
+  rank has fewer tokens than the multiple: nvfp4 with 48 tokens stays unaligned);
+- minor page faults per round trip: a fresh CPU tensor beyond glibc's mmap threshold faults in
+  every page, which a GPU caching allocator never pays.
 
 Experts are skipped (identity) so the times isolate the dispatcher's own work.
 """
 
+import resource
 import statistics
 import time
 
@@ -23,6 +30,7 @@ from megatron_ext.testing import run_distributed
 
 PRECISIONS = {"fp8": ("e4m3", "tensorwise", None), "mxfp8": ("e4m3", "mxfp8", None)}
 PRECISIONS["nvfp4"] = (None, None, "nvfp4")
+DISPATCHERS = ("alltoall", "allgather")
 
 
 def _set_precision(cfg, precision: str | None) -> None:
@@ -32,7 +40,7 @@ def _set_precision(cfg, precision: str | None) -> None:
 
 
 def _round_trip(layer, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
-    """Dispatch and combine with identity experts; returns (rows sent, group sizes)."""
+    """Dispatch and combine with identity experts; returns (rows into the exchange, groups)."""
     d = layer.token_dispatcher
     h, p = d.dispatch_preprocess(x, routing_map, probs)
     rows_sent = h.shape[0]
@@ -41,106 +49,171 @@ def _round_trip(layer, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.
     h = d.combine_preprocess(h * 1.0)
     h = d.token_combine(h)
     d.combine_postprocess(h)
-    return rows_sent, [int(n) for n in tokens_per_expert]
+    return rows_sent, tokens_per_expert
 
 
-def _worker(token_counts: list[int], hidden: int, repeats: int) -> list[list]:
+class _Variant:
+    """One dispatcher setting timed in every round: a layer and the precision it runs at."""
+
+    def __init__(self, layer, precision: str | None, router_padding: bool = False) -> None:
+        self.layer, self.precision, self.router_padding = layer, precision, router_padding
+        self.seconds: list[float] = []
+        self.faults: list[int] = []
+        self.rows_sent, self.groups = 0, []
+
+    def run(self, x, probs, routing_map, reps: int) -> None:
+        cfg = self.layer.config
+        _set_precision(cfg, self.precision)
+        cfg.moe_router_padding_for_quantization = self.router_padding
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        start = time.perf_counter()
+        with torch.no_grad():
+            for _ in range(reps):
+                # A fresh map each trip: Megatron's pad_routing_map writes into the one it gets.
+                trip_map = routing_map.clone()
+                self.rows_sent, self.groups = _round_trip(self.layer, x, probs, trip_map)
+        self.seconds.append((time.perf_counter() - start) / reps)
+        self.faults.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) // reps)
+        cfg.moe_router_padding_for_quantization = False
+
+
+def _build(dispatcher: str, hidden: int, aligned: bool):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_ext.config import MoEAlignmentConfig
     from megatron_ext.moe.layer_specs import with_aligned_moe
     from megatron_ext.testing import tiny_moe_config
 
-    def build(aligned: bool):
-        cfg = tiny_moe_config(hidden_size=hidden, num_attention_heads=4)
-        spec = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False)
-        if aligned:
-            spec = with_aligned_moe(spec, MoEAlignmentConfig(moe_dispatch_align=True))
-        torch.manual_seed(0)
-        return spec.submodules.mlp(config=cfg, pg_collection=None, is_mtp_layer=False), cfg
+    cfg = tiny_moe_config(
+        hidden_size=hidden, num_attention_heads=4, moe_token_dispatcher_type=dispatcher
+    )
+    spec = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False)
+    if aligned:
+        spec = with_aligned_moe(spec, MoEAlignmentConfig(moe_dispatch_align=True))
+    torch.manual_seed(0)
+    return spec.submodules.mlp(config=cfg, pg_collection=None, is_mtp_layer=False)
 
+
+def _ratios(ours: _Variant, base: _Variant) -> list[float]:
+    return [o / b for o, b in zip(ours.seconds, base.seconds, strict=True)]
+
+
+def _worker(token_counts: list[int], hidden: int, rounds: int) -> list[list]:
+    from megatron.core import parallel_state
+
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    rank = parallel_state.get_expert_model_parallel_rank()
     rows = []
-    for num_tokens in token_counts:
-        stock, stock_cfg = build(False)
-        ours, ours_cfg = build(True)
-        g = torch.Generator().manual_seed(num_tokens)
-        x = torch.randn(num_tokens, 1, hidden, generator=g)
-        with torch.no_grad():
-            probs, routing_map = stock.route(x)
-
-        def timed(layer, x=x, probs=probs, routing_map=routing_map) -> tuple[float, int, list]:
-            times, out = [], None
-            for _ in range(repeats):
-                start = time.perf_counter()
-                with torch.no_grad():
-                    out = _round_trip(layer, x, probs, routing_map)
-                times.append(time.perf_counter() - start)
-            return 1e3 * statistics.median(times), *out
-
-        _set_precision(stock_cfg, None)
-        stock_cfg.moe_router_padding_for_quantization = False
-        base_ms, base_rows, base_groups = timed(stock)
-        for precision in PRECISIONS:
-            _set_precision(ours_cfg, precision)
-            ours_ms, ours_rows, ours_groups = timed(ours)
-            _set_precision(stock_cfg, precision)
-            stock_cfg.moe_router_padding_for_quantization = True
-            rp_ms, rp_rows, rp_groups = timed(stock)
-            stock_cfg.moe_router_padding_for_quantization = False
-            align = ours.align
-            rows.append(
-                [
-                    precision,
-                    num_tokens,
-                    align,
-                    round(base_ms, 3),
-                    round(ours_ms, 3),
-                    round(ours_ms / base_ms, 2),
-                    round(rp_ms, 3),
-                    base_rows,
-                    ours_rows,
-                    rp_rows,
-                    sum(ours_groups) - base_rows,
-                    rp_rows - base_rows,
-                    all(n % align == 0 for n in ours_groups),
-                    all(n % align == 0 for n in rp_groups),
-                ]
-            )
-            assert sum(base_groups) == base_rows
+    for dispatcher in DISPATCHERS:
+        stock, ours = _build(dispatcher, hidden, False), _build(dispatcher, hidden, True)
+        for num_tokens in token_counts:
+            g = torch.Generator().manual_seed(num_tokens + 1000 * rank)
+            x = torch.randn(num_tokens, 1, hidden, generator=g)
+            with torch.no_grad():
+                probs, routing_map = stock.route(x)
+            base = _Variant(stock, None)
+            mine = {p: _Variant(ours, p) for p in PRECISIONS}
+            # Megatron refuses router padding for the all-gather dispatcher.
+            padded = {p: _Variant(stock, p, True) for p in PRECISIONS if dispatcher == "alltoall"}
+            variants = [base, *mine.values(), *padded.values()]
+            reps = max(1, 2048 // num_tokens)  # small inputs: several trips per timing
+            _round_trip(stock, x, probs, routing_map.clone())  # warm-up (first-call allocations)
+            for r in range(rounds):
+                # Same order on every rank (the exchanges pair up), rotated every round.
+                for v in variants[r % len(variants) :] + variants[: r % len(variants)]:
+                    v.run(x, probs, routing_map, reps)
+            base_rows, base_groups = base.rows_sent, [int(n) for n in base.groups]
+            if ep == 1 and dispatcher == "alltoall":
+                assert sum(base_groups) == base_rows  # no exchange: every row sent is received
+            for precision, v in mine.items():
+                align = _align_of(ours, precision)
+                ratios = _ratios(v, base)
+                groups = [int(n) for n in v.groups]
+                rp = padded.get(precision)
+                rp_groups = [int(n) for n in rp.groups] if rp else None
+                a2a = dispatcher == "alltoall" and ep > 1  # rows on the EP all-to-all wire
+                rows.append(
+                    [
+                        ep,
+                        dispatcher,
+                        precision,
+                        num_tokens,
+                        align,
+                        round(1e3 * statistics.median(base.seconds), 3),
+                        round(1e3 * statistics.median(v.seconds), 3),
+                        round(statistics.median(ratios), 3),
+                        round(min(ratios), 3),
+                        round(max(ratios), 3),
+                        round(statistics.median(_ratios(rp, base)), 3) if rp else "-",
+                        base_rows if a2a else "-",
+                        v.rows_sent if a2a else "-",
+                        rp.rows_sent if (a2a and rp) else "-",
+                        sum(groups) - sum(base_groups),
+                        sum(rp_groups) - sum(base_groups) if rp else "-",
+                        all(n % align == 0 for n in groups),
+                        all(n % align == 0 for n in rp_groups) if rp else "-",
+                        int(statistics.median(base.faults)),
+                        int(statistics.median(v.faults)),
+                    ]
+                )
     return rows
+
+
+def _align_of(layer, precision: str) -> int:
+    _set_precision(layer.config, precision)
+    return layer.align
+
+
+COLUMNS = [
+    "ep",
+    "dispatcher",
+    "precision",
+    "tokens/rank",
+    "align",
+    "dispatch ms unaligned",
+    "dispatch ms ours",
+    "ours/unaligned",
+    "ratio min",
+    "ratio max",
+    "router pad/unaligned",
+    "a2a rows unaligned",
+    "a2a rows ours",
+    "a2a rows router pad",
+    "pad rows ours",
+    "extra rows router pad",
+    "ours aligned",
+    "router pad aligned",
+    "faults/trip unaligned",
+    "faults/trip ours",
+]
 
 
 @register_benchmark("alignment")
 def alignment(quick: bool) -> BenchResult:
-    """Dispatch time, all-to-all rows and pad rows: ours vs Megatron's router padding."""
+    """Dispatch time (paired ratios), all-to-all rows and pad rows at EP=1 and EP=2."""
     token_counts = [48, 1024] if quick else [48, 1024, 8192]
     hidden = 256 if quick else 1024
-    repeats = 5 if quick else 20
-    (rows,) = run_distributed(_worker, 1, token_counts, hidden, repeats)
+    rounds = 5 if quick else 15
+    rows = []
+    for ep in (1, 2):
+        per_rank = run_distributed(_worker, ep, token_counts, hidden, rounds, ep=ep, timeout=1800)
+        rows += per_rank[0]  # rank 0's timings; the exchanges keep the ranks in step
     return BenchResult(
-        title="MoE grouped-GEMM alignment: megatron_ext dispatcher vs Megatron router padding",
-        columns=[
-            "precision",
-            "tokens/rank",
-            "align",
-            "dispatch ms unaligned",
-            "dispatch ms ours",
-            "ours/unaligned",
-            "dispatch ms router pad",
-            "a2a rows unaligned",
-            "a2a rows ours",
-            "a2a rows router pad",
-            "pad rows ours",
-            "extra rows router pad",
-            "ours aligned",
-            "router pad aligned",
-        ],
+        title="MoE grouped-GEMM alignment: megatron_ext dispatcher vs unaligned and router padding",
+        columns=COLUMNS,
         rows=rows,
         notes=(
-            f"Megatron all-to-all dispatcher, EP=1, 8 experts, top-2, hidden {hidden}, fp32 rows "
-            f"on CPU, median of {repeats} dispatch+combine round trips with identity experts. "
-            "'a2a rows' = rows entering the all-to-all; ours pads after it, so it equals the "
-            "unaligned count; router padding routes duplicated real tokens (prob 0) through it "
-            "and cannot reach the multiple when a rank has too few tokens (nvfp4, 48 tokens)."
+            f"Megatron's all-to-all and all-gather dispatchers, 8 experts, top-2, hidden {hidden}, "
+            "fp32 rows on CPU (gloo), identity experts, no_grad dispatch + combine. Variants "
+            f"interleaved over {rounds} rounds in one process per EP size (order rotated every "
+            "round; small inputs repeat the trip within a timing); 'ours/unaligned' is the median "
+            "of the per-round paired ratios, with their min and max; rank 0 of EP=2. The pad is "
+            "folded into Megatron's permute for all-gather and for all-to-all at EP=1, and into "
+            "Megatron's chunk sort after the exchange (host counts it already holds) at EP=2. 'a2a rows' = hidden rows entering the EP "
+            "all-to-all (EP=2): ours pads after it, so it equals the unaligned count; router "
+            "padding routes duplicated real tokens (prob 0) through it and cannot reach the "
+            "multiple when a rank has too few tokens (nvfp4, 48 tokens). Allocator: glibc malloc "
+            "defaults (tensors above its mmap threshold are fresh mmaps, their pages faulted in "
+            "on every trip: 'faults/trip'); a GPU caching allocator has no such cost."
         ),
     )

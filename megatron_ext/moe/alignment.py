@@ -8,7 +8,7 @@ only costs time, so their alignment is 0 and every function here is then the ide
 After the token dispatcher has received its rows, this module lays them out expert-major with each
 expert's group starting at an aligned offset and zero rows filling the gaps, and strips the pads
 again on the way back. The rows may arrive in source-chunk order (Megatron's all-to-all delivers
-``[source rank][local expert]`` chunks), so the same scatter also does the sort by local expert.
+``[source rank][local expert]`` chunks), so the same copy also does the sort by local expert.
 
 Worked example (align 4, one source chunk, 2 experts with 3 and 1 tokens)::
 
@@ -17,13 +17,15 @@ Worked example (align 4, one source chunk, 2 experts with 3 and 1 tokens)::
     dest_idx_N       [0 1 2 4]                 (row i of the input lands at dest_idx_N[i])
 
 Everything is computed on the device from device counts with sync-free ops (``cumsum``,
-``searchsorted``, ``index_copy``). The one host integer needed, the buffer length, comes either
+``searchsorted``, gathers). The data moves once: one gather through the inverse index
+``gather_idx_P`` (``[0 1 2 0 | 3 0 0 0]`` above) and a zero fill of only the pad rows, never a
+zero-filled buffer plus a scatter. The one host integer needed, the buffer length, comes either
 from counts the dispatcher already holds on the host (exact, no new sync) or from a static bound
 (``static_aligned_rows``; the last expert's group absorbs the slack so all groups stay aligned).
 
 Shape legend: N rows received (unaligned), P rows of the aligned buffer, E local experts,
 R source chunks the rows arrive in (TP x EP ranks; 1 when already expert-major), C = R*E chunks,
-D hidden size.
+D hidden size, Q = P - N pad rows.
 """
 
 from collections.abc import Sequence
@@ -106,6 +108,8 @@ def round_up(n: torch.Tensor, align: int) -> torch.Tensor:
     """Rounds each count up to a multiple of ``align`` (identity when ``align <= 1``)."""
     if is_identity(align):
         return n
+    if align & (align - 1) == 0:  # a power of two (every recipe's multiple): two kernels
+        return (n + (align - 1)).bitwise_and_(-align)
     return (n + (align - 1)) // align * align
 
 
@@ -122,14 +126,25 @@ def aligned_rows_from_host_counts(
     Returns:
         ``sum(round_up(tokens_per_expert_E, align))``.
     """
+    return real_and_aligned_rows_from_host_counts(tokens_per_expert_E, align)[1]
+
+
+def real_and_aligned_rows_from_host_counts(
+    tokens_per_expert_E: torch.Tensor | Sequence[int], align: int
+) -> tuple[int, int]:
+    """``(sum(counts), sum(round_up(counts, align)))`` from host counts, in one read.
+
+    Args: as :func:`aligned_rows_from_host_counts`.
+    """
     if isinstance(tokens_per_expert_E, torch.Tensor):
         assert tokens_per_expert_E.device.type == "cpu", "host counts must already be on the host"
         counts = tokens_per_expert_E.tolist()
     else:
         counts = list(tokens_per_expert_E)
+    real = int(sum(counts))
     if is_identity(align):
-        return int(sum(counts))
-    return int(sum(-(-int(c) // align) * align for c in counts))
+        return real, real
+    return real, int(sum(-(-int(c) // align) * align for c in counts))
 
 
 def static_aligned_rows(num_rows: int, num_experts: int, align: int) -> int:
@@ -152,10 +167,13 @@ def static_aligned_rows(num_rows: int, num_experts: int, align: int) -> int:
 
 @dataclass(frozen=True)
 class AlignedLayout:
-    """Where each received row sits in the aligned expert-major buffer.
+    """Where each received row sits in the aligned expert-major buffer, and back.
 
     Attributes:
         dest_idx_N: Buffer row of each received row (device, int64).
+        gather_idx_P: Received row each buffer row copies (device, int64); pad rows point at
+            row 0 (any real row) and are zeroed after the gather.
+        pad_idx_Q: The ``Q = P - N`` pad rows of the buffer, ascending (device, int64).
         tokens_per_expert_E: Aligned group sizes (device, int64), each a multiple of the
             alignment, summing to ``num_rows``.
         num_rows: Buffer length P (host int).
@@ -163,9 +181,30 @@ class AlignedLayout:
     """
 
     dest_idx_N: torch.Tensor
+    gather_idx_P: torch.Tensor
+    pad_idx_Q: torch.Tensor
     tokens_per_expert_E: torch.Tensor
     num_rows: int
     align: int
+
+
+def pad_rows_of_groups(
+    first_pad_E: torch.Tensor, pads_E: torch.Tensor, num_pads: int
+) -> torch.Tensor:
+    """Lists the pad rows of an aligned buffer, sync-free, from per-group pad ranges.
+
+    Args:
+        first_pad_E: First pad row of each group (its start plus its real rows), device int64.
+        pads_E: Pad rows of each group (device int64), summing to ``num_pads``.
+        num_pads: Q, a host int (buffer length minus real rows).
+
+    Returns:
+        ``pad_idx_Q``: ascending buffer rows of every pad, shape [Q].
+    """
+    pad_end_E = pads_E.cumsum(0)
+    q_Q = torch.arange(num_pads, device=pads_E.device)
+    group_Q = torch.searchsorted(pad_end_E, q_Q, right=True)
+    return (first_pad_E - (pad_end_E - pads_E)).gather(0, group_Q) + q_Q
 
 
 def plan_aligned_layout(
@@ -175,11 +214,11 @@ def plan_aligned_layout(
 
     Rows arrive as chunks ``(r=0,e=0), (r=0,e=1), ..., (r=1,e=0), ...`` of sizes ``counts_RE``
     (Megatron's all-to-all order; pass ``counts.view(1, E)`` for rows already sorted by expert).
-    Chunk ``(r, e)`` goes to ``aligned_start[e] + sum_{r' < r} counts_RE[r', e]``, so the scatter
+    Chunk ``(r, e)`` goes to ``aligned_start[e] + sum_{r' < r} counts_RE[r', e]``, so the copy
     that pads also sorts by expert.
 
-    Sync-free: only ``cumsum``/``searchsorted``/gathers on device tensors; the two lengths are
-    host ints the caller already has.
+    Sync-free: only ``cumsum``/``searchsorted``/gathers/scatters on device tensors; the two
+    lengths are host ints the caller already has.
 
     Args:
         counts_RE: Rows per (source chunk, local expert); device tensor, shape [R, E], summing
@@ -195,12 +234,17 @@ def plan_aligned_layout(
     """
     assert counts_RE.dim() == 2, "counts_RE must be [R, E]"
     assert not is_identity(align), "identity alignment needs no layout"
+    assert num_rows >= num_received, "the buffer holds every received row"
     counts_RE = counts_RE.long()
     counts_C = counts_RE.reshape(-1)
     src_end_C = counts_C.cumsum(0)
     src_start_C = src_end_C - counts_C
 
-    aligned_E = round_up(counts_RE.sum(0), align)
+    real_E = counts_RE.sum(0)
+    aligned_E = round_up(real_E, align)
+    # The slack of a static bound goes to the last group; P and the aligned total are both
+    # multiples of `align`, so every group stays aligned.
+    aligned_E[-1:] += num_rows - aligned_E.sum()
     aligned_start_E = aligned_E.cumsum(0) - aligned_E
     # Offset of chunk (r, e) inside expert e's group: rows of the same expert in earlier chunks.
     within_RE = counts_RE.cumsum(0) - counts_RE
@@ -210,24 +254,70 @@ def plan_aligned_layout(
     # Chunk of each row: the first chunk whose end lies beyond it (empty chunks are skipped).
     chunk_N = torch.searchsorted(src_end_C, row_N, right=True)
     dest_idx_N = dest_start_C.gather(0, chunk_N) + (row_N - src_start_C.gather(0, chunk_N))
-
-    # The slack of a static bound goes to the last group; P and the aligned total are both
-    # multiples of `align`, so every group stays aligned.
-    slack_E = torch.zeros_like(aligned_E)
-    slack_E[-1:] = num_rows - aligned_E.sum()
+    # The inverse index: pad rows keep 0 (a real row when N > 0) and are zeroed after the gather.
+    gather_idx_P = torch.zeros(num_rows, dtype=torch.long, device=counts_RE.device)
+    gather_idx_P.scatter_(0, dest_idx_N, row_N)
+    pad_idx_Q = pad_rows_of_groups(
+        aligned_start_E + real_E, aligned_E - real_E, num_rows - num_received
+    )
     return AlignedLayout(
         dest_idx_N=dest_idx_N,
-        tokens_per_expert_E=aligned_E + slack_E,
+        gather_idx_P=gather_idx_P,
+        pad_idx_Q=pad_idx_Q,
+        tokens_per_expert_E=aligned_E,
         num_rows=num_rows,
         align=align,
     )
 
 
-def pad_to_layout(x_N: torch.Tensor, layout: AlignedLayout) -> torch.Tensor:
-    """Scatters received rows into the zero-padded aligned buffer.
+def gather_and_zero_pads(
+    src_M: torch.Tensor, gather_idx_P: torch.Tensor, pad_idx_Q: torch.Tensor
+) -> torch.Tensor:
+    """``src_M[gather_idx_P]`` with the pad rows zeroed: one gather, then only Q rows written.
 
-    Differentiable: the gradient of ``x_N`` is the buffer gradient gathered at ``dest_idx_N``;
-    pad rows receive nothing.
+    No autograd of its own: the callers' ``autograd.Function``s use it in forward or backward.
+    With no source rows (M = 0) every row is a pad: a zero buffer.
+    """
+    if src_M.shape[0] == 0:
+        return src_M.new_zeros((gather_idx_P.shape[0], *src_M.shape[1:]))
+    out_P = src_M.index_select(0, gather_idx_P)
+    return out_P.index_fill_(0, pad_idx_Q, 0)
+
+
+class _PadRows(torch.autograd.Function):
+    """Received rows -> aligned buffer; the backward is the strip's gather (pads get nothing)."""
+
+    @staticmethod
+    def forward(ctx, x_N, dest_idx_N, gather_idx_P, pad_idx_Q):
+        ctx.save_for_backward(dest_idx_N)
+        return gather_and_zero_pads(x_N, gather_idx_P, pad_idx_Q)
+
+    @staticmethod
+    def backward(ctx, grad_P):
+        (dest_idx_N,) = ctx.saved_tensors
+        return grad_P.index_select(0, dest_idx_N), None, None, None
+
+
+class _StripRows(torch.autograd.Function):
+    """Aligned buffer -> received rows; the backward is the pad's gather (pad rows get 0)."""
+
+    @staticmethod
+    def forward(ctx, y_P, dest_idx_N, gather_idx_P, pad_idx_Q):
+        ctx.save_for_backward(gather_idx_P, pad_idx_Q)
+        return y_P.index_select(0, dest_idx_N)
+
+    @staticmethod
+    def backward(ctx, grad_N):
+        gather_idx_P, pad_idx_Q = ctx.saved_tensors
+        return gather_and_zero_pads(grad_N, gather_idx_P, pad_idx_Q), None, None, None
+
+
+def pad_to_layout(x_N: torch.Tensor, layout: AlignedLayout) -> torch.Tensor:
+    """Copies received rows into the zero-padded aligned buffer.
+
+    One gather through the inverse index, then only the pad rows are zeroed (no zero-fill of
+    the whole buffer, no second copy). Differentiable: the gradient of ``x_N`` is the buffer
+    gradient gathered at ``dest_idx_N``; pad rows receive nothing.
 
     Args:
         x_N: Received rows, shape [N, ...] (hidden states ``[N, D]`` or probs ``[N]``).
@@ -237,8 +327,7 @@ def pad_to_layout(x_N: torch.Tensor, layout: AlignedLayout) -> torch.Tensor:
         ``x_P`` of shape [P, ...] with zero pad rows.
     """
     assert x_N.shape[0] == layout.dest_idx_N.shape[0], "x_N rows differ from the planned layout"
-    x_P = x_N.new_zeros((layout.num_rows, *x_N.shape[1:]))
-    return x_P.index_copy(0, layout.dest_idx_N, x_N)
+    return _PadRows.apply(x_N, layout.dest_idx_N, layout.gather_idx_P, layout.pad_idx_Q)
 
 
 def strip_layout(y_P: torch.Tensor, layout: AlignedLayout) -> torch.Tensor:
@@ -254,4 +343,4 @@ def strip_layout(y_P: torch.Tensor, layout: AlignedLayout) -> torch.Tensor:
         ``y_N`` of shape [N, ...] in the order the rows were received.
     """
     assert y_P.shape[0] == layout.num_rows, "y_P rows differ from the planned layout"
-    return y_P.index_select(0, layout.dest_idx_N)
+    return _StripRows.apply(y_P, layout.dest_idx_N, layout.gather_idx_P, layout.pad_idx_Q)

@@ -255,7 +255,8 @@ def test_alignment_path_runs_on_meta_tensors(precision):
 
 def test_module_never_imports_megatron():
     code = (
-        "import sys, megatron_ext.moe.alignment; "
+        "import sys, megatron_ext.moe.alignment, megatron_ext.moe.aligned_permute, "
+        "megatron_ext.moe.aligned_chunk_sort; "
         "assert not any(m.startswith('megatron.') or m == 'megatron' for m in sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

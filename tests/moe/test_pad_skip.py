@@ -16,14 +16,14 @@ from megatron_ext.testing import run_distributed
 EPS32 = torch.finfo(torch.float32).eps
 
 
-def _build(mode: str, dispatcher: str, align: bool):
+def _build(mode: str, dispatcher: str, align: bool, **config_overrides):
     from megatron_ext.config import MoEAlignmentConfig
     from megatron_ext.moe.layer_specs import with_aligned_moe
     from megatron_ext.moe.pad_routing import PadRouting
     from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
     from megatron_ext.testing.tiny_model import local_layer_spec
 
-    config = tiny_moe_config(moe_token_dispatcher_type=dispatcher)
+    config = tiny_moe_config(moe_token_dispatcher_type=dispatcher, **config_overrides)
     pad_routing = PadRouting(mode)
     spec = with_aligned_moe(
         local_layer_spec(config),
@@ -244,3 +244,54 @@ def test_tp2_sequence_parallel_skip_counts_this_ranks_slice() -> None:
     skip_rows = sum(r["expert_rows"][0] for r in results)
     dispatch_rows = sum(r["expert_rows"][1] for r in results)
     assert skip_rows == results[0]["real"] * 2 * 2 and dispatch_rows == results[0]["tokens"] * 2 * 2
+
+
+def _recompute_skip_vs_dispatch() -> dict:
+    """Skip mode under Megatron's MoE activation recompute: the recomputed layers (in backward) find
+    their micro-batch's count by its padding mask, after another micro-batch's forward ran."""
+    from tests.data.test_batch import _batch
+
+    rank = torch.distributed.get_rank()
+    batches = [_batch("self", 64, seed=rank), _batch("self", 64, seed=10 + rank)]
+    recompute = {"recompute_granularity": "selective", "recompute_modules": ["moe"]}
+    ref_model, ref_routing = _build("dispatch", "alltoall", False)
+    model, routing = _build("skip", "alltoall", False, **recompute)
+    out = {"recomputed": model.decoder.layers[0].mlp.moe_layer_recompute}
+    # Both forwards first, then both backwards (as a pipeline schedule may order them).
+    from megatron_ext.data.batch import gpt_forward_kwargs, masked_mean_loss
+    from megatron_ext.moe.pad_routing import count_router_tokens
+
+    losses = []
+    for batch in batches:
+        mask = batch["padding_mask"]
+        routing.set_micro_batch(*count_router_tokens(mask, tuple(mask.shape)))
+        loss_BS = model(**gpt_forward_kwargs(batch))
+        losses.append((loss_BS, masked_mean_loss(loss_BS, batch["loss_mask"])))
+    for _, loss in reversed(losses):
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    ref_model.zero_grad(set_to_none=True)
+    ref_losses = []
+    for batch in batches:
+        ref_routing.set_micro_batch(batch["padding_mask"].numel(), 0)  # unused in dispatch mode
+        loss_BS = ref_model(**gpt_forward_kwargs(batch))
+        masked_mean_loss(loss_BS, batch["loss_mask"]).backward()
+        ref_losses.append(loss_BS)
+    out["loss_bitwise"] = all(
+        torch.equal(a.detach()[b["loss_mask"].bool()], r.detach()[b["loss_mask"].bool()])
+        for (a, _), r, b in zip(losses, ref_losses, batches, strict=True)
+    )
+    out["grads_close"] = all(
+        torch.allclose(
+            g, ref_model.get_parameter(n).grad, rtol=0, atol=16 * EPS32 * float(g.abs().max())
+        )
+        for n, g in grads.items()
+    )
+    out["num_grads"] = len(grads)
+    return out
+
+
+def test_skip_under_moe_activation_recompute() -> None:
+    for r in run_distributed(_recompute_skip_vs_dispatch, 2, ep=2):
+        assert r["recomputed"] and r["num_grads"] > 10, r
+        assert r["loss_bitwise"] and r["grads_close"], r

@@ -4,10 +4,13 @@ One ``run_distributed`` call per world size runs every check (spawning ranks cos
 aligned fp8/mxfp8/nvfp4 runs reach the grouped GEMM with every group aligned and equal the
 unaligned run bitwise (fp32) with the same all-to-all rows; bf16 is Megatron's path untouched
 (bitwise, no pad row, no alignment copy); Megatron's router padding sends more all-to-all rows
-and fails nvfp4 beside ours; host-sync counts of both paths.
+and fails nvfp4 beside ours; host-sync counts of both paths; which path aligns (permute fold at
+EP=1 and for all-gather, chunk sort at EP=2); a skip-pads stand-in (tokens routed nowhere,
+``num_out_tokens`` lowered) equal to Megatron's under the same stand-in.
 """
 
 import collections
+import itertools
 
 import pytest
 import torch
@@ -88,25 +91,32 @@ def rows_sent(layer, dtype=torch.float32) -> tuple[tuple, int]:
 
 def aligner_calls(fn, *args):
     """Runs ``fn`` counting calls into the alignment math (layout plan, pad, strip)."""
+    from megatron_ext.moe import aligned_chunk_sort as cs
+    from megatron_ext.moe import aligned_permute as ap
     from megatron_ext.moe import alignment as al
 
-    names = ("plan_aligned_layout", "pad_to_layout", "strip_layout")
-    originals, calls = {n: getattr(al, n) for n in names}, collections.Counter()
+    names = {
+        al: ("plan_aligned_layout", "pad_to_layout", "strip_layout"),
+        cs: ("plan_chunk_layout", "pad_chunks", "strip_chunks"),
+        ap: ("plan_aligned_permute", "permute_to_layout", "permute_probs", "unpermute_from_layout"),
+    }
+    originals = {(m, n): getattr(m, n) for m, ns in names.items() for n in ns}
+    calls = collections.Counter()
 
-    def counted(name):
+    def counted(key):
         def call(*a, **k):
-            calls[name] += 1
-            return originals[name](*a, **k)
+            calls[key[1]] += 1
+            return originals[key](*a, **k)
 
         return call
 
-    for n in names:
-        setattr(al, n, counted(n))
+    for key in originals:
+        setattr(*key, counted(key))
     try:
         return fn(*args), calls
     finally:
-        for n in names:
-            setattr(al, n, originals[n])
+        for key, original in originals.items():
+            setattr(*key, original)
 
 
 def _max_diff(a, b) -> float:
@@ -125,6 +135,81 @@ def _bitwise(a, b) -> bool:
         and a[2].keys() == b[2].keys()
         and all(torch.equal(a[2][k], b[2][k]) for k in a[2])
     )
+
+
+class _SkipPads:
+    """Stand-in for the lead's skip-pads mixin: Megatron's preprocess through super(), then
+    ``num_out_tokens`` lowered to the rows actually routed (pad tokens are routed nowhere)."""
+
+    def preprocess(self, routing_map):
+        out = super().preprocess(routing_map)
+        self.num_out_tokens = int(routing_map.sum())  # a host read: fine in a test stand-in
+        return out
+
+
+def _with_skip_pads(layer) -> None:
+    cls = type(layer.token_dispatcher)
+    if hasattr(cls, "preprocess"):  # the all-gather dispatcher has none: it only sees the map
+        layer.token_dispatcher.__class__ = type(f"SkipPads{cls.__name__}", (_SkipPads, cls), {})
+
+
+def _dispatch_round_trip(layer, x, probs, routing_map):
+    """The dispatcher alone, with a per-row stand-in for the experts (pad rows stay pads)."""
+    d = layer.token_dispatcher
+    h, p = d.dispatch_preprocess(x, routing_map, probs)
+    h, p = d.token_dispatch(h, p)
+    h, tokens_per_expert, p = d.dispatch_postprocess(h, p)
+    h = d.combine_preprocess(h * 2.0 + p.unsqueeze(-1).to(h.dtype))
+    return d.combine_postprocess(d.token_combine(h)), [int(n) for n in tokens_per_expert]
+
+
+def _skip_pads_checks() -> dict:
+    """Tokens routed nowhere (cleared routing-map rows) with ``num_out_tokens`` lowered to match:
+    ours (fp8) against Megatron's stock dispatcher under the same stand-in, fp32."""
+    from megatron.core import parallel_state
+
+    from megatron_ext.moe import aligned_permute as ap
+
+    rank = parallel_state.get_expert_model_parallel_rank()
+    res = {}
+    small_bytes = ap.SMALL_TOKENS_BYTES
+    combos = (("host_counts", "small"), ("host_counts", "large"), ("static_bound", "small"))
+    for dispatcher, (buffer, path) in itertools.product(("alltoall", "allgather"), combos):
+        # Both ways the permute builds the buffer (a zero row appended, or index_fill_ of the
+        # pads with its own backward); 37 x 64 fp32 tokens take the small one by default.
+        ap.SMALL_TOKENS_BYTES = small_bytes if path == "small" else -1
+        try:
+            stock, _, _ = build_layer(dispatcher, aligned=False, spy=False)
+            ours, cfg, _ = build_layer(dispatcher, aligned=True, buffer=buffer, spy=False)
+            ours.load_state_dict(stock.state_dict())
+            set_precision(cfg, "fp8")
+            for layer in (stock, ours):
+                _with_skip_pads(layer)
+            g = torch.Generator().manual_seed(7 + rank)
+            x = torch.randn(NUM_TOKENS, 1, 64, generator=g)
+            with torch.no_grad():
+                probs, routing_map = stock.route(x)
+            dead = torch.tensor([0, 5, 9, 36])  # pad tokens: routed nowhere
+            routing_map, probs = routing_map.clone(), probs.clone()
+            routing_map[dead], probs[dead] = False, 0.0
+            outs, grads, groups = [], [], []
+            for layer in (stock, ours):
+                xi = x.clone().requires_grad_()
+                out, group = _dispatch_round_trip(layer, xi, probs, routing_map)
+                out.sum().backward()
+                outs.append(out.detach())
+                grads.append(xi.grad)
+                groups.append(group)
+            res[dispatcher, buffer, path] = {
+                "bitwise": torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1]),
+                "dead_out_zero": not outs[1].view(NUM_TOKENS, -1)[dead].any(),
+                "live_nonzero": bool(outs[1].view(NUM_TOKENS, -1).abs().sum(1).gt(0).sum()),
+                "groups": groups,
+                "lowered": getattr(ours.token_dispatcher, "num_out_tokens", None),
+            }
+        finally:
+            ap.SMALL_TOKENS_BYTES = small_bytes
+    return res
 
 
 def _all_checks() -> dict:
@@ -217,6 +302,7 @@ def _all_checks() -> dict:
             res["router_padding", precision] = ("ok", groups[-1])
         except UnalignedGroupError as e:
             res["router_padding", precision] = ("raised", groups[-1], str(e))
+    res["skip_pads"] = _skip_pads_checks()
     return res
 
 
@@ -271,8 +357,18 @@ def test_bf16_is_megatrons_path_untouched(results):
             assert ours == stock and any(n % 16 for n in stock)  # unaligned groups, unchanged
             assert r["expert_rows"] == sum(stock)  # rows reaching the GEMM = rows received
             assert r["aligner_calls"] == 0  # no aligned buffer planned, filled or stripped
+            # The same counter sees the alignment math under fp8, on the expected path: the pad
+            # folded into the permute (all-gather; all-to-all at EP=1), else into the chunk sort
+            # after the exchange, from the host chunk counts (the device plan is for TE's fused
+            # permute, which keeps them on the device; not on CPU).
             fp8 = res[dispatcher, "fp8_aligner_calls"]
-            assert fp8["plan_aligned_layout"] >= 1 and fp8["pad_to_layout"] >= 1
+            if dispatcher == "allgather" or ws == 1:
+                assert fp8["plan_aligned_permute"] >= 1 and fp8["permute_to_layout"] >= 1, fp8
+                assert fp8["unpermute_from_layout"] >= 1 and fp8["pad_chunks"] == 0, fp8
+            else:
+                assert fp8["plan_chunk_layout"] >= 1 and fp8["pad_chunks"] >= 1, fp8
+                assert fp8["strip_chunks"] >= 1 and fp8["permute_to_layout"] == 0, fp8
+            assert fp8["pad_to_layout"] == 0, fp8
 
 
 def test_all_to_all_rows_are_unaligned_ones_and_router_padding_sends_more(results):
@@ -311,30 +407,49 @@ def _sites(syncs: list[str]) -> collections.Counter:
     return collections.Counter(s.split(" at ")[1].split("site-packages/")[-1] for s in syncs)
 
 
+def _kinds(syncs: list[str]) -> collections.Counter:
+    """``(what, function)`` of each sync: the same read moved to our subclass counts the same."""
+    return collections.Counter((s.split(" at ")[0], s.rsplit(" in ", 1)[1]) for s in syncs)
+
+
+HOST_READ = (".tolist()", "_host_counts")
+
+
 def test_host_sync_counts(results):
     """Ours makes no sync Megatron's stock path does not; the differences are named exactly.
 
     On CPU the detector also counts reads of host-resident tensors (no sync on a GPU), so each
-    difference is checked by call site: the all-to-all path drops Megatron's
-    ``sort_chunks_by_idxs`` split-size reads (our scatter sorts), and ``host_counts`` sizing adds
-    one read of the counts Megatron already copied to the host.
+    difference is named. All-to-all: Megatron's ``sort_chunks_by_idxs`` split-size reads go;
+    one read of counts Megatron already copied to the host comes in their place (EP=2: the chunk
+    counts of its own chunk sort; EP=1: the exact length under ``host_counts``, none under
+    ``static_bound``). All-gather: Megatron's one ``.cpu()`` copy of the counts stays, its
+    ``.item()`` of that host copy becomes one ``.tolist()``, and its ``masked_select`` of the
+    probs (a data-dependent shape: a real sync on a GPU) goes. ``_host_counts`` asserts that what
+    it reads is a CPU tensor.
     """
-    _, per_rank = results
+    ws, per_rank = results
     for res in per_rank:
         for dispatcher in ("alltoall", "allgather"):
-            syncs = {k: _sites(v) for k, v in res[dispatcher, "syncs"].items()}
-            stock, static, host = syncs["stock"], syncs["static"], syncs["host"]
+            raw = res[dispatcher, "syncs"]
+            stock = _kinds(raw["stock"])
             assert sum(stock.values()) > 0  # the detector sees Megatron's own syncs
-            assert static - stock == collections.Counter()  # nothing new
-            dropped = stock - static
-            assert all("sort_chunks_by_idxs" in site for site in dropped), dropped
-            if dispatcher == "allgather" or len(stock) == len(static):
-                assert static == stock  # exactly as many, at the same sites
-            else:
-                assert sum(dropped.values()) > 0
-            added = host - static
-            assert all(site.endswith("in aligned_rows_from_host_counts") for site in added)
-            assert sum(added.values()) == 1 and static - host == collections.Counter()
+            for ours in ("static", "host"):
+                got = _kinds(raw[ours])
+                if dispatcher == "alltoall":
+                    dropped = stock - got
+                    assert sum(dropped.values()) > 0, dropped
+                    assert all(fn == "sort_chunks_by_idxs" for _, fn in dropped), dropped
+                    reads = 1 if (ws > 1 or ours == "host") else 0
+                    assert got - stock == collections.Counter({HOST_READ: reads}), got - stock
+                else:
+                    assert got[".cpu()", "dispatch_postprocess"] == 1  # the same one copy
+                    assert stock - got == collections.Counter(
+                        {
+                            (".item()", "dispatch_postprocess"): 1,
+                            ("masked_select", "dispatch_postprocess"): 1,
+                        }
+                    ), stock - got
+                    assert got - stock == collections.Counter({HOST_READ: 1}), got - stock
 
 
 @pytest.mark.parametrize("op_fuser", [False, True])
@@ -397,3 +512,20 @@ def test_tp2_ep2_aligned_alltoall_equals_stock():
             assert r["bitwise"], (precision, r)
             assert len(r["rows"]) == 4 and all(n % align == 0 for n in r["rows"]), r
             assert any(n > 0 for n in r["rows"])
+
+
+def test_skip_pads_stand_in_routes_nowhere_and_lowers_num_out_tokens(results):
+    """The lead's skip-pads mode (a subclass lowering ``num_out_tokens`` after our preprocess,
+    routing pad tokens nowhere) keeps ours equal to Megatron's under the same subclass: fp32
+    outputs and input grads bitwise, pad tokens' outputs zero, groups aligned."""
+    ws, per_rank = results
+    for res in per_rank:
+        assert len(res["skip_pads"]) == 6
+        for (dispatcher, buffer, path), r in res["skip_pads"].items():
+            assert r["bitwise"], (dispatcher, buffer, path)
+            assert r["dead_out_zero"] and r["live_nonzero"]
+            stock, ours = r["groups"]
+            assert all(n % 16 == 0 for n in ours) and sum(ours) > sum(stock)
+            if dispatcher == "alltoall" and ws == 1:
+                # Lowered below N * topk: the 4 dead tokens' 8 pairs are gone.
+                assert r["lowered"] == sum(stock) == 2 * (NUM_TOKENS - 4)

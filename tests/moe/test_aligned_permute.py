@@ -1,0 +1,266 @@
+"""Tier: pure (torch only), plus comparisons with Megatron's own permute/unpermute functions (imported,
+no process groups). The pad folded into the permute (megatron_ext.moe.aligned_permute) and the padded
+chunk sort from host counts (megatron_ext.moe.aligned_chunk_sort). That
+these modules never import megatron is checked in test_alignment.py (one subprocess)."""
+
+import pytest
+import torch
+
+from megatron_ext.moe import aligned_chunk_sort as cs
+from megatron_ext.moe import aligned_permute as ap
+from megatron_ext.moe import alignment as al
+from megatron_ext.testing.host_sync import assert_no_host_sync
+
+
+# ---------------------------------------------------------------- naive references (loops)
+def naive_permute(x_TD, routing_map_TE, probs_TE, align, num_rows):
+    """Expert-major, tokens ascending within an expert, each group zero-padded to ``align``;
+    the last group takes the slack up to ``num_rows``."""
+    num_tokens, num_experts = routing_map_TE.shape
+    rows, probs, tokens, sizes = [], [], [], []
+    for e in range(num_experts):
+        n = 0
+        for t in range(num_tokens):
+            if routing_map_TE[t, e]:
+                rows.append(x_TD[t])
+                probs.append(probs_TE[t, e])
+                tokens.append(t)
+                n += 1
+        size = -(-n // align) * align
+        if e == num_experts - 1:
+            size = num_rows - sum(sizes)
+        rows += [x_TD.new_zeros(x_TD.shape[1:])] * (size - n)
+        probs += [probs_TE.new_zeros(())] * (size - n)
+        tokens += [None] * (size - n)
+        sizes.append(size)
+    if not rows:
+        return x_TD.new_zeros((0, *x_TD.shape[1:])), probs_TE.new_zeros(0), tokens, sizes
+    return torch.stack(rows), torch.stack(probs), tokens, sizes
+
+
+def naive_unpermute(y_PD, tokens, num_tokens):
+    out = y_PD.new_zeros((num_tokens, *y_PD.shape[1:]))
+    for p, t in enumerate(tokens):  # buffer order: Megatron's accumulation order
+        if t is not None:
+            out[t] += y_PD[p]
+    return out
+
+
+def random_routing(num_tokens, num_experts, topk, seed, dead_rows=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=g)
+    top = logits.topk(min(topk, num_experts), dim=1).indices
+    routing_map = torch.zeros(num_tokens, num_experts, dtype=torch.bool).scatter_(1, top, True)
+    routing_map[torch.randperm(num_tokens, generator=g)[:dead_rows]] = False  # routed nowhere
+    probs = torch.softmax(logits, 1) * routing_map
+    return routing_map, probs, g
+
+
+def plan(routing_map, align, static=False):
+    num_out = int(routing_map.sum())
+    if static:
+        rows = al.static_aligned_rows(num_out, routing_map.shape[1], align)
+    else:
+        rows = al.aligned_rows_from_host_counts(routing_map.sum(0), align)
+    return ap.plan_aligned_permute(routing_map, align, num_out, rows, exact=not static)
+
+
+@pytest.fixture(params=["small", "large"])
+def token_path(request, monkeypatch):
+    """Both ways of building the buffer: gather from the tokens plus one zero row (small
+    inputs), or gather then zero only the pad rows (``index_fill_``, a custom backward)."""
+    if request.param == "large":
+        monkeypatch.setattr(ap, "SMALL_TOKENS_BYTES", -1)
+    return request.param
+
+
+# ---------------------------------------------------------------- hand-worked
+def test_hand_worked_permute(token_path):
+    # align 4; token 0 -> e0, e1; token 1 -> e1; token 2 -> e0 (the module docstring's case):
+    #   Megatron's permute [t0 t2 | t0 t1]; aligned buffer [t0 t2 _ _ | t0 t1 _ _]
+    routing_map = torch.tensor([[1, 1], [0, 1], [1, 0]], dtype=torch.bool)
+    layout = plan(routing_map, 4)
+    assert layout.token_idx_P.tolist() == [0, 2, 3, 3, 0, 1, 3, 3]  # 3 = T: the trash row
+    assert layout.pair_idx_P.tolist() == [0, 4, 6, 6, 1, 3, 6, 6]  # t * E + e; 6 = T * E
+    assert layout.tokens_per_expert_E.tolist() == [4, 4]
+    assert sorted(layout.pad_idx_Q.tolist()) == [2, 3, 6, 7]
+    x = torch.tensor([[1.0], [2.0], [3.0]])
+    assert ap.permute_to_layout(x, layout).squeeze(1).tolist() == [1, 3, 0, 0, 1, 2, 0, 0]
+    y = torch.arange(1.0, 9.0).unsqueeze(1)  # expert outputs, pad rows 3, 4, 7, 8 non-zero
+    # token 0 <- rows 0 and 4 (1 + 5), token 1 <- row 5 (6), token 2 <- row 1 (2); pads dropped
+    assert ap.unpermute_from_layout(y, layout).squeeze(1).tolist() == [6, 6, 2]
+
+
+def test_hand_worked_chunk_layout():
+    # The docstring's case: align 4, counts_RE = [[1, 2], [2, 0]], received a | b c | d e | -
+    layout = cs.plan_chunk_layout([[1, 2], [2, 0]], 4)
+    assert layout.buffer_sizes == [1, 2, 1, 2, 0, 2] and layout.source_C == [0, 2, -1, 1, 3, -1]
+    assert layout.tokens_per_expert_E == [4, 4] and layout.num_rows == 8 and layout.max_pad == 2
+    x = torch.arange(1.0, 6.0).unsqueeze(1)  # a..e
+    x_P = cs.pad_chunks(x, layout, torch.zeros(2, 1))
+    assert x_P.squeeze(1).tolist() == [1, 4, 5, 0, 2, 3, 0, 0]  # [a d e _ | b c _ _]
+    assert torch.equal(cs.strip_chunks(x_P * 10, layout), x * 10)
+
+
+# ---------------------------------------------------------------- naive reference, random
+CASES = {  # (tokens, experts, topk, dead rows)
+    "random": (37, 8, 2, 0),
+    "routed_nowhere": (37, 8, 2, 5),
+    "one_expert": (20, 1, 1, 0),
+    "all_on_one_expert": (40, 4, 1, 0),
+    "fewer_than_multiple": (3, 4, 2, 0),
+    "zero_tokens": (0, 4, 2, 0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("align", [16, 128])
+@pytest.mark.parametrize("static", [False, True])
+def test_permute_matches_naive_reference(case, align, static, token_path):
+    num_tokens, num_experts, topk, dead = CASES[case]
+    routing_map, probs, g = random_routing(num_tokens, num_experts, topk, align, dead)
+    if case == "all_on_one_expert":
+        routing_map = torch.zeros_like(routing_map)
+        routing_map[:, -1] = True
+        probs = routing_map.float()
+    x = torch.randn(num_tokens, 6, generator=g)
+    layout = plan(routing_map, align, static)
+    ref_x, ref_p, tokens, sizes = naive_permute(x, routing_map, probs, align, layout.num_rows)
+    assert torch.equal(ap.permute_to_layout(x, layout), ref_x)
+    assert torch.equal(ap.permute_probs(probs, layout), ref_p)
+    assert layout.tokens_per_expert_E.tolist() == sizes and all(s % align == 0 for s in sizes)
+    y = torch.randn(layout.num_rows, 6, generator=g)  # pad rows too: they must be dropped
+    # fp32, same accumulation order as the loop (buffer order): bitwise.
+    assert torch.equal(ap.unpermute_from_layout(y, layout), naive_unpermute(y, tokens, num_tokens))
+    # Guard against vacuous passes: pads and real rows occurred (bar the empty case).
+    assert (layout.token_idx_P == num_tokens).any() or layout.num_rows == 0 == num_tokens
+    assert num_tokens == 0 or (layout.token_idx_P < num_tokens).sum() == routing_map.sum()
+
+
+def test_static_plan_narrowed_is_the_exact_plan():
+    routing_map, probs, g = random_routing(37, 8, 2, 0, dead_rows=3)
+    exact, static = plan(routing_map, 16), plan(routing_map, 16, static=True)
+    assert static.num_rows > exact.num_rows  # the static bound really had slack
+    narrowed = static.narrow(exact.num_rows)
+    assert torch.equal(narrowed.token_idx_P, exact.token_idx_P)
+    assert torch.equal(narrowed.pair_idx_P, exact.pair_idx_P)
+    x = torch.randn(37, 4, generator=g)
+    assert torch.equal(
+        ap.permute_to_layout(x, static)[: exact.num_rows], ap.permute_to_layout(x, exact)
+    )
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_equals_megatrons_permute_and_unpermute_with_grads(deterministic, token_path):
+    """Real rows equal Megatron's permute output in order; unpermute, and the gradients of the
+    tokens and the probs, equal Megatron's bitwise (fp32, the same kernels in the same order)."""
+    from megatron.core.transformer.moe.moe_utils import permute, unpermute
+
+    routing_map, probs, g = random_routing(64, 8, 2, 0, dead_rows=4)
+    num_out = int(routing_map.sum())
+    x = torch.randn(64, 5, generator=g)
+    w = torch.randn(num_out, 5, generator=g)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        x1, p1 = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        out, out_p, sorted_idx, _, _ = permute(x1, routing_map, probs=p1, num_out_tokens=num_out)
+        ref = unpermute(out * w * out_p.unsqueeze(1), sorted_idx, x.shape)
+        (ref * ref).sum().backward()
+
+        layout = plan(routing_map, 16)
+        real = layout.token_idx_P < 64
+        w_P = torch.zeros(layout.num_rows, 5).masked_scatter_(real.unsqueeze(1), w)
+        x2, p2 = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        buf, buf_p = ap.permute_to_layout(x2, layout), ap.permute_probs(p2, layout)
+        assert torch.equal(buf[real], out.detach()) and torch.equal(buf_p[real], out_p.detach())
+        got = ap.unpermute_from_layout(buf * w_P * buf_p.unsqueeze(1), layout)
+        (got * got).sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert torch.equal(got, ref) and ref.abs().sum() > 0
+    assert torch.equal(x2.grad, x1.grad) and torch.equal(p2.grad, p1.grad)
+    assert p2.grad[~routing_map].abs().sum() == 0 and p2.grad[routing_map].abs().sum() > 0
+
+
+def test_permute_autograd_is_the_gather_adjoint(token_path):
+    routing_map, probs, g = random_routing(11, 4, 2, 0, dead_rows=2)
+    layout = plan(routing_map, 8)
+    x = torch.randn(11, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    p = probs.double().requires_grad_()
+    y = torch.randn(layout.num_rows, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: ap.permute_to_layout(t, layout), (x,))
+    assert torch.autograd.gradcheck(lambda t: ap.permute_probs(t, layout), (p,))
+    assert torch.autograd.gradcheck(lambda t: ap.unpermute_from_layout(t, layout), (y,))
+    # Pad rows of the expert output get no gradient.
+    ap.unpermute_from_layout(y, layout).sum().backward()
+    pads = layout.token_idx_P == 11
+    assert pads.any() and not y.grad[pads].any() and y.grad[~pads].all()
+
+
+# ---------------------------------------------------------------- chunk layout (host counts)
+@pytest.mark.parametrize("align", [16, 128])
+@pytest.mark.parametrize("num_chunks", [1, 2, 4])
+def test_chunk_layout_matches_device_layout_and_strips(align, num_chunks):
+    """The host-count chunk sort builds the same buffer as the device inverse-index gather
+    (itself checked against a loop in test_alignment.py); the strip restores the arrival order;
+    grads flow to real rows only."""
+    g = torch.Generator().manual_seed(align + num_chunks)
+    max_pads = []
+    for case in range(4):
+        counts = torch.randint(0, 2 * align, (num_chunks, 4), generator=g)
+        if case == 1:
+            counts[:, :-1] = 0  # all on one expert
+        if case == 2:
+            counts = torch.randint(0, 3, (num_chunks, 4), generator=g)  # fewer than the multiple
+        n = int(counts.sum())
+        for static in (False, True):
+            rows = al.static_aligned_rows(n, 4, align) if static else None
+            layout = cs.plan_chunk_layout(counts.tolist(), align, rows)
+            device = al.plan_aligned_layout(counts, align, n, layout.num_rows)
+            x = torch.randn(n, 3, generator=g, requires_grad=True)
+            x_P = cs.pad_chunks(x, layout, torch.zeros(layout.max_pad, 3))
+            assert torch.equal(x_P, al.pad_to_layout(x, device))
+            assert layout.tokens_per_expert_E == device.tokens_per_expert_E.tolist()
+            assert all(s % align == 0 for s in layout.tokens_per_expert_E)
+            w = torch.randn(n, 3, generator=g)
+            (cs.strip_chunks(x_P * 2, layout) * w).sum().backward()
+            assert torch.equal(x.grad, 2 * w)
+            max_pads.append(layout.max_pad)
+    assert max(max_pads) > 0  # pads occurred
+
+
+def test_chunk_layout_zero_rows():
+    layout = cs.plan_chunk_layout([[0, 0], [0, 0]], 16)
+    x = torch.zeros(0, 3)
+    assert layout.num_rows == 0 and cs.pad_chunks(x, layout, torch.zeros(1, 3)).shape == (0, 3)
+    static = cs.plan_chunk_layout([[0, 0], [0, 0]], 16, al.static_aligned_rows(0, 2, 16))
+    x_P = cs.pad_chunks(x, static, torch.zeros(static.max_pad, 3))
+    assert static.tokens_per_expert_E == [0, 16] and x_P.shape == (16, 3) and not x_P.any()
+    assert cs.strip_chunks(x_P, static).shape == (0, 3)
+
+
+# ---------------------------------------------------------------- no host sync
+def _permute_round_trip(routing_map, probs, x, align, num_out, num_rows):
+    layout = ap.plan_aligned_permute(routing_map, align, num_out, num_rows)
+    buf = ap.permute_to_layout(x, layout) * ap.permute_probs(probs, layout).unsqueeze(1)
+    out = ap.unpermute_from_layout(buf, layout.narrow(num_rows))
+    out.sum().backward()
+    return layout, out
+
+
+@pytest.mark.parametrize("align", [16, 32, 128])
+def test_permute_path_makes_no_host_sync(align, token_path):
+    routing_map, probs, g = random_routing(29, 4, 2, 0, dead_rows=3)
+    num_out = int(routing_map.sum())  # host ints the dispatcher has (num_out_tokens, bound)
+    rows = al.static_aligned_rows(num_out, 4, align)
+    x = torch.randn(29, 8, generator=g, requires_grad=True)
+    p = probs.clone().requires_grad_()
+    layout, out = assert_no_host_sync(_permute_round_trip, routing_map, p, x, align, num_out, rows)
+    assert layout.num_rows == rows and out.shape == x.shape and x.grad.abs().sum() > 0
+    # Meta tensors: a value read or data-dependent shape would raise here.
+    meta = [t.detach().to("meta") for t in (routing_map, probs, x)]
+    _, out = _permute_round_trip(
+        meta[0], meta[1].requires_grad_(), meta[2].requires_grad_(), align, num_out, rows
+    )
+    assert out.shape == x.shape and out.device.type == "meta"
