@@ -59,7 +59,7 @@ def _worker(seq_len: int, num_packs: int, hidden: int, rounds: int) -> dict:
 
     from megatron_ext.config import MoEAlignmentConfig
     from megatron_ext.moe.layer_specs import with_aligned_moe
-    from megatron_ext.moe.pad_routing import PadRouting
+    from megatron_ext.moe.pad_routing import PadRouting, count_router_tokens
     from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
     from megatron_ext.testing.tiny_model import local_layer_spec
     from megatron_ext.training.corpus import VOCAB_SIZE
@@ -84,7 +84,7 @@ def _worker(seq_len: int, num_packs: int, hidden: int, rounds: int) -> dict:
         x = x_SBH.clone().requires_grad_(True)
         rows: list[torch.Tensor] = []
         hook = moe.experts.register_forward_pre_hook(lambda m, a: rows.append(a[1].clone()))
-        routing.set_micro_batch(pad_BS.numel(), int((~pad_BS).sum()))
+        routing.set_micro_batch(*count_router_tokens(pad_BS, tuple(pad_BS.shape)))
         torch.distributed.barrier()
         start = time.perf_counter()
         out, _ = moe(x, padding_mask=pad_BS)

@@ -36,7 +36,8 @@ TINY_MOE_ARGS: tuple[str, ...] = (
 )  # fmt: skip
 
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
-_FIELD = re.compile(r"([A-Za-z_ ]+?):\s+([-+0-9.eE]+|nan|inf) \|")
+# A field name may end in a parenthesised unit: "elapsed time per iteration (ms)".
+_FIELD = re.compile(r"([A-Za-z_ ]+?(?: \([^()|:]*\))?):\s+([-+0-9.eE]+|nan|inf) \|")
 
 
 def free_port() -> int:

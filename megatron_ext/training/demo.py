@@ -46,7 +46,6 @@ EP = 2
 LOSS_TOLERANCE = 5e-6
 TRAINING_LOOP = "megatron.training.pretrain"
 _REPLAY = re.compile(r"replay check: (\d+)/(\d+) \(token, layer\).*differently on (\d+)")
-_ELAPSED = re.compile(r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([0-9.]+)")
 _REHEARSAL = re.compile(
     r"rank (\d+) rehearsal: (\d+) expert groups .*?, (\d+) not a multiple of (\d+); last: (\[.*\])"
 )
@@ -72,11 +71,6 @@ def _launch(flags: list[str], data: str, log_name: str, workdir: Path) -> LoopRu
         tail = "\n".join(proc.stdout.splitlines()[-40:])
         raise RuntimeError(f"demo run '{log_name}' failed ({run.returncode}):\n{tail}")
     return run
-
-
-def _step_ms(run: LoopRun) -> dict[int, float]:
-    """Megatron's ``elapsed time per iteration (ms)`` per logged iteration."""
-    return {int(i): float(ms) for i, ms in _ELAPSED.findall(run.output)}
 
 
 def _load_counts(path: Path) -> dict[str, np.ndarray]:
@@ -108,7 +102,11 @@ def summarize(runs: dict[str, LoopRun], loads: dict[str, dict[str, np.ndarray]])
     load_c, load_s, load_k = loads["constant"], loads["self"], loads["skip"]
     losses_k = [skip.losses[i] for i in iterations]
     step_ms = {  # the first iteration includes warm-up (allocations, gloo buffers)
-        name: float(np.median([ms for i, ms in _step_ms(run).items() if i > iterations[0]]))
+        name: float(
+            np.median(
+                [run.iterations[i]["elapsed time per iteration (ms)"] for i in iterations[1:]]
+            )
+        )
         for name, run in (("self", self_pad), ("skip", skip))
     }
     experts = load_s["all"].shape[1]

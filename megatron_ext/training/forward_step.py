@@ -2,8 +2,9 @@
 Megatron's model; expert-load metrics reach Megatron's logger and writers.
 
 Per micro-batch:
-1. ``get_batch`` reads this rank's sample dict (``tokens``, ``labels``, ``loss_mask``, ``position_ids``,
-   ``padding_mask`` (True = pad), ``cu_seqlens`` and, with replay, ``routes`` ``[B, S, L, K]``).
+1. ``forward_step`` reads this rank's host sample dict (``tokens``, ``labels``, ``loss_mask``,
+   ``position_ids``, ``padding_mask`` (True = pad), ``cu_seqlens`` and, with replay, ``routes``
+   ``[B, S, L, K]``); ``batch_to_device`` copies it to the device, host counts are read before.
 2. With ``--route-replay-mode replay`` the pack's routes are installed into the MoE routers of this stage
    under a per-micro-batch key (recompute-safe); with ``record`` a record buffer is opened.
 3. ``padding_mask`` goes to ``GPTModel.forward(padding_mask=...)`` so pads stay out of the router's aux
@@ -18,7 +19,7 @@ Example::
 """
 
 import json
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 from functools import partial
 from typing import Any
 
@@ -28,15 +29,9 @@ from megatron_ext.config import MoEAlignmentConfig
 from megatron_ext.training import run_state
 
 
-def get_batch(data_iterator: Iterator[dict[str, torch.Tensor]] | None) -> dict[str, torch.Tensor]:
-    """This rank's micro-batch on the current device (every rank reads its own copy; see provider)."""
-    if data_iterator is None:
-        return {}
-    return batch_to_device(next(data_iterator))
-
-
 def batch_to_device(batch: dict[str, Any]) -> dict[str, Any]:
-    """A host micro-batch's tensors on the current device (non-blocking copies)."""
+    """A host micro-batch's tensors on the current device (non-blocking copies; every rank reads its
+    own copy, see the provider)."""
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     return {
         key: value.to(device, non_blocking=True) if torch.is_tensor(value) else value
