@@ -81,7 +81,7 @@ def _parse(argv: list[str]):
         sys.argv = old
 
 
-def test_flag_parses_and_refusals_reach_argument_time() -> None:
+def test_flag_parses_and_refusals_reach_argument_time(capsys) -> None:
     from megatron_ext.arguments import configs_from_args
     from megatron_ext.config import MoEPadRoutingConfig
 
@@ -102,6 +102,7 @@ def test_flag_parses_and_refusals_reach_argument_time() -> None:
     )
     with pytest.raises(SystemExit):  # argparse's choices: not a mode
         _parse([*moe, "--moe-pad-routing", "drop"])
+    assert "--moe-pad-routing: invalid choice: 'drop'" in capsys.readouterr().err
 
 
 def test_clear_pad_routes_hand_worked() -> None:
