@@ -28,6 +28,7 @@ Shape legend: T tokens, E local experts, D hidden, P aligned buffer rows, Q = P 
 N routed pairs (Megatron's ``num_out_tokens``).
 """
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -43,19 +44,34 @@ class PermuteLayout:
         pair_idx_P: Flat ``t * E + e`` pair of each buffer row (the probs' element); ``T * E``
             on pad rows (device int64).
         token_idx_P: Token of each buffer row; ``T`` (a trash row) on pad rows.
-        tokens_per_expert_E: Aligned group sizes (device int64), summing to ``num_rows``; None
-            once narrowed (the host counts are the group sizes by then).
+        aligned_E: Each expert's real count rounded up (device int64); None once narrowed.
         num_rows: P (host int).
         num_tokens: T (host int).
         num_pads: Q = P - N (host int).
+        exact: P is the exact aligned total (no static-bound slack).
     """
 
     pair_idx_P: torch.Tensor
     token_idx_P: torch.Tensor
-    tokens_per_expert_E: torch.Tensor | None
+    aligned_E: torch.Tensor | None
     num_rows: int
     num_tokens: int
     num_pads: int
+    exact: bool = False
+
+    @property
+    def tokens_per_expert_E(self) -> torch.Tensor | None:
+        """Aligned group sizes summing to ``num_rows`` (device): the last group takes a static
+        bound's slack. None once narrowed (the host counts are the group sizes by then).
+
+        On demand (three small kernels under a static bound): callers that hold host counts
+        never need it.
+        """
+        if self.aligned_E is None or self.exact:
+            return self.aligned_E
+        sizes = self.aligned_E.clone()
+        sizes[-1:] += self.num_rows - sizes.sum()
+        return sizes
 
     @property
     def pad_idx_Q(self) -> torch.Tensor:
@@ -76,7 +92,7 @@ class PermuteLayout:
             self,
             pair_idx_P=self.pair_idx_P[:num_rows],
             token_idx_P=self.token_idx_P[:num_rows],
-            tokens_per_expert_E=None,
+            aligned_E=None,
             num_rows=num_rows,
             num_pads=self.num_pads - (self.num_rows - num_rows),
         )
@@ -117,21 +133,32 @@ def plan_aligned_permute(
     real_E = rank_TE[-1] if num_tokens else rank_TE.new_zeros(num_experts)
     aligned_E = round_up(real_E, align)
     # Buffer row + 1 of each routed pair (its rank is 1-based); 0 is a trash slot for the rest.
-    start_E = aligned_E.cumsum(0) - aligned_E
+    start_E = aligned_E.cumsum(0).sub_(aligned_E)
     slot_TE = rank_TE.add_(start_E).mul_(routing_map_TE)  # in place: real_E is read already
     pair_idx = torch.full((num_rows + 1,), num_pairs, dtype=torch.long, device=device)
-    pair_idx.scatter_(0, slot_TE.view(-1), torch.arange(num_pairs, device=device))
+    pair_idx.scatter_(0, slot_TE.view(-1), _arange(num_pairs, device))
     pair_idx_P = pair_idx[1:]
-    if not exact:  # static-bound slack: the last group's extra pads
-        aligned_E[-1:] += num_rows - aligned_E.sum()
     return PermuteLayout(
         pair_idx_P=pair_idx_P,
         token_idx_P=pair_idx_P.div(num_experts, rounding_mode="floor"),
-        tokens_per_expert_E=aligned_E,
+        aligned_E=aligned_E,
         num_rows=num_rows,
         num_tokens=num_tokens,
         num_pads=num_rows - num_out_tokens,
+        exact=exact,
     )
+
+
+@functools.lru_cache(maxsize=16)
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` (int64), built once per size and device: the scatter's source, only read."""
+    return torch.arange(n, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def _zero_row(dtype: torch.dtype, device: torch.device, row_shape: tuple) -> torch.Tensor:
+    """One zero row ``[1, *row_shape]``, built once per kind: the pads' source, only read."""
+    return torch.zeros((1, *row_shape), dtype=dtype, device=device)
 
 
 class _GatherWithTrash(torch.autograd.Function):
@@ -170,8 +197,8 @@ def permute_to_layout(x_TD: torch.Tensor, layout: PermuteLayout) -> torch.Tensor
     if x_TD.numel() * x_TD.element_size() <= SMALL_TOKENS_BYTES:
         # Pads gather the appended zero row (index T); autograd's backward is the same
         # index_add_ into T + 1 rows, the trash row dropped by the cat's backward.
-        with_zero = torch.cat([x_TD, x_TD.new_zeros((1, *x_TD.shape[1:]))])
-        return with_zero.index_select(0, layout.token_idx_P)
+        zero = _zero_row(x_TD.dtype, x_TD.device, tuple(x_TD.shape[1:]))
+        return torch.cat([x_TD, zero]).index_select(0, layout.token_idx_P)
     if not (x_TD.requires_grad and torch.is_grad_enabled()):  # no graph: skip the Function
         return _GatherWithTrash.forward(None, x_TD, layout.token_idx_P, layout.pad_idx_Q)
     return _GatherWithTrash.apply(x_TD, layout.token_idx_P, layout.pad_idx_Q)
@@ -184,8 +211,8 @@ def permute_probs(probs_TE: torch.Tensor, layout: PermuteLayout) -> torch.Tensor
     autograd routes the pads' gradient onto it.
     """
     assert probs_TE.shape[0] == layout.num_tokens, "probs rows differ from the routing map"
-    flat = probs_TE.reshape(-1)
-    return torch.cat([flat, flat.new_zeros(1)]).index_select(0, layout.pair_idx_P)
+    zero = _zero_row(probs_TE.dtype, probs_TE.device, ()).view(1)
+    return torch.cat([probs_TE.reshape(-1), zero]).index_select(0, layout.pair_idx_P)
 
 
 def unpermute_from_layout(y_PD: torch.Tensor, layout: PermuteLayout) -> torch.Tensor:

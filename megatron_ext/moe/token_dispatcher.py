@@ -75,10 +75,17 @@ class _GroupAligner:
         self.buffer_sizing = alignment.moe_dispatch_align_buffer
         self.layout: al.AlignedLayout | cs.ChunkLayout | ap.PermuteLayout | None = None
         self._zeros: dict[tuple, torch.Tensor] = {}
+        self._aligns: dict[tuple, int] = {}
 
     @property
     def align(self) -> int:
-        return align_size_for_config(self.config, self.alignment)
+        """The multiple for the config's precision now (memoised per precision setting)."""
+        c = self.config
+        key = (c.fp8, c.fp8_recipe, c.fp4, c.fp4_recipe, c.use_transformer_engine_op_fuser)
+        align = self._aligns.get(key)
+        if align is None:
+            align = self._aligns[key] = align_size_for_config(c, self.alignment)
+        return align
 
     @property
     def active(self) -> bool:
