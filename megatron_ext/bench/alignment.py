@@ -16,7 +16,8 @@ fp8 / mxfp8 / nvfp4, in one process per EP size:
 - minor page faults per round trip: a fresh CPU tensor beyond glibc's mmap threshold faults in
   every page, which a GPU caching allocator never pays.
 
-Experts are skipped (identity) so the times isolate the dispatcher's own work.
+Stand-in experts (a copy of their rows) run outside the timed span, so the times are the
+dispatcher's own work (dispatch + combine); the experts' cost of the pad rows is the GEMMs'.
 """
 
 import resource
@@ -40,39 +41,55 @@ def _set_precision(cfg, precision: str | None) -> None:
 
 
 def _round_trip(layer, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
-    """Dispatch and combine with identity experts; returns (rows into the exchange, groups)."""
+    """Dispatch and combine around stand-in experts.
+
+    Returns (rows into the exchange, groups, seconds in the dispatcher). The stand-in (a copy,
+    as an expert's output is a fresh tensor) is outside the timed span: its cost is the experts'
+    (it grows with the pad rows, as the GEMMs do), not the dispatcher's.
+    """
     d = layer.token_dispatcher
+    start = time.perf_counter()
     h, p = d.dispatch_preprocess(x, routing_map, probs)
     rows_sent = h.shape[0]
     h, p = d.token_dispatch(h, p)
     h, tokens_per_expert, p = d.dispatch_postprocess(h, p)
-    h = d.combine_preprocess(h * 1.0)
+    dispatched = time.perf_counter()
+    h = h * 1.0
+    combine = time.perf_counter()
+    h = d.combine_preprocess(h)
     h = d.token_combine(h)
     d.combine_postprocess(h)
-    return rows_sent, tokens_per_expert
+    seconds = (dispatched - start) + (time.perf_counter() - combine)
+    return rows_sent, tokens_per_expert, seconds
 
 
 class _Variant:
     """One dispatcher setting timed in every round: a layer and the precision it runs at."""
 
-    def __init__(self, layer, precision: str | None, router_padding: bool = False) -> None:
+    def __init__(
+        self, layer, precision: str | None, router_padding: bool = False, inputs=None
+    ) -> None:
         self.layer, self.precision, self.router_padding = layer, precision, router_padding
+        self.inputs = inputs  # its own (x, probs, routing_map) instead of the round's
         self.seconds: list[float] = []
         self.faults: list[int] = []
         self.rows_sent, self.groups = 0, []
 
     def run(self, x, probs, routing_map, reps: int) -> None:
+        if self.inputs is not None:
+            x, probs, routing_map = self.inputs
         cfg = self.layer.config
         _set_precision(cfg, self.precision)
         cfg.moe_router_padding_for_quantization = self.router_padding
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        start = time.perf_counter()
+        seconds = 0.0
         with torch.no_grad():
             for _ in range(reps):
                 # A fresh map each trip: Megatron's pad_routing_map writes into the one it gets.
                 trip_map = routing_map.clone()
-                self.rows_sent, self.groups = _round_trip(self.layer, x, probs, trip_map)
-        self.seconds.append((time.perf_counter() - start) / reps)
+                self.rows_sent, self.groups, trip = _round_trip(self.layer, x, probs, trip_map)
+                seconds += trip
+        self.seconds.append(seconds / reps)
         self.faults.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) // reps)
         cfg.moe_router_padding_for_quantization = False
 
@@ -115,7 +132,16 @@ def _worker(token_counts: list[int], hidden: int, rounds: int) -> list[list]:
             mine = {p: _Variant(ours, p) for p in PRECISIONS}
             # Megatron refuses router padding for the all-gather dispatcher.
             padded = {p: _Variant(stock, p, True) for p in PRECISIONS if dispatcher == "alltoall"}
-            variants = [base, *mine.values(), *padded.values()]
+            floors = {}
+            if ep == 1:  # Megatron's unaligned path carrying as many rows as ours: the data floor
+                for p, v in mine.items():
+                    v.run(x, probs, routing_map, 1)  # also a warm-up
+                    rows_ours = sum(int(n) for n in v.groups)
+                    floors[p] = _Variant(
+                        stock, None, inputs=_inputs_with_rows(x, probs, routing_map, rows_ours)
+                    )
+                    v.seconds.clear(), v.faults.clear()
+            variants = [base, *mine.values(), *padded.values(), *floors.values()]
             reps = max(1, 2048 // num_tokens)  # small inputs: several trips per timing
             _round_trip(stock, x, probs, routing_map.clone())  # warm-up (first-call allocations)
             for r in range(rounds):
@@ -145,6 +171,7 @@ def _worker(token_counts: list[int], hidden: int, rounds: int) -> list[list]:
                         round(min(ratios), 3),
                         round(max(ratios), 3),
                         round(statistics.median(_ratios(rp, base)), 3) if rp else "-",
+                        _floor_cell(floors.get(precision), base, sum(groups)),
                         base_rows if a2a else "-",
                         v.rows_sent if a2a else "-",
                         rp.rows_sent if (a2a and rp) else "-",
@@ -157,6 +184,22 @@ def _worker(token_counts: list[int], hidden: int, rounds: int) -> list[list]:
                     ]
                 )
     return rows
+
+
+def _inputs_with_rows(x, probs, routing_map, num_rows: int):
+    """The round's tokens repeated cyclically until their routed pairs number ``num_rows``."""
+    topk = int(routing_map[0].sum())
+    assert num_rows % topk == 0 and bool((routing_map.sum(-1) == topk).all())
+    index = torch.arange(num_rows // topk) % x.shape[0]
+    return x[index], probs[index], routing_map[index]
+
+
+def _floor_cell(floor, base, rows_ours: int):
+    """Median paired ratio of the floor variant to unaligned, after checking its row count."""
+    if floor is None:
+        return "-"
+    assert sum(int(n) for n in floor.groups) == rows_ours, "the floor carries ours' rows"
+    return round(statistics.median(_ratios(floor, base)), 3)
 
 
 def _align_of(layer, precision: str) -> int:
@@ -176,6 +219,7 @@ COLUMNS = [
     "ratio min",
     "ratio max",
     "router pad/unaligned",
+    "unaligned at ours' rows/unaligned",
     "a2a rows unaligned",
     "a2a rows ours",
     "a2a rows router pad",
@@ -204,15 +248,20 @@ def alignment(quick: bool) -> BenchResult:
         rows=rows,
         notes=(
             f"Megatron's all-to-all and all-gather dispatchers, 8 experts, top-2, hidden {hidden}, "
-            "fp32 rows on CPU (gloo), identity experts, no_grad dispatch + combine. Variants "
+            "fp32 rows on CPU (gloo), no_grad; timed: dispatch + combine, the stand-in experts (a "
+            "copy of their rows, which grows with the pad rows as the GEMMs do) outside it. Variants "
             f"interleaved over {rounds} rounds in one process per EP size (order rotated every "
             "round; small inputs repeat the trip within a timing); 'ours/unaligned' is the median "
             "of the per-round paired ratios, with their min and max; rank 0 of EP=2. The pad is "
             "folded into Megatron's permute for all-gather and for all-to-all at EP=1, and into "
-            "Megatron's chunk sort after the exchange (host counts it already holds) at EP=2. 'a2a rows' = hidden rows entering the EP "
+            "Megatron's chunk sort after the exchange (host counts it already holds) at EP=2. "
+            "'a2a rows' = hidden rows entering the EP "
             "all-to-all (EP=2): ours pads after it, so it equals the unaligned count; router "
             "padding routes duplicated real tokens (prob 0) through it and cannot reach the "
-            "multiple when a rank has too few tokens (nvfp4, 48 tokens). Allocator: glibc malloc "
+            "multiple when a rank has too few tokens (nvfp4, 48 tokens). 'unaligned at ours' rows' "
+            "(EP=1): Megatron's unaligned dispatcher given the round's tokens repeated until "
+            "it carries as many rows as our aligned buffer, over unaligned: what the pad rows' "
+            "data alone cost, with no planning at all. Allocator: glibc malloc "
             "defaults (tensors above its mmap threshold are fresh mmaps, their pages faulted in "
             "on every trip: 'faults/trip'); a GPU caching allocator has no such cost."
         ),
