@@ -7,9 +7,9 @@ router's instance with a :class:`KeyedRouterReplay` (a ``RouterReplay`` subclass
 in Megatron's global list) that looks its targets up by ``(micro-batch key, MoE layer)``:
 
 - ``install(routes_BSLK, key)`` before a micro-batch's forward slices the pack's routes for this
-  rank (CP zigzag, then SP; :mod:`~megatron_ext.replay.layout`) and stores them per MoE layer,
-  keyed by the absolute layer number's MoE ordinal; dense and MTP layers are skipped (MTP routers
-  route natively).
+  rank (CP zigzag, then SP; :mod:`~megatron_ext.replay.layout`) in one gather, layer-major and
+  narrow (uint8/uint16), for this stage's MoE ordinals; dense and MTP layers route natively. The
+  first router of a pass widens them to int64 for all layers at once; each router then gathers.
 - Activation recompute reruns routers during backward, possibly after later micro-batches ran
   their forward (pipeline schedules). A marker on each decoder block's output records, when that
   micro-batch's backward starts, whose key is current; recomputed routers read that key. No FIFO.
@@ -19,7 +19,7 @@ in Megatron's global list) that looks its targets up by ``(micro-batch key, MoE 
   (``install(..., has_missing=False)``, counted on the host by the dataset) skips the mask, the
   native top-k and the ``where``: the router then only gathers, as Megatron's replay does.
 - ``record`` mode keeps the forward's top-k per key and layer; :meth:`recorded_routes` gathers
-  them back to the data layout ``[B, S, L, K]`` across SP/CP (and PP) ranks.
+  them back to ``[B, S, L, K]`` (:mod:`~megatron_ext.replay.recorded_rows`).
 
 Example::
 
@@ -41,16 +41,15 @@ from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay
 from megatron.core.transformer.transformer_block import TransformerBlock
-from megatron.core.utils import make_viewless_tensor
 
+from megatron_ext.replay.backward_key import mark_backward_key
 from megatron_ext.replay.layout import (
-    assemble_from_ranks,
     moe_layer_numbers,
     moe_layer_numbers_from_hybrid_pattern,
     router_row_positions,
-    rows_for_router,
+    stage_rows_layer_major,
 )
-from megatron_ext.replay.routes import route_dtype
+from megatron_ext.replay.recorded_rows import gather_recorded_routes
 from megatron_ext.replay.unsupported import check_replay_supported
 
 _TopK = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -78,30 +77,6 @@ class KeyedRouterReplay(RouterReplay):
         """Replays (or records) this layer's top-k for the current micro-batch key."""
         assert default_compute_topk is not None
         return self.binding.route(self, scores, topk, num_groups, group_topk, default_compute_topk)
-
-
-class _BackwardKeyMarker(torch.autograd.Function):
-    """Identity on the decoder output; its backward announces which micro-batch is in backward.
-
-    Apply through :func:`_mark`: the output is a view, and a non-last pipeline stage's output is
-    freed by Megatron's ``deallocate_output_tensor``, which asserts ``out._base is None``."""
-
-    @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, binding: "RouteReplayBinding", key: Hashable):
-        ctx.binding, ctx.key = binding, key
-        return hidden.view_as(hidden)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        ctx.binding.enter_backward(ctx.key)
-        return grad, None, None
-
-
-def _mark(hidden: torch.Tensor, binding: "RouteReplayBinding", key: Hashable) -> torch.Tensor:
-    """``hidden`` through :class:`_BackwardKeyMarker`, returned viewless (``_base is None``)."""
-    marked = _BackwardKeyMarker.apply(hidden, binding, key)
-    # Shares marked's storage; keep_graph keeps the marker's backward on the graph.
-    return make_viewless_tensor(marked, requires_grad=True, keep_graph=True)
 
 
 def _moe_layer_numbers(model: torch.nn.Module) -> list[int]:
@@ -165,7 +140,9 @@ class RouteReplayBinding:
             raise ValueError("--route-replay-mode: this pipeline stage has no MoE router")
         self.stage_ordinals = [r.moe_ordinal for r in self.replays]
         self._stage_range = (min(self.stage_ordinals), max(self.stage_ordinals) + 1)
-        self._targets: dict[tuple[Hashable, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        #: Per micro-batch key: the stage's rows [L_stage, N, K] (narrow) and missing mask or None.
+        self._targets: dict[Hashable, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._wide: tuple[torch.Tensor, torch.Tensor] | None = None
         self._recorded: dict[tuple[Hashable, int], torch.Tensor] = {}
         self._shapes: dict[Hashable, tuple[int, int]] = {}
         self._positions: dict[tuple[int, int, int, int], torch.Tensor] = {}
@@ -268,19 +245,15 @@ class RouteReplayBinding:
         device_key = (routes_BSLK.device, batch_size, seq_len)
         if device_key not in self._device_positions:  # one host-to-device copy per shape
             self._device_positions[device_key] = positions_N.to(routes_BSLK.device)
-        rows_NLK = rows_for_router(routes_BSLK, self._device_positions[device_key])
-        # This stage's layers [lo, hi) as one layer-major copy: every layer's rows (and mask) are
-        # then a contiguous slice, made by one kernel per micro-batch instead of one per layer.
+        # This stage's layers [lo, hi) in one gather, layer-major: every layer's rows (and mask)
+        # are then a contiguous slice, made by one kernel per micro-batch instead of one per layer.
         lo, hi = self._stage_range
-        rows_LNK = rows_NLK[:, lo:hi].transpose(0, 1).contiguous()
+        rows_LNK = stage_rows_layer_major(routes_BSLK, self._device_positions[device_key], lo, hi)
         missing_LN = None
         if self.native_missing and has_missing is not False:
             missing_LN = (rows_LNK == torch.iinfo(rows_LNK.dtype).max).all(-1)
-        for ordinal in self.stage_ordinals:
-            # Kept narrow (K bytes per token); widened to int64 inside the router call.
-            rows_NK = rows_LNK[ordinal - lo]
-            missing_N = None if missing_LN is None else missing_LN[ordinal - lo]
-            self._targets[(key, ordinal)] = (rows_NK, missing_N)
+        # Kept narrow (K bytes per token per layer); widened to int64 once per pass (_wide_rows).
+        self._targets[key] = (rows_LNK, missing_LN)
         self._shapes[key] = (batch_size, seq_len)
         self._forward_key, self._backward_key = key, None
 
@@ -302,6 +275,7 @@ class RouteReplayBinding:
     def clear(self) -> None:
         """Forgets every micro-batch (call once per training step, after the last backward)."""
         self._targets.clear()
+        self._wide = None
         self._recorded.clear()
         self._shapes.clear()
         self._forward_key = self._backward_key = None
@@ -312,10 +286,10 @@ class RouteReplayBinding:
         if key is None or self._backward_key is not None or not torch.is_grad_enabled():
             return output
         if isinstance(output, torch.Tensor) and output.requires_grad:
-            return _mark(output, self, key)
+            return mark_backward_key(output, self.enter_backward, key)
         first = output[0] if isinstance(output, tuple) and output else None
         if isinstance(first, torch.Tensor) and first.requires_grad:
-            return (_mark(first, self, key), *output[1:])
+            return (mark_backward_key(first, self.enter_backward, key), *output[1:])
         return output
 
     # ----- inside the router ---------------------------------------------------------------
@@ -341,18 +315,20 @@ class RouteReplayBinding:
             if not in_backward:
                 self._recorded[(key, replay.moe_ordinal)] = idx_NK.detach()
             return probs, idx_NK
-        target = self._targets.get((key, replay.moe_ordinal))
+        target = self._targets.get(key)
         if target is None:
             raise RuntimeError(
                 f"no routes installed for micro-batch {key!r} at MoE layer {replay.layer_number}"
             )
-        rows_NK, missing_N = target
-        if rows_NK.shape[0] != scores.shape[0]:
+        rows_LNK, missing_LN = target
+        if rows_LNK.shape[1] != scores.shape[0]:
             raise ValueError(
-                f"MoE layer {replay.layer_number}: {rows_NK.shape[0]} installed route rows for "
+                f"MoE layer {replay.layer_number}: {rows_LNK.shape[1]} installed route rows for "
                 f"{scores.shape[0]} tokens on this rank (sequence/batch shape mismatch)"
             )
-        idx_NK = rows_NK.to(torch.int64)
+        layer = replay.moe_ordinal - self._stage_range[0]
+        idx_NK = self._wide_rows(rows_LNK)[layer]
+        missing_N = None if missing_LN is None else missing_LN[layer]
         if missing_N is not None:  # None: no missing row in this micro-batch (or balanced)
             # Missing rows hold the marker id; where() swaps in the router's choice before gather.
             _, native_NK = default_compute_topk(scores, topk, num_groups, group_topk)
@@ -367,67 +343,38 @@ class RouteReplayBinding:
             )
         return scores.gather(1, idx_NK), idx_NK
 
+    def _wide_rows(self, rows_LNK: torch.Tensor) -> torch.Tensor:
+        """``rows_LNK`` as int64 (the gather's index type), widened once per pass over the stage.
+
+        The first router of a forward (or of a recompute in backward) widens every layer of the
+        stage in one kernel; the next routers of that pass slice it, so a layer's replay is a
+        gather, as Megatron's. Only the last pass's copy is cached: routers that saved their
+        slice for backward keep their own micro-batch's copy alive, as they would per layer.
+        """
+        cached = self._wide
+        if cached is None or cached[0] is not rows_LNK:
+            cached = self._wide = (rows_LNK, rows_LNK.to(torch.int64))
+        return cached[1]
+
     # ----- record mode output ----------------------------------------------------------------
     def recorded_routes(self, key: Hashable) -> torch.Tensor:
         """The routes the forward of ``key`` chose, in the data layout ``[B, S, L, K]``.
 
         uint8 or uint16 as :func:`~megatron_ext.replay.routes.route_dtype` picks for the model.
         All-gathers over the TP group (with SP) and the CP group, so every rank of those groups
-        returns the same tensor; layers of other pipeline stages are gathered over the PP group.
+        returns the same tensor; layers of other pipeline stages are gathered over the PP group
+        (:func:`~megatron_ext.replay.recorded_rows.gather_recorded_routes`).
         NOTE: device-to-host sync (PP gather of Python objects); record mode only, not a hot path.
         """
-        np_dtype = route_dtype(self.config.num_moe_experts, self.topk)
-        dtype = torch.uint8 if np_dtype == np.uint8 else torch.uint16
         batch_size, seq_len = self._shapes[key]
-        missing = torch.iinfo(dtype).max
-        rows_NLK = torch.full(
-            (batch_size * seq_len // self._ranks_sharing_batch(), self.num_moe_layers, self.topk),
-            missing,
-            dtype=torch.int64,
+        recorded = {ordinal: self._recorded[(key, ordinal)] for ordinal in self.stage_ordinals}
+        return gather_recorded_routes(
+            recorded,
+            batch_size,
+            seq_len,
+            num_layers=self.num_moe_layers,
+            topk=self.topk,
+            num_experts=self.config.num_moe_experts,
+            sequence_parallel=self.config.sequence_parallel,
+            row_positions=self._row_positions,
         )
-        for ordinal in self.stage_ordinals:
-            rows_NLK[:, ordinal] = self._recorded[(key, ordinal)].to(rows_NLK.device)
-        rows_RNLK, positions_RN = self._gather_rows(rows_NLK, batch_size, seq_len)
-        routes_BSLK = assemble_from_ranks(rows_RNLK, positions_RN, batch_size, seq_len)
-        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-            stages: list[Any] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
-            torch.distributed.all_gather_object(
-                stages,
-                (self.stage_ordinals, routes_BSLK.cpu()),
-                group=parallel_state.get_pipeline_model_parallel_group(),
-            )
-            for ordinals, stage_routes in stages:
-                routes_BSLK[:, :, ordinals] = stage_routes[:, :, ordinals].to(routes_BSLK.device)
-        return routes_BSLK.to(dtype)
-
-    def _ranks_sharing_batch(self) -> int:
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        cp = parallel_state.get_context_parallel_world_size()
-        return cp * (tp if self.config.sequence_parallel else 1)
-
-    def _gather_rows(self, rows_NLK: torch.Tensor, batch_size: int, seq_len: int):
-        """All-gathers router rows over SP (TP group) then CP; returns rows and positions."""
-        tp_ranks = [parallel_state.get_tensor_model_parallel_rank()]
-        if self.config.sequence_parallel:
-            tp_size = parallel_state.get_tensor_model_parallel_world_size()
-            gathered = [torch.empty_like(rows_NLK) for _ in range(tp_size)]
-            torch.distributed.all_gather(
-                gathered, rows_NLK, group=parallel_state.get_tensor_model_parallel_group()
-            )
-            rows_TNLK, tp_ranks = torch.stack(gathered), list(range(tp_size))
-        else:
-            rows_TNLK = rows_NLK.unsqueeze(0)
-        cp_size = parallel_state.get_context_parallel_world_size()
-        if cp_size > 1:
-            gathered = [torch.empty_like(rows_TNLK) for _ in range(cp_size)]
-            torch.distributed.all_gather(
-                gathered, rows_TNLK, group=parallel_state.get_context_parallel_group()
-            )
-            rows_CTNLK = torch.stack(gathered)
-        else:
-            rows_CTNLK = rows_TNLK.unsqueeze(0)
-        cp_ranks = range(cp_size) if cp_size > 1 else [parallel_state.get_context_parallel_rank()]
-        positions_RN = torch.stack(
-            [self._row_positions(batch_size, seq_len, t, c) for c in cp_ranks for t in tp_ranks]
-        )
-        return rows_CTNLK.reshape(-1, *rows_NLK.shape), positions_RN

@@ -99,6 +99,19 @@ def rows_for_router(routes_BSLK: torch.Tensor, positions_N: torch.Tensor) -> tor
     return flat_XLK.index_select(0, positions_N)
 
 
+def stage_rows_layer_major(
+    routes_BSLK: torch.Tensor, positions_N: torch.Tensor, lo: int, hi: int
+) -> torch.Tensor:
+    """This rank's router rows of MoE layers ``[lo, hi)``, layer-major: ``[hi - lo, N, K]``.
+
+    One gather (same dtype, no host sync): the selection of :func:`rows_for_router` and the
+    layer-major copy in one kernel, so each layer's rows are then a contiguous slice.
+    """
+    batch_size, seq_len = routes_BSLK.shape[:2]
+    flat_XLK = routes_BSLK.reshape(batch_size * seq_len, *routes_BSLK.shape[2:])
+    return flat_XLK[:, lo:hi].transpose(0, 1).index_select(1, positions_N)
+
+
 def assemble_from_ranks(
     rows_RNLK: torch.Tensor, positions_RN: torch.Tensor, batch_size: int, seq_len: int
 ) -> torch.Tensor:

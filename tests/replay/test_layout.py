@@ -13,6 +13,7 @@ from megatron_ext.replay.layout import (
     moe_layer_numbers_from_hybrid_pattern,
     router_row_positions,
     rows_for_router,
+    stage_rows_layer_major,
 )
 
 
@@ -71,6 +72,16 @@ def test_ranks_partition_the_micro_batch_and_match_a_loop(cp, tp, sp):
     assert sorted(positions_RN.reshape(-1).tolist()) == list(range(batch * seq))
     rebuilt = assemble_from_ranks(torch.stack(rows), positions_RN, batch, seq)
     assert torch.equal(rebuilt, routes_BSLK)
+
+
+def test_stage_rows_are_the_router_rows_of_the_stage_layers_layer_major():
+    routes_BSLK = torch.randint(0, 255, (2, 8, 5, 2), dtype=torch.uint8)
+    kw = {"cp_size": 2, "cp_rank": 1, "tp_size": 2, "tp_rank": 1, "sequence_parallel": True}
+    positions = router_row_positions(2, 8, **kw)
+    rows_LNK = stage_rows_layer_major(routes_BSLK, positions, 1, 4)
+    expected = rows_for_router(routes_BSLK, positions)[:, 1:4].transpose(0, 1)
+    assert rows_LNK.shape == (3, 4, 2) and rows_LNK.dtype == torch.uint8
+    assert rows_LNK.is_contiguous() and torch.equal(rows_LNK, expected)
 
 
 def test_indivisible_lengths_name_the_flag():
