@@ -6,8 +6,8 @@ side by side in one process:
 - route bytes per token per MoE layer: our uint8 route buffer (what is stored, read and copied
   host-to-device), Megatron's ``RouterReplay`` targets as it records them (int64), and Megatron
   inference's ``RoutingMetadata`` buffer dtype (int32); plus what our binding keeps installed on
-  the device per micro-batch, measured as the nbytes of its tensors (the uint8 rows, widened per
-  router call, and, when the micro-batch may have missing rows, the ``native`` policy's bool
+  the device per micro-batch, measured as the nbytes of its tensors (the uint8 rows, widened to int64
+  once per pass, and, when the micro-batch may have missing rows, the ``native`` policy's bool
   mask), and its cached row index;
 - forward time of four variants (and ``install()`` alone), **interleaved round by round** (each round runs every variant,
   in an order rotated per round, so drift of a shared machine hits all of them alike; a round
@@ -17,7 +17,9 @@ side by side in one process:
   install + gather, the fast path), and the binding with ``has_missing`` unknown (missing mask,
   native top-k and ``where`` in every router). Reported per variant: the median time, and the
   median of the per-round paired ratios to native (and to Megatron's replay) with their min and
-  max.
+  max;
+- the replay step alone (no model): what differs between the variants, per micro-batch (see
+  :func:`_replay_step_times`), the same way.
 """
 
 import statistics
@@ -179,12 +181,13 @@ def _worker(batch: int, seq: int, layers: int, rounds: int, inner: int) -> dict:
     device_bytes = {}
     for name, has_missing in (("ours", False), ("ours_unknown", None)):
         binding.install(routes_BSLK, key=0, has_missing=has_missing)
-        # Everything install() keeps per micro-batch: the uint8 rows [N, K] and, when the
-        # micro-batch may have missing rows, the bool mask missing_N (1 B/token/layer).
+        # Everything install() keeps per micro-batch: the narrow rows [L, N, K] and, when the
+        # micro-batch may have missing rows, the bool mask [L, N] (1 B/token/layer).
         device_bytes[name] = sum(
             t.nbytes for pair in binding._targets.values() for t in pair if t is not None
         ) / (batch * seq * layers)
         binding.clear()
+    step_times = _replay_step_times(binding, ours, theirs, recorded, routes_BSLK, rounds, inner)
     # Cached once per (device, B, S), shared by every layer and micro-batch: int64 row index.
     index_bytes = sum(t.nbytes for t in binding._device_positions.values()) / (batch * seq)
     binding.remove()
@@ -196,7 +199,102 @@ def _worker(batch: int, seq: int, layers: int, rounds: int, inner: int) -> dict:
         "device_bytes": device_bytes,
         "index_bytes": index_bytes,
         "times": times,
+        "step_times": step_times,
     }
+
+
+def _replay_step_times(binding, ours, theirs, recorded, routes_BSLK, rounds, inner) -> dict:
+    """The replay step alone: each MoE layer's top-k call on fixed scores, per micro-batch.
+
+    What differs between the variants and nothing else (the rest of a forward is the same
+    work): Megatron's native top-k; Megatron's ``RouterReplay`` with its per-layer targets set
+    (``set_target_indices``, the action) then ``get_replay_topk``; ours ``install()`` then
+    ``get_replay_topk`` of every layer; and Megatron's replay fed from the same batch
+    ``[B, S, L, K]`` by the glue its users write (router rows, one int64 target per layer). Each
+    call runs ``reps`` micro-batches.
+    """
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    num_tokens, topk = recorded[0].shape
+    recorded_shape = routes_BSLK.shape[2:]
+    scores = torch.randn(num_tokens, 8).softmax(-1)
+    reps = 50
+
+    def native_topk(s, k, num_groups=None, group_topk=None):  # Megatron's, without groups
+        return torch.topk(s, k=k, dim=1)
+
+    def native():
+        for _ in range(reps):
+            for _ in theirs:
+                native_topk(scores, topk)
+
+    def megatron():
+        for _ in range(reps):
+            for instance, target in zip(theirs, recorded, strict=True):
+                instance.set_target_indices(target)
+                instance.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            for instance in theirs:
+                instance.get_replay_topk(scores, topk, default_compute_topk=native_topk)
+            for instance in theirs:
+                instance.clear_indices()
+                instance.clear_router_replay_action()
+
+    def megatron_from_batch():  # the glue a Megatron user writes: router rows, per layer int64
+        batch_size, seq_len = routes_BSLK.shape[:2]
+        for _ in range(reps):
+            rows_NLK = routes_BSLK.transpose(0, 1).reshape(seq_len * batch_size, *recorded_shape)
+            for layer, instance in enumerate(theirs):
+                instance.set_target_indices(rows_NLK[:, layer].long())
+                instance.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            for instance in theirs:
+                instance.get_replay_topk(scores, topk, default_compute_topk=native_topk)
+            for instance in theirs:
+                instance.clear_indices()
+                instance.clear_router_replay_action()
+
+    def mine():
+        for _ in range(reps):
+            binding.install(routes_BSLK, key=0, has_missing=False)
+            for instance in ours:
+                instance.get_replay_topk(scores, topk, default_compute_topk=native_topk)
+            binding.clear()
+
+    # Same indices from every replay (the check that the timed calls do the same work).
+    rows_NLK = routes_BSLK.transpose(0, 1).reshape(num_tokens, *recorded_shape)
+    for layer, target in enumerate(recorded):
+        assert torch.equal(rows_NLK[:, layer].long(), target)
+    binding.install(routes_BSLK, key=0, has_missing=False)
+    for instance, target in zip(ours, recorded, strict=True):
+        got = instance.get_replay_topk(scores, topk, default_compute_topk=native_topk)[1]
+        assert torch.equal(got, target)
+    binding.clear()
+    times = interleaved_rounds(
+        {
+            "native": native,
+            "megatron": megatron,
+            "megatron_batch": megatron_from_batch,
+            "ours": mine,
+        },
+        rounds,
+        inner=inner,
+    )
+    return {name: [t / reps for t in ts] for name, ts in times.items()}
+
+
+def _step_rows(step_times: dict[str, list[float]], layers: int) -> list[list]:
+    label = f"replay step alone, no model ({layers} layers' top-k + setup, per micro-batch): "
+    names = {
+        "native": "native top-k",
+        "megatron": "Megatron RouterReplay, targets precomputed per layer",
+        "megatron_batch": "Megatron RouterReplay fed from the batch (users' glue)",
+        "ours": "megatron_ext install() + replay",
+    }
+    rows = []
+    for name, text in names.items():
+        cells = _ratio_cells(step_times, name)
+        cells[0] = round(statistics.median(step_times[name]), 4)  # tenths of a microsecond
+        rows.append([label + text, "-", *cells])
+    return rows
 
 
 def _ratio_cells(times: dict[str, list[float]], name: str) -> list:
@@ -217,6 +315,8 @@ def replay(quick: bool) -> BenchResult:
     batch, seq, layers, rounds, inner = (2, 128, 2, 9, 2) if quick else (4, 512, 4, 15, 3)
     (r,) = run_distributed(_worker, 1, batch, seq, layers, rounds, inner)
     times, dash = r["times"], ["-"] * 5
+    step = r["step_times"]
+    vs_glue = paired_ratio(step, "ours", "megatron_batch")
     rows = [
         ["native routing (no replay)", "-", *_ratio_cells(times, "native")],
         ["Megatron RouterReplay (REPLAY_FORWARD)", r["megatron_bytes"]]
@@ -243,6 +343,7 @@ def replay(quick: bool) -> BenchResult:
             r["device_bytes"]["ours_unknown"],
             *dash,
         ],
+        *_step_rows(r["step_times"], layers),
         [
             "megatron_ext row index (once per shape; bytes/token, all layers)",
             r["index_bytes"],
@@ -254,7 +355,7 @@ def replay(quick: bool) -> BenchResult:
         columns=[
             "path",
             "route bytes/token/layer",
-            "forward ms (median)",
+            "ms (median)",
             "time vs native",
             "vs native min..max",
             "vs Megatron replay",
@@ -269,10 +370,21 @@ def replay(quick: bool) -> BenchResult:
             "ratios are the median over rounds of the paired per-round ratio, with its "
             "min..max. uint8 costs K = 2 bytes per token per layer; Megatron "
             "keeps int64 targets (8K) and its inference buffer is int32 (4K). Our forward "
-            "includes install() (CP/SP slicing) and the per-call int64 widening; with the "
+            "includes install() (CP/SP slicing, one gather) and the int64 widening, once per "
+            "pass for all the stage's layers (routers save their int64 slice for backward, as "
+            "Megatron's targets are int64); with the "
             "dataset's host count saying a micro-batch has no missing row (has_missing=False) "
             "no mask, native top-k or where is computed; with the count unknown, the native "
-            "policy adds a 1-byte bool mask per token per layer and the router's own top-k."
+            "policy adds a 1-byte bool mask per token per layer and the router's own top-k. "
+            "'replay step alone': only what differs between the variants (the rest of a "
+            "forward is the same work), per micro-batch, on fixed scores, interleaved the same "
+            "way: every MoE layer's top-k call plus the per-micro-batch setup. Megatron's "
+            "RouterReplay is given its targets precomputed (int64, sliced per layer), or fed "
+            "from the same [B, S, L, K] batch by the glue its users write (router rows, one "
+            "int64 copy per layer; without CP/SP slicing); ours is install() + the calls: "
+            f"{vs_glue['median']:.3f}x ({vs_glue['min']:.3f}..{vs_glue['max']:.3f}) the fed "
+            "Megatron step. On CPU a gather of 1-byte elements costs about 10 ns each, so the "
+            "install's one gather is most of ours."
         ),
         extra={"times_ms": times},
     )
