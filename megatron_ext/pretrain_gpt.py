@@ -123,6 +123,9 @@ def main() -> int:
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     args = parse_arguments(dry_run, cpu)
     try:
+        from megatron_ext.training.eval_args import check_evaluation_data
+
+        check_evaluation_data(args)  # Megatron's pretrain would crash in its first evaluation
         resolved = resolved_configuration(args)
     except ValueError as err:
         print(f"megatron_ext: invalid arguments: {err}", file=sys.stderr)

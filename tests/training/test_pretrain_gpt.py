@@ -530,3 +530,67 @@ def test_examples_take_the_nodes_from_slurm(example_data) -> None:
     assert "launch: nnodes=4 node_rank=2 master_addr=gpu03 nproc_per_node=8" in proc.stderr
     assert '"world_size": 32' in proc.stdout
     assert '"model": "GPTModel"' in proc.stdout
+
+
+def _dry_run_main(argv: list[str], monkeypatch) -> int:
+    """``python -m megatron_ext.pretrain_gpt <argv> --dry-run`` in this process (2 ranks' world)."""
+    from megatron_ext.pretrain_gpt import main
+    from megatron_ext.training import run_state
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt", *BASE_ARGS, *argv, "--dry-run", "--verbose"])
+    try:
+        return main()
+    finally:
+        run_state.reset()
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--split", "100,0,0", "--eval-iters", "5", "--eval-interval", "2"], ["--eval-iters 5"]),
+        # Megatron's default --eval-iters 100 evaluates once after training, with no --eval-interval.
+        (["--split", "100,0,0"], ["--eval-iters 100 (Megatron's default"]),
+        (["--split", "99,0,1", "--eval-iters", "1", "--skip-train"], ["--split 99,0,1"]),
+        (["--split", "100", "--eval-iters", "0", "--full-validation"], ["--full-validation"]),
+    ],
+)
+def test_evaluation_on_an_empty_validation_split_is_refused_at_argument_time(
+    flags, named, data_prefix, monkeypatch, capsys
+) -> None:
+    assert _dry_run_main(["--data-path", data_prefix, *flags], monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert "megatron_ext: invalid arguments:" in err
+    assert "--split" in err and "--eval-iters 0" in err and "validation data" in err
+    for text in named:
+        assert text in err
+
+
+def test_evaluation_without_valid_data_path_is_refused(data_prefix, monkeypatch, capsys) -> None:
+    argv = ["--train-data-path", data_prefix, "--eval-iters", "1", "--eval-interval", "2"]
+    assert _dry_run_main(argv, monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert "--eval-iters 1" in err and "--train-data-path without --valid-data-path" in err
+    assert "set --eval-iters 0" in err
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--split", "99,1,0", "--eval-iters", "1", "--eval-interval", "2"],  # validation weight
+        ["--split", "100,0,0", "--eval-iters", "0", "--eval-interval", "1000"],  # no evaluation
+        ["--mock-data", "--eval-iters", "1"],  # mock data: an even split
+    ],
+)
+def test_evaluation_with_validation_data_or_none_passes(
+    flags, data_prefix, monkeypatch, capsys
+) -> None:
+    argv = flags if "--mock-data" in flags else ["--data-path", data_prefix, *flags]
+    assert _dry_run_main(argv, monkeypatch) == 0, capsys.readouterr().err
+    assert "megatron_ext: dry run OK" in capsys.readouterr().out
+
+
+def test_per_split_evaluation_with_valid_data_path_passes(data_prefix, monkeypatch, capsys) -> None:
+    argv = ["--train-data-path", data_prefix, "--valid-data-path", data_prefix, "--eval-iters", "1"]
+    assert _dry_run_main(argv, monkeypatch) == 0, capsys.readouterr().err

@@ -1,0 +1,82 @@
+"""Argument-time check that Megatron's evaluation has validation data (glue over Megatron's split math).
+
+``megatron.training.pretrain`` (0.19.2) evaluates on the validation split whenever ``--eval-iters > 0``
+or ``--full-validation`` is set: every ``--eval-interval`` iterations and always once after training
+(also under ``--skip-train``). An empty validation split builds no data loader, yet ``do_valid`` is
+still set, so the run trains and then crashes in the first evaluation (``forward_step`` gets no batch;
+``--full-validation`` fails on ``len(None)`` while building the iterators). The validation split is
+empty when (exactly as Megatron's dataset builder decides it):
+
+- ``--data-path`` / ``--data-args-path`` with a ``--split`` whose validation weight is 0
+  (``100,0,0``, ``100``, ``99,0,1``): Megatron's split matrix has no validation range;
+- ``--train-data-path`` (or ``--per-split-data-args-path``) without validation data.
+
+``--mock-data`` or no data path at all builds mock data with an even split: never empty. Example::
+
+    --data-path /d/text --split 100,0,0 --eval-iters 10
+    -> ValueError: --eval-iters 10 evaluates on the validation split, but --split 100,0,0 gives it
+       no data: set --eval-iters 0 or give validation data (a non-zero validation weight in --split)
+"""
+
+import argparse
+import json
+import os
+
+
+def empty_validation_source(args: argparse.Namespace) -> str | None:
+    """The flag that leaves Megatron's validation split empty (``"--split 100,0,0"``), else None."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    if getattr(args, "data_path", None) or getattr(args, "data_args_path", None):
+        split = getattr(args, "split", None)
+        if split is None:  # validate_args sets Megatron's legacy default "969, 30, 1"
+            return None
+        if convert_split_vector_to_split_matrix(parse_and_normalize_split(split))[1] is None:
+            return f"--split {split}"
+        return None
+    if any(
+        getattr(args, n, None) for n in ("train_data_path", "valid_data_path", "test_data_path")
+    ):
+        return (
+            None
+            if getattr(args, "valid_data_path", None)
+            else "--train-data-path without --valid-data-path"
+        )
+    per_split = getattr(args, "per_split_data_args_path", None)
+    if per_split and os.path.isfile(per_split):  # a remote (msc://) file is left to Megatron
+        with open(per_split) as f:
+            valid = json.load(f).get("valid")
+        return None if valid else f'--per-split-data-args-path {per_split} (no "valid" entry)'
+    return None
+
+
+def check_evaluation_data(args: argparse.Namespace) -> None:
+    """Refuses an evaluation Megatron would run on an empty validation split.
+
+    Raises:
+        ValueError: Naming the evaluation flag, the data flag that empties the split and the fix.
+    """
+    if getattr(args, "perform_rl_step", False) or getattr(args, "mock_data", False):
+        return  # RL evaluates without these datasets; mock data splits evenly
+    eval_iters = getattr(args, "eval_iters", None) or 0
+    full_validation = bool(getattr(args, "full_validation", False))
+    if eval_iters <= 0 and not full_validation:
+        return
+    source = empty_validation_source(args)
+    if source is None:
+        return
+    evaluating = f"--eval-iters {eval_iters}" if eval_iters > 0 else "--full-validation"
+    default = (
+        " (Megatron's default when not given)"
+        if eval_iters == 100 and "--eval-iters" in evaluating
+        else ""
+    )
+    fix = "set --eval-iters 0" + (" and drop --full-validation" if full_validation else "")
+    raise ValueError(
+        f"{evaluating}{default} evaluates on the validation split (every --eval-interval "
+        f"iterations and once after training), but {source} gives it no data: {fix}, or give "
+        "validation data (a non-zero validation weight in --split, or --valid-data-path)"
+    )
