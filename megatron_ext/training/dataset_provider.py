@@ -110,6 +110,9 @@ def train_valid_test_datasets_provider(
     from megatron.training import get_args, print_rank_0
 
     args = get_args()
+    # Record mode: refuse, before the datasets are built, ranks that would stream routes where
+    # rank 0 cannot read them (collective over the recording data-parallel group).
+    run_state.check_record_directory(args)
     dataset_cls, config = dataset_config_from_args(args)
     print_rank_0(f"> megatron_ext: building {dataset_cls.__name__} train/valid/test datasets")
     datasets = BlendedMegatronDatasetBuilder(

@@ -159,6 +159,40 @@ def _record_stream(args: argparse.Namespace) -> Any:
     return run.route_recorder
 
 
+def check_record_directory(args: argparse.Namespace) -> None:
+    """Record mode, at setup: the data-parallel ranks that stream routes (global rank 0's DP group,
+    see :func:`_record_stream`) share ``--route-record-path``'s directory, where rank 0 assembles
+    their streams at the end. Collective over that group; other ranks return at once.
+
+    Raises:
+        ValueError: On every rank of that group, naming ``--route-record-path``.
+    """
+    import os
+
+    import torch
+
+    from megatron_ext.replay.route_recorder import record_streams
+    from megatron_ext.replay.shared_directory import check_shared_directory
+
+    replay = state(args).configs[ReplayConfig]
+    if replay.route_replay_mode != "record" or not torch.distributed.is_initialized():
+        return
+    dp_rank, _, streams = record_streams(replay.route_record_path)
+    if dp_rank is None or len(streams) == 1:
+        return
+    from megatron.core import parallel_state
+
+    path = os.path.abspath(replay.route_record_path)
+    check_shared_directory(
+        os.path.dirname(path),
+        dp_rank,
+        len(streams),
+        group=parallel_state.get_data_parallel_group(),
+        prefix=os.path.basename(path),
+        path=replay.route_record_path,
+    )
+
+
 def finish_recording(args: argparse.Namespace) -> int | None:
     """Assembles the route sidecar on rank 0 from the streams of its data-parallel group.
 
