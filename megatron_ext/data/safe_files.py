@@ -92,15 +92,27 @@ def temp_paths(finals: list[str]) -> Iterator[list[str]]:
                 os.unlink(tmp)
 
 
+#: Values :func:`lengths_fingerprint` widens to int64 at a time (a 512 KiB temporary).
+FINGERPRINT_CHUNK_VALUES = 1 << 16
+
+
 def lengths_fingerprint(lengths: np.ndarray) -> str:
     """Identity of an index's sequence lengths: ``"<count>:<blake2b of the int64 lengths>"``.
 
     A plan or sample index built from these lengths is valid exactly for data with the same
-    fingerprint (same document count and lengths), whatever the token values.
+    fingerprint (same document count and lengths), whatever the token values. The digest is of
+    the lengths as native int64 in C order, whatever their dtype (caches are keyed by it, so it
+    must never change). Native int64 is hashed straight from its buffer; other dtypes (the
+    ``.idx``'s int32) are widened chunk by chunk, so no copy of the whole array is ever made.
     """
-    lengths = np.ascontiguousarray(lengths, dtype=np.int64)
-    digest = hashlib.blake2b(lengths.tobytes(), digest_size=16).hexdigest()
-    return f"{lengths.size}:{digest}"
+    flat = np.asarray(lengths).reshape(-1)  # a view unless the input is not C-contiguous
+    hasher = hashlib.blake2b(digest_size=16)
+    if flat.dtype == np.int64 and flat.flags.c_contiguous:
+        hasher.update(flat)
+    else:
+        for start in range(0, flat.size, FINGERPRINT_CHUNK_VALUES):
+            hasher.update(flat[start : start + FINGERPRINT_CHUNK_VALUES].astype(np.int64))
+    return f"{flat.size}:{hasher.hexdigest()}"
 
 
 def file_identity(path: str) -> str:

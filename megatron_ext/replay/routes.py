@@ -41,6 +41,8 @@ import math
 
 import numpy as np
 
+from megatron_ext.replay.route_file import BLOCK_VALUES, first_invalid_row
+
 #: The missing-route policies. ``native``: the router decides rows with no route;
 #: ``balanced``: such rows get a synthetic, EP-balanced, distinct top-k.
 MISSING_ROUTE_POLICIES = ("native", "balanced")
@@ -142,33 +144,54 @@ def validate_routes(
         raise ValueError(f"{name}: has {n_layers} MoE layers, the model has {num_layers}")
     if k != topk:
         raise ValueError(f"{name}: has top-k {k}, the model routes to {topk} experts (topk)")
-    if routes_TLK.shape[0] == 0:
+    if routes_TLK.shape[0] == 0 or k == 0:  # K == 0: every row is (vacuously) missing
         return
+    # In blocks, temporaries bounded by the block whatever the buffer's size: the dataset's
+    # whole-file check names the first bad row (token-major) and the worst rule it breaks.
+    bad = first_invalid_row(routes_TLK, num_experts)
+    if bad is None:
+        return
+    token, layer, what = bad
+    # The errors are rule-major: a row mixing the marker anywhere is named before any id out of
+    # range, which is named before any duplicate. Rows before the first bad one are valid, so a
+    # row breaking a higher-ranked rule can only come at or after it.
+    later = _first_partial_or_too_big(routes_TLK[token:], num_experts)
+    if later is not None:
+        token, layer, what = token + later[0], later[1], later[2]
+    raise ValueError(f"{name}: token {token + token_offset}, MoE layer {layer} {what}")
+
+
+def _first_partial_or_too_big(
+    routes_TLK: np.ndarray, num_experts: int
+) -> tuple[int, int, str] | None:
+    """``(token, layer, what)`` of the first row mixing the marker with real ids, else of the
+    first row holding an id >= E, else None.
+
+    In blocks of :data:`~megatron_ext.replay.route_file.BLOCK_VALUES` values, slot by slot
+    (``[rows, L]`` temporaries only); ``what`` is worded as ``first_invalid_row`` words it.
+    """
+    num_rows, num_layers, topk = routes_TLK.shape
     marker = missing_value(routes_TLK.dtype)
-    is_marker_TLK = routes_TLK == marker
-    missing_TL = is_marker_TLK.all(axis=-1)
-    partial_TL = is_marker_TLK.any(axis=-1) & ~missing_TL
-    out_of_range_TL = ((routes_TLK >= num_experts) & ~is_marker_TLK).any(axis=-1)
-    # A 256-expert uint8 buffer uses 255 as a real id; the marker only counts as a full row.
-    if num_experts > marker:
-        partial_TL[:] = False
-    _raise_first(partial_TL, name, token_offset, "mixes the missing-row marker with real ids")
-    _raise_first(
-        out_of_range_TL & ~missing_TL,
-        name,
-        token_offset,
-        f"has an expert id >= num_experts ({num_experts})",
-    )
-    sorted_TLK = np.sort(routes_TLK, axis=-1)
-    duplicate_TL = (sorted_TLK[..., 1:] == sorted_TLK[..., :-1]).any(axis=-1) & ~missing_TL
-    _raise_first(duplicate_TL, name, token_offset, "has duplicate expert ids in its top-k")
-
-
-def _raise_first(bad_TL: np.ndarray, name: str, token_offset: int, what: str) -> None:
-    """Raises ValueError for the first True entry of ``bad_TL`` (token-major order)."""
-    if bad_TL.any():
-        token, layer = (int(v) for v in np.argwhere(bad_TL)[0])
-        raise ValueError(f"{name}: token {token + token_offset}, MoE layer {layer} {what}")
+    block = max(1, BLOCK_VALUES // max(num_layers * topk, 1))
+    too_big = None
+    for start in range(0, num_rows, block):
+        slots = [routes_TLK[start : start + block, :, k] for k in range(topk)]  # strided views
+        any_marker_TL = slots[0] == marker
+        all_marker_TL = any_marker_TL.copy()
+        too_big_TL = (slots[0] >= num_experts) & ~any_marker_TL  # the marker is not an id
+        for slot in slots[1:]:
+            is_marker = slot == marker
+            np.logical_or(any_marker_TL, is_marker, out=any_marker_TL)
+            np.logical_and(all_marker_TL, is_marker, out=all_marker_TL)
+            np.logical_or(too_big_TL, (slot >= num_experts) & ~is_marker, out=too_big_TL)
+        partial_TL = any_marker_TL & ~all_marker_TL
+        if num_experts <= marker and partial_TL.any():  # 256 uint8 experts: 255 is an id
+            row, layer = divmod(int(np.flatnonzero(partial_TL)[0]), num_layers)
+            return start + row, layer, "mixes the missing-row marker with real ids"
+        if too_big is None and too_big_TL.any():
+            row, layer = divmod(int(np.flatnonzero(too_big_TL)[0]), num_layers)
+            too_big = (start + row, layer, f"has an expert id >= num_experts ({num_experts})")
+    return too_big
 
 
 def pad_routes(routes_TLK: np.ndarray, src_index_S: np.ndarray) -> np.ndarray:

@@ -1,5 +1,6 @@
 """Tests for megatron_ext.data.safe_files. Tier: pure (os + numpy, files)."""
 
+import hashlib
 import os
 import stat
 
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 
 from megatron_ext.data.safe_files import (
+    FINGERPRINT_CHUNK_VALUES,
     atomic_write_bytes,
     check_output_file,
     check_output_prefix,
@@ -69,6 +71,49 @@ def test_identities_change_with_the_data() -> None:
     assert a == lengths_fingerprint(np.array([3, 4, 5], np.int64))  # dtype-independent
     assert a.startswith("3:") and a != lengths_fingerprint(np.array([3, 5, 4]))
     assert lengths_fingerprint(np.array([3, 4])) != lengths_fingerprint(np.array([3, 4, 0]))
+
+
+def _fingerprint_with_a_whole_copy(lengths) -> str:
+    """The formula caches were keyed by before the chunked hash: must stay bit-identical."""
+    lengths = np.ascontiguousarray(lengths, dtype=np.int64)
+    return f"{lengths.size}:{hashlib.blake2b(lengths.tobytes(), digest_size=16).hexdigest()}"
+
+
+_CHUNK = FINGERPRINT_CHUNK_VALUES
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda rng: np.array([], np.int32),  # empty
+        lambda rng: np.zeros((0, 3), np.int64),  # empty, 2-d
+        lambda rng: np.int32(7),  # a 0-d scalar
+        lambda rng: [3, 4, 5],  # a list
+        lambda rng: rng.integers(0, 1 << 20, 3 * _CHUNK + 1).astype(np.int32),  # .idx dtype
+        lambda rng: rng.integers(0, 1 << 40, _CHUNK + 5),  # int64: hashed from its buffer
+        lambda rng: np.array([-1, 2**63 - 1], np.int64),
+        lambda rng: rng.integers(0, 1000, (300, 500)).astype(np.uint16),  # 2-d, C order
+        lambda rng: rng.integers(0, 1000, (300, 500))[:, ::3],  # int64, not contiguous
+        lambda rng: rng.integers(0, 1000, (300, 500)).astype(np.int32).T,  # Fortran order
+        lambda rng: rng.integers(0, 1000, 2 * _CHUNK).astype(">i8"),  # int64, other byte order
+        lambda rng: rng.integers(0, 1 << 62, 1000).astype(np.uint64),
+        lambda rng: np.array([True, False, True]),
+    ],
+)
+def test_fingerprint_is_bit_identical_to_the_whole_copy_formula(make) -> None:
+    lengths = make(np.random.default_rng(0))
+    assert lengths_fingerprint(lengths) == _fingerprint_with_a_whole_copy(lengths)
+
+
+def test_fingerprint_chunks_cover_the_chunk_edges() -> None:
+    # Guard against a vacuous chunk loop: the inputs above do span several chunks, and a change
+    # in the last value of a chunk or the first of the next changes the fingerprint.
+    lengths = np.arange(2 * _CHUNK + 3, dtype=np.int32)
+    base = lengths_fingerprint(lengths)
+    for index in (_CHUNK - 1, _CHUNK, 2 * _CHUNK + 2):
+        changed = lengths.copy()
+        changed[index] += 1
+        assert lengths_fingerprint(changed) == _fingerprint_with_a_whole_copy(changed) != base
 
 
 def test_file_identity_changes_on_atomic_rewrite(tmp_path) -> None:

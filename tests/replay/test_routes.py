@@ -2,12 +2,14 @@
 
 import subprocess
 import sys
+import tracemalloc
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megatron_ext.replay.route_file import BLOCK_VALUES, first_invalid_row
 from megatron_ext.replay.routes import (
     apply_missing_policy,
     balanced_experts,
@@ -113,6 +115,166 @@ def test_validate_rejects_bad_rank_and_dtype():
 
 def test_validate_empty_buffer():
     validate_routes(missing_routes(0, 2, 2, np.uint8), num_layers=2, num_experts=4, topk=2)
+
+
+def _whole_buffer_error(routes_TLK, num_experts, name="routes", token_offset=0):
+    """The whole-buffer validation the blocked one replaced ([T, L, K] masks and a sorted copy):
+    the reference for its errors. Returns the message, None if the buffer is valid."""
+    marker = missing_value(routes_TLK.dtype)
+    is_marker_TLK = routes_TLK == marker
+    missing_TL = is_marker_TLK.all(axis=-1)
+    partial_TL = is_marker_TLK.any(axis=-1) & ~missing_TL
+    if num_experts > marker:
+        partial_TL[:] = False
+    out_of_range_TL = ((routes_TLK >= num_experts) & ~is_marker_TLK).any(axis=-1) & ~missing_TL
+    sorted_TLK = np.sort(routes_TLK, axis=-1)
+    duplicate_TL = (sorted_TLK[..., 1:] == sorted_TLK[..., :-1]).any(axis=-1) & ~missing_TL
+    for bad_TL, what in (
+        (partial_TL, "mixes the missing-row marker with real ids"),
+        (out_of_range_TL, f"has an expert id >= num_experts ({num_experts})"),
+        (duplicate_TL, "has duplicate expert ids in its top-k"),
+    ):  # rule-major: the first row breaking the first rule any row breaks
+        if bad_TL.any():
+            token, layer = (int(v) for v in np.argwhere(bad_TL)[0])
+            return f"{name}: token {token + token_offset}, MoE layer {layer} {what}"
+    return None
+
+
+def _blocked_error(routes_TLK, num_experts, **kwargs):
+    """validate_routes' message, None if it accepts the buffer."""
+    num_layers, topk = routes_TLK.shape[1:]
+    try:
+        validate_routes(
+            routes_TLK, num_layers=num_layers, num_experts=num_experts, topk=topk, **kwargs
+        )
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _fast_routes(num_tokens, num_layers, topk, num_experts, seed=0):
+    """Random valid routes, vectorized: a random first id plus increasing offsets below E
+    (steps in [1, E // K]), so each row's K ids are distinct mod E."""
+    rng = np.random.default_rng(seed)
+    first = rng.integers(num_experts, size=(num_tokens, num_layers, 1))
+    steps = rng.integers(1, num_experts // topk + 1, size=(num_tokens, num_layers, topk))
+    offsets = np.cumsum(steps, axis=-1) - steps[..., :1]  # 0 < ... <= (K - 1) E / K < E
+    return ((first + offsets) % num_experts).astype(route_dtype(num_experts, topk))
+
+
+# Blocked-validation geometry: L = 4, K = 2, so a block holds BLOCK_VALUES // 8 rows, and a
+# buffer of 9 blocks + 37 rows is large enough that no block is shrunk to an eighth of it.
+_L, _K, _E = 4, 2, 8
+_BLOCK = BLOCK_VALUES // (_L * _K)
+_ROWS = 9 * _BLOCK + 37
+
+# Each case: (token, layer, entries) edits; the token of the error, and the block it lies in.
+_DUP, _BIG, _MIX = [3, 3], [2, 9], [5, 255]
+_EDGE = 2 * _BLOCK  # first row of the third block
+_BLOCK_CASES = {
+    "first block": ([(3, 1, _DUP)], 3),
+    "later block": ([(_EDGE + 11, 2, _BIG)], _EDGE + 11),
+    "last row": ([(_ROWS - 1, 3, _MIX)], _ROWS - 1),
+    # Across a block edge: the worse rule wins in the next block, the first row in a tie.
+    "edge: dup before, mix after": ([(_EDGE - 1, 3, _DUP), (_EDGE, 0, _MIX)], _EDGE),
+    "edge: big before, dup after": ([(_EDGE - 1, 3, _BIG), (_EDGE, 0, _DUP)], _EDGE - 1),
+    "edge: dup before, big after": ([(_EDGE - 1, 0, _DUP), (_EDGE, 3, _BIG)], _EDGE),
+    "edge: mix before and after": ([(_EDGE - 1, 3, _MIX), (_EDGE, 0, _MIX)], _EDGE - 1),
+    # Rule-major across far blocks, and within one row (a dup at layer 0, a mix at layer 2).
+    "dup first, big later, mix last": (
+        [(2, 0, _DUP), (_BLOCK + 5, 1, _BIG), (8 * _BLOCK + 1, 2, _MIX)],
+        8 * _BLOCK + 1,
+    ),
+    "dup and mix in one row": ([(_BLOCK + 7, 0, _DUP), (_BLOCK + 7, 2, _MIX)], _BLOCK + 7),
+}
+
+
+@pytest.mark.parametrize("case", list(_BLOCK_CASES))
+def test_blocked_validation_names_the_same_row_as_the_whole_buffer_check(case):
+    assert -(-_ROWS // 8) >= _BLOCK  # full-sized blocks: the edges above are block edges
+    edits, token = _BLOCK_CASES[case]
+    routes = _fast_routes(_ROWS, _L, _K, _E)
+    assert _blocked_error(routes, _E) is None
+    for row, layer, entries in edits:
+        routes[row, layer] = entries
+    expected = _whole_buffer_error(routes, _E, name="doc 3", token_offset=1000)
+    assert expected is not None and f": token {token + 1000}, MoE layer" in expected
+    assert _blocked_error(routes, _E, name="doc 3", token_offset=1000) == expected
+    if case.startswith("edge"):  # the two edits do lie on either side of a block edge
+        assert [row // _BLOCK for row, _, _ in edits] == [1, 2]
+    if case == "later block":
+        assert token // _BLOCK == 2
+
+
+@pytest.mark.parametrize(
+    "num_experts, topk, num_layers",
+    [(8, 2, 4), (8, 1, 3), (256, 2, 2), (256, 1, 2), (300, 3, 1), (65535, 2, 2), (4, 4, 5)],
+)
+def test_blocked_validation_matches_the_whole_buffer_check_on_random_corruption(
+    num_experts, topk, num_layers
+):
+    rng = np.random.default_rng(num_experts * 10 + topk)
+    rows = 3 * BLOCK_VALUES // (num_layers * topk) + 5  # several blocks
+    clean = _fast_routes(rows, num_layers, topk, num_experts, seed=topk)
+    marker = missing_value(clean.dtype)
+    outcomes = set()
+    for trial in range(12):
+        routes = clean.copy()
+        routes[rng.integers(rows, size=3)] = marker  # missing rows, valid everywhere
+        for _ in range(trial % 4):  # 0..3 single-entry corruptions; trials 0, 4, 8 clean
+            token, layer, slot = (int(rng.integers(n)) for n in (rows, num_layers, topk))
+            row = routes[token, layer]
+            # the marker, a too-large id (wraps to 0 for 256 uint8 experts), another slot's id
+            row[slot] = rng.choice([marker, num_experts % (marker + 1), row[(slot + 1) % topk]])
+        expected = _whole_buffer_error(routes, num_experts, token_offset=trial)
+        assert _blocked_error(routes, num_experts, token_offset=trial) == expected
+        outcomes.add(expected is None)
+    assert outcomes == {True, False}  # both accepted and rejected buffers were compared
+
+
+def test_blocked_validation_is_rule_major_not_row_major():
+    # Guard for the cases above: the error is not simply the first bad row.
+    routes = _fast_routes(_ROWS, _L, _K, _E)
+    routes[0, 0] = _DUP
+    routes[3 * _BLOCK, 1] = _MIX
+    assert first_invalid_row(routes, _E)[0] == 0
+    assert f"token {3 * _BLOCK}, MoE layer 1 mixes" in _blocked_error(routes, _E)
+
+
+def test_validation_of_k_zero_and_no_layers_accepts_as_before():
+    for shape in [(5, 3, 0), (5, 0, 2)]:
+        routes = np.zeros(shape, np.uint8)
+        assert _whole_buffer_error(routes, 4) is None
+        validate_routes(routes, num_layers=shape[1], num_experts=4, topk=shape[2])
+
+
+# Peak extra memory of validating an 8 MiB buffer: under an eighth of it, whatever the size
+# (the block's [rows, L] temporaries, ~0.2 MiB here); the whole-buffer check took over 4x it.
+_PEAK_BOUND = 1 << 20
+
+
+@pytest.mark.parametrize("edits", ["valid", "dup first, big last"])
+def test_validation_peak_memory_is_bounded_by_the_block(edits):
+    num_tokens = 1 << 20  # 8 MiB of uint8 routes at L = 4, K = 2: 128 blocks
+    routes = np.empty((num_tokens, _L, _K), np.uint8)
+    routes[..., 0] = np.arange(num_tokens * _L).reshape(num_tokens, _L) % _E
+    routes[..., 1] = (routes[..., 0] + 1) % _E
+    if edits != "valid":  # the error path scans the whole buffer a second time
+        routes[0, 0] = _DUP
+        routes[-1, 3] = _BIG
+    peaks = {}
+    for label, check in (("blocked", _blocked_error), ("whole", _whole_buffer_error)):
+        tracemalloc.start()
+        try:
+            message = check(routes, _E)
+            peaks[label] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert (message is None) == (edits == "valid")
+        if message is not None:
+            assert f"token {num_tokens - 1}, MoE layer 3 has an expert id" in message
+    assert peaks["blocked"] < _PEAK_BOUND, peaks
+    assert peaks["whole"] > 4 * routes.nbytes, peaks  # tracemalloc does see numpy's buffers
 
 
 def test_pad_routes_hand_worked():
