@@ -228,29 +228,23 @@ def _replay_step_times(binding, ours, theirs, recorded, routes_BSLK, rounds, inn
             for _ in theirs:
                 native_topk(scores, topk)
 
-    def megatron():
-        for _ in range(reps):
-            for instance, target in zip(theirs, recorded, strict=True):
-                instance.set_target_indices(target)
-                instance.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-            for instance in theirs:
-                instance.get_replay_topk(scores, topk, default_compute_topk=native_topk)
-            for instance in theirs:
-                instance.clear_indices()
-                instance.clear_router_replay_action()
+    def megatron_with(targets_of: Callable[[], list[torch.Tensor]]):
+        def run():
+            for _ in range(reps):
+                for instance, target in zip(theirs, targets_of(), strict=True):
+                    instance.set_target_indices(target)
+                    instance.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+                for instance in theirs:
+                    instance.get_replay_topk(scores, topk, default_compute_topk=native_topk)
+                for instance in theirs:
+                    instance.clear_indices()
+                    instance.clear_router_replay_action()
 
-    def megatron_from_batch():  # the glue a Megatron user writes: router rows, per layer int64
-        batch_size, seq_len = routes_BSLK.shape[:2]
-        for _ in range(reps):
-            rows_NLK = routes_BSLK.transpose(0, 1).reshape(seq_len * batch_size, *recorded_shape)
-            for layer, instance in enumerate(theirs):
-                instance.set_target_indices(rows_NLK[:, layer].long())
-                instance.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-            for instance in theirs:
-                instance.get_replay_topk(scores, topk, default_compute_topk=native_topk)
-            for instance in theirs:
-                instance.clear_indices()
-                instance.clear_router_replay_action()
+        return run
+
+    def from_batch() -> list[torch.Tensor]:  # the glue a Megatron user writes
+        rows_NLK = routes_BSLK.transpose(0, 1).reshape(num_tokens, *recorded_shape)
+        return [rows_NLK[:, layer].long() for layer in range(len(theirs))]
 
     def mine():
         for _ in range(reps):
@@ -260,9 +254,8 @@ def _replay_step_times(binding, ours, theirs, recorded, routes_BSLK, rounds, inn
             binding.clear()
 
     # Same indices from every replay (the check that the timed calls do the same work).
-    rows_NLK = routes_BSLK.transpose(0, 1).reshape(num_tokens, *recorded_shape)
-    for layer, target in enumerate(recorded):
-        assert torch.equal(rows_NLK[:, layer].long(), target)
+    for target_from_batch, target in zip(from_batch(), recorded, strict=True):
+        assert torch.equal(target_from_batch, target)
     binding.install(routes_BSLK, key=0, has_missing=False)
     for instance, target in zip(ours, recorded, strict=True):
         got = instance.get_replay_topk(scores, topk, default_compute_topk=native_topk)[1]
@@ -271,8 +264,8 @@ def _replay_step_times(binding, ours, theirs, recorded, routes_BSLK, rounds, inn
     times = interleaved_rounds(
         {
             "native": native,
-            "megatron": megatron,
-            "megatron_batch": megatron_from_batch,
+            "megatron": megatron_with(lambda: recorded),
+            "megatron_batch": megatron_with(from_batch),
             "ours": mine,
         },
         rounds,

@@ -15,23 +15,20 @@ def _gather(batch_size: int, seq_len: int) -> dict:
 
     order = router_row_positions(batch_size, seq_len)  # router rows are s-major
     rows = {1: torch.randint(0, 8, (batch_size * seq_len, 2))}
-    common = dict(num_layers=3, topk=2, sequence_parallel=False)
-    small = gather_recorded_routes(
-        {1: rows[1]},
-        batch_size,
-        seq_len,
-        num_experts=8,
-        row_positions=lambda b, s, t, c: router_row_positions(b, s),
-        **common,
-    )
-    wide = gather_recorded_routes(
-        {1: rows[1]},
-        batch_size,
-        seq_len,
-        num_experts=300,
-        row_positions=lambda b, s, t, c: router_row_positions(b, s),
-        **common,
-    )
+
+    def gather(num_experts: int) -> torch.Tensor:
+        return gather_recorded_routes(
+            {1: rows[1]},
+            batch_size,
+            seq_len,
+            num_layers=3,
+            topk=2,
+            num_experts=num_experts,
+            sequence_parallel=False,
+            row_positions=lambda b, s, t, c: router_row_positions(b, s),
+        )
+
+    small, wide = gather(8), gather(300)
     return {"small": small, "wide": wide, "rows": rows[1], "order": order}
 
 
