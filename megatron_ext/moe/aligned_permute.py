@@ -33,7 +33,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from megatron_ext.moe.alignment import gather_and_zero_pads, round_up
+from megatron_ext.moe.alignment import (
+    gather_and_zero_pads,
+    give_slack_to_last,
+    round_up,
+    shared_zero_rows,
+)
 
 
 @dataclass(frozen=True)
@@ -69,9 +74,7 @@ class PermuteLayout:
         """
         if self.aligned_E is None or self.exact:
             return self.aligned_E
-        sizes = self.aligned_E.clone()
-        sizes[-1:] += self.num_rows - sizes.sum()
-        return sizes
+        return give_slack_to_last(self.aligned_E.clone(), self.num_rows)
 
     @property
     def pad_idx_Q(self) -> torch.Tensor:
@@ -155,12 +158,6 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(n, device=device)
 
 
-@functools.lru_cache(maxsize=16)
-def _zero_row(dtype: torch.dtype, device: torch.device, row_shape: tuple) -> torch.Tensor:
-    """One zero row ``[1, *row_shape]``, built once per kind: the pads' source, only read."""
-    return torch.zeros((1, *row_shape), dtype=dtype, device=device)
-
-
 class _GatherWithTrash(torch.autograd.Function):
     """``src[idx]`` with pads zeroed; the backward adds rows back, pads onto a dropped trash row."""
 
@@ -197,7 +194,7 @@ def permute_to_layout(x_TD: torch.Tensor, layout: PermuteLayout) -> torch.Tensor
     if x_TD.numel() * x_TD.element_size() <= SMALL_TOKENS_BYTES:
         # Pads gather the appended zero row (index T); autograd's backward is the same
         # index_add_ into T + 1 rows, the trash row dropped by the cat's backward.
-        zero = _zero_row(x_TD.dtype, x_TD.device, tuple(x_TD.shape[1:]))
+        zero = shared_zero_rows(x_TD, 1)[:1]
         return torch.cat([x_TD, zero]).index_select(0, layout.token_idx_P)
     if not (x_TD.requires_grad and torch.is_grad_enabled()):  # no graph: skip the Function
         return _GatherWithTrash.forward(None, x_TD, layout.token_idx_P, layout.pad_idx_Q)
@@ -211,8 +208,8 @@ def permute_probs(probs_TE: torch.Tensor, layout: PermuteLayout) -> torch.Tensor
     autograd routes the pads' gradient onto it.
     """
     assert probs_TE.shape[0] == layout.num_tokens, "probs rows differ from the routing map"
-    zero = _zero_row(probs_TE.dtype, probs_TE.device, ()).view(1)
-    return torch.cat([probs_TE.reshape(-1), zero]).index_select(0, layout.pair_idx_P)
+    flat = probs_TE.reshape(-1)
+    return torch.cat([flat, shared_zero_rows(flat, 1)[:1]]).index_select(0, layout.pair_idx_P)
 
 
 def unpermute_from_layout(y_PD: torch.Tensor, layout: PermuteLayout) -> torch.Tensor:

@@ -113,6 +113,30 @@ def round_up(n: torch.Tensor, align: int) -> torch.Tensor:
     return (n + (align - 1)) // align * align
 
 
+def give_slack_to_last(aligned_E: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """In place: the last group takes the rows a static bound ``num_rows`` adds to the aligned
+    total. Both are multiples of the alignment, so every group stays aligned. Returns it."""
+    aligned_E[-1:] += num_rows - aligned_E.sum()
+    return aligned_E
+
+
+#: Zero rows by (dtype, device, row shape): the pads' source, shared by every caller, only read.
+_ZERO_ROWS: dict[tuple, torch.Tensor] = {}
+
+
+def shared_zero_rows(like: torch.Tensor, rows: int) -> torch.Tensor:
+    """At least ``rows`` zero rows shaped, typed and placed like ``like``'s rows (never write).
+
+    One buffer per kind for the whole process, grown by doubling; callers slice what they need.
+    """
+    key = (like.dtype, like.device, tuple(like.shape[1:]))
+    zeros = _ZERO_ROWS.get(key)
+    if zeros is None or zeros.shape[0] < rows:
+        grown = max(rows, 2 * (0 if zeros is None else zeros.shape[0]), 1)
+        zeros = _ZERO_ROWS[key] = like.new_zeros((grown, *like.shape[1:]))
+    return zeros
+
+
 def aligned_rows_from_host_counts(
     tokens_per_expert_E: torch.Tensor | Sequence[int], align: int
 ) -> int:
@@ -241,10 +265,7 @@ def plan_aligned_layout(
     src_start_C = src_end_C - counts_C
 
     real_E = counts_RE.sum(0)
-    aligned_E = round_up(real_E, align)
-    # The slack of a static bound goes to the last group; P and the aligned total are both
-    # multiples of `align`, so every group stays aligned.
-    aligned_E[-1:] += num_rows - aligned_E.sum()
+    aligned_E = give_slack_to_last(round_up(real_E, align), num_rows)
     aligned_start_E = aligned_E.cumsum(0) - aligned_E
     # Offset of chunk (r, e) inside expert e's group: rows of the same expert in earlier chunks.
     within_RE = counts_RE.cumsum(0) - counts_RE

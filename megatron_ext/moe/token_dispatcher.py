@@ -66,7 +66,7 @@ class _GroupAligner:
     The multiple is read from the config at every dispatch (a few attribute reads), so it always
     matches the precision the experts' GEMMs run in. ``pad`` and ``strip`` are the only entry
     points that touch rows (tools/gpu/gpu_check.py guards exactly these two). The zero rows the
-    chunk sort splices in are one buffer per dtype, reused (never written).
+    chunk sort splices in are slices of :func:`~megatron_ext.moe.alignment.shared_zero_rows`.
     """
 
     def __init__(self, config: TransformerConfig, alignment: MoEAlignmentConfig) -> None:
@@ -74,7 +74,6 @@ class _GroupAligner:
         self.alignment = alignment
         self.buffer_sizing = alignment.moe_dispatch_align_buffer
         self.layout: al.AlignedLayout | cs.ChunkLayout | ap.PermuteLayout | None = None
-        self._zeros: dict[tuple, torch.Tensor] = {}
         self._aligns: dict[tuple, int] = {}
 
     @property
@@ -135,8 +134,8 @@ class _GroupAligner:
                 routing, align, self._static_rows(x.shape[0], routing, align)
             )
             self.layout = layout
-            x_P = cs.pad_chunks(x, layout, self._zero_rows(x, layout.max_pad))
-            probs_P = cs.pad_chunks(probs, layout, self._zero_rows(probs, layout.max_pad))
+            x_P = cs.pad_chunks(x, layout, al.shared_zero_rows(x, layout.max_pad))
+            probs_P = cs.pad_chunks(probs, layout, al.shared_zero_rows(probs, layout.max_pad))
             return x_P, torch.tensor(layout.tokens_per_expert_E), probs_P
         num_experts = routing.shape[1]
         if routing.dtype != torch.bool:  # device chunk counts
@@ -145,8 +144,9 @@ class _GroupAligner:
                 num_rows = _host_rows(host_tokens_per_expert_E, align)[1]
             layout = al.plan_aligned_layout(routing, align, x.shape[0], num_rows)
             self.layout = layout
-            aligned_E = al.round_up(host_tokens_per_expert_E.long(), align)
-            aligned_E[-1:] += num_rows - aligned_E.sum()
+            aligned_E = al.give_slack_to_last(
+                al.round_up(host_tokens_per_expert_E.long(), align), num_rows
+            )
             return al.pad_to_layout(x, layout), aligned_E, al.pad_to_layout(probs, layout)
         if host_tokens_per_expert_E is None:  # static bound now, exact_host_sizes later
             num_rows = al.static_aligned_rows(num_out_tokens, num_experts, align)
@@ -192,23 +192,13 @@ class _GroupAligner:
         assert self.fused, "exact_host_sizes follows a permute-folded pad"
         if self.buffer_sizing != "host_counts":
             aligned_E = al.round_up(host_tokens_per_expert_E.long(), self.align)
-            aligned_E[-1:] += self.layout.num_rows - aligned_E.sum()
-            return x_P, aligned_E, probs_P
+            return x_P, al.give_slack_to_last(aligned_E, self.layout.num_rows), probs_P
         num_real, num_rows, aligned_E = self._host_sizes(host_tokens_per_expert_E, self.align)
         # Host ints, free: the rows laid out are the rows Megatron counted (a caller that routes
         # a token nowhere must lower num_out_tokens to match, as Megatron's permute requires).
         assert num_real == self.layout.num_rows - self.layout.num_pads, num_real
         self.layout = self.layout.narrow(num_rows)
         return x_P[:num_rows], aligned_E, probs_P[:num_rows]
-
-    def _zero_rows(self, like: torch.Tensor, rows: int) -> torch.Tensor:
-        """At least ``rows`` zero rows shaped, typed and placed like ``like``'s rows (reused)."""
-        key = (like.dtype, like.device, like.shape[1:])
-        zeros = self._zeros.get(key)
-        if zeros is None or zeros.shape[0] < rows:
-            zeros = like.new_zeros((max(rows, 2 * self.align), *like.shape[1:]))
-            self._zeros[key] = zeros
-        return zeros
 
     def strip(self, y_P: torch.Tensor) -> torch.Tensor:
         """Drops pad rows: back in received order, or (permute-folded) unpermuted to tokens."""
