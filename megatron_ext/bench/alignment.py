@@ -140,7 +140,8 @@ def _worker(token_counts: list[int], hidden: int, rounds: int) -> list[list]:
                     floors[p] = _Variant(
                         stock, None, inputs=_inputs_with_rows(x, probs, routing_map, rows_ours)
                     )
-                    v.seconds.clear(), v.faults.clear()
+                    v.seconds.clear()  # the warm-up trip is not a round
+                    v.faults.clear()
             variants = [base, *mine.values(), *padded.values(), *floors.values()]
             reps = max(1, 2048 // num_tokens)  # small inputs: several trips per timing
             _round_trip(stock, x, probs, routing_map.clone())  # warm-up (first-call allocations)
