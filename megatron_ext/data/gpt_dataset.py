@@ -42,6 +42,7 @@ from megatron.core.datasets.gpt_dataset import (
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.object_storage_utils import is_object_storage_path
 
+from megatron_ext.data.empty_split import empty_split_error
 from megatron_ext.data.indexed_checks import (
     add_data_identity,
     check_dataset_config,
@@ -106,6 +107,23 @@ class SelfPaddedGPTDataset(GPTDataset):
         # document lengths, so rewritten data at the same prefix must not reuse it.
         add_data_identity(self, data_identity(self.dataset))
         return super()._build_document_sample_shuffle_indices()
+
+    def _get_num_epochs(self, num_tokens_per_epoch: int) -> int:
+        # Megatron's loop adds epochs until they hold the samples asked for (plus its extra label
+        # token): with no token in the split it never ends. Refuse a split that cannot give what
+        # is asked; one that nothing is asked of builds empty.
+        if num_tokens_per_epoch == 0 and self.num_samples is not None:
+            if self.num_samples > 0:
+                raise empty_split_error(
+                    self.dataset_path,
+                    self.index_split,
+                    self.num_samples,
+                    int(self.dataset.sequence_lengths.shape[0]),
+                    self.config,
+                    documents_in_split=int(self.indices.size),
+                )
+            return 1
+        return super()._get_num_epochs(num_tokens_per_epoch)
 
     def __getitem__(self, idx: int | None) -> dict[str, Any]:
         cfg = self.config

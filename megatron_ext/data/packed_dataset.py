@@ -27,6 +27,7 @@ from megatron.core.datasets.megatron_dataset import MegatronDataset
 from megatron.core.datasets.utils import Split
 
 from megatron_ext.data import pack_index_cache
+from megatron_ext.data.empty_split import empty_split_error
 from megatron_ext.data.indexed_checks import (
     add_data_identity,
     check_aligned,
@@ -173,6 +174,16 @@ class PackedDataset(MegatronDataset):
         self.plan = PackIndex(arrays["piece_Q"], arrays["pack_offsets_P1"], self._slots)
         counts = json.loads(str(arrays["counts"]))
         self.stats: dict[str, int] = counts
+        if len(self) == 0 and num_samples and not counts["num_dropped"]:
+            # No token in the split (no document, or only empty ones): samples asked of it.
+            raise empty_split_error(
+                dataset_path,
+                index_split,
+                num_samples,
+                self.numel_low_level_dataset(dataset),
+                config,
+                documents_in_split=int(self.indices.size),
+            )
         if len(self) == 0 and self.indices.size and num_samples != 0:
             raise ValueError(
                 f"--data-path {dataset_path}: none of the {self.indices.size} documents of the "
@@ -252,6 +263,8 @@ class PackedDataset(MegatronDataset):
             )
             del len_Q  # (peak build memory: drop each per-piece array once it has been used)
             epoch_packs = offsets_P1.size - 1
+            if epoch == 0:  # per pass over the split's documents (later epochs repeat it)
+                counts = epoch_counts
             if epoch_packs == 0:
                 break  # nothing to pack (empty split): more epochs cannot help
             slot_Q = self._slots.encode(docs_D[doc_Q], start_Q)
@@ -261,8 +274,6 @@ class PackedDataset(MegatronDataset):
                 order_P = rng.permutation(epoch_packs)
                 slot_Q, sizes = shuffle_packs(slot_Q[order_Q], offsets_P1, order_P)
             parts.append((slot_Q, sizes))
-            if epoch == 0:  # per pass over the split's documents (later epochs repeat it)
-                counts = epoch_counts
             num_packs += epoch_packs
             epoch += 1
             if self.num_samples is None:

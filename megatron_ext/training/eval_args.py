@@ -11,7 +11,9 @@ empty when (exactly as Megatron's dataset builder decides it):
   (``100,0,0``, ``100``, ``99,0,1``): Megatron's split matrix has no validation range;
 - ``--train-data-path`` (or ``--per-split-data-args-path``) without validation data.
 
-``--mock-data`` or no data path at all builds mock data with an even split: never empty. Example::
+``--mock-data`` or no data path at all builds mock data with an even split: never empty. A non-zero
+weight that rounds to no documents depends on the data; the datasets refuse it when they are built
+(:mod:`megatron_ext.data.empty_split`). Example::
 
     --data-path /d/text --split 100,0,0 --eval-iters 10
     -> ValueError: --eval-iters 10 evaluates on the validation split, but --split 100,0,0 gives it

@@ -368,8 +368,12 @@ def test_a_dataset_whose_documents_are_all_dropped_is_refused(tmp_path) -> None:
         sidecars={},
         pack_overlong_policy="drop",
     )
-    with pytest.raises(ValueError, match=r"none of the 2 documents of the train split fit a pack"):
+    with pytest.raises(
+        ValueError, match=r"none of the 2 documents of the train split fit a pack"
+    ) as err:
         build(config, (4, 0, 0))
+    # The counts are the split's, not an empty epoch's zeros.
+    assert "(2 longer than --seq-length" in str(err.value) and "0 empty)" in str(err.value)
 
 
 def test_loss_mask_values_other_than_0_1_are_refused_naming_document_and_token(tmp_path) -> None:

@@ -594,3 +594,47 @@ def test_evaluation_with_validation_data_or_none_passes(
 def test_per_split_evaluation_with_valid_data_path_passes(data_prefix, monkeypatch, capsys) -> None:
     argv = ["--train-data-path", data_prefix, "--valid-data-path", data_prefix, "--eval-iters", "1"]
     assert _dry_run_main(argv, monkeypatch) == 0, capsys.readouterr().err
+
+
+def _datasets_or_error(argv: list[str], asks: list[list[int]]) -> list[list[int | None] | str]:
+    """Our datasets provider on parsed arguments, once per list of samples asked of the splits:
+    each split's length, or the error it raised."""
+    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.global_vars import unset_global_variables
+
+    from megatron_ext.arguments import add_megatron_ext_args
+    from megatron_ext.training import run_state
+    from megatron_ext.training.dataset_provider import train_valid_test_datasets_provider
+
+    unset_global_variables()
+    run_state.reset()
+    sys.argv = ["pretrain_gpt", *argv]
+    parse_and_validate_args(extra_args_provider=add_megatron_ext_args)
+    results = []
+    for sizes in asks:
+        try:
+            datasets = train_valid_test_datasets_provider(sizes)
+        except ValueError as err:
+            results.append(str(err))
+        else:
+            results.append([None if d is None else len(d) for d in datasets])
+    return results
+
+
+@pytest.mark.timeout(180)  # Megatron's GPTDataset would loop forever on the empty split
+@pytest.mark.parametrize(
+    "packing", [[], ["--pack-documents", "--pad-to-seq-len"]], ids=["gpt", "packed"]
+)
+def test_a_validation_split_rounded_to_no_documents(packing, data_prefix) -> None:
+    # 80 documents, --split 995,5,0: the validation share is round(79.6)..round(80), nothing. The
+    # argument check passes it (the weight is not 0); the datasets provider refuses what Megatron's
+    # loop asks of it under --eval-iters > 0 and builds it empty under --eval-iters 0.
+    argv = [*BASE_ARGS, "--data-path", data_prefix, *packing]
+    argv[argv.index("--split") + 1] = "995,5,0"
+    # One rank: the refusal is raised where rank 0 builds, before Megatron's builder barrier.
+    argv[argv.index("--expert-model-parallel-size") + 1] = "1"
+    ((asked, unasked),) = run_distributed(_datasets_or_error, 1, argv, [[8, 4, 0], [8, 0, 0]])
+    assert isinstance(asked, str), asked
+    assert "--split 995,5,0: the valid split gets no documents" in asked
+    assert "4 samples are asked of it" in asked and "set --eval-iters 0" in asked
+    assert unasked[0] >= 8 and unasked[1] == 0, unasked

@@ -1,0 +1,67 @@
+"""The error for samples asked of a split that holds no tokens (glue over Megatron's split math).
+
+A ``--split`` weight that is non-zero can still give a split no documents: Megatron's builder
+rounds each split's share of a prefix's documents (``round(weight * num_documents)``), so on a
+small corpus, or a small prefix of a blend, the validation or test range can be empty. Megatron's
+``GPTDataset`` then never finishes building its index (``_get_num_epochs`` adds epochs of zero
+tokens until they hold the samples asked for: a silent hang at startup, even when no sample is
+asked, because it also wants the one extra label token). The argument check
+(:mod:`megatron_ext.training.eval_args`) cannot see this: it depends on the data. So the datasets
+refuse it where the data is known, naming the prefix, the split and the flag that asked::
+
+    --data-path /d/tiny (10 documents) with --split 99,1,0: the valid split gets no documents
+    (its share rounds to 0 of 10), yet 40 samples are asked of it (--eval-iters evaluates on the
+    validation split): set --eval-iters 0, or give the split documents (a larger --split weight
+    or more data)
+"""
+
+from typing import Any
+
+from megatron.core.datasets.utils import Split
+
+#: The flags whose value makes Megatron's training loop ask samples of each split.
+_ASKED_BY = {
+    Split.train: "--train-iters / --train-samples ask for them",
+    Split.valid: "--eval-iters evaluates on the validation split",
+    Split.test: "--eval-iters also sets the test iterations",
+}
+
+
+def empty_split_error(
+    dataset_path: str | None,
+    index_split: Split,
+    num_samples: int,
+    num_documents: int,
+    config: Any,
+    *,
+    documents_in_split: int = 0,
+) -> ValueError:
+    """The ValueError for ``num_samples`` asked of a split without a single token.
+
+    Args:
+        dataset_path: The prefix the split was cut from.
+        index_split: Which split.
+        num_samples: Samples asked of it (> 0).
+        num_documents: Documents of the whole prefix.
+        config: The dataset config (its ``split`` is named).
+        documents_in_split: Documents the split has (all empty when > 0).
+    """
+    name = index_split.name
+    # Only --data-path's split can empty a split: a per-split file without a token is an empty
+    # .bin, which opening refuses already.
+    source = f"--data-path {dataset_path} ({num_documents} documents) with --split {config.split}"
+    if documents_in_split:
+        plural = "s hold" if documents_in_split > 1 else " holds"
+        held = f"the {name} split's {documents_in_split} document{plural} no tokens"
+    else:
+        held = f"the {name} split gets no documents (its share rounds to 0 of {num_documents})"
+    if index_split == Split.train:
+        fix = "give the split documents (a larger --split weight or more data)"
+    else:
+        fix = (
+            "set --eval-iters 0, or give the split documents (a larger --split weight or more data)"
+        )
+    return ValueError(
+        f"{source}: {held}, yet {num_samples} samples are asked of it "
+        f"({_ASKED_BY[index_split]}): {fix}"
+    )
