@@ -126,7 +126,8 @@ class _GroupAligner:
 
         Returns:
             ``(x_P, aligned tokens_per_expert_E, probs_P)``; the counts are a host tensor, or
-            the layout's device counts for a permute without host counts.
+            None for a permute without host counts (its caller gets them from
+            ``exact_host_sizes`` once Megatron's host counts arrive).
         """
         align = self.align
         if isinstance(routing, list):
@@ -148,10 +149,10 @@ class _GroupAligner:
                 al.round_up(host_tokens_per_expert_E.long(), align), num_rows
             )
             return al.pad_to_layout(x, layout), aligned_E, al.pad_to_layout(probs, layout)
-        if host_tokens_per_expert_E is None:  # static bound now, exact_host_sizes later
+        if host_tokens_per_expert_E is None:  # static bound now, the sizes with exact_host_sizes
             num_rows = al.static_aligned_rows(num_out_tokens, num_experts, align)
             layout = ap.plan_aligned_permute(routing, align, num_out_tokens, num_rows)
-            aligned_E = layout.tokens_per_expert_E
+            aligned_E = None
         else:
             num_real, num_rows, aligned_E = self._host_sizes(host_tokens_per_expert_E, align)
             exact = self.buffer_sizing == "host_counts"

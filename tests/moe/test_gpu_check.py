@@ -28,6 +28,8 @@ def test_cpu_smoke_runs_the_guarded_layer_and_reports():
     # pad and strip ran once each inside the real layer forward, and the backward entered the
     # guarded span for x, probs (pad) and the expert output (strip).
     assert calls["pad"] == 1 and calls["strip"] == 1 and calls["backward"] >= 2, calls
+    # The groups were checked where the expert GEMM receives them (fc1's forward input).
+    assert calls["groups_checked"] == 1, calls
     assert result["aligned_groups_ok"] is True
     assert 0.1 < result["fp8_rel_err_bound"] < 0.25  # 2 * sqrt(2) * 2**-4
     assert 0 <= result["fp8_vs_bf16_rel_err"] <= result["fp8_rel_err_bound"]

@@ -14,7 +14,8 @@ Prints one JSON line with the results and exits non-zero when a check fails:
   forward, and their backward, ran under ``set_sync_debug_mode("error")`` (a sync there raises,
   failing the run); each must be > 0. On CPU the pad/strip forwards run under megatron_ext's
   host-sync detector instead, and the backward spans are only counted.
-- ``aligned_groups_ok``: every group the pad produced is a multiple of the alignment.
+- ``aligned_groups_ok``: every group the expert GEMM receives (fc1's input) is a multiple of the
+  alignment, and the groups cover its rows.
 - ``fp8_vs_bf16_ok``: the fp8 layer's output is within ``FP8_REL_ERR_BOUND`` of the bf16 layer's
   (relative Frobenius error), a bound derived from e4m3's precision below.
 """
@@ -122,9 +123,10 @@ class SyncGuard:
 
     def __init__(self, device: str) -> None:
         self.device = device
-        self.calls = {"pad": 0, "strip": 0, "backward": 0}
+        self.calls = {"pad": 0, "strip": 0, "backward": 0, "groups_checked": 0}
         self.groups_aligned = True
         self._orig: dict = {}
+        self._hooks: list = []
 
     def set_mode(self, mode: str | int) -> None:
         if mode == "error":
@@ -166,9 +168,6 @@ class SyncGuard:
                 else o
                 for o in outs
             )
-            if name == "pad":
-                align = self._aligner.align
-                self.groups_aligned &= bool(all(int(n) % align == 0 for n in outs[1]))
             return outs if isinstance(out, tuple) else outs[0]
 
         return guarded
@@ -179,9 +178,23 @@ class SyncGuard:
             self._orig[name] = getattr(aligner, name)
             setattr(aligner, name, self._wrap(name, self._orig[name]))
 
+    def watch_groups(self, linear) -> None:
+        """Checks the group sizes the expert GEMM itself receives (``linear``'s forward input):
+        each a multiple of the alignment, together the rows it is given."""
+
+        def check(module, args) -> None:
+            x, sizes = args[0], [int(n) for n in args[1]]
+            align = self._aligner.align
+            self.calls["groups_checked"] += 1
+            self.groups_aligned &= all(n % align == 0 for n in sizes) and sum(sizes) == x.shape[0]
+
+        self._hooks.append(linear.register_forward_pre_hook(check))
+
     def uninstall(self) -> None:
         for name, fn in self._orig.items():
             setattr(self._aligner, name, fn)
+        for hook in self._hooks:
+            hook.remove()
         if self.device == "cuda":
             torch.cuda.set_sync_debug_mode(0)
 
@@ -260,6 +273,7 @@ def main() -> None:
     # The dispatcher's pad/strip inside the real layer's forward and backward, guarded.
     guard = SyncGuard(device)
     guard.install(ours.token_dispatcher.aligner)
+    guard.watch_groups(ours.experts.linear_fc1)
     out, _ = ours(x)
     out.float().sum().backward()
     guard.uninstall()
@@ -296,7 +310,8 @@ def main() -> None:
         result["ms_router_padding"] = timed(_build(False, backend, router_padding=True))
     except (RuntimeError, ValueError) as e:  # report the failure (an unaligned group) instead
         result["router_padding_error"] = repr(e)[:300]
-    guarded = all(result["aligned_guarded_calls"][k] > 0 for k in ("pad", "strip", "backward"))
+    calls = result["aligned_guarded_calls"]
+    guarded = all(calls[k] > 0 for k in ("pad", "strip", "backward", "groups_checked"))
     result["ok"] = bool(guarded and result["aligned_groups_ok"] and result["fp8_vs_bf16_ok"])
     print(json.dumps(result))
     if not result["ok"]:
