@@ -49,7 +49,8 @@ class PermuteLayout:
         pair_idx_P: Flat ``t * E + e`` pair of each buffer row (the probs' element); ``T * E``
             on pad rows (device int64).
         token_idx_P: Token of each buffer row; ``T`` (a trash row) on pad rows.
-        aligned_E: Each expert's real count rounded up (device int64); None once narrowed.
+        aligned_E: Each expert's real count rounded up (device int64); None once narrowed or
+            when planned from host group starts (the caller's host counts are the sizes then).
         num_rows: P (host int).
         num_tokens: T (host int).
         num_pads: Q = P - N (host int).
@@ -108,12 +109,13 @@ def plan_aligned_permute(
     num_rows: int,
     *,
     exact: bool = False,
+    start_E: torch.Tensor | None = None,
 ) -> PermuteLayout:
     """Plans Megatron's dropless permute into an aligned, zero-padded expert-major buffer.
 
-    Sync-free and short (about a dozen small kernels: at a few tokens their launch cost is the
-    whole cost): a ``cumsum`` down the map ranks each routed pair within its expert and one
-    scatter writes the inverse index.
+    Sync-free and short (a dozen small kernels, six given ``start_E``: at a few tokens their
+    launch cost is the whole cost): a ``cumsum`` down the map ranks each routed pair within its
+    expert and one scatter writes the inverse index.
 
     Args:
         routing_map_TE: Bool map of token to (local) expert, [T, E], with ``num_out_tokens``
@@ -122,6 +124,8 @@ def plan_aligned_permute(
         num_out_tokens: N, Megatron's ``num_out_tokens`` (a host int).
         num_rows: P, exact (from host counts) or ``static_aligned_rows(N, E, align)``.
         exact: P is the exact aligned total (no slack to hand to the last group).
+        start_E: Each group's first buffer row (int64, on the map's device), from counts the
+            caller holds on the host; None: computed here from the map.
 
     Returns:
         The layout; the last group absorbs any slack of a static bound.
@@ -133,10 +137,12 @@ def plan_aligned_permute(
     num_pairs = num_tokens * num_experts
     device = routing_map_TE.device
     rank_TE = routing_map_TE.cumsum(0)  # 1-based rank of each routed pair within its expert
-    real_E = rank_TE[-1] if num_tokens else rank_TE.new_zeros(num_experts)
-    aligned_E = round_up(real_E, align)
+    aligned_E = None
+    if start_E is None:
+        real_E = rank_TE[-1] if num_tokens else rank_TE.new_zeros(num_experts)
+        aligned_E = round_up(real_E, align)
+        start_E = aligned_E.cumsum(0).sub_(aligned_E)
     # Buffer row + 1 of each routed pair (its rank is 1-based); 0 is a trash slot for the rest.
-    start_E = aligned_E.cumsum(0).sub_(aligned_E)
     slot_TE = rank_TE.add_(start_E).mul_(routing_map_TE)  # in place: real_E is read already
     pair_idx = torch.full((num_rows + 1,), num_pairs, dtype=torch.long, device=device)
     pair_idx.scatter_(0, slot_TE.view(-1), _arange(num_pairs, device))

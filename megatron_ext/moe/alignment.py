@@ -121,6 +121,17 @@ def give_slack_to_last(aligned_E: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 
 #: Zero rows by (dtype, device, row shape): the pads' source, shared by every caller, only read.
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without a stream sync (itself on the CPU).
+
+    Pinned and copied asynchronously: a blocking or pageable host-to-device copy would wait
+    for the stream. The caching host allocator keeps the pinned block until the copy has run.
+    """
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 _ZERO_ROWS: dict[tuple, torch.Tensor] = {}
 
 

@@ -23,6 +23,9 @@ Example: 37 tokens, top-2, 8 experts on one rank, nvfp4 (128)::
     this dispatcher:          tokens_per_expert = [128]*8   (zero rows, never sent anywhere)
 """
 
+import itertools
+
+import numpy as np
 import torch
 from megatron.core.tensor_parallel import (
     gather_from_sequence_parallel_region,
@@ -153,10 +156,18 @@ class _GroupAligner:
             num_rows = al.static_aligned_rows(num_out_tokens, num_experts, align)
             layout = ap.plan_aligned_permute(routing, align, num_out_tokens, num_rows)
             aligned_E = None
-        else:
-            num_real, num_rows, aligned_E = self._host_sizes(host_tokens_per_expert_E, align)
-            exact = self.buffer_sizing == "host_counts"
-            layout = ap.plan_aligned_permute(routing, align, num_real, num_rows, exact=exact)
+        else:  # the groups' starts are known on the host: the plan skips computing them
+            num_real, num_rows, aligned_E, start_E = self._host_sizes(
+                host_tokens_per_expert_E, align
+            )
+            layout = ap.plan_aligned_permute(
+                routing,
+                align,
+                num_real,
+                num_rows,
+                exact=self.buffer_sizing == "host_counts",
+                start_E=al.host_to_device(start_E, routing.device),
+            )
         self.layout = layout
         return ap.permute_to_layout(x, layout), aligned_E, ap.permute_probs(probs, layout)
 
@@ -170,8 +181,9 @@ class _GroupAligner:
 
     def _host_sizes(
         self, host_tokens_per_expert_E: torch.Tensor, align: int
-    ) -> tuple[int, int, torch.Tensor]:
-        """``(real rows N, buffer rows P, aligned host counts)`` from host counts, one read."""
+    ) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+        """``(real rows N, buffer rows P, aligned host counts, host group starts)`` from host
+        counts, one read."""
         counts = _host_counts(host_tokens_per_expert_E)
         aligned = [-(-n // align) * align for n in counts]
         num_real = sum(counts)
@@ -180,7 +192,9 @@ class _GroupAligner:
         else:  # the slack rows join the last group, as in the device layout
             num_rows = al.static_aligned_rows(num_real, len(counts), align)
             aligned[-1] += num_rows - sum(aligned)
-        return num_real, num_rows, torch.tensor(aligned)
+        starts = itertools.accumulate(aligned[:-1], initial=0)
+        sizes_2E = torch.from_numpy(np.array([aligned, list(starts)], dtype=np.int64))
+        return num_real, num_rows, sizes_2E[0], sizes_2E[1]
 
     def exact_host_sizes(
         self, x_P: torch.Tensor, probs_P: torch.Tensor, host_tokens_per_expert_E: torch.Tensor
@@ -194,7 +208,7 @@ class _GroupAligner:
         if self.buffer_sizing != "host_counts":
             aligned_E = al.round_up(host_tokens_per_expert_E.long(), self.align)
             return x_P, al.give_slack_to_last(aligned_E, self.layout.num_rows), probs_P
-        num_real, num_rows, aligned_E = self._host_sizes(host_tokens_per_expert_E, self.align)
+        num_real, num_rows, aligned_E, _ = self._host_sizes(host_tokens_per_expert_E, self.align)
         # Host ints, free: the rows laid out are the rows Megatron counted (a caller that routes
         # a token nowhere must lower num_out_tokens to match, as Megatron's permute requires).
         assert num_real == self.layout.num_rows - self.layout.num_pads, num_real

@@ -56,13 +56,21 @@ def random_routing(num_tokens, num_experts, topk, seed, dead_rows=0):
     return routing_map, probs, g
 
 
-def plan(routing_map, align, static=False):
+def plan(routing_map, align, static=False, host_starts=False):
+    """The layout; ``host_starts``: the groups' starts handed in from host counts (what the
+    dispatchers holding Megatron's host counts do), not computed from the map."""
     num_out = int(routing_map.sum())
     if static:
         rows = al.static_aligned_rows(num_out, routing_map.shape[1], align)
     else:
         rows = al.aligned_rows_from_host_counts(routing_map.sum(0), align)
-    return ap.plan_aligned_permute(routing_map, align, num_out, rows, exact=not static)
+    start_E = None
+    if host_starts:
+        aligned = [-(-n // align) * align for n in routing_map.sum(0).tolist()]
+        start_E = torch.tensor([sum(aligned[:e]) for e in range(len(aligned))])
+    return ap.plan_aligned_permute(
+        routing_map, align, num_out, rows, exact=not static, start_E=start_E
+    )
 
 
 @pytest.fixture(params=["small", "large"])
@@ -116,7 +124,8 @@ CASES = {  # (tokens, experts, topk, dead rows)
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("align", [16, 128])
 @pytest.mark.parametrize("static", [False, True])
-def test_permute_matches_naive_reference(case, align, static, token_path):
+@pytest.mark.parametrize("host_starts", [False, True], ids=["device_starts", "host_starts"])
+def test_permute_matches_naive_reference(case, align, static, host_starts, token_path):
     num_tokens, num_experts, topk, dead = CASES[case]
     routing_map, probs, g = random_routing(num_tokens, num_experts, topk, align, dead)
     if case == "all_on_one_expert":
@@ -124,11 +133,14 @@ def test_permute_matches_naive_reference(case, align, static, token_path):
         routing_map[:, -1] = True
         probs = routing_map.float()
     x = torch.randn(num_tokens, 6, generator=g)
-    layout = plan(routing_map, align, static)
+    layout = plan(routing_map, align, static, host_starts)
     ref_x, ref_p, tokens, sizes = naive_permute(x, routing_map, probs, align, layout.num_rows)
     assert torch.equal(ap.permute_to_layout(x, layout), ref_x)
     assert torch.equal(ap.permute_probs(probs, layout), ref_p)
-    assert layout.tokens_per_expert_E.tolist() == sizes and all(s % align == 0 for s in sizes)
+    if host_starts:  # the caller's host counts are the group sizes
+        assert layout.tokens_per_expert_E is None
+    else:
+        assert layout.tokens_per_expert_E.tolist() == sizes and all(s % align == 0 for s in sizes)
     y = torch.randn(layout.num_rows, 6, generator=g)  # pad rows too: they must be dropped
     # fp32, same accumulation order as the loop (buffer order): bitwise.
     assert torch.equal(ap.unpermute_from_layout(y, layout), naive_unpermute(y, tokens, num_tokens))

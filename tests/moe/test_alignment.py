@@ -260,3 +260,10 @@ def test_module_never_imports_megatron():
         "assert not any(m.startswith('megatron.') or m == 'megatron' for m in sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_host_to_device_on_the_host_is_the_tensor_itself():
+    # On the CPU nothing is copied (the device path, pinned and asynchronous, is what
+    # tools/gpu/gpu_check.py's all-gather layer runs under CUDA's sync debug mode).
+    host = torch.tensor([0, 16, 32])
+    assert al.host_to_device(host, torch.device("cpu")) is host

@@ -30,6 +30,11 @@ def test_cpu_smoke_runs_the_guarded_layer_and_reports():
     assert calls["pad"] == 1 and calls["strip"] == 1 and calls["backward"] >= 2, calls
     # The groups were checked where the expert GEMM receives them (fc1's forward input).
     assert calls["groups_checked"] == 1, calls
+    # The all-gather layer (planned from host counts) ran the same guarded span, gave aligned
+    # groups and the all-to-all layer's output (bitwise on CPU: same weights, same order).
+    assert result["allgather_guarded_calls"] == calls, result
+    assert result["allgather_groups_ok"] is True
+    assert result["allgather_vs_alltoall_rel_err"] == 0.0
     assert result["aligned_groups_ok"] is True
     assert 0.1 < result["fp8_rel_err_bound"] < 0.25  # 2 * sqrt(2) * 2**-4
     assert 0 <= result["fp8_vs_bf16_rel_err"] <= result["fp8_rel_err_bound"]

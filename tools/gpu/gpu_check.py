@@ -16,6 +16,10 @@ Prints one JSON line with the results and exits non-zero when a check fails:
   host-sync detector instead, and the backward spans are only counted.
 - ``aligned_groups_ok``: every group the expert GEMM receives (fc1's input) is a multiple of the
   alignment, and the groups cover its rows.
+- ``allgather_guarded_calls``, ``allgather_groups_ok``: the same checks on an all-gather layer
+  with the same weights, whose pad plans from Megatron's host counts (the groups' starts copied
+  to the device pinned and asynchronously: no stream sync); ``allgather_matches_alltoall``: its
+  output is the all-to-all layer's (relative error <= 1e-3; 0.0 when bitwise equal).
 - ``fp8_vs_bf16_ok``: the fp8 layer's output is within ``FP8_REL_ERR_BOUND`` of the bf16 layer's
   (relative Frobenius error), a bound derived from e4m3's precision below.
 """
@@ -149,7 +153,11 @@ class SyncGuard:
                 yield
             # host_counts sizing reads counts Megatron already holds on the host (CPU tensor:
             # no device sync on a GPU); anything else is a real sync.
-            real = [s for s in syncs if "aligned_rows_from_host_counts" not in s]
+            real = [
+                s
+                for s in syncs
+                if "aligned_rows_from_host_counts" not in s and "_host_counts" not in s
+            ]
             assert not real, f"host syncs in the aligned pad/strip: {real}"
 
     def _wrap(self, name: str, fn):
@@ -214,7 +222,7 @@ def _init_dist(device: str) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
 
-def _build(aligned: bool, backend, router_padding: bool = False):
+def _build(aligned: bool, backend, router_padding: bool = False, dispatcher: str = "alltoall"):
     import functools
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -224,7 +232,12 @@ def _build(aligned: bool, backend, router_padding: bool = False):
     from megatron_ext.moe.layer_specs import with_aligned_moe
     from megatron_ext.testing import tiny_moe_config
 
-    cfg = tiny_moe_config(hidden_size=HIDDEN, moe_ffn_hidden_size=2 * HIDDEN, num_attention_heads=8)
+    cfg = tiny_moe_config(
+        hidden_size=HIDDEN,
+        moe_ffn_hidden_size=2 * HIDDEN,
+        num_attention_heads=8,
+        moe_token_dispatcher_type=dispatcher,
+    )
     spec = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False)
     moe = spec.submodules.mlp
     experts = functools.partial(
@@ -279,6 +292,20 @@ def main() -> None:
     guard.uninstall()
     result["aligned_guarded_calls"] = guard.summary()
     result["aligned_groups_ok"] = guard.groups_aligned
+    # The all-gather dispatcher plans from Megatron's host counts: the groups' starts reach the
+    # device pinned and asynchronously. Same weights and routing, so the same output.
+    allgather = _build(True, backend, dispatcher="allgather")
+    guard = SyncGuard(device)
+    guard.install(allgather.token_dispatcher.aligner)
+    guard.watch_groups(allgather.experts.linear_fc1)
+    out_ag, _ = allgather(x.detach().requires_grad_())
+    out_ag.float().sum().backward()
+    guard.uninstall()
+    result["allgather_guarded_calls"] = guard.summary()
+    result["allgather_groups_ok"] = guard.groups_aligned
+    diff = (out_ag.detach().float() - out.detach().float()).norm() / out.detach().float().norm()
+    result["allgather_vs_alltoall_rel_err"] = diff.item()  # 0.0 when bitwise equal
+    result["allgather_matches_alltoall"] = bool(diff.item() <= 1e-3)
     bf16 = _build(True, backend)
     bf16.load_state_dict(ours.state_dict())
     bf16.config.fp8 = None
@@ -310,9 +337,18 @@ def main() -> None:
         result["ms_router_padding"] = timed(_build(False, backend, router_padding=True))
     except (RuntimeError, ValueError) as e:  # report the failure (an unaligned group) instead
         result["router_padding_error"] = repr(e)[:300]
-    calls = result["aligned_guarded_calls"]
-    guarded = all(calls[k] > 0 for k in ("pad", "strip", "backward", "groups_checked"))
-    result["ok"] = bool(guarded and result["aligned_groups_ok"] and result["fp8_vs_bf16_ok"])
+    guarded = all(
+        result[f"{name}_guarded_calls"][k] > 0
+        for name in ("aligned", "allgather")
+        for k in ("pad", "strip", "backward", "groups_checked")
+    )
+    result["ok"] = bool(
+        guarded
+        and result["aligned_groups_ok"]
+        and result["allgather_groups_ok"]
+        and result["allgather_matches_alltoall"]
+        and result["fp8_vs_bf16_ok"]
+    )
     print(json.dumps(result))
     if not result["ok"]:
         sys.exit(1)
