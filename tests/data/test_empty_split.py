@@ -40,17 +40,41 @@ def build(cls, config_cls, prefixes, split, sizes, **kw):
     return build_splits(cls, config, sizes)
 
 
-@pytest.mark.parametrize(("cls", "config_cls"), DATASETS)
-def test_samples_asked_of_a_split_rounded_to_no_documents_are_refused(root, cls, config_cls):
-    # 10 documents, --split 99,1,0: the validation share is round(9.9)..round(10) = nothing.
-    tiny = os.path.join(root, "tiny")
+def refusal(cls, config_cls, prefixes, split, sizes, **kw) -> str:
+    """The message of the ValueError building these splits raises."""
     with pytest.raises(ValueError) as err:
-        build(cls, config_cls, [tiny], "99,1,0", [10, 5, 0])
-    message = str(err.value)
-    assert f"--data-path {tiny} (10 documents) with --split 99,1,0" in message
-    assert "the valid split gets no documents (its share rounds to 0 of 10)" in message
-    assert "5 samples are asked of it (--eval-iters evaluates on the validation split)" in message
-    assert "set --eval-iters 0" in message
+        build(cls, config_cls, prefixes, split, sizes, **kw)
+    return str(err.value)
+
+
+#: (prefix, --split, samples asked, what the message says). 10 documents each.
+REFUSALS = {
+    # The validation share is round(9.9)..round(10): nothing.
+    "valid_rounds_to_none": ("tiny", "99,1,0", [10, 5, 0], [
+        "with --split 99,1,0: the valid split gets no documents (its share rounds to 0 of 10)",
+        "5 samples are asked of it (--eval-iters evaluates on the validation split)",
+        "set --eval-iters 0",
+    ]),
+    # 8 documents with tokens, then 2 empty ones: the validation split gets documents 8 and 9.
+    "valid_of_empty_documents": ("holey", "80,20,0", [4, 2, 0], [
+        "with --split 80,20,0: the valid split's 2 documents hold no tokens, yet 2 samples",
+    ]),
+    "train_rounds_to_none": ("tiny", "1,99,0", [10, 5, 0], [
+        "the train split gets no documents", "--train-iters / --train-samples ask for them",
+    ]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+@pytest.mark.parametrize(("cls", "config_cls"), DATASETS)
+def test_samples_asked_of_a_split_without_tokens_are_refused(root, cls, config_cls, case):
+    name, split, sizes, says = REFUSALS[case]
+    prefix = os.path.join(root, name)
+    message = refusal(cls, config_cls, [prefix], split, sizes)
+    assert message.startswith(f"--data-path {prefix} (10 documents) with --split {split}: ")
+    for text in says:
+        assert text in message
+    assert ("--eval-iters" in message) == (not case.startswith("train"))
 
 
 @pytest.mark.parametrize(("cls", "config_cls"), DATASETS)
@@ -66,27 +90,6 @@ def test_a_split_without_documents_that_nothing_asks_of_builds_empty(root, cls, 
 def test_a_small_prefix_of_a_blend_is_named(root, cls, config_cls):
     # The big prefix's validation share is 2 documents; the tiny one's rounds to none.
     tiny, big = os.path.join(root, "tiny"), os.path.join(root, "big")
-    with pytest.raises(ValueError, match="valid split gets no documents") as err:
-        build(cls, config_cls, [big, tiny], "98,2,0", [20, 4, 0], weights=[0.5, 0.5])
-    assert f"--data-path {tiny} (10 documents)" in str(err.value)
-
-
-@pytest.mark.parametrize(("cls", "config_cls"), DATASETS)
-def test_an_empty_train_split_names_the_train_flags(root, cls, config_cls):
-    with pytest.raises(ValueError) as err:
-        build(cls, config_cls, [os.path.join(root, "tiny")], "1,99,0", [10, 5, 0])
-    message = str(err.value)
-    assert "the train split gets no documents" in message
-    assert "--train-iters / --train-samples" in message and "--eval-iters" not in message
-
-
-@pytest.mark.parametrize(("cls", "config_cls"), DATASETS)
-def test_a_split_of_empty_documents_is_refused(root, cls, config_cls):
-    # 8 documents with tokens, then 2 empty ones: --split 80,20,0 gives the validation split
-    # documents 8 and 9, and no token.
-    holey = os.path.join(root, "holey")
-    with pytest.raises(ValueError) as err:
-        build(cls, config_cls, [holey], "80,20,0", [4, 2, 0])
-    message = str(err.value)
-    assert f"--data-path {holey} (10 documents) with --split 80,20,0" in message
-    assert "the valid split's 2 documents hold no tokens, yet 2 samples" in message
+    message = refusal(cls, config_cls, [big, tiny], "98,2,0", [20, 4, 0], weights=[0.5, 0.5])
+    assert f"--data-path {tiny} (10 documents)" in message
+    assert "valid split gets no documents" in message
