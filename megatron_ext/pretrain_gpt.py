@@ -184,7 +184,10 @@ def train(args: argparse.Namespace) -> int:
     log = run_state.state(args).rehearsal_log
     if log is not None:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        print(f"megatron_ext: rank {rank} rehearsal: {log.summary()}", flush=True)
+        # One write, newline included: ranks share the launcher's stdout, and print's separate
+        # write of the newline let another rank's line land in between (seen in CI).
+        sys.stdout.write(f"megatron_ext: rank {rank} rehearsal: {log.summary()}\n")
+        sys.stdout.flush()
     written = run_state.finish_recording(args)
     if written is not None:
         print(f"megatron_ext: wrote recorded routes of {written} documents")

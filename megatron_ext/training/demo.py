@@ -47,7 +47,7 @@ LOSS_TOLERANCE = 5e-6
 TRAINING_LOOP = "megatron.training.pretrain"
 _REPLAY = re.compile(r"replay check: (\d+)/(\d+) \(token, layer\).*differently on (\d+)")
 _REHEARSAL = re.compile(
-    r"rank (\d+) rehearsal: (\d+) expert groups .*?, (\d+) not a multiple of (\d+); last: (\[.*\])"
+    r"rank (\d+) rehearsal: (\d+) expert groups .*?, (\d+) not a multiple of (\d+); last: (\[[^\]]*\])"
 )
 
 
