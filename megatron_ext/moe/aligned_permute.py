@@ -143,7 +143,8 @@ def plan_aligned_permute(
         aligned_E = round_up(real_E, align)
         start_E = aligned_E.cumsum(0).sub_(aligned_E)
     # Buffer row + 1 of each routed pair (its rank is 1-based); 0 is a trash slot for the rest.
-    slot_TE = rank_TE.add_(start_E).mul_(routing_map_TE)  # in place: real_E is read already
+    # In place: real_E (a view of rank_TE's last row) has been read into aligned_E already.
+    slot_TE = rank_TE.add_(start_E).mul_(routing_map_TE)
     pair_idx = torch.full((num_rows + 1,), num_pairs, dtype=torch.long, device=device)
     pair_idx.scatter_(0, slot_TE.view(-1), _arange(num_pairs, device))
     pair_idx_P = pair_idx[1:]

@@ -120,7 +120,6 @@ def give_slack_to_last(aligned_E: torch.Tensor, num_rows: int) -> torch.Tensor:
     return aligned_E
 
 
-#: Zero rows by (dtype, device, row shape): the pads' source, shared by every caller, only read.
 def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A small host tensor on ``device`` without a stream sync (itself on the CPU).
 
@@ -132,6 +131,7 @@ def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+#: Zero rows by (dtype, device, row shape): the pads' source, shared by every caller, only read.
 _ZERO_ROWS: dict[tuple, torch.Tensor] = {}
 
 
