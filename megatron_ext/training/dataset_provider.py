@@ -118,6 +118,10 @@ def train_valid_test_datasets_provider(
     datasets = BlendedMegatronDatasetBuilder(
         dataset_cls, train_val_test_num_samples, lambda: True, config
     ).build()
+    # A split without a sample (its share of the documents rounds to none, and nothing is asked
+    # of it: asking is refused by the datasets) is no split: Megatron builds no loader for None,
+    # where an empty dataset fails its sampler ("no sample to consume: 0") before training.
+    datasets = [None if d is not None and len(d) == 0 else d for d in datasets]
     if run_state.configs(args)[ReplayConfig].route_replay_mode == "record":
         run_state.state(args).record_dataset = datasets[0]
     return datasets

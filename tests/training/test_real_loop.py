@@ -14,7 +14,8 @@ test_demo.py), replay in tests/training/test_checkpoint_resume.py (HybridModel's
 | rl_route_replay record     | HybridModel at the script's TP 2 + SP: route record -> sidecar of every doc |
 | rl_route_replay            | replay of that sidecar reproduces the recording run exactly            |
 | tiny HybridModel           | TP 2 + SP, allgather, seq_aux_loss + global_aux_loss, z-loss, EP=2     |
-| tiny GPTModel PP=2         | pipeline parallelism, aux-loss-free expert bias (written to the ckpt)  |
+| tiny GPTModel PP=2         | pipeline parallelism, aux-loss-free expert bias (written to the ckpt), |
+|                            | a validation split that rounds to no documents under --eval-iters 0    |
 
 Each launch: exit 0, 4 iterations of finite, falling ``lm loss`` (fixed seed, constant lr 1e-3), the
 model class the loop built (:func:`built_model`), and the effect of each feature in what the loop
@@ -359,11 +360,25 @@ def test_hybrid_model_tp2_sp_allgather_seq_and_global_aux_loss_and_z_loss(corpus
 
 def test_pipeline_parallel_with_aux_loss_free_expert_bias(corpus_prefix, tmp_path) -> None:
     import torch
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     rate = 1e-3  # Megatron's default --moe-router-bias-update-rate
     ckpt = tmp_path / "ckpt"
+    # A non-zero validation weight whose share of the corpus rounds to no document (Megatron's
+    # own split math): the loop must still train under --eval-iters 0 (Megatron's GPTDataset hung
+    # building it, and an empty dataset fails Megatron's sampler).
+    split = "9995,5,0"
+    num_docs = IndexedDataset(corpus_prefix).sequence_lengths.shape[0]  # what the builder splits
+    beg, end = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))[1]
+    assert end > beg and round(beg * num_docs) == round(end * num_docs), num_docs  # empty
+    args = [*TINY_MOE_ARGS]
+    args[args.index("--split") + 1] = split
     run = launch([
-        *TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
+        *args, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
         "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "1",
         "--moe-router-load-balancing-type", "none", "--moe-router-enable-expert-bias",
         "--moe-router-score-function", "sigmoid",
