@@ -105,6 +105,7 @@ class _GroupAligner:
         routing: torch.Tensor | list[list[int]],
         host_tokens_per_expert_E: torch.Tensor | None,
         num_out_tokens: int | None = None,
+        rank_TE: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Builds the aligned buffer with one copy of the rows.
 
@@ -126,6 +127,8 @@ class _GroupAligner:
                 a static-bound buffer, cut to the exact length by ``exact_host_sizes``).
             num_out_tokens: Rows the permute emits (Megatron's ``num_out_tokens``); permute
                 without host counts only.
+            rank_TE: The routing map's ``rank_within_expert`` when the caller took its counts
+                from it (permute only).
 
         Returns:
             ``(x_P, aligned tokens_per_expert_E, probs_P)``; the counts are a host tensor, or
@@ -154,7 +157,9 @@ class _GroupAligner:
             return al.pad_to_layout(x, layout), aligned_E, al.pad_to_layout(probs, layout)
         if host_tokens_per_expert_E is None:  # static bound now, the sizes with exact_host_sizes
             num_rows = al.static_aligned_rows(num_out_tokens, num_experts, align)
-            layout = ap.plan_aligned_permute(routing, align, num_out_tokens, num_rows)
+            layout = ap.plan_aligned_permute(
+                routing, align, num_out_tokens, num_rows, rank_TE=rank_TE
+            )
             aligned_E = None
         else:  # the groups' starts are known on the host: the plan skips computing them
             num_real, num_rows, aligned_E, start_E = self._host_sizes(
@@ -167,6 +172,7 @@ class _GroupAligner:
                 num_rows,
                 exact=self.buffer_sizing == "host_counts",
                 start_E=al.host_to_device(start_E, routing.device),
+                rank_TE=rank_TE,
             )
         self.layout = layout
         return ap.permute_to_layout(x, layout), aligned_E, ap.permute_probs(probs, layout)
@@ -401,10 +407,13 @@ class AlignedAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
         experts = slice(self.local_expert_indices[0], self.local_expert_indices[-1] + 1)
         self.local_map = self.routing_map[:, experts].contiguous()
         local_probs = probs[:, experts]
+        # The plan's ranks end in Megatron's per-expert counts (its local_map.sum(dim=0)).
+        rank_TE = ap.rank_within_expert(self.local_map)
+        counts_E = rank_TE[-1] if rank_TE.shape[0] else rank_TE.new_zeros(rank_TE.shape[1])
         # NOTE: device-to-host sync, Megatron's own (its dispatch_postprocess makes the same copy).
-        tokens_per_expert = self.local_map.sum(dim=0).long().cpu()
+        tokens_per_expert = counts_E.cpu()
         x_P, tokens_per_expert, probs_P = self.aligner.pad(
-            hidden_states, local_probs, self.local_map, tokens_per_expert
+            hidden_states, local_probs, self.local_map, tokens_per_expert, rank_TE=rank_TE
         )
         self.local_probs = probs_P
         self.routing_map = None

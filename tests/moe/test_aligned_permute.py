@@ -58,19 +58,26 @@ def random_routing(num_tokens, num_experts, topk, seed, dead_rows=0):
 
 def plan(routing_map, align, static=False, host_starts=False):
     """The layout; ``host_starts``: the groups' starts handed in from host counts (what the
-    dispatchers holding Megatron's host counts do), not computed from the map."""
+    dispatchers holding Megatron's host counts do), not computed from the map, and the ranks
+    handed in too."""
     num_out = int(routing_map.sum())
     if static:
         rows = al.static_aligned_rows(num_out, routing_map.shape[1], align)
     else:
         rows = al.aligned_rows_from_host_counts(routing_map.sum(0), align)
-    start_E = None
-    if host_starts:
+    start_E = rank_TE = None
+    if host_starts:  # and the ranks the caller took the counts from, as the all-gather does
         aligned = [-(-n // align) * align for n in routing_map.sum(0).tolist()]
         start_E = torch.tensor([sum(aligned[:e]) for e in range(len(aligned))])
-    return ap.plan_aligned_permute(
-        routing_map, align, num_out, rows, exact=not static, start_E=start_E
+        rank_TE = ap.rank_within_expert(routing_map)
+        if len(rank_TE):  # the counts are its last row
+            assert torch.equal(rank_TE[-1], routing_map.sum(0))
+    layout = ap.plan_aligned_permute(
+        routing_map, align, num_out, rows, exact=not static, start_E=start_E, rank_TE=rank_TE
     )
+    # The ranks are only read: the all-gather's host counts may alias their last row (CPU).
+    assert rank_TE is None or torch.equal(rank_TE, ap.rank_within_expert(routing_map))
+    return layout
 
 
 @pytest.fixture(params=["small", "large"])
@@ -89,11 +96,15 @@ def test_hand_worked_permute(token_path):
     routing_map = torch.tensor([[1, 1], [0, 1], [1, 0]], dtype=torch.bool)
     layout = plan(routing_map, 4)
     assert layout.token_idx_P.tolist() == [0, 2, 3, 3, 0, 1, 3, 3]  # 3 = T: the trash row
-    assert layout.pair_idx_P.tolist() == [0, 4, 6, 6, 1, 3, 6, 6]  # t * E + e; 6 = T * E
+    assert layout.slot_TE.tolist() == [[1, 5], [0, 6], [2, 0]]  # row + 1; 0: not routed
     assert layout.tokens_per_expert_E.tolist() == [4, 4]
     assert sorted(layout.pad_idx_Q.tolist()) == [2, 3, 6, 7]
     x = torch.tensor([[1.0], [2.0], [3.0]])
     assert ap.permute_to_layout(x, layout).squeeze(1).tolist() == [1, 3, 0, 0, 1, 2, 0, 0]
+    probs = torch.tensor([[0.1, 0.2], [0.9, 0.3], [0.4, 0.8]])  # unrouted 0.9 and 0.8 dropped
+    assert ap.permute_probs(probs, layout).tolist() == pytest.approx(
+        [0.1, 0.4, 0, 0, 0.2, 0.3, 0, 0]
+    )
     y = torch.arange(1.0, 9.0).unsqueeze(1)  # expert outputs, pad rows 3, 4, 7, 8 non-zero
     # token 0 <- rows 0 and 4 (1 + 5), token 1 <- row 5 (6), token 2 <- row 1 (2); pads dropped
     assert ap.unpermute_from_layout(y, layout).squeeze(1).tolist() == [6, 6, 2]
@@ -155,7 +166,7 @@ def test_static_plan_narrowed_is_the_exact_plan():
     assert static.num_rows > exact.num_rows  # the static bound really had slack
     narrowed = static.narrow(exact.num_rows)
     assert torch.equal(narrowed.token_idx_P, exact.token_idx_P)
-    assert torch.equal(narrowed.pair_idx_P, exact.pair_idx_P)
+    assert torch.equal(narrowed.slot_TE, exact.slot_TE)  # every routed slot in the prefix
     x = torch.randn(37, 4, generator=g)
     assert torch.equal(
         ap.permute_to_layout(x, static)[: exact.num_rows], ap.permute_to_layout(x, exact)

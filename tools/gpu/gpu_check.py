@@ -161,13 +161,13 @@ class SyncGuard:
             assert not real, f"host syncs in the aligned pad/strip: {real}"
 
     def _wrap(self, name: str, fn):
-        def guarded(*args):
+        def guarded(*args, **kwargs):
             args = tuple(
                 _ModeOnBackward.apply(a, 0, self) if torch.is_tensor(a) and a.requires_grad else a
                 for a in args
             )
             with self._forward_guard():
-                out = fn(*args)
+                out = fn(*args, **kwargs)
             self.calls[name] += 1
             outs = out if isinstance(out, tuple) else (out,)
             outs = tuple(
