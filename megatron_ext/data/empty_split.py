@@ -65,3 +65,17 @@ def empty_split_error(
         f"{source}: {held}, yet {num_samples} samples are asked of it "
         f"({_ASKED_BY[index_split]}): {fix}"
     )
+
+
+def full_validation_error(split: str | None, data_path: list[str] | None) -> ValueError:
+    """The ValueError for ``--full-validation`` over a validation split without a sample.
+
+    Megatron asks no sample count of the split then (it evaluates all of it), so the datasets
+    build it empty; its loop would then fail on ``len(None)`` while building the iterators.
+    """
+    data = " ".join(data_path or [])
+    return ValueError(
+        f"--full-validation evaluates on the whole validation split, but --split {split} gives "
+        f"it no sample of --data-path {data} (its share of the documents rounds to none): drop "
+        "--full-validation, or give the split documents (a larger --split weight or more data)"
+    )

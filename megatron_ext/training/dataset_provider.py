@@ -26,6 +26,7 @@ import dataclasses
 from typing import Any
 
 from megatron_ext.config import PaddingConfig, ReplayConfig
+from megatron_ext.data import empty_split
 from megatron_ext.training import run_state
 
 
@@ -122,6 +123,10 @@ def train_valid_test_datasets_provider(
     # of it: asking is refused by the datasets) is no split: Megatron builds no loader for None,
     # where an empty dataset fails its sampler ("no sample to consume: 0") before training.
     datasets = [None if d is not None and len(d) == 0 else d for d in datasets]
+    if getattr(args, "full_validation", False) and datasets[1] is None:
+        # An absent split (a 0 weight) was refused at argument time (eval_args); this one rounded
+        # to no documents, which only the built datasets show.
+        raise empty_split.full_validation_error(args.split, args.data_path)
     if run_state.configs(args)[ReplayConfig].route_replay_mode == "record":
         run_state.state(args).record_dataset = datasets[0]
     return datasets

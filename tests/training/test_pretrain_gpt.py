@@ -639,3 +639,16 @@ def test_a_validation_split_rounded_to_no_documents(packing, data_prefix) -> Non
     assert "--split 995,5,0: the valid split gets no documents" in asked
     assert "4 samples are asked of it" in asked and "set --eval-iters 0" in asked
     assert unasked[0] >= 8 and unasked[1] is None, unasked
+
+
+@pytest.mark.timeout(180)
+def test_full_validation_of_a_validation_split_rounded_to_no_documents(data_prefix) -> None:
+    # --full-validation asks no count of the split (Megatron passes None: all of it), so it
+    # builds empty; Megatron's loop would then fail on len(None) building the iterators.
+    argv = [*BASE_ARGS, "--data-path", data_prefix, "--full-validation"]
+    argv[argv.index("--split") + 1] = "995,5,0"
+    argv[argv.index("--expert-model-parallel-size") + 1] = "1"
+    ((err,),) = run_distributed(_datasets_or_error, 1, argv, [[8, None, None]])
+    assert isinstance(err, str), err
+    assert err.startswith("--full-validation evaluates on the whole validation split")
+    assert f"--split 995,5,0 gives it no sample of --data-path {data_prefix}" in err
