@@ -27,7 +27,9 @@ worker processes of its own:
   a freed tensor's pages are reused like a GPU caching allocator's blocks and 'faults/trip'
   stays near 0. The setting cannot be undone in a process, so those workers are shut down after.
 
-Both run in fresh worker processes, so what ran before in a worker cannot move the figures.
+Both run in fresh worker processes, so earlier benchmarks cannot move the figures; under glibc
+the threshold still moves as the variants free tensors within the run ('faults/trip' shows
+it), which the caching rows do not have.
 
 Stand-in experts (a copy of their rows) run outside the timed span, so the times are the
 dispatcher's own work (dispatch + combine); the experts' cost of the pad rows is the GEMMs'.
@@ -306,7 +308,8 @@ def alignment(quick: bool) -> BenchResult:
             "data alone cost, with no planning at all. 'allocator' (each in fresh worker "
             "processes): glibc = malloc defaults, tensors above its mmap threshold are fresh "
             "mmaps whose pages fault in on every trip ('faults/trip'), and that threshold moves "
-            "with what was freed before, so variants of one size can fault differently; caching "
+            "with what the variants freed before in the run, so variants of one size can fault "
+            "differently; caching "
             "= malloc keeping freed memory (mallopt M_MMAP_MAX 0, M_TRIM_THRESHOLD max), pages "
             "reused as a GPU caching allocator reuses its blocks."
         ),
