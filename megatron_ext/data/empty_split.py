@@ -67,15 +67,20 @@ def empty_split_error(
     )
 
 
-def full_validation_error(split: str | None, data_path: list[str] | None) -> ValueError:
+def full_validation_error(
+    split: str | None, data_path: list[str] | None, data_args_path: str | None = None
+) -> ValueError:
     """The ValueError for ``--full-validation`` over a validation split without a sample.
 
     Megatron asks no sample count of the split then (it evaluates all of it), so the datasets
     build it empty; its loop would then fail on ``len(None)`` while building the iterators.
+    ``--split`` cuts ``--data-path`` or the blend of ``--data-args-path``: the one given is named.
     """
-    data = " ".join(data_path or [])
+    data = (
+        f"--data-path {' '.join(data_path)}" if data_path else f"--data-args-path {data_args_path}"
+    )
     return ValueError(
         f"--full-validation evaluates on the whole validation split, but --split {split} gives "
-        f"it no sample of --data-path {data} (its share of the documents rounds to none): drop "
+        f"it no sample of {data} (its share of the documents rounds to none): drop "
         "--full-validation, or give the split documents (a larger --split weight or more data)"
     )

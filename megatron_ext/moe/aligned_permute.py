@@ -14,14 +14,13 @@ Worked example (align 4, 3 tokens, 2 experts; token 0 -> e0, e1; token 1 -> e1; 
     routing_map_TE   [[1 1] [0 1] [1 0]]       counts [2 2] -> aligned [4 4], starts [0 4]
     Megatron permute [t0 t2 | t0 t1]           (expert-major, tokens ascending)
     aligned buffer   [t0 t2 _ _ | t0 t1 _ _]   token_idx_P = [0 2 T T 0 1 T T], T = 3 (trash)
-    slot_TE (row+1)  [[1 5] [0 6] [2 0]]       0: not routed (a dropped trash slot)
 
 The pair ranks come from one ``cumsum`` down the routing map (its last row is the per-expert
-count: :func:`rank_within_expert`) instead of Megatron's ``masked_select``; one scatter of each
-pair's token writes the inverse index and one scatter of the probs their buffer order; nothing
-reads a device value. The buffer length P is a host int: exact from counts already on
-the host, or the static bound of ``alignment.static_aligned_rows`` (the last group takes the
-slack; ``narrow`` cuts a static plan to the exact length once host counts arrive).
+count: :func:`rank_within_expert`) instead of Megatron's ``masked_select``; one scatter writes
+the inverse index; nothing reads a device value. The buffer length P is a host int: exact from
+counts already on the host, or the static bound of ``alignment.static_aligned_rows`` (the last
+group takes the slack; ``narrow`` cuts a static plan to the exact length once host counts
+arrive).
 
 Contract (Megatron's own): the routing map holds exactly ``num_out_tokens`` routed pairs. A token
 routed nowhere (an all-False row) simply has no row; callers that clear rows lower
@@ -49,8 +48,9 @@ class PermuteLayout:
     """The aligned permute of one routing map.
 
     Attributes:
-        slot_TE: Buffer row + 1 of each routed pair, 0 where not routed (device int64, [T, E]):
-            where the probs scatter to.
+        pair_idx_P: Flat ``t * E + e`` pair of each buffer row (the probs' element); ``T * E``
+            on pad rows (device int64). The probs are gathered through it, so their backward
+            keeps ``[P]`` indices, not a ``[T, E]`` map.
         token_idx_P: Token of each buffer row; ``T`` (a trash row) on pad rows.
         aligned_E: Each expert's real count rounded up (device int64); None once narrowed or
             when planned from host group starts (the caller's host counts are the sizes then).
@@ -60,7 +60,7 @@ class PermuteLayout:
         exact: P is the exact aligned total (no static-bound slack).
     """
 
-    slot_TE: torch.Tensor
+    pair_idx_P: torch.Tensor
     token_idx_P: torch.Tensor
     aligned_E: torch.Tensor | None
     num_rows: int
@@ -82,22 +82,22 @@ class PermuteLayout:
 
     @property
     def pad_idx_Q(self) -> torch.Tensor:
-        """The pad rows (any order): the Q largest token indices, which hold ``T``.
+        """The pad rows (any order): the Q largest pair indices, which hold ``T * E``.
 
         Computed on demand: only the gather that zeroes pads after copying needs them.
         """
-        return self.token_idx_P.topk(self.num_pads, sorted=False).indices
+        return self.pair_idx_P.topk(self.num_pads, sorted=False).indices
 
     def narrow(self, num_rows: int) -> "PermuteLayout":
         """The first ``num_rows`` rows: a static-bound plan cut to the exact aligned length.
 
         Groups start at the same offsets under both sizings and the slack sits at the end of
-        the last group, so the exact layout is a prefix of the static one (views, no copy);
-        every routed pair's slot lies in that prefix, so ``slot_TE`` stands.
+        the last group, so the exact layout is a prefix of the static one (views, no copy).
         """
         assert num_rows <= self.num_rows, "narrow only cuts"
         return replace(
             self,
+            pair_idx_P=self.pair_idx_P[:num_rows],
             token_idx_P=self.token_idx_P[:num_rows],
             aligned_E=None,
             num_rows=num_rows,
@@ -127,9 +127,9 @@ def plan_aligned_permute(
 ) -> PermuteLayout:
     """Plans Megatron's dropless permute into an aligned, zero-padded expert-major buffer.
 
-    Sync-free and short (nine small kernels; five given ``start_E``, four given ``rank_TE`` too:
+    Sync-free and short (ten small kernels; six given ``start_E``, five given ``rank_TE`` too:
     at a few tokens their launch cost is the whole cost): a ``cumsum`` down the map ranks each
-    routed pair within its expert and one scatter of the pairs' tokens writes the inverse index.
+    routed pair within its expert and one scatter writes the inverse index.
 
     Args:
         routing_map_TE: Bool map of token to (local) expert, [T, E], with ``num_out_tokens``
@@ -150,6 +150,7 @@ def plan_aligned_permute(
     assert align > 1, "identity alignment needs no layout"
     assert num_rows >= num_out_tokens, "the buffer holds every routed pair"
     num_tokens, num_experts = routing_map_TE.shape
+    num_pairs = num_tokens * num_experts
     device = routing_map_TE.device
     if rank_TE is None:
         rank_TE = rank_within_expert(routing_map_TE)
@@ -160,11 +161,12 @@ def plan_aligned_permute(
         start_E = aligned_E.cumsum(0).sub_(aligned_E)
     # Buffer row + 1 of each routed pair (its rank is 1-based); 0 is a trash slot for the rest.
     slot_TE = rank_TE.add(start_E).mul_(routing_map_TE)
-    token_idx = torch.full((num_rows + 1,), num_tokens, dtype=torch.long, device=device)
-    token_idx.scatter_(0, slot_TE.view(-1), _token_of_pair(num_tokens, num_experts, device))
+    pair_idx = torch.full((num_rows + 1,), num_pairs, dtype=torch.long, device=device)
+    pair_idx.scatter_(0, slot_TE.view(-1), _arange(num_pairs, device))
+    pair_idx_P = pair_idx[1:]
     return PermuteLayout(
-        slot_TE=slot_TE,
-        token_idx_P=token_idx[1:],
+        pair_idx_P=pair_idx_P,
+        token_idx_P=pair_idx_P.div(num_experts, rounding_mode="floor"),
         aligned_E=aligned_E,
         num_rows=num_rows,
         num_tokens=num_tokens,
@@ -174,10 +176,9 @@ def plan_aligned_permute(
 
 
 @functools.lru_cache(maxsize=16)
-def _token_of_pair(num_tokens: int, num_experts: int, device: torch.device) -> torch.Tensor:
-    """The token ``t`` of each flat pair ``t * E + e`` (int64), built once per shape and device:
-    the scatter's source, only read."""
-    return torch.arange(num_tokens, device=device).repeat_interleave(num_experts)
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` (int64), built once per size and device: the scatter's source, only read."""
+    return torch.arange(n, device=device)
 
 
 class _GatherWithTrash(torch.autograd.Function):
@@ -226,12 +227,14 @@ def permute_to_layout(x_TD: torch.Tensor, layout: PermuteLayout) -> torch.Tensor
 def permute_probs(probs_TE: torch.Tensor, layout: PermuteLayout) -> torch.Tensor:
     """The routed pairs' probabilities in buffer order ``[P]``, 0 on pad rows.
 
-    One scatter into zeros (pads keep their zero); its gradient is the gather back from the
-    slots, 0 for unrouted pairs (Megatron's ``masked_select`` backward).
+    Probs are small (``T * E`` values): one appended zero is the pads' source, and plain
+    autograd routes the pads' gradient onto it. A gather, not a scatter into place: its backward
+    keeps the ``[P]`` pair indices, where a scatter's would keep the ``[T, E]`` slots (8 bytes per
+    token and local expert per layer, more than Megatron's own bool map and probs).
     """
     assert probs_TE.shape[0] == layout.num_tokens, "probs rows differ from the routing map"
-    out = probs_TE.new_zeros(layout.num_rows + 1)  # slot 0 takes the unrouted pairs: dropped
-    return out.scatter_(0, layout.slot_TE.view(-1), probs_TE.reshape(-1))[1:]
+    flat = probs_TE.reshape(-1)
+    return torch.cat([flat, shared_zero_rows(flat, 1)[:1]]).index_select(0, layout.pair_idx_P)
 
 
 def unpermute_from_layout(y_PD: torch.Tensor, layout: PermuteLayout) -> torch.Tensor:

@@ -126,7 +126,9 @@ def train_valid_test_datasets_provider(
     if getattr(args, "full_validation", False) and datasets[1] is None:
         # An absent split (a 0 weight) was refused at argument time (eval_args); this one rounded
         # to no documents, which only the built datasets show.
-        raise empty_split.full_validation_error(args.split, args.data_path)
+        raise empty_split.full_validation_error(
+            args.split, args.data_path, getattr(args, "data_args_path", None)
+        )
     if run_state.configs(args)[ReplayConfig].route_replay_mode == "record":
         run_state.state(args).record_dataset = datasets[0]
     return datasets

@@ -93,3 +93,13 @@ def test_a_small_prefix_of_a_blend_is_named(root, cls, config_cls):
     message = refusal(cls, config_cls, [big, tiny], "98,2,0", [20, 4, 0], weights=[0.5, 0.5])
     assert f"--data-path {tiny} (10 documents)" in message
     assert "valid split gets no documents" in message
+
+
+def test_the_full_validation_error_names_the_data_flag_given():
+    from megatron_ext.data.empty_split import full_validation_error
+
+    by_path = str(full_validation_error("99,1,0", ["0.5", "/d/a", "0.5", "/d/b"]))
+    assert "--split 99,1,0 gives it no sample of --data-path 0.5 /d/a 0.5 /d/b" in by_path
+    by_args = str(full_validation_error("99,1,0", None, "/d/blend.txt"))
+    assert "no sample of --data-args-path /d/blend.txt" in by_args
+    assert all(s.startswith("--full-validation evaluates") for s in (by_path, by_args))

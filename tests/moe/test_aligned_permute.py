@@ -96,7 +96,7 @@ def test_hand_worked_permute(token_path):
     routing_map = torch.tensor([[1, 1], [0, 1], [1, 0]], dtype=torch.bool)
     layout = plan(routing_map, 4)
     assert layout.token_idx_P.tolist() == [0, 2, 3, 3, 0, 1, 3, 3]  # 3 = T: the trash row
-    assert layout.slot_TE.tolist() == [[1, 5], [0, 6], [2, 0]]  # row + 1; 0: not routed
+    assert layout.pair_idx_P.tolist() == [0, 4, 6, 6, 1, 3, 6, 6]  # t * E + e; 6 = T * E
     assert layout.tokens_per_expert_E.tolist() == [4, 4]
     assert sorted(layout.pad_idx_Q.tolist()) == [2, 3, 6, 7]
     x = torch.tensor([[1.0], [2.0], [3.0]])
@@ -166,7 +166,7 @@ def test_static_plan_narrowed_is_the_exact_plan():
     assert static.num_rows > exact.num_rows  # the static bound really had slack
     narrowed = static.narrow(exact.num_rows)
     assert torch.equal(narrowed.token_idx_P, exact.token_idx_P)
-    assert torch.equal(narrowed.slot_TE, exact.slot_TE)  # every routed slot in the prefix
+    assert torch.equal(narrowed.pair_idx_P, exact.pair_idx_P)
     x = torch.randn(37, 4, generator=g)
     assert torch.equal(
         ap.permute_to_layout(x, static)[: exact.num_rows], ap.permute_to_layout(x, exact)
@@ -219,6 +219,28 @@ def test_permute_autograd_is_the_gather_adjoint(token_path):
     ap.unpermute_from_layout(y, layout).sum().backward()
     pads = layout.token_idx_P == 11
     assert pads.any() and not y.grad[pads].any() and y.grad[~pads].all()
+
+
+def test_backward_keeps_buffer_sized_indices_not_the_routing_map(token_path):
+    """What the permute saves for backward is [P]-sized (plus the [T, E] probs' own shape): a
+    [T, E] int64 map per layer would cost more than Megatron's own bool map and probs."""
+    num_tokens, num_experts = 64, 32  # many local experts: T * E = 2048 > P
+    routing_map, probs, g = random_routing(num_tokens, num_experts, 2, 0)
+    layout = plan(routing_map, 16, host_starts=True)
+    assert num_tokens * num_experts > 2 * layout.num_rows  # the case where the size shows
+    saved = []
+
+    def pack(t):
+        saved.append((t.numel(), t.dtype))
+        return t
+
+    x = torch.randn(num_tokens, 4, generator=g, requires_grad=True)
+    p = probs.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ap.permute_to_layout(x, layout)
+        ap.permute_probs(p, layout)
+    indices = [n for n, dtype in saved if not dtype.is_floating_point]
+    assert indices and max(indices) <= layout.num_rows, saved
 
 
 # ---------------------------------------------------------------- chunk layout (host counts)
