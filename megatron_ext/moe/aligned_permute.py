@@ -115,6 +115,12 @@ def rank_within_expert(routing_map_TE: torch.Tensor) -> torch.Tensor:
     return routing_map_TE.cumsum(0)
 
 
+def counts_from_ranks(rank_TE: torch.Tensor) -> torch.Tensor:
+    """Each expert's routed count ``[E]`` from :func:`rank_within_expert` (a view of its last
+    row; zeros when there are no tokens)."""
+    return rank_TE[-1] if rank_TE.shape[0] else rank_TE.new_zeros(rank_TE.shape[1])
+
+
 def plan_aligned_permute(
     routing_map_TE: torch.Tensor,
     align: int,
@@ -156,8 +162,7 @@ def plan_aligned_permute(
         rank_TE = rank_within_expert(routing_map_TE)
     aligned_E = None
     if start_E is None:
-        real_E = rank_TE[-1] if num_tokens else rank_TE.new_zeros(num_experts)
-        aligned_E = round_up(real_E, align)
+        aligned_E = round_up(counts_from_ranks(rank_TE), align)
         start_E = aligned_E.cumsum(0).sub_(aligned_E)
     # Buffer row + 1 of each routed pair (its rank is 1-based); 0 is a trash slot for the rest.
     slot_TE = rank_TE.add(start_E).mul_(routing_map_TE)

@@ -409,9 +409,8 @@ class AlignedAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
         local_probs = probs[:, experts]
         # The plan's ranks end in Megatron's per-expert counts (its local_map.sum(dim=0)).
         rank_TE = ap.rank_within_expert(self.local_map)
-        counts_E = rank_TE[-1] if rank_TE.shape[0] else rank_TE.new_zeros(rank_TE.shape[1])
         # NOTE: device-to-host sync, Megatron's own (its dispatch_postprocess makes the same copy).
-        tokens_per_expert = counts_E.cpu()
+        tokens_per_expert = ap.counts_from_ranks(rank_TE).cpu()
         x_P, tokens_per_expert, probs_P = self.aligner.pad(
             hidden_states, local_probs, self.local_map, tokens_per_expert, rank_TE=rank_TE
         )

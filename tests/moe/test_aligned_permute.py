@@ -70,8 +70,7 @@ def plan(routing_map, align, static=False, host_starts=False):
         aligned = [-(-n // align) * align for n in routing_map.sum(0).tolist()]
         start_E = torch.tensor([sum(aligned[:e]) for e in range(len(aligned))])
         rank_TE = ap.rank_within_expert(routing_map)
-        if len(rank_TE):  # the counts are its last row
-            assert torch.equal(rank_TE[-1], routing_map.sum(0))
+        assert torch.equal(ap.counts_from_ranks(rank_TE), routing_map.sum(0))
     layout = ap.plan_aligned_permute(
         routing_map, align, num_out, rows, exact=not static, start_E=start_E, rank_TE=rank_TE
     )
