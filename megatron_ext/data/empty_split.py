@@ -25,6 +25,8 @@ _ASKED_BY = {
     Split.valid: "--eval-iters evaluates on the validation split",
     Split.test: "--eval-iters also sets the test iterations",
 }
+#: The remedy every message ends with.
+_GIVE_DOCUMENTS = "give the split documents (a larger --split weight or more data)"
 
 
 def empty_split_error(
@@ -55,12 +57,11 @@ def empty_split_error(
         held = f"the {name} split's {documents_in_split} document{plural} no tokens"
     else:
         held = f"the {name} split gets no documents (its share rounds to 0 of {num_documents})"
-    if index_split == Split.train:
-        fix = "give the split documents (a larger --split weight or more data)"
-    else:
-        fix = (
-            "set --eval-iters 0, or give the split documents (a larger --split weight or more data)"
-        )
+    fix = (
+        _GIVE_DOCUMENTS
+        if index_split == Split.train
+        else f"set --eval-iters 0, or {_GIVE_DOCUMENTS}"
+    )
     return ValueError(
         f"{source}: {held}, yet {num_samples} samples are asked of it "
         f"({_ASKED_BY[index_split]}): {fix}"
@@ -82,5 +83,5 @@ def full_validation_error(
     return ValueError(
         f"--full-validation evaluates on the whole validation split, but --split {split} gives "
         f"it no sample of {data} (its share of the documents rounds to none): drop "
-        "--full-validation, or give the split documents (a larger --split weight or more data)"
+        f"--full-validation, or {_GIVE_DOCUMENTS}"
     )
