@@ -11,6 +11,7 @@ test_demo.py), replay in tests/training/test_checkpoint_resume.py (HybridModel's
 |----------------------------|------------------------------------------------------------------------|
 | pretrain_moe_blended       | HybridModel, alltoall, aux_loss, EP=2, a weighted blend, load metrics, save |
 | sft_fp8_moe_packed, gpt    | GPTModel: fp8 rehearsal (groups aligned to 16), best-fit packing, loss mask |
+| the same, allgather        | the all-gather dispatcher's aligned permute (every group a multiple of 16) |
 | rl_route_replay record     | HybridModel at the script's TP 2 + SP: route record -> sidecar of every doc |
 | rl_route_replay            | replay of that sidecar reproduces the recording run exactly            |
 | tiny HybridModel           | TP 2 + SP, allgather, seq_aux_loss + global_aux_loss, z-loss, EP=2     |
@@ -230,6 +231,23 @@ def test_sft_example_trains_on_packed_loss_masked_data(sft_data, tmp_path) -> No
     assert re.search(r"pack_loss_mask_suffix \.+ _loss_mask", run.output)
     # --load "$CKPT/base" --finetune found nothing to load: trained from scratch, saved at the end.
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+
+
+def test_sft_example_with_the_allgather_dispatcher_aligns_every_group(sft_data, tmp_path) -> None:
+    # The same fp8 rehearsal with --moe-token-dispatcher-type allgather: its aligned permute plans
+    # from Megatron's host counts (read off the plan's ranks), inside Megatron's loop at EP=2.
+    run = run_example(
+        "sft_fp8_moe_packed.sh",
+        sft_data,
+        tmp_path / "ckpt",
+        ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"],
+        model="gpt",
+    )
+    assert_trains(run)
+    assert re.search(r"moe_token_dispatcher_type \.+ allgather", run.output)
+    groups = re.findall(r"rehearsal: (\d+) expert groups reached the grouped GEMM, (\d+) not a "
+                        r"multiple of 16", run.output)  # fmt: skip
+    assert len(groups) == 2 and all(int(n) > 0 and int(bad) == 0 for n, bad in groups), groups
 
 
 # ------------------------------------------------------------------------------------------------
