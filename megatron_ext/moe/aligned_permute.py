@@ -30,7 +30,6 @@ Shape legend: T tokens, E local experts, D hidden, P aligned buffer rows, Q = P 
 N routed pairs (Megatron's ``num_out_tokens``).
 """
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -167,7 +166,7 @@ def plan_aligned_permute(
     # Buffer row + 1 of each routed pair (its rank is 1-based); 0 is a trash slot for the rest.
     slot_TE = rank_TE.add(start_E).mul_(routing_map_TE)
     pair_idx = torch.full((num_rows + 1,), num_pairs, dtype=torch.long, device=device)
-    pair_idx.scatter_(0, slot_TE.view(-1), _arange(num_pairs, device))
+    pair_idx.scatter_(0, slot_TE.view(-1), shared_arange(num_pairs, device))
     pair_idx_P = pair_idx[1:]
     return PermuteLayout(
         pair_idx_P=pair_idx_P,
@@ -180,10 +179,21 @@ def plan_aligned_permute(
     )
 
 
-@functools.lru_cache(maxsize=16)
-def _arange(n: int, device: torch.device) -> torch.Tensor:
-    """``arange(n)`` (int64), built once per size and device: the scatter's source, only read."""
-    return torch.arange(n, device=device)
+#: One ``arange`` per device, as long as the largest plan asked for (see :func:`shared_arange`).
+_ARANGES: dict[torch.device, torch.Tensor] = {}
+
+
+def shared_arange(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` (int64): a view of one per-device buffer, the scatter's source (only read).
+
+    The buffer is rebuilt only when a larger ``n`` comes, so the memory held is one ``T * E``
+    index of the largest plan, not one per distinct size (variable-length batches would
+    otherwise keep a device tensor per token count).
+    """
+    values = _ARANGES.get(device)
+    if values is None or values.numel() < n:
+        values = _ARANGES[device] = torch.arange(n, device=device)
+    return values[:n]
 
 
 class _GatherWithTrash(torch.autograd.Function):

@@ -172,6 +172,21 @@ def test_static_plan_narrowed_is_the_exact_plan():
     )
 
 
+def test_shared_arange_holds_one_buffer_of_the_largest_size():
+    """Plans of many token counts (variable-length batches) share one index buffer per device."""
+    cpu = torch.device("cpu")
+    ap._ARANGES.pop(cpu, None)
+    views = [ap.shared_arange(n, cpu) for n in (10, 100, 50, 0, 100)]
+    assert [v.tolist() for v in views] == [list(range(n)) for n in (10, 100, 50, 0, 100)]
+    held = ap._ARANGES[cpu]
+    assert list(ap._ARANGES) == [cpu] and held.numel() == 100  # rebuilt once, at 100
+    assert all(v.untyped_storage().data_ptr() == held.data_ptr() for v in views[1:])
+    # A plan of 37 x 8 pairs grows it to 296 and only reads it (the scatter's source).
+    routing_map, _, _ = random_routing(37, 8, 2, 0)
+    plan(routing_map, 16)
+    assert torch.equal(ap._ARANGES[cpu], torch.arange(37 * 8))
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_equals_megatrons_permute_and_unpermute_with_grads(deterministic, token_path):
     """Real rows equal Megatron's permute output in order; unpermute, and the gradients of the
