@@ -179,7 +179,15 @@ def real_and_aligned_rows_from_host_counts(
     real = int(sum(counts))
     if is_identity(align):
         return real, real
-    return real, int(sum(-(-int(c) // align) * align for c in counts))
+    return real, sum(round_up_host(counts, align))
+
+
+def round_up_host(counts: Sequence[int], align: int) -> list[int]:
+    """Each host count rounded up to a multiple of ``align`` (> 1): the aligned group sizes.
+
+    Python ints, for counts already on the host; :func:`round_up` is the device version.
+    """
+    return [-(-int(c) // align) * align for c in counts]
 
 
 def static_aligned_rows(num_rows: int, num_experts: int, align: int) -> int:

@@ -191,7 +191,7 @@ class _GroupAligner:
         """``(real rows N, buffer rows P, aligned host counts, host group starts)`` from host
         counts, one read."""
         counts = _host_counts(host_tokens_per_expert_E)
-        aligned = [-(-n // align) * align for n in counts]
+        aligned = al.round_up_host(counts, align)
         num_real = sum(counts)
         if self.buffer_sizing == "host_counts":
             num_rows = sum(aligned)

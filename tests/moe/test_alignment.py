@@ -70,6 +70,18 @@ def test_identity_alignment_is_no_op():
         al.plan_aligned_layout(torch.tensor([[1]]), 1, 1, 1)
 
 
+@pytest.mark.parametrize("align", [3, 16, 128])
+def test_host_round_up_equals_the_device_round_up(align):
+    counts = [0, 1, align - 1, align, align + 1, 5 * align, 1000]
+    host = al.round_up_host(counts, align)
+    assert host == al.round_up(torch.tensor(counts), align).tolist()
+    assert all(h % align == 0 and 0 <= h - c < align for h, c in zip(host, counts, strict=True))
+    assert al.real_and_aligned_rows_from_host_counts(torch.tensor(counts), align) == (
+        sum(counts),
+        sum(host),
+    )
+
+
 # ---------------------------------------------------------------- hand-worked layouts
 def test_hand_worked_single_chunk():
     # align 4, experts with 3 and 1 tokens, rows already expert-major:
