@@ -14,7 +14,10 @@ fp8 / mxfp8 / nvfp4, in one process per EP size:
 - pad rows added, and whether every group ended up aligned (router padding cannot align when a
   rank has fewer tokens than the multiple: nvfp4 with 48 tokens stays unaligned);
 - minor page faults per round trip: a fresh CPU tensor beyond glibc's mmap threshold faults in
-  every page, which a GPU caching allocator never pays.
+  every page, which a GPU caching allocator never pays;
+- ATen ops per round trip (:class:`OpCounter`, one untimed trip after the rounds): on a GPU each
+  is a kernel launch, which at a few tokens is most of a trip's cost there; the CPU times above
+  also pay for the pad rows' data, which a GPU moves at a far higher bandwidth.
 
 Every figure is measured twice, under two allocator settings (column ``allocator``), each in
 worker processes of its own:
@@ -35,6 +38,7 @@ Stand-in experts (a copy of their rows) run outside the timed span, so the times
 dispatcher's own work (dispatch + combine); the experts' cost of the pad rows is the GEMMs'.
 """
 
+import contextlib
 import ctypes
 import ctypes.util
 import resource
@@ -42,6 +46,7 @@ import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_ext.bench.registry import BenchResult, register_benchmark
 from megatron_ext.testing import run_distributed
@@ -74,27 +79,53 @@ def _set_precision(cfg, precision: str | None) -> None:
     cfg.fp4, cfg.fp4_recipe = ("e2m1", "nvfp4") if fp4 else (None, None)
 
 
-def _round_trip(layer, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
+def _round_trip(layer, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, span=None):
     """Dispatch and combine around stand-in experts.
 
     Returns (rows into the exchange, groups, seconds in the dispatcher). The stand-in (a copy,
     as an expert's output is a fresh tensor) is outside the timed span: its cost is the experts'
-    (it grows with the pad rows, as the GEMMs do), not the dispatcher's.
+    (it grows with the pad rows, as the GEMMs do), not the dispatcher's. ``span``: a context
+    entered around the two dispatcher spans (an :class:`OpCounter`), outside their timing.
     """
     d = layer.token_dispatcher
-    start = time.perf_counter()
-    h, p = d.dispatch_preprocess(x, routing_map, probs)
-    rows_sent = h.shape[0]
-    h, p = d.token_dispatch(h, p)
-    h, tokens_per_expert, p = d.dispatch_postprocess(h, p)
-    dispatched = time.perf_counter()
+    span = span or contextlib.nullcontext()
+    with span:
+        start = time.perf_counter()
+        h, p = d.dispatch_preprocess(x, routing_map, probs)
+        rows_sent = h.shape[0]
+        h, p = d.token_dispatch(h, p)
+        h, tokens_per_expert, p = d.dispatch_postprocess(h, p)
+        dispatched = time.perf_counter()
     h = h * 1.0
-    combine = time.perf_counter()
-    h = d.combine_preprocess(h)
-    h = d.token_combine(h)
-    d.combine_postprocess(h)
-    seconds = (dispatched - start) + (time.perf_counter() - combine)
-    return rows_sent, tokens_per_expert, seconds
+    with span:
+        combine = time.perf_counter()
+        h = d.combine_preprocess(h)
+        h = d.token_combine(h)
+        d.combine_postprocess(h)
+        done = time.perf_counter()
+    return rows_sent, tokens_per_expert, (dispatched - start) + (done - combine)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ATen calls that do work, each a kernel launch on a GPU (re-enterable).
+
+    Views and aliases are left out (their schema returns an alias that is not written), as are
+    bare allocations (``empty*``: no kernel). In-place ops, copies and scalar reads count.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        alias = func._schema.returns[0].alias_info if func._schema.returns else None
+        view = alias is not None and not alias.is_write
+        if not view and func.overloadpacket.__name__ not in _ALLOCATIONS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+_ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 
 
 class _Variant:
@@ -108,6 +139,7 @@ class _Variant:
         self.seconds: list[float] = []
         self.faults: list[int] = []
         self.rows_sent, self.groups = 0, []
+        self.ops: int | None = None  # ATen ops per trip (OpCounter), from count_ops
 
     def run(self, x, probs, routing_map, reps: int) -> None:
         if self.inputs is not None:
@@ -126,6 +158,19 @@ class _Variant:
         self.seconds.append(seconds / reps)
         self.faults.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) // reps)
         cfg.moe_router_padding_for_quantization = False
+
+    def count_ops(self, x, probs, routing_map) -> int:
+        """One untimed trip under an :class:`OpCounter`: the dispatcher's ATen ops per trip."""
+        if self.inputs is not None:
+            x, probs, routing_map = self.inputs
+        _set_precision(self.layer.config, self.precision)
+        self.layer.config.moe_router_padding_for_quantization = self.router_padding
+        counter = OpCounter()
+        with torch.no_grad():
+            _round_trip(self.layer, x, probs, routing_map.clone(), span=counter)
+        self.layer.config.moe_router_padding_for_quantization = False
+        self.ops = counter.count
+        return self.ops
 
 
 def _build(dispatcher: str, hidden: int, aligned: bool):
@@ -185,6 +230,8 @@ def _worker(token_counts: list[int], hidden: int, rounds: int, allocator: str) -
                 # Same order on every rank (the exchanges pair up), rotated every round.
                 for v in variants[r % len(variants) :] + variants[: r % len(variants)]:
                     v.run(x, probs, routing_map, reps)
+            for v in (base, *mine.values()):
+                v.count_ops(x, probs, routing_map)
             base_rows, base_groups = base.rows_sent, [int(n) for n in base.groups]
             if ep == 1 and dispatcher == "alltoall":
                 assert sum(base_groups) == base_rows  # no exchange: every row sent is received
@@ -219,6 +266,8 @@ def _worker(token_counts: list[int], hidden: int, rounds: int, allocator: str) -
                         all(n % align == 0 for n in rp_groups) if rp else "-",
                         int(statistics.median(base.faults)),
                         int(statistics.median(v.faults)),
+                        base.ops,
+                        v.ops,
                     ]
                 )
     return rows
@@ -268,6 +317,8 @@ COLUMNS = [
     "router pad aligned",
     "faults/trip unaligned",
     "faults/trip ours",
+    "ops/trip unaligned",
+    "ops/trip ours",
 ]
 
 
@@ -311,6 +362,10 @@ def alignment(quick: bool) -> BenchResult:
             "with what the variants freed before in the run, so variants of one size can fault "
             "differently; caching "
             "= malloc keeping freed memory (mallopt M_MMAP_MAX 0, M_TRIM_THRESHOLD max), pages "
-            "reused as a GPU caching allocator reuses its blocks."
+            "reused as a GPU caching allocator reuses its blocks. 'ops/trip': ATen calls that "
+            "do work in one dispatch + combine (views and bare allocations left out; each is a "
+            "kernel launch on a GPU), counted in one untimed trip; a copy to the host of a CPU "
+            "tensor is no op here and one copy on a GPU, for both (Megatron's .cpu() of the "
+            "counts, kept by ours)."
         ),
     )
