@@ -16,8 +16,8 @@ fp8 / mxfp8 / nvfp4, in one process per EP size:
 - minor page faults per round trip: a fresh CPU tensor beyond glibc's mmap threshold faults in
   every page, which a GPU caching allocator never pays;
 - ATen ops per round trip (:class:`OpCounter`, one untimed trip after the rounds): on a GPU each
-  is a kernel launch, which at a few tokens is most of a trip's cost there; the CPU times above
-  also pay for the pad rows' data, which a GPU moves at a far higher bandwidth.
+  launches at least one kernel, and at a few tokens launches are most of a trip's cost there;
+  the CPU times above also pay for the pad rows' data, which a GPU moves far faster.
 
 Every figure is measured twice, under two allocator settings (column ``allocator``), each in
 worker processes of its own:
@@ -107,7 +107,7 @@ def _round_trip(layer, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts the ATen calls that do work, each a kernel launch on a GPU (re-enterable).
+    """Counts the ATen calls that do work, each at least one kernel on a GPU (re-enterable).
 
     Views and aliases are left out (their schema returns an alias that is not written), as are
     bare allocations (``empty*``: no kernel). In-place ops, copies and scalar reads count.
@@ -363,9 +363,10 @@ def alignment(quick: bool) -> BenchResult:
             "differently; caching "
             "= malloc keeping freed memory (mallopt M_MMAP_MAX 0, M_TRIM_THRESHOLD max), pages "
             "reused as a GPU caching allocator reuses its blocks. 'ops/trip': ATen calls that "
-            "do work in one dispatch + combine (views and bare allocations left out; each is a "
-            "kernel launch on a GPU), counted in one untimed trip; a copy to the host of a CPU "
-            "tensor is no op here and one copy on a GPU, for both (Megatron's .cpu() of the "
-            "counts, kept by ours)."
+            "do work in one dispatch + combine, counted in one untimed trip (views and bare "
+            "allocations left out); on a GPU each launches at least one kernel (a sort, cumsum or "
+            "masked_select several, and masked_select also waits for the device). A copy of a "
+            "CPU tensor to the host is no op here and one copy on a GPU, for both (Megatron's "
+            ".cpu() of the counts, kept by ours)."
         ),
     )
