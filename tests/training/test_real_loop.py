@@ -11,10 +11,10 @@ test_demo.py), replay in tests/training/test_checkpoint_resume.py (HybridModel's
 |----------------------------|------------------------------------------------------------------------|
 | pretrain_moe_blended       | HybridModel, alltoall, aux_loss, EP=2, a weighted blend, load metrics, save |
 | sft_fp8_moe_packed, gpt    | GPTModel: fp8 rehearsal (groups aligned to 16), best-fit packing, loss mask |
-| the same, allgather        | the all-gather dispatcher's aligned permute (every group a multiple of 16) |
 | rl_route_replay record     | HybridModel at the script's TP 2 + SP: route record -> sidecar of every doc |
 | rl_route_replay            | replay of that sidecar reproduces the recording run exactly            |
-| tiny HybridModel           | TP 2 + SP, allgather, seq_aux_loss + global_aux_loss, z-loss, EP=2     |
+| tiny HybridModel           | TP 2 + SP, allgather, seq_aux_loss + global_aux_loss, z-loss, EP=2,    |
+|                            | fp8 rehearsal: the all-gather's aligned permute (groups of 16)         |
 | tiny GPTModel PP=2         | pipeline parallelism, aux-loss-free expert bias (written to the ckpt), |
 |                            | a validation split that rounds to no documents under --eval-iters 0    |
 
@@ -233,23 +233,6 @@ def test_sft_example_trains_on_packed_loss_masked_data(sft_data, tmp_path) -> No
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
 
 
-def test_sft_example_with_the_allgather_dispatcher_aligns_every_group(sft_data, tmp_path) -> None:
-    # The same fp8 rehearsal with --moe-token-dispatcher-type allgather: its aligned permute plans
-    # from Megatron's host counts (read off the plan's ranks), inside Megatron's loop at EP=2.
-    run = run_example(
-        "sft_fp8_moe_packed.sh",
-        sft_data,
-        tmp_path / "ckpt",
-        ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"],
-        model="gpt",
-    )
-    assert_trains(run)
-    assert re.search(r"moe_token_dispatcher_type \.+ allgather", run.output)
-    groups = re.findall(r"rehearsal: (\d+) expert groups reached the grouped GEMM, (\d+) not a "
-                        r"multiple of 16", run.output)  # fmt: skip
-    assert len(groups) == 2 and all(int(n) > 0 and int(bad) == 0 for n, bad in groups), groups
-
-
 # ------------------------------------------------------------------------------------------------
 # examples/rl_route_replay.sh: record routes, then replay them
 # ------------------------------------------------------------------------------------------------
@@ -355,6 +338,9 @@ def test_hybrid_model_tp2_sp_allgather_seq_and_global_aux_loss_and_z_loss(corpus
     # Megatron 0.19.2 takes the layer count from --hybrid-layer-pattern; --num-layers must match it.
     # TP=2 with sequence parallelism and EP=2 (expert TP 1) on the same 2 ranks: megatron_ext's SP
     # local norms, and the pad mask sharded for HybridModel's routers (0.19.2 does not shard it).
+    # The fp8 rehearsal: the all-gather dispatcher's aligned permute plans from Megatron's host
+    # counts (read off the plan's ranks) inside the loop; the grouped-GEMM backend raises on a
+    # group that is not a multiple of 16 (it does with the pad skipped).
     run = launch([
         *TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
         "--hybrid-layer-pattern", "*E*E", "--num-layers", "4",
@@ -364,8 +350,13 @@ def test_hybrid_model_tp2_sp_allgather_seq_and_global_aux_loss_and_z_loss(corpus
         "--moe-expert-load-metrics",
         "--tensor-model-parallel-size", "2", "--sequence-parallel",
         "--expert-tensor-parallel-size", "1", VERBOSE,
+        "--moe-grouped-gemm", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise",
+        "--moe-dispatch-align",
     ])  # fmt: skip
     assert_trains(run)
+    groups = re.findall(r"rank \d rehearsal: (\d+) expert groups reached the grouped GEMM, (\d+) "
+                        r"not a multiple of 16", run.output)  # fmt: skip
+    assert len(groups) == 2 and all(int(n) > 0 and int(bad) == 0 for n, bad in groups), groups
     assert built_model(run) == "HybridModel"
     assert "layers='*E*E' (4 layers)" in run.output  # Megatron's HybridModel layer allocation
     assert re.search(r"sequence_parallel \.+ True", run.output)
