@@ -1,8 +1,9 @@
-"""Launches ``python -m megatron_ext.pretrain_gpt --cpu`` under torchrun and reads what the loop logged.
+"""Launches ``python -m megatron_ext.pretrain_gpt --cpu`` on gloo ranks and reads what the loop logged.
 
 For tests and the demo: Megatron's real ``pretrain`` runs in fresh processes (2 gloo ranks by default),
-exactly as a user's launch would, and the returned :class:`LoopRun` parses Megatron's iteration lines
-(``lm loss``, ``load_balancing_loss``, ...) and megatron_ext's expert-load lines from the output.
+each with the environment torchrun gives its workers, and the returned :class:`LoopRun` parses
+Megatron's iteration lines (``lm loss``, ``load_balancing_loss``, ...) and megatron_ext's expert-load
+lines from the output.
 
 Example::
 
@@ -16,6 +17,8 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,30 +88,68 @@ def launch(
     module: str = "megatron_ext.pretrain_gpt",
     cwd: str | Path | None = None,
 ) -> LoopRun:
-    """Runs ``torchrun --nproc-per-node nproc -m module *args`` and returns what it printed
-    (``nproc=1``: the module directly, with torchrun's environment)."""
+    """Runs ``python -m module *args`` on ``nproc`` ranks, each with the environment torchrun gives
+    its workers, and returns what they printed (one stream, as torchrun's).
+
+    No torchrun agent process: it is one more interpreter importing torch before the ranks start
+    (about 3 s of a 13 s two-rank launch on a 2-core machine). Like the agent, the first rank to
+    fail stops the others (a peer waiting in a collective would otherwise wait for the timeout);
+    the launch's return code is that rank's. The examples' own torchrun path is run by
+    tests/training/test_real_loop.py and the demo.
+
+    Raises:
+        subprocess.TimeoutExpired: The ranks ran past ``timeout`` seconds (all are killed).
+    """
     port = str(free_port())
-    full_env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    if nproc == 1:
-        # One process: the environment torchrun would give it, without torchrun's agent process
-        # (a second interpreter importing torch: seconds per launch on a 2-core machine).
-        argv = [sys.executable, "-m", module, *args]
-        full_env.update(
-            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-        )  # fmt: skip
-    else:
-        argv = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-port", port, "-m", module, *args,
+    argv = [sys.executable, "-m", module, *args]
+    base_env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    with tempfile.TemporaryFile("w+") as out:
+        procs = [
+            subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=cwd,
+                env={**base_env, **_rank_env(rank, nproc, port)},
+            )
+            for rank in range(nproc)
         ]  # fmt: skip
-    proc = subprocess.run(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-        env=full_env,
-        cwd=cwd,
-    )
-    return LoopRun(argv=argv, returncode=proc.returncode, output=proc.stdout)
+        returncode = _wait_first_failure(procs, argv, timeout)
+        out.seek(0)
+        return LoopRun(argv=argv, returncode=returncode, output=out.read())
+
+
+def _rank_env(rank: int, world_size: int, port: str) -> dict[str, str]:
+    """The variables torchrun's agent sets for worker ``rank`` of one node."""
+    names = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK")
+    return {
+        **{name: str(rank) for name in names},
+        **{name: str(world_size) for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "ROLE_WORLD_SIZE")},
+        "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+    }  # fmt: skip
+
+
+def _wait_first_failure(procs: list[subprocess.Popen], argv: list[str], timeout: float) -> int:
+    """Waits for every rank; the first to fail stops the rest. Returns its code (0: all passed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = next((c for c in codes if c not in (None, 0)), None)
+        if failed is not None or all(c == 0 for c in codes):
+            _stop(procs)
+            return failed or 0
+        if time.monotonic() > deadline:
+            _stop(procs)
+            raise subprocess.TimeoutExpired(argv, timeout)
+        time.sleep(0.05)
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Terminates the ranks still running (SIGTERM, then SIGKILL after 5 s) and reaps them all."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

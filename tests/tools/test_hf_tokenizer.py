@@ -2,7 +2,7 @@
 and Megatron's real loop trains with ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR``.
 
 Tier: Megatron on one rank (Megatron's own ``HuggingFaceTokenizer`` class, IndexedDataset files) and one
-subprocess launch (Megatron's real ``pretrain`` under torchrun, 2 gloo ranks, CPU, about 30 s).
+subprocess launch (Megatron's real ``pretrain``, 2 gloo ranks with torchrun's environment, CPU, about 10 s).
 
 The directory is built here, offline: a byte-level BPE (600 ids, ``<|endoftext|>`` = id 0) trained on
 the embedded corpus and saved with ``PreTrainedTokenizerFast.save_pretrained`` (``tokenizer.json`` +

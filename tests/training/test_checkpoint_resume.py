@@ -1,4 +1,4 @@
-"""Tier: Megatron's real training loop (torchrun, 2 gloo ranks, CPU): checkpoint and resume.
+"""Tier: Megatron's real training loop (2 gloo ranks with torchrun's environment, CPU): checkpoint and resume.
 
 An uninterrupted run saves at iteration K and at N (``--save-interval K``; saving does not change its
 training), so it is also the reference. A second run loads the iteration-K checkpoint (``--load

@@ -1,4 +1,4 @@
-"""Tier: subprocesses (Megatron's real ``pretrain`` under torchrun, 2 gloo ranks, CPU).
+"""Tier: subprocesses (Megatron's real ``pretrain``, 2 gloo ranks, CPU: the examples under their own torchrun).
 
 Every ``examples/*.sh`` runs for real with ``CPU=1`` (``examples/_launch.sh``: ``--cpu --transformer-impl
 local`` and tiny sizes appended; the parallel sizes that fit 2 ranks in ``OVERRIDES``), and a matrix of
