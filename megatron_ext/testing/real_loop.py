@@ -93,8 +93,8 @@ def launch(
 
     No torchrun agent process: it is one more interpreter importing torch before the ranks start
     (about 3 s of a 13 s two-rank launch on a 2-core machine). Like the agent, the first rank to
-    fail stops the others (a peer waiting in a collective would otherwise wait for the timeout);
-    the launch's return code is that rank's. The examples' own torchrun path is run by
+    fail stops the others (a peer still waiting for it, in the rendezvous for one, would wait 30
+    minutes); the launch's return code is that rank's. The examples' own torchrun path is run by
     tests/training/test_real_loop.py and the demo.
 
     Raises:
