@@ -141,34 +141,37 @@ class _Variant:
         self.rows_sent, self.groups = 0, []
         self.ops: int | None = None  # ATen ops per trip (OpCounter), from count_ops
 
-    def run(self, x, probs, routing_map, reps: int) -> None:
-        if self.inputs is not None:
-            x, probs, routing_map = self.inputs
+    @contextlib.contextmanager
+    def _setting(self, x, probs, routing_map):
+        """This variant's precision and router padding on its layer, no_grad; yields its inputs
+        (its own, or the round's)."""
         cfg = self.layer.config
         _set_precision(cfg, self.precision)
         cfg.moe_router_padding_for_quantization = self.router_padding
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        seconds = 0.0
-        with torch.no_grad():
+        try:
+            with torch.no_grad():
+                yield self.inputs if self.inputs is not None else (x, probs, routing_map)
+        finally:
+            cfg.moe_router_padding_for_quantization = False
+
+    def run(self, x, probs, routing_map, reps: int) -> None:
+        with self._setting(x, probs, routing_map) as (x, probs, routing_map):
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            seconds = 0.0
             for _ in range(reps):
                 # A fresh map each trip: Megatron's pad_routing_map writes into the one it gets.
                 trip_map = routing_map.clone()
                 self.rows_sent, self.groups, trip = _round_trip(self.layer, x, probs, trip_map)
                 seconds += trip
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         self.seconds.append(seconds / reps)
-        self.faults.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) // reps)
-        cfg.moe_router_padding_for_quantization = False
+        self.faults.append(faults // reps)
 
     def count_ops(self, x, probs, routing_map) -> int:
         """One untimed trip under an :class:`OpCounter`: the dispatcher's ATen ops per trip."""
-        if self.inputs is not None:
-            x, probs, routing_map = self.inputs
-        _set_precision(self.layer.config, self.precision)
-        self.layer.config.moe_router_padding_for_quantization = self.router_padding
         counter = OpCounter()
-        with torch.no_grad():
+        with self._setting(x, probs, routing_map) as (x, probs, routing_map):
             _round_trip(self.layer, x, probs, routing_map.clone(), span=counter)
-        self.layer.config.moe_router_padding_for_quantization = False
         self.ops = counter.count
         return self.ops
 
