@@ -226,7 +226,21 @@ def _worker(token_counts: list[int], hidden: int, rounds: int, allocator: str) -
                     )
                     v.seconds.clear()  # the warm-up trip is not a round
                     v.faults.clear()
+            no_pad_base, no_pad = None, {}
+            no_pad_routing = no_pad_inputs(
+                probs, routing_map, [_align_of(ours, p) for p in PRECISIONS]
+            )
+            if ep == 1 and no_pad_routing is not None:  # ours' own cost, with no pad row to add
+                group_align, *routed = no_pad_routing
+                inputs = (x, *routed)
+                no_pad_base = _Variant(stock, None, inputs=inputs)
+                no_pad = {
+                    p: _Variant(ours, p, inputs=inputs)
+                    for p in PRECISIONS
+                    if group_align % _align_of(ours, p) == 0
+                }
             variants = [base, *mine.values(), *padded.values(), *floors.values()]
+            variants += [no_pad_base, *no_pad.values()] if no_pad_base else []
             reps = max(1, 2048 // num_tokens)  # small inputs: several trips per timing
             _round_trip(stock, x, probs, routing_map.clone())  # warm-up (first-call allocations)
             for r in range(rounds):
@@ -260,6 +274,7 @@ def _worker(token_counts: list[int], hidden: int, rounds: int, allocator: str) -
                         round(max(ratios), 3),
                         round(statistics.median(_ratios(rp, base)), 3) if rp else "-",
                         _floor_cell(floors.get(precision), base, sum(groups)),
+                        _no_pad_cell(no_pad.get(precision), no_pad_base),
                         base_rows if a2a else "-",
                         v.rows_sent if a2a else "-",
                         rp.rows_sent if (a2a and rp) else "-",
@@ -282,6 +297,49 @@ def _inputs_with_rows(x, probs, routing_map, num_rows: int):
     assert num_rows % topk == 0 and bool((routing_map.sum(-1) == topk).all())
     index = torch.arange(num_rows // topk) % x.shape[0]
     return x[index], probs[index], routing_map[index]
+
+
+def no_pad_inputs(probs: torch.Tensor, routing_map: torch.Tensor, aligns: list[int]):
+    """The round's routing moved so that every expert's count is a multiple of an alignment.
+
+    Slot ``s`` of the ``T*K`` routed pairs goes to expert ``s // G`` and token ``s % T``, with
+    ``G`` the smallest multiple of the largest usable ``align`` that is at least ``T*K/E``
+    (``G <= T`` keeps a token's experts distinct, and ``G`` divides ``T*K``). Each token keeps
+    its own top-k probabilities (descending, onto its new experts in ascending order), so the
+    dispatcher's work differs from the round's only in where the rows go. Shape legend: T
+    tokens, E experts, K = top-k.
+
+    Returns:
+        ``(align, probs_TE, routing_map_TE)`` for the largest ``align`` in ``aligns`` that
+        allows it, or None when none does (nvfp4 with fewer tokens than 128).
+    """
+    num_tokens, num_experts = routing_map.shape
+    topk = int(routing_map[0].sum())
+    pairs = num_tokens * topk
+    for align in sorted(aligns, reverse=True):
+        group = align * max(1, -(-pairs // (num_experts * align)))
+        if group <= num_tokens and pairs % group == 0 and pairs // group <= num_experts:
+            break
+    else:
+        return None
+    slot = torch.arange(pairs)
+    token, expert = slot % num_tokens, slot // group
+    new_map = torch.zeros_like(routing_map)
+    new_map[token, expert] = True
+    assert bool((new_map.sum(1) == topk).all()), "a token's experts must be distinct"
+    kept = probs.masked_select(routing_map).view(num_tokens, topk).sort(1, descending=True).values
+    new_probs = torch.zeros_like(probs)
+    new_probs[new_map] = kept.reshape(-1)  # row-major: each token's experts ascending
+    return align, new_probs, new_map
+
+
+def _no_pad_cell(ours, base) -> float | str:
+    """Median paired ratio of ours to unaligned on the no-pad routing (checked: no pad row)."""
+    if ours is None:
+        return "-"
+    routed = int(ours.inputs[2].sum())
+    assert sum(int(n) for n in ours.groups) == routed, "the no-pad routing needed a pad row"
+    return round(statistics.median(_ratios(ours, base)), 3)
 
 
 def _floor_cell(floor, base, rows_ours: int):
@@ -311,6 +369,7 @@ COLUMNS = [
     "ratio max",
     "router pad/unaligned",
     "unaligned at ours' rows/unaligned",
+    "ours/unaligned, no pad needed",
     "a2a rows unaligned",
     "a2a rows ours",
     "a2a rows router pad",
@@ -358,8 +417,13 @@ def alignment(quick: bool) -> BenchResult:
             "padding routes duplicated real tokens (prob 0) through it and cannot reach the "
             "multiple when a rank has too few tokens (nvfp4, 48 tokens). 'unaligned at ours' rows' "
             "(EP=1): Megatron's unaligned dispatcher given the round's tokens repeated until "
-            "it carries as many rows as our aligned buffer, over unaligned: what the pad rows' "
-            "data alone cost, with no planning at all. 'allocator' (each in fresh worker "
+            "it carries as many rows as our aligned buffer, over unaligned: what that many "
+            "rows cost Megatron's own path, with no planning at all (its per-token work grows "
+            "with them too). 'no pad needed' (EP=1): the round's routing moved so every "
+            "expert's count is already a multiple (whole groups of tokens per expert, each "
+            "token keeping its own top-2 probs), ours over unaligned on that routing, checked "
+            "to add no pad row: ours' own cost beside Megatron's, no pad row's data in it ('-': "
+            "no such routing, nvfp4 at 48 tokens). 'allocator' (each in fresh worker "
             "processes): glibc = malloc defaults, tensors above its mmap threshold are fresh "
             "mmaps whose pages fault in on every trip ('faults/trip'), and that threshold moves "
             "with what the variants freed before in the run, so variants of one size can fault "
