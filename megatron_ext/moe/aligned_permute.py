@@ -38,7 +38,7 @@ from megatron_ext.moe.alignment import (
     gather_and_zero_pads,
     give_slack_to_last,
     round_up,
-    shared_zero_rows,
+    shared_zero_row,
 )
 
 
@@ -156,7 +156,6 @@ def plan_aligned_permute(
     assert num_rows >= num_out_tokens, "the buffer holds every routed pair"
     num_tokens, num_experts = routing_map_TE.shape
     num_pairs = num_tokens * num_experts
-    device = routing_map_TE.device
     if rank_TE is None:
         rank_TE = rank_within_expert(routing_map_TE)
     aligned_E = None
@@ -165,8 +164,9 @@ def plan_aligned_permute(
         start_E = aligned_E.cumsum(0).sub_(aligned_E)
     # Buffer row + 1 of each routed pair (its rank is 1-based); 0 is a trash slot for the rest.
     slot_TE = rank_TE.add(start_E).mul_(routing_map_TE)
-    pair_idx = torch.full((num_rows + 1,), num_pairs, dtype=torch.long, device=device)
-    pair_idx.scatter_(0, slot_TE.view(-1), shared_arange(num_pairs, device))
+    pair_idx = slot_TE.new_full((num_rows + 1,), num_pairs)  # int64, on the map's device
+    # The scatter reads its source only where the index is, so the buffer needs no slicing.
+    pair_idx.scatter_(0, slot_TE.view(-1), _arange_buffer(num_pairs, slot_TE))
     pair_idx_P = pair_idx[1:]
     return PermuteLayout(
         pair_idx_P=pair_idx_P,
@@ -179,21 +179,23 @@ def plan_aligned_permute(
     )
 
 
-#: One ``arange`` per device, as long as the largest plan asked for (see :func:`shared_arange`).
+#: One int64 ``arange`` per device, as long as the largest plan asked for.
 _ARANGES: dict[torch.device, torch.Tensor] = {}
 
 
-def shared_arange(n: int, device: torch.device) -> torch.Tensor:
-    """``arange(n)`` (int64): a view of one per-device buffer, the scatter's source (only read).
+def _arange_buffer(n: int, like: torch.Tensor) -> torch.Tensor:
+    """An int64 ``arange`` at least ``n`` long on ``like``'s device: the plan's scatter source.
 
-    The buffer is rebuilt only when a larger ``n`` comes, so the memory held is one ``T * E``
-    index of the largest plan, not one per distinct size (variable-length batches would
-    otherwise keep a device tensor per token count).
+    One buffer per device, rebuilt only when a larger ``n`` comes, so the memory held is one
+    ``T * E`` index of the largest plan, not one per distinct size (variable-length batches
+    would otherwise keep a device tensor per token count). The scatter reads its source only
+    where its index is, so the buffer is passed whole (no slicing op) and never written.
     """
+    device = like.device
     values = _ARANGES.get(device)
     if values is None or values.numel() < n:
         values = _ARANGES[device] = torch.arange(n, device=device)
-    return values[:n]
+    return values
 
 
 class _GatherWithTrash(torch.autograd.Function):
@@ -232,7 +234,7 @@ def permute_to_layout(x_TD: torch.Tensor, layout: PermuteLayout) -> torch.Tensor
     if x_TD.numel() * x_TD.element_size() <= SMALL_TOKENS_BYTES:
         # Pads gather the appended zero row (index T); autograd's backward is the same
         # index_add_ into T + 1 rows, the trash row dropped by the cat's backward.
-        zero = shared_zero_rows(x_TD, 1)[:1]
+        zero = shared_zero_row(x_TD)
         return torch.cat([x_TD, zero]).index_select(0, layout.token_idx_P)
     if not (x_TD.requires_grad and torch.is_grad_enabled()):  # no graph: skip the Function
         return _GatherWithTrash.forward(None, x_TD, layout.token_idx_P, layout.pad_idx_Q)
@@ -249,7 +251,7 @@ def permute_probs(probs_TE: torch.Tensor, layout: PermuteLayout) -> torch.Tensor
     """
     assert probs_TE.shape[0] == layout.num_tokens, "probs rows differ from the routing map"
     flat = probs_TE.reshape(-1)
-    return torch.cat([flat, shared_zero_rows(flat, 1)[:1]]).index_select(0, layout.pair_idx_P)
+    return torch.cat([flat, shared_zero_row(flat)]).index_select(0, layout.pair_idx_P)
 
 
 def unpermute_from_layout(y_PD: torch.Tensor, layout: PermuteLayout) -> torch.Tensor:

@@ -120,19 +120,31 @@ def give_slack_to_last(aligned_E: torch.Tensor, num_rows: int) -> torch.Tensor:
     return aligned_E
 
 
-def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on ``device`` without a stream sync (itself on the CPU).
+def host_to_device(host: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A small host tensor on ``like``'s device without a stream sync (itself on the CPU).
 
     Pinned and copied asynchronously: a blocking or pageable host-to-device copy would wait
     for the stream. The caching host allocator keeps the pinned block until the copy has run.
     """
-    if device.type == "cpu":
+    if like.is_cpu:
         return host
-    return host.pin_memory().to(device, non_blocking=True)
+    return host.pin_memory().to(like.device, non_blocking=True)
 
 
 #: Zero rows by (dtype, device, row shape): the pads' source, shared by every caller, only read.
-_ZERO_ROWS: dict[tuple, torch.Tensor] = {}
+#: Each entry is ``(buffer, its first row)``: the one-row view costs no slicing op per call.
+_ZERO_ROWS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _zero_entry(like: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    row_shape = like.shape[1:]
+    key = (like.dtype, like.device, row_shape)
+    entry = _ZERO_ROWS.get(key)
+    if entry is None or entry[0].shape[0] < rows:
+        grown = max(rows, 2 * (0 if entry is None else entry[0].shape[0]), 1)
+        zeros = like.new_zeros((grown, *row_shape))
+        entry = _ZERO_ROWS[key] = (zeros, zeros[:1])
+    return entry
 
 
 def shared_zero_rows(like: torch.Tensor, rows: int) -> torch.Tensor:
@@ -140,12 +152,13 @@ def shared_zero_rows(like: torch.Tensor, rows: int) -> torch.Tensor:
 
     One buffer per kind for the whole process, grown by doubling; callers slice what they need.
     """
-    key = (like.dtype, like.device, tuple(like.shape[1:]))
-    zeros = _ZERO_ROWS.get(key)
-    if zeros is None or zeros.shape[0] < rows:
-        grown = max(rows, 2 * (0 if zeros is None else zeros.shape[0]), 1)
-        zeros = _ZERO_ROWS[key] = like.new_zeros((grown, *like.shape[1:]))
-    return zeros
+    return _zero_entry(like, rows)[0]
+
+
+def shared_zero_row(like: torch.Tensor) -> torch.Tensor:
+    """One zero row ``[1, ...]`` like ``like``'s rows: a view of :func:`shared_zero_rows`'s
+    buffer, made when the buffer is (so the permute's trash row costs no slicing op)."""
+    return _zero_entry(like, 1)[1]
 
 
 def aligned_rows_from_host_counts(

@@ -171,7 +171,7 @@ class _GroupAligner:
                 num_real,
                 num_rows,
                 exact=self.buffer_sizing == "host_counts",
-                start_E=al.host_to_device(start_E, routing.device),
+                start_E=al.host_to_device(start_E, routing),
                 rank_TE=rank_TE,
             )
         self.layout = layout
@@ -198,9 +198,11 @@ class _GroupAligner:
         else:  # the slack rows join the last group, as in the device layout
             num_rows = al.static_aligned_rows(num_real, len(counts), align)
             aligned[-1] += num_rows - sum(aligned)
-        starts = itertools.accumulate(aligned[:-1], initial=0)
-        sizes_2E = torch.from_numpy(np.array([aligned, list(starts)], dtype=np.int64))
-        return num_real, num_rows, sizes_2E[0], sizes_2E[1]
+        # One host array, cut by numpy: torch's own indexing would add two dispatched ops.
+        sizes = np.array([*aligned, *itertools.accumulate(aligned[:-1], initial=0)], np.int64)
+        num_experts = len(aligned)
+        aligned_E = torch.from_numpy(sizes[:num_experts])
+        return num_real, num_rows, aligned_E, torch.from_numpy(sizes[num_experts:])
 
     def exact_host_sizes(
         self, x_P: torch.Tensor, probs_P: torch.Tensor, host_tokens_per_expert_E: torch.Tensor
@@ -239,7 +241,7 @@ def _host_counts(host_counts: torch.Tensor) -> list:
     synchronised (``_maybe_dtoh_and_synchronize``, or the all-gather dispatcher's ``.cpu()``); on
     a GPU this is no device-to-host sync. The CPU sync detector still counts it as a value read.
     """
-    assert host_counts.device.type == "cpu", "host counts must already be on the host"
+    assert host_counts.is_cpu, "host counts must already be on the host"
     return host_counts.tolist()
 
 

@@ -172,19 +172,23 @@ def test_static_plan_narrowed_is_the_exact_plan():
     )
 
 
-def test_shared_arange_holds_one_buffer_of_the_largest_size():
-    """Plans of many token counts (variable-length batches) share one index buffer per device."""
-    cpu = torch.device("cpu")
-    ap._ARANGES.pop(cpu, None)
-    views = [ap.shared_arange(n, cpu) for n in (10, 100, 50, 0, 100)]
-    assert [v.tolist() for v in views] == [list(range(n)) for n in (10, 100, 50, 0, 100)]
-    held = ap._ARANGES[cpu]
-    assert list(ap._ARANGES) == [cpu] and held.numel() == 100  # rebuilt once, at 100
-    assert all(v.untyped_storage().data_ptr() == held.data_ptr() for v in views[1:])
-    # A plan of 37 x 8 pairs grows it to 296 and only reads it (the scatter's source).
+def test_plans_share_one_arange_buffer_of_the_largest_size():
+    """Plans of many token counts (variable-length batches) share one index buffer per device,
+    and a plan reading a buffer longer than its pairs equals one reading exactly ``arange``."""
+    ap._ARANGES.clear()
+    like = torch.zeros(1, dtype=torch.long)
+    buffers = [ap._arange_buffer(n, like) for n in (10, 100, 50, 0, 100)]
+    assert [b.numel() for b in buffers] == [10, 100, 100, 100, 100]  # rebuilt once, at 100
+    assert all(b is buffers[1] for b in buffers[1:])
+    assert list(ap._ARANGES) == [torch.device("cpu")] and torch.equal(buffers[1], torch.arange(100))
     routing_map, _, _ = random_routing(37, 8, 2, 0)
-    plan(routing_map, 16)
-    assert torch.equal(ap._ARANGES[cpu], torch.arange(37 * 8))
+    long_plan = plan(routing_map, 16)  # 296 pairs: grows the buffer, reads it only
+    assert torch.equal(ap._ARANGES[torch.device("cpu")], torch.arange(37 * 8))
+    ap._arange_buffer(10_000, like)  # a longer buffer from a larger batch
+    assert ap._ARANGES[torch.device("cpu")].numel() == 10_000
+    again = plan(routing_map, 16)
+    assert torch.equal(again.pair_idx_P, long_plan.pair_idx_P)
+    assert torch.equal(ap._ARANGES[torch.device("cpu")], torch.arange(10_000))  # never written
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

@@ -278,4 +278,21 @@ def test_host_to_device_on_the_host_is_the_tensor_itself():
     # On the CPU nothing is copied (the device path, pinned and asynchronous, is what
     # tools/gpu/gpu_check.py's all-gather layer runs under CUDA's sync debug mode).
     host = torch.tensor([0, 16, 32])
-    assert al.host_to_device(host, torch.device("cpu")) is host
+    assert al.host_to_device(host, torch.zeros(2, dtype=torch.bool)) is host
+
+
+def test_shared_zero_rows_one_buffer_per_kind_and_its_first_row():
+    """The pads' zero source: one buffer per (dtype, device, row shape), grown by doubling, and
+    its one-row view (the permute's trash row) made with it, so it follows a regrowth."""
+    al._ZERO_ROWS.clear()
+    like = torch.ones(5, 3)
+    row = al.shared_zero_row(like)
+    assert row.shape == (1, 3) and not row.any()
+    grown = al.shared_zero_rows(like, 10)
+    assert grown.shape == (10, 3) and not grown.any()
+    row = al.shared_zero_row(like)
+    assert row.data_ptr() == grown.data_ptr() and row.shape == (1, 3)
+    assert al.shared_zero_rows(like, 4) is grown  # big enough: the same buffer
+    assert al.shared_zero_rows(like.double(), 1).dtype == torch.float64
+    assert al.shared_zero_rows(torch.ones(2, 4), 1).shape == (1, 4)
+    assert len(al._ZERO_ROWS) == 3
