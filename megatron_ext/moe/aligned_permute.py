@@ -30,7 +30,7 @@ Shape legend: T tokens, E local experts, D hidden, P aligned buffer rows, Q = P 
 N routed pairs (Megatron's ``num_out_tokens``).
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -94,13 +94,14 @@ class PermuteLayout:
         the last group, so the exact layout is a prefix of the static one (views, no copy).
         """
         assert num_rows <= self.num_rows, "narrow only cuts"
-        return replace(
-            self,
+        return PermuteLayout(  # not dataclasses.replace: it re-reads the fields on every call
             pair_idx_P=self.pair_idx_P[:num_rows],
             token_idx_P=self.token_idx_P[:num_rows],
             aligned_E=None,
             num_rows=num_rows,
+            num_tokens=self.num_tokens,
             num_pads=self.num_pads - (self.num_rows - num_rows),
+            exact=self.exact,
         )
 
 
