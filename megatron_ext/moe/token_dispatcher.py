@@ -406,9 +406,12 @@ class AlignedAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
         if not self.aligner.active:
             return super().dispatch_postprocess(hidden_states, probs)
         self.hidden_shape_before_permute = hidden_states.shape
-        experts = slice(self.local_expert_indices[0], self.local_expert_indices[-1] + 1)
-        self.local_map = self.routing_map[:, experts].contiguous()
-        local_probs = probs[:, experts]
+        if self.num_local_experts == self.routing_map.shape[1]:  # every expert is local (EP=1)
+            self.local_map, local_probs = self.routing_map, probs  # no slicing op to pay
+        else:
+            experts = slice(self.local_expert_indices[0], self.local_expert_indices[-1] + 1)
+            self.local_map = self.routing_map[:, experts].contiguous()
+            local_probs = probs[:, experts]
         # The plan's ranks end in Megatron's per-expert counts (its local_map.sum(dim=0)).
         rank_TE = ap.rank_within_expert(self.local_map)
         # NOTE: device-to-host sync, Megatron's own (its dispatch_postprocess makes the same copy).
