@@ -37,6 +37,8 @@ import torch
 from megatron_ext.moe.alignment import (
     gather_and_zero_pads,
     give_slack_to_last,
+    host_pad_rows,
+    host_to_device,
     round_up,
     shared_zero_row,
 )
@@ -57,6 +59,9 @@ class PermuteLayout:
         num_tokens: T (host int).
         num_pads: Q = P - N (host int).
         exact: P is the exact aligned total (no static-bound slack).
+        host_sizes: ``(counts, aligned sizes)`` per group as Python ints, when the caller holds
+            them on the host (the last size takes any slack): the pad rows are then listed on
+            the host, one copy to the device, instead of a ``topk`` there.
     """
 
     pair_idx_P: torch.Tensor
@@ -66,6 +71,7 @@ class PermuteLayout:
     num_tokens: int
     num_pads: int
     exact: bool = False
+    host_sizes: tuple[list[int], list[int]] | None = None
 
     @property
     def tokens_per_expert_E(self) -> torch.Tensor | None:
@@ -81,17 +87,26 @@ class PermuteLayout:
 
     @property
     def pad_idx_Q(self) -> torch.Tensor:
-        """The pad rows (any order): the Q largest pair indices, which hold ``T * E``.
+        """The pad rows: from the host sizes when the caller gave them (ascending, one pinned
+        asynchronous copy on a GPU), else the Q largest pair indices, which hold ``T * E`` (a
+        ``topk`` on the device, any order).
 
         Computed on demand: only the gather that zeroes pads after copying needs them.
         """
+        if self.host_sizes is not None:
+            return host_to_device(
+                torch.from_numpy(host_pad_rows(*self.host_sizes)), self.pair_idx_P
+            )
         return self.pair_idx_P.topk(self.num_pads, sorted=False).indices
 
-    def narrow(self, num_rows: int) -> "PermuteLayout":
+    def narrow(
+        self, num_rows: int, host_sizes: tuple[list[int], list[int]] | None = None
+    ) -> "PermuteLayout":
         """The first ``num_rows`` rows: a static-bound plan cut to the exact aligned length.
 
         Groups start at the same offsets under both sizings and the slack sits at the end of
         the last group, so the exact layout is a prefix of the static one (views, no copy).
+        ``host_sizes``: as the attribute, for the cut layout (the host counts that sized it).
         """
         assert num_rows <= self.num_rows, "narrow only cuts"
         return PermuteLayout(  # not dataclasses.replace: it re-reads the fields on every call
@@ -102,6 +117,7 @@ class PermuteLayout:
             num_tokens=self.num_tokens,
             num_pads=self.num_pads - (self.num_rows - num_rows),
             exact=self.exact,
+            host_sizes=host_sizes,
         )
 
 
@@ -130,6 +146,7 @@ def plan_aligned_permute(
     exact: bool = False,
     start_E: torch.Tensor | None = None,
     rank_TE: torch.Tensor | None = None,
+    host_sizes: tuple[list[int], list[int]] | None = None,
 ) -> PermuteLayout:
     """Plans Megatron's dropless permute into an aligned, zero-padded expert-major buffer.
 
@@ -148,6 +165,8 @@ def plan_aligned_permute(
             caller holds on the host; None: computed here from the map.
         rank_TE: ``rank_within_expert(routing_map_TE)`` when the caller already has it (read,
             not written: its last row may be the caller's counts).
+        host_sizes: The groups' ``(counts, aligned sizes)`` as host ints, when the caller holds
+            them (see :attr:`PermuteLayout.host_sizes`).
 
     Returns:
         The layout; the last group absorbs any slack of a static bound.
@@ -177,6 +196,7 @@ def plan_aligned_permute(
         num_tokens=num_tokens,
         num_pads=num_rows - num_out_tokens,
         exact=exact,
+        host_sizes=host_sizes,
     )
 
 

@@ -31,6 +31,7 @@ D hidden size, Q = P - N pad rows.
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 #: Alignment multiple per precision. 0 means no alignment (identity, no copy).
@@ -201,6 +202,26 @@ def round_up_host(counts: Sequence[int], align: int) -> list[int]:
     Python ints, for counts already on the host; :func:`round_up` is the device version.
     """
     return [-(-int(c) // align) * align for c in counts]
+
+
+def host_pad_rows(counts: Sequence[int], aligned: Sequence[int]) -> np.ndarray:
+    """The buffer rows of every pad, ascending, from host counts and their aligned group sizes.
+
+    Host work only (numpy, a few microseconds): group ``e`` holds its ``counts[e]`` real rows
+    and then ``aligned[e] - counts[e]`` pads (the last group may also hold a static bound's
+    slack). :func:`pad_rows_of_groups` is the device version, for counts that stay on the device.
+
+    Returns:
+        int64 array ``[Q]``, ``Q = sum(aligned) - sum(counts)``.
+    """
+    counts_E = np.asarray(counts, dtype=np.int64)
+    aligned_E = np.asarray(aligned, dtype=np.int64)
+    pads_E = aligned_E - counts_E
+    pad_end_E = pads_E.cumsum()
+    # Row q (counting pads only) of group e lies at first_pad[e] + (q - pads before group e).
+    first_pad_E = aligned_E.cumsum() - aligned_E + counts_E
+    shift_Q = np.repeat(first_pad_E - (pad_end_E - pads_E), pads_E)
+    return shift_Q + np.arange(shift_Q.shape[0], dtype=np.int64)
 
 
 def static_aligned_rows(num_rows: int, num_experts: int, align: int) -> int:

@@ -162,7 +162,7 @@ class _GroupAligner:
             )
             aligned_E = None
         else:  # the groups' starts are known on the host: the plan skips computing them
-            num_real, num_rows, aligned_E, start_E = self._host_sizes(
+            num_real, num_rows, aligned_E, start_E, host_sizes = self._host_sizes(
                 host_tokens_per_expert_E, align
             )
             layout = ap.plan_aligned_permute(
@@ -173,6 +173,7 @@ class _GroupAligner:
                 exact=self.buffer_sizing == "host_counts",
                 start_E=al.host_to_device(start_E, routing),
                 rank_TE=rank_TE,
+                host_sizes=host_sizes,
             )
         self.layout = layout
         return ap.permute_to_layout(x, layout), aligned_E, ap.permute_probs(probs, layout)
@@ -187,9 +188,9 @@ class _GroupAligner:
 
     def _host_sizes(
         self, host_tokens_per_expert_E: torch.Tensor, align: int
-    ) -> tuple[int, int, torch.Tensor, torch.Tensor]:
-        """``(real rows N, buffer rows P, aligned host counts, host group starts)`` from host
-        counts, one read."""
+    ) -> tuple[int, int, torch.Tensor, torch.Tensor, tuple[list[int], list[int]]]:
+        """``(real rows N, buffer rows P, aligned host counts, host group starts, (counts,
+        aligned sizes) as Python ints)`` from host counts, one read."""
         counts = _host_counts(host_tokens_per_expert_E)
         aligned = al.round_up_host(counts, align)
         num_real = sum(counts)
@@ -202,7 +203,8 @@ class _GroupAligner:
         sizes = np.array([*aligned, *itertools.accumulate(aligned[:-1], initial=0)], np.int64)
         num_experts = len(aligned)
         aligned_E = torch.from_numpy(sizes[:num_experts])
-        return num_real, num_rows, aligned_E, torch.from_numpy(sizes[num_experts:])
+        start_E = torch.from_numpy(sizes[num_experts:])
+        return num_real, num_rows, aligned_E, start_E, (counts, aligned)
 
     def exact_host_sizes(
         self, x_P: torch.Tensor, probs_P: torch.Tensor, host_tokens_per_expert_E: torch.Tensor
@@ -216,11 +218,13 @@ class _GroupAligner:
         if self.buffer_sizing != "host_counts":
             aligned_E = al.round_up(host_tokens_per_expert_E.long(), self.align)
             return x_P, al.give_slack_to_last(aligned_E, self.layout.num_rows), probs_P
-        num_real, num_rows, aligned_E, _ = self._host_sizes(host_tokens_per_expert_E, self.align)
+        num_real, num_rows, aligned_E, _, host_sizes = self._host_sizes(
+            host_tokens_per_expert_E, self.align
+        )
         # Host ints, free: the rows laid out are the rows Megatron counted (a caller that routes
         # a token nowhere must lower num_out_tokens to match, as Megatron's permute requires).
         assert num_real == self.layout.num_rows - self.layout.num_pads, num_real
-        self.layout = self.layout.narrow(num_rows)
+        self.layout = self.layout.narrow(num_rows, host_sizes)
         return x_P[:num_rows], aligned_E, probs_P[:num_rows]
 
     def strip(self, y_P: torch.Tensor) -> torch.Tensor:

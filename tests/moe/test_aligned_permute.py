@@ -65,14 +65,24 @@ def plan(routing_map, align, static=False, host_starts=False):
         rows = al.static_aligned_rows(num_out, routing_map.shape[1], align)
     else:
         rows = al.aligned_rows_from_host_counts(routing_map.sum(0), align)
-    start_E = rank_TE = None
+    start_E = rank_TE = host_sizes = None
     if host_starts:  # and the ranks the caller took the counts from, as the all-gather does
-        aligned = [-(-n // align) * align for n in routing_map.sum(0).tolist()]
+        counts = routing_map.sum(0).tolist()
+        aligned = [-(-n // align) * align for n in counts]
         start_E = torch.tensor([sum(aligned[:e]) for e in range(len(aligned))])
         rank_TE = ap.rank_within_expert(routing_map)
         assert torch.equal(ap.counts_from_ranks(rank_TE), routing_map.sum(0))
+        aligned[-1] += rows - sum(aligned)  # a static bound's slack joins the last group
+        host_sizes = (counts, aligned)
     layout = ap.plan_aligned_permute(
-        routing_map, align, num_out, rows, exact=not static, start_E=start_E, rank_TE=rank_TE
+        routing_map,
+        align,
+        num_out,
+        rows,
+        exact=not static,
+        start_E=start_E,
+        rank_TE=rank_TE,
+        host_sizes=host_sizes,
     )
     # The ranks are only read: the all-gather's host counts may alias their last row (CPU).
     assert rank_TE is None or torch.equal(rank_TE, ap.rank_within_expert(routing_map))
@@ -301,6 +311,19 @@ def test_chunk_layout_zero_rows():
     x_P = cs.pad_chunks(x, static, torch.zeros(static.max_pad, 3))
     assert static.tokens_per_expert_E == [0, 16] and x_P.shape == (16, 3) and not x_P.any()
     assert cs.strip_chunks(x_P, static).shape == (0, 3)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["exact", "static"])
+def test_pad_rows_from_host_sizes_are_the_topk_pad_rows(static):
+    """Given the host sizes (the all-gather holds them), the pad rows are listed on the host,
+    and they are exactly the rows the device ``topk`` finds (ascending here, any order there)."""
+    for seed in range(6):
+        routing_map, _, _ = random_routing(37, 8, 2, seed, dead_rows=seed)
+        host, device = plan(routing_map, 16, static, True), plan(routing_map, 16, static)
+        assert host.host_sizes is not None and device.host_sizes is None
+        rows = host.pad_idx_Q
+        assert rows.tolist() == sorted(device.pad_idx_Q.tolist()) and rows.numel() > 0
+        assert bool((host.pair_idx_P[rows] == 37 * 8).all())  # each one is a pad row
 
 
 # ---------------------------------------------------------------- no host sync

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -296,3 +297,23 @@ def test_shared_zero_rows_one_buffer_per_kind_and_its_first_row():
     assert al.shared_zero_rows(like.double(), 1).dtype == torch.float64
     assert al.shared_zero_rows(torch.ones(2, 4), 1).shape == (1, 4)
     assert len(al._ZERO_ROWS) == 3
+
+
+@pytest.mark.parametrize("align", [4, 16, 128])
+def test_host_pad_rows_equal_the_device_pad_rows(align):
+    """The pad rows listed on the host (the all-gather's host counts) are the device version's,
+    with empty groups, groups already aligned, a static bound's slack and no pad at all."""
+    g = torch.Generator().manual_seed(align)
+    cases = [[0, 0, 0], [align, 2 * align, 0]]  # no pad row at all
+    cases += [torch.randint(0, 3 * align, (6,), generator=g).tolist() for _ in range(20)]
+    for counts in cases:
+        aligned = al.round_up_host(counts, align)
+        for slack in (0, 2 * align):
+            sizes = [*aligned[:-1], aligned[-1] + slack]
+            counts_E, sizes_E = torch.tensor(counts), torch.tensor(sizes)
+            first_pad_E = sizes_E.cumsum(0) - sizes_E + counts_E
+            num_pads = sum(sizes) - sum(counts)
+            device = al.pad_rows_of_groups(first_pad_E, sizes_E - counts_E, num_pads)
+            host = al.host_pad_rows(counts, sizes)
+            assert host.dtype == np.int64 and host.tolist() == device.tolist()
+    assert any(sum(al.round_up_host(c, align)) > sum(c) for c in cases)  # pads occurred
