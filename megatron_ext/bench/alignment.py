@@ -227,18 +227,8 @@ def _worker(token_counts: list[int], hidden: int, rounds: int, allocator: str) -
                     v.seconds.clear()  # the warm-up trip is not a round
                     v.faults.clear()
             no_pad_base, no_pad = None, {}
-            no_pad_routing = no_pad_inputs(
-                probs, routing_map, [_align_of(ours, p) for p in PRECISIONS]
-            )
-            if ep == 1 and no_pad_routing is not None:  # ours' own cost, with no pad row to add
-                group_align, *routed = no_pad_routing
-                inputs = (x, *routed)
-                no_pad_base = _Variant(stock, None, inputs=inputs)
-                no_pad = {
-                    p: _Variant(ours, p, inputs=inputs)
-                    for p in PRECISIONS
-                    if group_align % _align_of(ours, p) == 0
-                }
+            if ep == 1:  # ours' own cost on a routing that needs no pad row
+                no_pad_base, no_pad = _no_pad_variants(stock, ours, x, probs, routing_map)
             variants = [base, *mine.values(), *padded.values(), *floors.values()]
             variants += [no_pad_base, *no_pad.values()] if no_pad_base else []
             reps = max(1, 2048 // num_tokens)  # small inputs: several trips per timing
@@ -331,6 +321,20 @@ def no_pad_inputs(probs: torch.Tensor, routing_map: torch.Tensor, aligns: list[i
     new_probs = torch.zeros_like(probs)
     new_probs[new_map] = kept.reshape(-1)  # row-major: each token's experts ascending
     return align, new_probs, new_map
+
+
+def _no_pad_variants(stock, ours, x, probs, routing_map) -> tuple:
+    """``(unaligned, {precision: ours})`` on :func:`no_pad_inputs`'s routing; ``(None, {})``
+    when no such routing exists. Precisions whose multiple the routing does not meet are left
+    out."""
+    aligns = {p: _align_of(ours, p) for p in PRECISIONS}
+    routing = no_pad_inputs(probs, routing_map, list(aligns.values()))
+    if routing is None:
+        return None, {}
+    group_align, *routed = routing
+    inputs = (x, *routed)
+    mine = {p: _Variant(ours, p, inputs=inputs) for p, a in aligns.items() if group_align % a == 0}
+    return _Variant(stock, None, inputs=inputs), mine
 
 
 def _no_pad_cell(ours, base) -> float | str:
