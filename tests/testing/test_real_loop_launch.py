@@ -1,25 +1,59 @@
-"""Tier: subprocesses (gloo ranks, no Megatron). ``megatron_ext.testing.real_loop.launch`` without
+"""Tier: subprocesses (gloo ranks, no Megatron run). ``megatron_ext.testing.real_loop.launch`` without
 torchrun's agent: each rank gets torchrun's environment, one output stream comes back, and the first
-rank to fail stops the others as the agent would (a peer left waiting for it would hang)."""
+rank to fail stops the others as the agent would (a peer left waiting for it would hang). Both ways
+to start a rank: forked from the server that imported Megatron once (the default) and a fresh
+interpreter; the fork is used only while the environment is the one the server imported under."""
 
+import os
+import re
 import time
 
+import pytest
+
+from megatron_ext.testing import preloaded
 from megatron_ext.testing.real_loop import launch
 
 PROBE = "tests.testing.launch_probe"
 
 
-def test_ranks_get_torchruns_environment_and_one_output():
-    run = launch(["pass"], nproc=2, module=PROBE, timeout=120)
+@pytest.mark.parametrize("preload", [True, False], ids=["forked", "fresh"])
+def test_ranks_get_torchruns_environment_and_one_output(preload):
+    preloaded.import_environment_differs(dict(os.environ))  # the server is up before the clock
+    launched_at = time.time()
+    run = launch(["pass"], nproc=2, module=PROBE, timeout=120, preload=preload)
     assert run.returncode == 0, run.output
+    assert run.preloaded is preload
     for rank in (0, 1):
         assert f"rank {rank} of 2 local {rank}" in run.output
         assert f"rank {rank} passed the barrier" in run.output
+    starts = re.findall(r"rank \d preloaded, Megatron's start time ([0-9.]+)", run.output)
+    if preload:  # Megatron was imported before the rank ran; its start clock is the rank's
+        assert len(starts) == 2 and all(float(s) >= launched_at for s in starts), run.output
+    else:
+        assert starts == []
 
 
-def test_a_failing_rank_stops_the_one_waiting_for_it():
+@pytest.mark.parametrize("preload", [True, False], ids=["forked", "fresh"])
+def test_a_failing_rank_stops_the_one_waiting_for_it(preload):
     start = time.monotonic()
-    run = launch(["fail"], nproc=2, module=PROBE, timeout=120)
+    run = launch(["fail"], nproc=2, module=PROBE, timeout=120, preload=preload)
+    assert run.preloaded is preload
     assert run.returncode == 3, run.output  # the failing rank's code, not the stopped one's
     assert "rank 0 joining" in run.output and "rank 0 of 2" not in run.output
     assert time.monotonic() - start < 60  # stopped, not left to gloo's 30-minute timeout
+
+
+def test_an_uncaught_exception_exits_1_with_its_traceback_when_forked():
+    run = launch(["raise"], nproc=2, module=PROBE, timeout=120)
+    assert run.preloaded and run.returncode == 1
+    assert "Traceback (most recent call last):" in run.output
+    assert re.search(r"ValueError: rank [01] raised", run.output), run.output
+
+
+def test_an_import_time_variable_starts_fresh_interpreters():
+    marker = "MEGATRON_EXT_LAUNCH_PROBE"
+    assert marker not in os.environ
+    assert preloaded.import_environment_differs({**os.environ, marker: "1"}) == [marker]
+    run = launch(["pass"], nproc=2, module=PROBE, timeout=120, env={marker: "1"})
+    assert run.returncode == 0, run.output
+    assert not run.preloaded and "preloaded" not in run.output
