@@ -15,6 +15,8 @@ test_demo.py), replay in tests/training/test_checkpoint_resume.py (HybridModel's
 | rl_route_replay            | replay of that sidecar reproduces the recording run exactly            |
 | tiny HybridModel           | TP 2 + SP, allgather, seq_aux_loss + global_aux_loss, z-loss, EP=2,    |
 |                            | fp8 rehearsal: the all-gather's aligned permute (groups of 16)         |
+| tiny GPTModel EP=1, x2     | every expert local, allgather and alltoall: fp8 rehearsal aligned to 16 |
+|  (+ unaligned reference)   | logs the unaligned run's losses                                        |
 | tiny GPTModel PP=2         | pipeline parallelism, aux-loss-free expert bias (written to the ckpt), |
 |                            | a validation split that rounds to no documents under --eval-iters 0    |
 
@@ -365,6 +367,36 @@ def test_hybrid_model_tp2_sp_allgather_seq_and_global_aux_loss_and_z_loss(corpus
         field_per_iteration(run, name)
     assert "load_balancing_loss" not in run.iterations[1]  # aux_loss replaced, not added
     expert_load_lines(run)
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_every_expert_local_aligned_dispatch_trains_as_unaligned(corpus_prefix, dispatcher) -> None:
+    # EP=1 (both ranks data-parallel, all 8 experts local): the all-gather dispatcher's permute
+    # takes the router's map unsliced, the all-to-all's plans on a static bound before Megatron's
+    # host counts. The fp8 rehearsal (fp32 math) with --moe-dispatch-align logs the same losses
+    # as Megatron's unaligned dispatch, to the demo's tolerance (pads change the GEMMs' row counts).
+    from megatron_ext.training.demo import LOSS_TOLERANCE
+
+    common = [
+        *TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
+        "--expert-model-parallel-size", "1", "--moe-token-dispatcher-type", dispatcher,
+        "--moe-grouped-gemm", VERBOSE,
+    ]  # fmt: skip
+    unaligned = launch(common)
+    aligned = launch([*common, "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise",
+                      "--moe-dispatch-align"])  # fmt: skip
+    reference, losses = assert_trains(unaligned), assert_trains(aligned)
+    assert losses.keys() == reference.keys()
+    assert all(abs(losses[i] - reference[i]) <= LOSS_TOLERANCE for i in losses), (losses, reference)
+    groups = re.findall(r"rank \d rehearsal: (\d+) expert groups reached the grouped GEMM, (\d+) "
+                        r"not a multiple of 16; last: \[([^\]]*)\]", aligned.output)  # fmt: skip
+    assert len(groups) == 2 and all(int(n) > 0 and int(bad) == 0 for n, bad, _ in groups), groups
+    # Not vacuous: pads were added (a micro-batch routes at most 2 x 128 tokens x top-2 pairs).
+    last = [[int(v) for v in sizes.split(",")] for _, _, sizes in groups]
+    assert all(len(sizes) == EXPERTS for sizes in last)
+    assert any(sum(sizes) > 2 * 128 * TOPK for sizes in last), last
+    assert "rehearsal" not in unaligned.output
+    assert built_model(aligned) == built_model(unaligned) == "GPTModel"
 
 
 def test_pipeline_parallel_with_aux_loss_free_expert_bias(corpus_prefix, tmp_path) -> None:
