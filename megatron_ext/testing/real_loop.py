@@ -95,7 +95,7 @@ def launch(
     its workers, and returns what they printed (one stream, as torchrun's).
 
     No torchrun agent process: it is one more interpreter importing torch before the ranks start
-    (about 3 s of a 13 s two-rank launch on a 2-core machine). Like the agent, the first rank to
+    (about 3 s of a 13 s fresh two-rank launch on a 2-core machine). Like the agent, the first rank to
     fail stops the others (a peer still waiting for it, in the rendezvous for one, would wait 30
     minutes); the launch's return code is that rank's. The examples' own torchrun path is run by
     tests/training/test_real_loop.py and the demo.

@@ -52,8 +52,8 @@ def test_every_patch_is_listed():
 
 @pytest.fixture(scope="module")
 def probes(corpus_prefix, tmp_path_factory) -> dict[str, tuple[LoopRun, Path]]:
-    """The positive control and one launch per left-out patch, each a single process, run two at a
-    time (the machine has 2 cores; each probe is mostly imports)."""
+    """The positive control and one launch per left-out patch, each a single process (forked from
+    the preloaded server, see ``launch``), run two at a time on the machine's 2 cores."""
     jobs = {"all": ("megatron_ext.pretrain_gpt", None)}
     jobs.update({name: ("tests.cpu_loop_probe", name) for name in cpu_loop.PATCHES})
 
