@@ -186,8 +186,12 @@ class _Client:
         for line in self._proc.stdout:
             kind, key, value = line.split()
             with self._lock:
-                target = self._started if kind == "started" else self._exited
-                target[int(key)] = int(value)
+                if kind == "started":
+                    self._started[int(key)] = int(value)
+                    # A reused pid: the earlier rank's status (reported before this fork) is stale.
+                    self._exited.pop(int(value), None)
+                else:
+                    self._exited[int(key)] = int(value)
                 self._lock.notify_all()
         with self._lock:  # the server is gone: no rank will be reported again
             self._exited.setdefault(-1, -1)
