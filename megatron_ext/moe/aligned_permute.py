@@ -239,9 +239,12 @@ class _GatherWithTrash(torch.autograd.Function):
         return grad.index_add_(0, idx_P, grad_P)[: ctx.num_src], None, None
 
 
-#: Below this many bytes of tokens, appending one zero row (a copy of the tokens) and gathering
-#: from it beats zeroing the pad rows after the gather (``index_fill_`` costs per row); measured
-#: on CPU: 4x faster at 48 x 1024 fp32, 20 % slower at 256 x 1024.
+#: Below this many bytes of tokens, pads gather an appended zero row (a copy of the tokens, one
+#: ``cat``); above it, the gather is followed by zeroing the Q pad rows (``index_fill_``). On CPU
+#: the ``cat`` stays faster up to about 1-2 MB at hidden 1024, forward and backward, because
+#: ``index_fill_`` costs about 1 ns per element there. The bound is kept lower for GPUs, where
+#: zeroing Q rows is one small kernel and the ``cat`` an extra T x D copy; a device measurement
+#: should set it (none was possible here).
 SMALL_TOKENS_BYTES = 256 * 1024
 
 
