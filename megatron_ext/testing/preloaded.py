@@ -5,22 +5,35 @@ about 1.7 s tearing those modules down at exit, against well under a second for 
 training run. Forking each rank from a server process that holds the imports removes both.
 
 What a forked rank runs is what a fresh interpreter runs: ``python -m MODULE ARGS`` (``runpy``, as
-``-m`` does), with exactly the environment and working directory the launch gives it, stdin from
-``/dev/null``, stdout and stderr appended to one output file, the exit handlers run at the end and
-the exit status of ``SystemExit`` or of an uncaught exception. It differs in what happened at import
-time, so the launcher forks only while the environment is the one the server imported under
-(:func:`import_environment_differs`): a variable read at import (``HF_HUB_OFFLINE`` by
-``huggingface_hub``, ``OMP_NUM_THREADS`` by OpenMP) then has the value a fresh rank would have
-seen. Megatron's start clocks, set when its training module is imported, are reset to the rank's
-start. Warnings raised while importing Megatron are not in the output (they were raised in the
-server). Importing megatron_ext patches nothing (tests/test_cpu.py), so every rank starts unpatched.
+``-m`` does; MODULE itself is not preloaded), and its exit is the interpreter's: the message of
+``SystemExit`` or ``sys.excepthook`` on an uncaught exception, then non-daemon threads joined, exit
+handlers run, Python's and C's streams flushed. Its standard streams are the interpreter's own
+objects (built under the same environment, so buffered and encoded as a fresh rank's) on the
+launch's descriptors: stdin from ``/dev/null``, stdout and stderr appended to one output file.
 
-The server (``python -m megatron_ext.testing.preloaded``) reads one JSON request per line on stdin,
-forks, and writes ``started ID PID`` and, once the rank is reaped, ``exited PID STATUS`` on stdout.
-It exits when its stdin closes, which happens when the process that started it exits.
+It differs in what happened at import time, so the launcher forks only while the caller's
+environment is the one the server started under, or the one its imports left
+(:func:`import_environment_differs`, torchrun's per-rank variables aside): a variable read at
+import (``HF_HUB_OFFLINE`` by ``huggingface_hub``, ``OMP_NUM_THREADS`` by OpenMP) then has the
+value a fresh rank would have seen. The rank's environment is the server's after its imports
+(``TORCHINDUCTOR_CACHE_DIR``, which Megatron's import sets, included) with the launch's per-rank
+variables. Also reset in the rank, as a fresh one has them: Megatron's start clocks (set at its
+import) and numpy's global random state. Left as they are, and documented: warnings raised while
+importing go to the server's log, and every forked rank shares the server's string-hash seed
+(fresh ranks each draw one), so set iteration order agrees across ranks; the examples and the demo,
+which always run fresh interpreters, keep that case covered. Importing megatron_ext patches
+nothing (tests/test_cpu.py), so every rank starts unpatched.
+
+Protocol (on two pipes of their own, so nothing printed can corrupt it): the launcher writes one
+JSON request per line, ``{"id", "rank": {...}}`` to start a rank or ``{"id", "signal"}`` to
+signal one; the server answers ``ready ENV``, ``started ID PID`` and, once the rank is reaped,
+``exited ID STATUS``. Statuses are keyed by request id and the server sends the signals, so a
+reused pid can neither report nor receive anything. The server kills its ranks and exits when the
+request pipe closes (when the process that started it exits), and each rank dies with the server.
 """
 
 import atexit
+import ctypes
 import gc
 import json
 import os
@@ -32,19 +45,19 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
-import warnings
 from typing import Any
 
 #: Modules the server imports: what every launch of ``megatron_ext.pretrain_gpt`` imports (the
-#: tokenizer module brings in ``transformers``, a third of the time).
+#: tokenizer module brings in ``transformers``, a third of the time). Not the entry module itself:
+#: ``runpy`` runs it as ``__main__``.
 PRELOAD = (
     "megatron.training.training",
     "megatron.training.initialize",
+    "megatron.training.arguments",
     "megatron.core.models.gpt",
     "megatron.core.models.hybrid",
     "megatron.core.tokenizers.text.text_tokenizer",
-    "megatron_ext.pretrain_gpt",
+    "megatron_ext.arguments",
     "megatron_ext.training.dataset_provider",
     "megatron_ext.training.forward_step",
     "megatron_ext.training.run_state",
@@ -60,60 +73,85 @@ RUN_TIME_VARIABLES = frozenset(
         "PYTEST_CURRENT_TEST",
     }
 )  # fmt: skip
-#: What the server imports under, on top of the caller's environment (what launch gives every rank).
+#: What the server starts under, on top of the caller's environment (what launch gives every rank).
 SERVER_ENVIRONMENT = {"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
+#: Seconds to wait for the server to fork a rank.
+START_TIMEOUT = 60.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _flush_c_streams() -> None:
+    """``fflush(NULL)``: what C's ``exit()`` does and ``os._exit`` skips."""
+    ctypes.CDLL(None).fflush(None)
 
 
 # ----------------------------------------------------------------------------- the server process
 
 
-def serve() -> None:
-    """The server's loop: preload, then fork one rank per request until stdin closes."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import importlib
+def serve(requests_fd: int, replies_fd: int) -> None:
+    """The server's loop: preload, then fork one rank per request until the request pipe closes."""
+    import importlib
 
-        for name in PRELOAD:
-            importlib.import_module(name)
+    for name in PRELOAD:
+        importlib.import_module(name)
     gc.freeze()  # the ranks' garbage collector then leaves the preloaded objects' pages shared
-    requests, replies = sys.stdin.buffer, sys.stdout
-    replies.write("ready\n")
-    replies.flush()
+    os.write(replies_fd, f"ready {json.dumps(dict(os.environ))}\n".encode())
+    live: dict[int, int] = {}  # pid -> request id, until reaped
     pending = b""
     while True:
-        ready, _, _ = select.select([requests], [], [], 0.05)
+        ready, _, _ = select.select([requests_fd], [], [], 0.05)
         if ready:
-            chunk = os.read(requests.fileno(), 1 << 16)
-            if not chunk:
+            chunk = os.read(requests_fd, 1 << 16)
+            if not chunk:  # the launcher is gone: so are its ranks
+                for pid in live:
+                    os.kill(pid, signal.SIGKILL)
+                for pid in live:
+                    os.waitpid(pid, 0)
                 return
             pending += chunk
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
                 request = json.loads(line)
-                replies.flush()  # nothing of the server's buffered output goes into the rank
+                if "signal" in request:  # not yet reaped, so the pid is still the rank's
+                    pid = next((p for p, i in live.items() if i == request["id"]), None)
+                    if pid is not None:
+                        os.kill(pid, request["signal"])
+                    continue
+                for stream in (sys.stdout, sys.stderr):  # nothing of the server's goes to the rank
+                    stream.flush()
+                _flush_c_streams()
                 pid = os.fork()
                 if pid == 0:  # the rank: never back into this loop
                     try:
-                        run_module(**request["rank"])
+                        os.close(requests_fd)
+                        os.close(replies_fd)
+                        run_module(**request["rank"])  # exits
+                    except BaseException:  # noqa: BLE001 - a failure before the module ran
+                        import traceback
+
+                        traceback.print_exc()
                     finally:
                         os._exit(1)
-                replies.write(f"started {request['id']} {pid}\n")
-        while True:
+                live[pid] = request["id"]
+                os.write(replies_fd, f"started {request['id']} {pid}\n".encode())
+        while live:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 break
             if pid == 0:
                 break
-            replies.write(f"exited {pid} {os.waitstatus_to_exitcode(status)}\n")
-        replies.flush()
+            request_id = live.pop(pid)
+            code = os.waitstatus_to_exitcode(status)
+            os.write(replies_fd, f"exited {request_id} {code}\n".encode())
 
 
 def run_module(module: str, args: list[str], env: dict[str, str], cwd: str, out: str) -> None:
     """In the forked rank: ``python -m module *args`` with ``env`` and ``cwd``, its output appended
-    to ``out``; exits with the status a fresh interpreter would. Descriptors 0 and 1 are the
-    server's pipes until they are replaced here."""
+    to ``out``; exits as a fresh interpreter would (see the module's docstring)."""
     started = time.time()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # the server is single-threaded: safe here
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
@@ -121,22 +159,17 @@ def run_module(module: str, args: list[str], env: dict[str, str], cwd: str, out:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    # New streams on the redirected descriptors, buffered as a fresh interpreter's are.
-    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - they live as long as the rank
-    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
-    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    sys.path.insert(0, cwd)  # as ``python -m`` puts the working directory first
+    sys.path[0] = cwd  # as ``python -m`` puts the working directory first
     sys.argv = [module, *args]
-    # Megatron's start clocks (set when the server imported it) read the rank's start, as they
-    # would in a fresh interpreter.
+    if "numpy" in sys.modules:  # a fresh interpreter seeds it from the OS
+        sys.modules["numpy"].random.seed()
     training = sys.modules.get("megatron.training.training")
-    if training is not None:
-        training.set_startup_timestamps(program_start=started)
-        training._LEGACY_TRAIN_START_TIME = started
-    code = 0
+    if training is not None:  # Megatron's start clocks, set at its import: the rank's start
+        training._TRAIN_START_TIME = training._LEGACY_TRAIN_START_TIME = started
+    code, interrupted = 0, False
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as exc:
@@ -147,13 +180,28 @@ def run_module(module: str, args: list[str], env: dict[str, str], cwd: str, out:
         else:
             print(exc.code, file=sys.stderr)
             code = 1
-    except BaseException:  # noqa: BLE001 - reported as an uncaught exception would be
-        traceback.print_exc()
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        code, interrupted = 1, True
+    except BaseException:  # noqa: BLE001 - reported as an uncaught exception is
+        sys.excepthook(*sys.exc_info())
         code = 1
-    finally:
-        atexit._run_exitfuncs()  # what interpreter exit runs before tearing the modules down
-        sys.stdout.flush()
-        sys.stderr.flush()
+    _exit_like_the_interpreter(code, interrupted)
+
+
+def _exit_like_the_interpreter(code: int, interrupted: bool) -> None:
+    """Interpreter exit in the order ``Py_FinalizeEx`` runs it, then ``os._exit``."""
+    threading._shutdown()  # non-daemon threads are joined
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    _flush_c_streams()
+    if interrupted:  # an uncaught KeyboardInterrupt ends the process by SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     os._exit(code)
 
 
@@ -161,62 +209,83 @@ def run_module(module: str, args: list[str], env: dict[str, str], cwd: str, out:
 
 
 class _Client:
-    """The launcher's end of one server: sends requests, collects started/exited lines."""
+    """The launcher's end of one server: sends requests, collects started/exited reports."""
 
     def __init__(self) -> None:
-        self.env = {**os.environ, **SERVER_ENVIRONMENT}
-        # The server's own output (its import-time messages) is kept apart, for a failed start.
+        self.start_env = {**os.environ, **SERVER_ENVIRONMENT}
+        # The server's own output (import-time messages and warnings) is kept apart.
         self._log = tempfile.TemporaryFile("w+")
+        requests_r, requests_w = os.pipe()
+        replies_r, replies_w = os.pipe()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self._log, env=self.env, text=True, bufsize=1,
+            [sys.executable, "-m", __name__, str(requests_r), str(replies_w)],
+            stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log, env=self.start_env,
+            pass_fds=(requests_r, replies_w),
         )  # fmt: skip
-        if self._proc.stdout.readline().strip() != "ready":
+        os.close(requests_r)
+        os.close(replies_w)
+        self._requests = os.fdopen(requests_w, "w", buffering=1)
+        self._replies = os.fdopen(replies_r, "r")
+        ready = self._replies.readline()
+        if not ready.startswith("ready "):
             self._log.seek(0)
             raise RuntimeError(
                 f"the preloaded launch server failed ({self._proc.wait()}):\n{self._log.read()}"
             )
+        #: The server's environment after its imports (what the ranks start from).
+        self.env: dict[str, str] = json.loads(ready[len("ready ") :])
         self._lock = threading.Condition()
         self._started: dict[int, int] = {}
         self._exited: dict[int, int] = {}
+        self._gone = False
         self._next_id = 0
         threading.Thread(target=self._read, daemon=True, name="launch-server-reader").start()
 
     def _read(self) -> None:
-        for line in self._proc.stdout:
-            kind, key, value = line.split()
-            with self._lock:
-                if kind == "started":
-                    self._started[int(key)] = int(value)
-                    # A reused pid: the earlier rank's status (reported before this fork) is stale.
-                    self._exited.pop(int(value), None)
-                else:
-                    self._exited[int(key)] = int(value)
+        try:
+            for line in self._replies:
+                kind, request_id, value = line.split()
+                with self._lock:
+                    target = self._started if kind == "started" else self._exited
+                    target[int(request_id)] = int(value)
+                    self._lock.notify_all()
+        finally:
+            with self._lock:  # whatever ended the stream, no rank will be reported again
+                self._gone = True
                 self._lock.notify_all()
-        with self._lock:  # the server is gone: no rank will be reported again
-            self._exited.setdefault(-1, -1)
-            self._lock.notify_all()
+
+    def _send(self, request: dict[str, Any]) -> None:
+        self._requests.write(json.dumps(request) + "\n")
 
     def start(self, rank: dict[str, Any]) -> int:
+        """Forks a rank; returns its request id."""
         with self._lock:
             request_id, self._next_id = self._next_id, self._next_id + 1
-            self._proc.stdin.write(json.dumps({"id": request_id, "rank": rank}) + "\n")
-            self._proc.stdin.flush()
-            while request_id not in self._started:
-                if -1 in self._exited:
-                    raise RuntimeError("the preloaded launch server exited")
-                self._lock.wait()
-            return self._started.pop(request_id)
-
-    def exit_status(self, pid: int, timeout: float | None = 0) -> int | None:
-        with self._lock:
-            self._lock.wait_for(lambda: pid in self._exited or -1 in self._exited, timeout)
-            if pid not in self._exited and -1 in self._exited:
+            self._send({"id": request_id, "rank": rank})
+            if not self._lock.wait_for(
+                lambda: request_id in self._started or self._gone, START_TIMEOUT
+            ):
+                raise RuntimeError(
+                    f"the preloaded launch server forked nothing in {START_TIMEOUT} s"
+                )
+            if request_id not in self._started:
                 raise RuntimeError("the preloaded launch server exited")
-            return self._exited.get(pid)
+            return request_id
+
+    def signal(self, request_id: int, sig: int) -> None:
+        with self._lock:
+            if request_id not in self._exited and not self._gone:
+                self._send({"id": request_id, "signal": int(sig)})
+
+    def exit_status(self, request_id: int, timeout: float | None = 0) -> int | None:
+        with self._lock:
+            self._lock.wait_for(lambda: request_id in self._exited or self._gone, timeout)
+            if request_id not in self._exited and self._gone:
+                raise RuntimeError("the preloaded launch server exited (its ranks with it)")
+            return self._exited.get(request_id)
 
     def alive(self) -> bool:
-        return self._proc.poll() is None
+        return not self._gone and self._proc.poll() is None
 
 
 _client: _Client | None = None
@@ -232,44 +301,42 @@ def _server() -> _Client:
 
 
 def import_environment_differs(env: dict[str, str]) -> list[str]:
-    """The variables (other than :data:`RUN_TIME_VARIABLES`) whose value in ``env`` is not the one
-    the server imported under (it is started on first use); empty when a forked rank sees what a
-    fresh one would."""
-    server_env = _server().env
-    names = (set(env) | set(server_env)) - RUN_TIME_VARIABLES
-    return sorted(n for n in names if env.get(n) != server_env.get(n))
+    """The variables (other than :data:`RUN_TIME_VARIABLES`) whose value in ``env`` is neither the
+    one the server started under nor the one its imports left (it is started on first use); empty
+    when a forked rank sees what a fresh one would."""
+    server = _server()
+    before, after = server.start_env, server.env
+    names = (set(env) | set(before) | set(after)) - RUN_TIME_VARIABLES
+    return sorted(n for n in names if env.get(n) not in (before.get(n), after.get(n)))
 
 
 class Rank:
     """One forked rank, with the part of ``subprocess.Popen``'s interface the launcher uses."""
 
     def __init__(self, module: str, args: list[str], env: dict[str, str], cwd: str, out: str):
+        if not os.path.isdir(cwd):  # as Popen would, before anything starts
+            raise FileNotFoundError(f"no such directory: {cwd!r}")
         self._server = _server()
-        rank = {"module": module, "args": args, "env": env, "cwd": cwd, "out": out}
-        self.pid = self._server.start(rank)
+        rank_env = {k: v for k, v in self._server.env.items() if k not in RUN_TIME_VARIABLES}
+        rank_env.update({k: v for k, v in env.items() if k in RUN_TIME_VARIABLES})
+        rank = {"module": module, "args": args, "env": rank_env, "cwd": cwd, "out": out}
+        self._id = self._server.start(rank)
 
     def poll(self) -> int | None:
-        return self._server.exit_status(self.pid)
+        return self._server.exit_status(self._id)
 
     def terminate(self) -> None:
-        self._signal(signal.SIGTERM)
+        self._server.signal(self._id, signal.SIGTERM)
 
     def kill(self) -> None:
-        self._signal(signal.SIGKILL)
-
-    def _signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:  # exited in between; the server reaps it
-                pass
+        self._server.signal(self._id, signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> int:
-        status = self._server.exit_status(self.pid, timeout)
+        status = self._server.exit_status(self._id, timeout)
         if status is None:
-            raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout or 0)
+            raise subprocess.TimeoutExpired(f"rank {self._id}", timeout or 0)
         return status
 
 
 if __name__ == "__main__":
-    serve()
+    serve(int(sys.argv[1]), int(sys.argv[2]))

@@ -103,8 +103,9 @@ def launch(
     With ``preload`` (the default) the ranks are forked from a server that imported Megatron once
     (:mod:`megatron_ext.testing.preloaded`): a launch then skips about 6 s of imports and 1.7 s of
     interpreter teardown per rank, and runs the same ``python -m module`` code. It falls back to
-    fresh interpreters when the environment differs from the one the server imported under (``env``
-    setting an import-time variable, say), and ``LoopRun.preloaded`` says which path ran.
+    fresh interpreters when the environment is neither the one the server started under nor the
+    one its imports left (``env`` setting an import-time variable, say), and ``LoopRun.preloaded``
+    says which path ran.
 
     Raises:
         subprocess.TimeoutExpired: The ranks ran past ``timeout`` seconds (all are killed).

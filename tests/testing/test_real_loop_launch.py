@@ -26,6 +26,8 @@ def test_ranks_get_torchruns_environment_and_one_output(preload):
     for rank in (0, 1):
         assert f"rank {rank} of 2 local {rank}" in run.output
         assert f"rank {rank} passed the barrier" in run.output
+    draws = re.findall(r"rank \d numpy draw (\d+)", run.output)
+    assert len(set(draws)) == 2, draws  # each rank's own random state, as fresh ones have
     starts = re.findall(r"rank \d preloaded, Megatron's start time ([0-9.]+)", run.output)
     if preload:  # Megatron was imported before the rank ran; its start clock is the rank's
         assert len(starts) == 2 and all(float(s) >= launched_at for s in starts), run.output
@@ -57,3 +59,22 @@ def test_an_import_time_variable_starts_fresh_interpreters():
     run = launch(["pass"], nproc=2, module=PROBE, timeout=120, env={marker: "1"})
     assert run.returncode == 0, run.output
     assert not run.preloaded and "preloaded" not in run.output
+
+
+def test_a_forked_rank_exits_as_a_fresh_interpreter_does():
+    """Same output, byte for byte, and status: the message, the thread joined, the exit handler,
+    every stream flushed, in the interpreter's order."""
+    forked, fresh = (
+        launch(["exit"], nproc=1, module=PROBE, timeout=120, preload=p) for p in (True, False)
+    )
+    assert forked.preloaded and not fresh.preloaded
+    assert forked.returncode == fresh.returncode == 1
+    for line in ("unflushed print", "a line to stderr", "thread finished", "exit handler ran",
+                 "exit message"):  # fmt: skip
+        assert line in fresh.output, fresh.output
+    assert forked.output == fresh.output
+
+
+def test_a_missing_working_directory_fails_before_any_rank_starts(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        launch(["pass"], nproc=2, module=PROBE, timeout=120, cwd=tmp_path / "missing")

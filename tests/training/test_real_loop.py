@@ -88,6 +88,8 @@ def assert_trains(run: LoopRun) -> dict[int, float]:
     assert sorted(losses) == list(range(1, ITERATIONS + 1)), run.output[-3000:]
     assert all(math.isfinite(v) for v in losses.values()), losses
     assert losses[ITERATIONS] < losses[1], losses
+    # A forked rank runs its module fresh, as ``python -m`` does (runpy warns when it was preloaded).
+    assert "found in sys.modules" not in run.output
     # Every run here is dropless alltoall/allgather (expert TP 1 under TP 2): pads skip dispatch.
     assert "megatron_ext: --moe-pad-routing skip (auto" in run.output, run.output[-3000:]
     return losses
