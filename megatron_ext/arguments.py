@@ -30,7 +30,29 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
 
     for cls, title in _config.FEATURE_CONFIGS.items():
         ArgumentGroupFactory(cls).build_group(parser, title=f"megatron_ext: {title}")
+    escape_unexpandable_help(parser)
     return parser
+
+
+def escape_unexpandable_help(parser: argparse.ArgumentParser) -> list[str]:
+    """Escapes ``%`` in the help strings argparse cannot expand; returns the flags fixed.
+
+    Megatron derives help from config docstrings, and 0.19.2's text for
+    ``--moe-paged-stash-buffer-size-factor-cuda`` ends in ``10%)``: argparse reads that as a format
+    directive, so ``--help`` raised ``ValueError`` instead of printing. Only strings that fail to
+    expand are touched (their ``%(default)s``-style directives were unusable anyway).
+    """
+    formatter = parser._get_formatter()
+    fixed = []
+    for action in parser._actions:
+        if not action.help or action.help is argparse.SUPPRESS:
+            continue
+        try:
+            formatter._expand_help(action)
+        except (ValueError, KeyError, TypeError):
+            action.help = action.help.replace("%", "%%")
+            fixed.append(action.option_strings[0] if action.option_strings else action.dest)
+    return fixed
 
 
 def configs_from_args(args: argparse.Namespace) -> dict[type, Any]:

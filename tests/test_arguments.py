@@ -119,3 +119,24 @@ def test_bad_combination_with_megatron_flag(toy_feature, monkeypatch) -> None:
     args = _parse(["--toy-mode", "on", "--expert-model-parallel-size", "2"], monkeypatch)
     with pytest.raises(ValueError, match="--toy-mode on .* --expert-model-parallel-size"):
         configs_from_args(args)
+
+
+def test_help_prints_with_megatrons_own_flags() -> None:
+    """Megatron 0.19.2's parser alone cannot print --help (a docstring-derived help ends in '10%)');
+    with megatron_ext's arguments added, every help string expands and the flag is still listed."""
+    from megatron_ext.arguments import escape_unexpandable_help
+
+    megatron_only = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    try:
+        megatron_only.format_help()
+    except ValueError:
+        broken = True
+    else:
+        broken = False
+    assert broken, "Megatron's help expands now: the escape can go"
+    assert escape_unexpandable_help(megatron_only) == ["--moe-paged-stash-buffer-size-factor-cuda"]
+    megatron_only.format_help()
+    parser = add_megatron_ext_args(add_megatron_arguments(argparse.ArgumentParser()))
+    text = parser.format_help()
+    assert "megatron_ext:" in text and "--moe-dispatch-align" in text
+    assert "10%)" in text  # Megatron's own text, escaped, not dropped
