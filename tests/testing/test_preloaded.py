@@ -3,6 +3,7 @@ of the server's reports, and which environments it forks ranks under."""
 
 import io
 import threading
+import types
 
 import pytest
 
@@ -37,20 +38,23 @@ def test_a_garbled_report_marks_the_server_gone_instead_of_hanging():
         client.exit_status(0, timeout=None)  # returns at once, not never
 
 
-def test_only_the_import_time_environment_decides():
+def test_only_the_import_time_environment_decides(monkeypatch):
+    before = {"PATH": "/bin", "OMP_NUM_THREADS": "1"}  # what the server started under
+    after = {**before, "TORCHINDUCTOR_CACHE_DIR": "/tmp/inductor"}  # what its imports left
+    server = types.SimpleNamespace(start_env=before, env=after)
+    monkeypatch.setattr(preloaded, "_server", lambda: server)
+    differs = preloaded.import_environment_differs
+    assert differs({**before, "RANK": "1", "MASTER_PORT": "1", "PYTEST_CURRENT_TEST": "x"}) == []
+    assert differs(after) == []  # a caller that imported Megatron itself still forks
+    assert differs({**before, "HF_HUB_OFFLINE": "1"}) == ["HF_HUB_OFFLINE"]
+    assert differs({"PATH": "/bin"}) == ["OMP_NUM_THREADS"]
+    assert differs({**after, "TORCHINDUCTOR_CACHE_DIR": "/elsewhere"}) == [
+        "TORCHINDUCTOR_CACHE_DIR"
+    ]
+
+
+def test_the_real_server_starts_under_launchs_environment():
     server = preloaded._server()
-    before, after = server.start_env, server.env
-    same = {**before, "RANK": "1", "MASTER_PORT": "1", "PYTEST_CURRENT_TEST": "x"}
-    assert preloaded.import_environment_differs(same) == []
-    changed = {**before, "HF_HUB_OFFLINE": "0" if before.get("HF_HUB_OFFLINE") else "1"}
-    assert preloaded.import_environment_differs(changed) == ["HF_HUB_OFFLINE"]
-    assert "OMP_NUM_THREADS" in preloaded.import_environment_differs(
-        {k: v for k, v in before.items() if k != "OMP_NUM_THREADS"}
-    )
-    assert before["OMP_NUM_THREADS"] == "1"  # what launch gives every rank
-    # What the server's imports set (Megatron sets TORCHINDUCTOR_CACHE_DIR) counts as the same
-    # with or without it: a caller that imported Megatron itself still forks.
-    set_by_imports = sorted(set(after) - set(before))
-    assert set_by_imports, "the imports set no variable: nothing to check"
-    assert preloaded.import_environment_differs(after) == []
-    assert preloaded.import_environment_differs(before) == []
+    assert server.start_env["OMP_NUM_THREADS"] == "1"  # what launch gives every rank
+    assert server.start_env["TORCHDYNAMO_DISABLE"] == "1"
+    assert server.env["OMP_NUM_THREADS"] == "1"  # and what the ranks start from
