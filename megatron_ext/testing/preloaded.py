@@ -47,6 +47,8 @@ import threading
 import time
 from typing import Any
 
+from megatron_ext.testing.real_loop import _rank_env
+
 #: Modules the server imports: what every launch of ``megatron_ext.pretrain_gpt`` imports (the
 #: tokenizer module brings in ``transformers``, a third of the time). Not the entry module itself:
 #: ``runpy`` runs it as ``__main__``.
@@ -64,15 +66,9 @@ PRELOAD = (
     "megatron_ext.moe.layer_specs",
     "megatron_ext.replay.route_recorder",
 )
-#: Variables that differ between launches and are read only at run time (torchrun's per-rank
-#: environment, the rendezvous, pytest's current test).
-RUN_TIME_VARIABLES = frozenset(
-    {
-        "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-        "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
-        "PYTEST_CURRENT_TEST",
-    }
-)  # fmt: skip
+#: Variables that differ between launches and are read only at run time: the per-rank
+#: environment launch gives (torchrun's, with the rendezvous) and pytest's current test.
+RUN_TIME_VARIABLES = frozenset(_rank_env(0, 1, "0")) | {"PYTEST_CURRENT_TEST"}
 #: What the server starts under, on top of the caller's environment (what launch gives every rank).
 SERVER_ENVIRONMENT = {"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
 #: Seconds to wait for the server to fork a rank.

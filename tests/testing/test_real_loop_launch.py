@@ -2,7 +2,8 @@
 torchrun's agent: each rank gets torchrun's environment, one output stream comes back, and the first
 rank to fail stops the others as the agent would (a peer left waiting for it would hang). Both ways
 to start a rank: forked from the server that imported Megatron once (the default) and a fresh
-interpreter; the fork is used only while the environment is the one the server imported under."""
+interpreter; the fork is used only while the environment is the one the server started under or
+the one its imports left."""
 
 import os
 import re
