@@ -37,10 +37,14 @@ def test_cpu_smoke_runs_the_guarded_layer_and_reports():
     assert result["allgather_vs_alltoall_rel_err"] == 0.0
     assert result["aligned_groups_ok"] is True
     assert 0.1 < result["fp8_rel_err_bound"] < 0.25  # 2 * sqrt(2) * 2**-4
-    assert 0 <= result["fp8_vs_bf16_rel_err"] <= result["fp8_rel_err_bound"]
-    assert result["ms_ours"] > 0 and (
-        "ms_router_padding" in result or "router_padding_error" in result
-    )
+    # On CPU the "fp8" layer runs the same fp32 math as the bf16-configured one (Megatron's
+    # unaligned path): the aligned path must equal it exactly, not merely within fp8's bound.
+    assert result["fp8_vs_bf16_rel_err"] == 0.0 and result["fp8_vs_bf16_ok"] is True
+    # The timing section ran, interleaved, and reported a paired ratio (its value is not checked:
+    # numbers live in benchmarks).
+    assert result["rounds"] == 2 and "router_padding_error" not in result, result
+    lo, hi = result["ours_over_router_padding_min_max"]
+    assert lo <= result["ours_over_router_padding"] <= hi, result
 
 
 def test_gpu_check_sh_syntax():

@@ -31,7 +31,13 @@ def set_precision(cfg, precision: str) -> None:
 
 
 def build_layer(
-    dispatcher: str, *, aligned: bool, grouped_mm: bool = True, buffer="host_counts", spy=True
+    dispatcher: str,
+    *,
+    aligned: bool,
+    grouped_mm: bool = True,
+    buffer="host_counts",
+    spy=True,
+    num_experts: int = 8,
 ):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -39,8 +45,8 @@ def build_layer(
     from megatron_ext.moe.layer_specs import _use_grouped_mm_experts, with_aligned_moe
     from megatron_ext.testing import tiny_moe_config
 
-    cfg = tiny_moe_config(moe_token_dispatcher_type=dispatcher)
-    spec = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False)
+    cfg = tiny_moe_config(moe_token_dispatcher_type=dispatcher, num_moe_experts=num_experts)
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
     if grouped_mm:
         spec = _use_grouped_mm_experts(spec)
     if aligned:
@@ -529,3 +535,83 @@ def test_skip_pads_stand_in_routes_nowhere_and_lowers_num_out_tokens(results):
             if dispatcher == "alltoall" and ws == 1:
                 # Lowered below N * topk: the 4 dead tokens' 8 pairs are gone.
                 assert r["lowered"] == sum(stock) == 2 * (NUM_TOKENS - 4)
+
+
+def _one_local_expert_checks() -> dict:
+    """EP=2 with 2 experts: one local expert per rank (the chunk sort's single-group branch)."""
+    res: dict = {}
+    for dispatcher in ("alltoall", "allgather"):
+        ref_layer, _, ref_groups = build_layer(dispatcher, aligned=False, num_experts=2)
+        ref = fwd_bwd(ref_layer)
+        for precision in ("fp8", "nvfp4"):
+            layer, cfg, groups = build_layer(dispatcher, aligned=True, num_experts=2)
+            layer.load_state_dict(ref_layer.state_dict())
+            set_precision(cfg, precision)
+            got, calls = aligner_calls(fwd_bwd, layer)
+            res[dispatcher, precision] = {
+                "local_experts": layer.token_dispatcher.num_local_experts,
+                "bitwise": _bitwise(got, ref),
+                "groups": groups[-1],
+                "real": ref_groups[-1],
+                "calls": dict(calls),
+            }
+    return res
+
+
+def test_one_local_expert_pads_its_single_group():
+    """One local expert per rank: the all-to-all's chunk sort has one group (no sort, the pad at
+    the end); the all-gather's permute folds it as usual. Bitwise the unaligned run, aligned."""
+    for res in run_distributed(_one_local_expert_checks, 2, ep=2):
+        for (dispatcher, precision), r in res.items():
+            align = PRECISIONS[precision]
+            assert r["local_experts"] == 1 and r["bitwise"], (dispatcher, precision, r)
+            assert r["groups"] == [-(-r["real"][0] // align) * align] != r["real"], r
+            path = "plan_chunk_layout" if dispatcher == "alltoall" else "plan_aligned_permute"
+            assert r["calls"].get(path, 0) >= 1, r["calls"]
+
+
+def _device_vs_host_chunk_counts() -> dict:
+    """The aligner's two chunk-sort plans on the same received rows: counts on the host (a list:
+    Megatron's copy) and counts left on the device (TE's fused permute; on a GPU only)."""
+    from megatron_ext.config import MoEAlignmentConfig
+    from megatron_ext.moe.token_dispatcher import _GroupAligner
+    from megatron_ext.testing import tiny_moe_config
+
+    cfg = tiny_moe_config()
+    set_precision(cfg, "fp8")
+    g = torch.Generator().manual_seed(3)
+    counts_RE = torch.randint(0, 9, (2, 4), generator=g)  # 2 source ranks x 4 local experts
+    counts_RE[1, 2] = 0  # an empty chunk
+    num_rows = int(counts_RE.sum())
+    x = torch.randn(num_rows, 8, generator=g)
+    probs = torch.rand(num_rows, generator=g)
+    host_E = counts_RE.sum(0)
+    res = {}
+    for buffer in ("host_counts", "static_bound"):
+        alignment = MoEAlignmentConfig(moe_dispatch_align=True, moe_dispatch_align_buffer=buffer)
+        out = {}
+        for kind, routing in (("host", counts_RE.tolist()), ("device", counts_RE)):
+            aligner = _GroupAligner(cfg, alignment)
+            x_P, sizes_E, probs_P = aligner.pad(x, probs, routing, host_E)
+            kind_of_layout = type(aligner.layout).__name__
+            out[kind] = (x_P, sizes_E.tolist(), probs_P, aligner.strip(x_P * 2), kind_of_layout)
+        (hx, hs, hp, hback, hkind), (dx, ds, dp, dback, dkind) = out["host"], out["device"]
+        res[buffer] = {
+            "kinds": (hkind, dkind),
+            "equal": torch.equal(hx, dx) and hs == ds and torch.equal(hp, dp),
+            "sizes": hs,
+            "round_trip": torch.equal(hback, 2 * x) and torch.equal(dback, 2 * x),
+            "pads": hx.shape[0] - num_rows,
+        }
+    return res
+
+
+def test_device_chunk_counts_plan_the_same_buffer_as_host_counts():
+    """The device-count branch (counts never copied to the host, as under TE's fused permute:
+    unreachable through Megatron's dispatcher on CPU) lays out exactly what the host-count
+    chunk sort does, and its strip restores the received rows."""
+    (res,) = run_distributed(_device_vs_host_chunk_counts, 1)
+    for buffer, r in res.items():
+        assert r["kinds"] == ("ChunkLayout", "AlignedLayout"), r
+        assert r["equal"] and r["round_trip"] and r["pads"] > 0, (buffer, r)
+        assert all(n % 16 == 0 for n in r["sizes"]), r

@@ -21,7 +21,11 @@ Prints one JSON line with the results and exits non-zero when a check fails:
   to the device pinned and asynchronously: no stream sync); ``allgather_matches_alltoall``: its
   output is the all-to-all layer's (relative error <= 1e-3; 0.0 when bitwise equal).
 - ``fp8_vs_bf16_ok``: the fp8 layer's output is within ``FP8_REL_ERR_BOUND`` of the bf16 layer's
-  (relative Frobenius error), a bound derived from e4m3's precision below.
+  (relative Frobenius error), a bound derived from e4m3's precision below. On CPU both run the
+  same fp32 math (the aligned path beside Megatron's unaligned one): 0.0 there.
+- ``ours_over_router_padding`` (with ``_min_max``): forward + backward of ours over Megatron's
+  router padding, interleaved round by round for ``rounds`` rounds, the median of the per-round
+  paired ratios; ``ms_ours`` / ``ms_router_padding`` are each one's median. Not part of ``ok``.
 """
 
 import argparse
@@ -319,24 +323,38 @@ def main() -> None:
     result["fp8_rel_err_bound"] = FP8_REL_ERR_BOUND
     result["fp8_vs_bf16_ok"] = bool(float(ref.norm()) > 0 and rel <= FP8_REL_ERR_BOUND)
 
-    def timed(layer) -> float:
-        times = []
-        for _ in range(args.repeats):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            o, _ = layer(x.detach())
-            o.float().sum().backward()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-        return 1e3 * statistics.median(times)
+    def trip(layer) -> float:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        o, _ = layer(x.detach())
+        o.float().sum().backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
 
-    result["ms_ours"] = timed(ours)
+    # Ours beside Megatron's router padding, interleaved round by round (the order alternating):
+    # the figure is the median of the per-round paired ratios, with their min and max.
+    padded = _build(False, backend, router_padding=True)
     try:
-        result["ms_router_padding"] = timed(_build(False, backend, router_padding=True))
-    except (RuntimeError, ValueError) as e:  # report the failure (an unaligned group) instead
+        trip(padded)  # warm-up; an unaligned group raises here (reported instead)
+    except (RuntimeError, ValueError) as e:
         result["router_padding_error"] = repr(e)[:300]
+        padded = None
+    trip(ours)
+    times: dict[str, list[float]] = {"ours": [], "router_padding": []}
+    for r in range(args.repeats):
+        variants = [("ours", ours), ("router_padding", padded)]
+        for name, layer in variants[:: 1 if r % 2 else -1]:
+            if layer is not None:
+                times[name].append(trip(layer))
+    result["rounds"] = args.repeats
+    result["ms_ours"] = 1e3 * statistics.median(times["ours"])
+    if padded is not None:
+        ratios = [a / b for a, b in zip(times["ours"], times["router_padding"], strict=True)]
+        result["ms_router_padding"] = 1e3 * statistics.median(times["router_padding"])
+        result["ours_over_router_padding"] = statistics.median(ratios)
+        result["ours_over_router_padding_min_max"] = [min(ratios), max(ratios)]
     guarded = all(
         result[f"{name}_guarded_calls"][k] > 0
         for name in ("aligned", "allgather")
