@@ -72,14 +72,44 @@ def test_short_sample_is_self_padded_and_matches_megatron_on_real_tokens(
     assert padded == 1
 
 
-def test_constant_policy_reproduces_megatron(prefixes: list[str]) -> None:
-    ref = build(GPTDataset, GPTDatasetConfig, prefixes[:1])[1]
+@pytest.mark.parametrize("extra_token", [True, False])
+def test_constant_policy_reproduces_megatron(prefixes: list[str], extra_token: bool) -> None:
+    """Bitwise Megatron's samples, with and without its extra label token per sample
+    (``add_extra_token_to_sequence``: without it the last input's label is Megatron's pad)."""
+    kw = {"add_extra_token_to_sequence": extra_token}
+    ref = build(GPTDataset, GPTDatasetConfig, prefixes[:1], **kw)[1]
     ours = build(
-        SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig, prefixes[:1], pad_policy="constant"
+        SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig, prefixes[:1], pad_policy="constant", **kw
     )[1]
+    assert len(ref) > 0
+    padded = 0
     for i in range(len(ref)):
         for key in ("tokens", "labels", "loss_mask", "position_ids"):
-            assert torch.equal(ref[i][key], ours[i][key]), key
+            assert torch.equal(ref[i][key], ours[i][key]), (key, i)
+        padded += bool(ours[i]["padding_mask"].any())
+    assert padded > 0  # a short, padded sample was compared too
+
+
+@pytest.mark.parametrize("extra_token", [True, False])
+def test_self_policy_keeps_megatrons_real_labels(prefixes: list[str], extra_token: bool) -> None:
+    """Self pads change no real token's input or trained label, with or without the extra token;
+    a label is trained only where its next token is real text."""
+    kw = {"add_extra_token_to_sequence": extra_token}
+    ref = build(GPTDataset, GPTDatasetConfig, prefixes[:1], **kw)[1]
+    ours = build(SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig, prefixes[:1], **kw)[1]
+    padded = 0
+    for i in range(len(ref)):
+        r, o = ref[i], ours[i]
+        n = int((~o["padding_mask"]).sum())
+        assert torch.equal(r["tokens"][:n], o["tokens"][:n])
+        trained = o["loss_mask"].bool()
+        assert torch.equal(r["loss_mask"], o["loss_mask"])
+        assert torch.equal(r["labels"][trained], o["labels"][trained])
+        if n < SEQ:
+            padded += 1
+            assert not trained[max(n - 1, 0) :].any()
+            assert o["tokens"][n:].tolist() != [0] * (SEQ - n)  # pads are text, not Megatron's 0
+    assert padded > 0
 
 
 @pytest.mark.parametrize("eod_mask_loss", [False, True])

@@ -40,14 +40,45 @@ def test_round_trip_and_cache_hit(tmp_path) -> None:
 
 
 def test_concurrent_writers_leave_one_valid_file(tmp_path) -> None:
+    """Writers racing on one cache (ranks building the same index) while a reader loads it: the
+    reader only ever sees one writer's whole file, and one whole file is left. Each writer
+    writes different bytes, so a mix or a partial file would show."""
     path = str(tmp_path / "x-packs.npz")
-    arrays = {"a": np.arange(200_000)}
-    threads = [threading.Thread(target=save_atomically, args=(path, arrays, "d")) for _ in range(6)]
-    for t in threads:
+    arrays = [{"a": np.full(400_000, i, dtype=np.int64)} for i in range(6)]
+    save_atomically(path, arrays[0], "d")
+    start = threading.Barrier(len(arrays) + 1)
+    writing = threading.Event()
+    seen, bad = [], []
+
+    def write(a) -> None:
+        start.wait()
+        for _ in range(5):
+            save_atomically(path, a, "d")
+
+    def read() -> None:
+        start.wait()
+        while writing.is_set():
+            try:
+                got = load(path, ("a",))["a"]
+            except Exception as err:  # noqa: BLE001 - any failure to read is the defect
+                bad.append(repr(err))
+                continue
+            seen.append(int(got[0]))
+            if not any(np.array_equal(got, a["a"]) for a in arrays):
+                bad.append("mixed content")
+
+    writing.set()
+    writers = [threading.Thread(target=write, args=(a,)) for a in arrays]
+    reader = threading.Thread(target=read)
+    for t in [*writers, reader]:
         t.start()
-    for t in threads:
+    for t in writers:
         t.join()
-    assert np.array_equal(load(path, ("a",))["a"], arrays["a"])
+    writing.clear()
+    reader.join()
+    assert bad == [] and len(seen) > 0, bad[:3]
+    got = load(path, ("a",))["a"]
+    assert any(np.array_equal(got, a["a"]) for a in arrays)
     assert os.listdir(tmp_path) == ["x-packs.npz"]
 
 

@@ -184,3 +184,27 @@ def test_auto_without_an_announced_count_routes_pads_like_text_with_one_warning(
     assert routing.real_tokens(mask) is None  # warned once
     routing.set_micro_batch(4, 4)
     assert routing.real_tokens(mask) == 4
+
+
+@pytest.mark.parametrize(
+    "graphs, auto",
+    [
+        (["--cuda-graph-impl", "transformer_engine"], "dispatch"),  # whole layer captured
+        (["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn"], "skip"),
+        (["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "mlp"], "skip"),
+        (["--cuda-graph-impl", "local", "--cuda-graph-modules", "moe"], "dispatch"),
+        (["--cuda-graph-impl", "local", "--cuda-graph-modules", "attn", "moe_router"], "dispatch"),
+        (["--cuda-graph-impl", "full_iteration"], "dispatch"),
+        (["--cuda-graph-impl", "none", "--cuda-graph-modules", "moe"], "skip"),
+    ],
+)
+def test_auto_follows_which_modules_cuda_graphs_capture(graphs: list[str], auto: str) -> None:
+    """Graphs that leave the MoE layer out (attention or dense MLP only) keep ``auto`` = skip;
+    any capture of the MoE layer, its router or its preprocess (or the whole layer or
+    iteration) needs static shapes: dispatch. Parsed by Megatron's own parser (its enums)."""
+    from megatron_ext.arguments import configs_from_args
+    from megatron_ext.config import MoEPadRoutingConfig
+
+    args = _parse(["--num-experts", "8", "--moe-token-dispatcher-type", "alltoall", *graphs])
+    mode, why = configs_from_args(args)[MoEPadRoutingConfig].resolve(args)
+    assert (mode, why.startswith("auto")) == (auto, True), why
