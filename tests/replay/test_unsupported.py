@@ -1,7 +1,8 @@
-"""Tier: pure (no Megatron process group). Replay flags and argument-time refusals.
+"""Tier: pure, plus Megatron's router on one gloo rank. Replay flags and argument-time refusals.
 
 Covers megatron_ext/replay/unsupported.py and the replay section of megatron_ext/config.py: every
-configuration where Megatron 0.19.2 would silently skip replay is refused with the flags named.
+configuration where Megatron 0.19.2 would silently skip replay is refused with the flags named,
+and (for the settings a CPU reaches) Megatron's own router is shown not to replay under them.
 """
 
 import argparse
@@ -117,3 +118,56 @@ def test_flags_without_effect_warn():
         ReplayConfig(route_data_suffix="_routes")
     with pytest.warns(UserWarning, match="--route-record-path has no effect"):
         ReplayConfig(route_replay_mode="replay", route_data_suffix="_r", route_record_path="/tmp/x")
+
+
+def _megatron_replay_under(setting: str) -> dict:
+    """Megatron's own TopKRouter with its RouterReplay set to replay targets that differ from its
+    natural routing: does the routing map it returns hold the targets?"""
+    import torch
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    from megatron_ext.testing import tiny_moe_config
+
+    overrides = {
+        "plain": {},
+        "sinkhorn": dict(
+            moe_router_load_balancing_type="sinkhorn", moe_router_topk=1, moe_aux_loss_coeff=0.0
+        ),
+        "quantile_balancing": dict(
+            moe_router_load_balancing_type="quantile_balancing", moe_aux_loss_coeff=0.0
+        ),
+        "capacity_factor": dict(moe_expert_capacity_factor=0.5),
+    }[setting]
+    cfg = tiny_moe_config(moe_enable_routing_replay=True, **overrides)
+    router = TopKRouter(config=cfg, pg_collection=get_default_pg_collection())
+    router.set_layer_number(1)
+    x = torch.randn(16, 2, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        natural = router(x)[1]
+        # Targets: every token's natural experts shifted by one, so all differ from natural.
+        topk = cfg.moe_router_topk
+        targets = (natural.float().topk(topk, dim=1).indices + 1) % cfg.num_moe_experts
+        router.router_replay.set_target_indices(targets)
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        try:
+            replayed = router(x)[1]
+        finally:
+            RouterReplay.clear_global_router_replay_action()
+            RouterReplay.clear_global_router_replay_instances()
+    wanted = torch.zeros_like(replayed).scatter_(1, targets, True)
+    return {"holds": torch.equal(replayed, wanted), "differs": not torch.equal(natural, wanted)}
+
+
+@pytest.mark.parametrize("setting", ["sinkhorn", "quantile_balancing", "capacity_factor"])
+def test_megatron_itself_does_not_replay_under_the_refused_settings(setting: str) -> None:
+    """The refusal's premise, shown on Megatron's own router (the CPU-reachable rows of the
+    table; the fused top-k needs TE and CUDA graphs a GPU): with its RouterReplay set to replay,
+    the plain router returns exactly the targets, these settings do not, with no error."""
+    from megatron_ext.testing import run_distributed
+
+    plain = run_distributed(_megatron_replay_under, 1, "plain")[0]
+    other = run_distributed(_megatron_replay_under, 1, setting)[0]
+    assert plain["differs"] and plain["holds"], plain  # control: replay works without them
+    assert other["differs"] and not other["holds"], other
