@@ -8,7 +8,6 @@ test_binding_pipeline.py (``RouteReplayBinding.recorded_routes``).
 """
 
 import pytest
-
 import torch
 
 from megatron_ext.testing import run_distributed
