@@ -163,7 +163,8 @@ def summarize(runs: dict[str, LoopRun], loads: dict[str, dict[str, np.ndarray]])
         "real tokens route identically under both pad policies": bool(
             np.array_equal(load_c["real"], load_s["real"])
         ),
-        "self padding keeps per-expert load near no padding": gap_self < gap_constant,
+        "self padding keeps per-expert load closer to no padding than constant padding": gap_self
+        < gap_constant,
         "skip: experts receive exactly the real tokens' rows, loss unchanged": bool(
             np.array_equal(load_k["all"], load_s["real"])
         )
