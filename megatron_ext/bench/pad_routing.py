@@ -166,7 +166,11 @@ def pad_routing(quick: bool) -> BenchResult:
             f"MoE layer forward + backward, {rounds} interleaved rounds (order rotating), median of the "
             "per-round ratio to no padding (min-max), rank 0, CPU with the default allocator (fresh "
             "tensors each call). Rows summed over both ranks; EP-rank peak/mean of expert rows. constant "
-            "and self route pads (--moe-pad-routing dispatch); skip is --moe-pad-routing skip on self pads."
+            "and self route pads (--moe-pad-routing dispatch); skip is --moe-pad-routing skip on self pads. "
+            "The router here is randomly initialised, and with 2 EP ranks whether constant pads, "
+            "which crowd onto few experts, also overload one rank depends on where those experts "
+            "sit: this column is not the pad hot-spot measurement (benchmarks hot_spot and "
+            "router_hot_spot are, per expert and at EP=8/64 with a router fitted to text)."
         ),
         extra=result,
     )
