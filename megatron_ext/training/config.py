@@ -66,9 +66,82 @@ class EntryConfig:
                     "dataset: it needs --pack-documents and exactly one --data-path prefix "
                     f"(got {len(prefixes)} prefixes)"
                 )
-        if packs_vary and getattr(args, "micro_batch_size", 1) > 1:
-            raise ValueError(
-                "--pack-documents without --pad-to-seq-len gives packs of different lengths, which "
-                "Megatron's data loader cannot stack into one micro-batch: use --pad-to-seq-len "
-                f"or --micro-batch-size 1 (got {args.micro_batch_size})"
-            )
+        for dest, flag in (
+            ("micro_batch_size", "--micro-batch-size"),
+            ("eval_micro_batch_size", "--eval-micro-batch-size"),
+        ):
+            size = getattr(args, dest, None) or 1
+            if packs_vary and size > 1:
+                raise ValueError(
+                    "--pack-documents without --pad-to-seq-len gives packs of different lengths, "
+                    "which Megatron's data loader cannot stack into one micro-batch: use "
+                    f"--pad-to-seq-len or {flag} 1 (got {size})"
+                )
+        _refuse_unsupported(args)
+
+
+#: Megatron flags the entry point cannot honour: (dest, flag, why). Each is refused when set.
+_ENTRY_UNSUPPORTED: tuple[tuple[str, str, str], ...] = (
+    ("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm",
+     "Megatron's combined 1F1B schedule calls forward_step with return_schedule_plan and routes "
+     "without the pad mask, bypassing pad skipping, alignment and replay"),
+    ("sft", "--sft", "megatron_ext builds its own packed datasets, not Megatron's SFTDataset: "
+     "use --pack-documents with --pack-loss-mask-suffix for SFT data"),
+    ("fim_data", "--fim-data", "megatron_ext builds no GPTFIMDataset"),
+)  # fmt: skip
+
+
+def _refuse_unsupported(args: _argparse.Namespace) -> None:
+    """Refuses the Megatron flags and combinations ``megatron_ext.pretrain_gpt`` cannot run."""
+    for dest, flag, why in _ENTRY_UNSUPPORTED:
+        if getattr(args, dest, False):
+            raise ValueError(f"megatron_ext.pretrain_gpt does not support {flag}: {why}")
+    moe = bool(getattr(args, "num_experts", None))
+    balancing = getattr(args, "moe_router_load_balancing_type", "aux_loss") or "aux_loss"
+    balancing = [balancing] if isinstance(balancing, str) else list(balancing)
+    if moe and "quantile_balancing" in balancing:
+        raise ValueError(
+            "--moe-router-load-balancing-type quantile_balancing is not supported: Megatron 0.19.2's "
+            "quantile balancing refuses a padding mask, and megatron_ext hands every router one"
+        )
+    if getattr(args, "mock_data", False):
+        for dest, flag in (
+            ("pack_documents", "--pack-documents"),
+            ("pad_to_seq_len", "--pad-to-seq-len"),
+        ):
+            if getattr(args, dest, False):
+                raise ValueError(
+                    f"--mock-data cannot be combined with {flag}: megatron_ext's datasets read "
+                    "real token files (Megatron's mock dataset is used with --mock-data alone)"
+                )
+    if (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1 and getattr(
+        args, "route_replay_mode", "off"
+    ) == "record":
+        raise ValueError(
+            "--route-replay-mode record with --pipeline-model-parallel-size > 1 is not supported "
+            "yet: gathering each micro-batch's routes over the pipeline stages inside the "
+            "schedule would deadlock (record at PP=1, then replay at any PP)"
+        )
+    if moe and getattr(args, "mtp_num_layers", None):
+        _refuse_with_mtp(args)
+
+
+def _refuse_with_mtp(args: _argparse.Namespace) -> None:
+    """Megatron builds the MTP block's layers from its own specs, so megatron_ext's MoE layer and
+    router never reach them: what needs them there is refused, naming both flags. (Pad skipping
+    still applies to the decoder's MoE layers; the MTP layers route pads as Megatron does.)"""
+    needs_ours = (
+        ("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias",
+         "Megatron's own router counts fail on the pad mask in MTP layers"),
+        ("moe_dispatch_align", "--moe-dispatch-align", "MTP layers would not be aligned by it"),
+        ("moe_expert_load_metrics", "--moe-expert-load-metrics",
+         "MTP layers would not be counted"),
+    )  # fmt: skip
+    for dest, flag, why in needs_ours:
+        if getattr(args, dest, False):
+            raise ValueError(f"--mtp-num-layers with {flag} is not supported: {why}")
+    if getattr(args, "route_replay_mode", "off") != "off":
+        raise ValueError(
+            "--mtp-num-layers with --route-replay-mode is not supported: MTP layers' routers "
+            "would route natively"
+        )

@@ -23,6 +23,10 @@ _GPU_ONLY: tuple[tuple[str, object, str, str], ...] = (
     ("ckpt_fully_parallel_load", True, "--ckpt-fully-parallel-load",
      "drop it (Megatron moves loaded shards with .cuda())"),
     ("async_save", True, "--async-save", "drop it (needs nvidia-resiliency-ext and CUDA)"),
+    ("moe_token_dispatcher_type", "flex", "--moe-token-dispatcher-type flex",
+     "use alltoall or allgather (flex needs DeepEP or HybridEP)"),
+    ("moe_permute_fusion", True, "--moe-permute-fusion",
+     "drop it (Transformer Engine's fused permute)"),
 )  # fmt: skip
 
 
@@ -49,6 +53,10 @@ def check_cpu_args(args: argparse.Namespace) -> None:
                 f"--cpu cannot run {flag} yet: Megatron's Float16OptimizerWithFloat16Params accepts "
                 "only torch.cuda parameter types; drop it (the CPU run computes in fp32)"
             )
+    if getattr(args, "mtp_num_layers", None):
+        raise ValueError(
+            "--cpu cannot run --mtp-num-layers: Megatron's MTP loss logging calls torch.cuda"
+        )
     impl = getattr(args, "cuda_graph_impl", "none") or "none"
     if impl != "none":
         raise ValueError(f"--cpu cannot run --cuda-graph-impl {impl} (CUDA graphs): drop it")

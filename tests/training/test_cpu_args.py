@@ -25,6 +25,9 @@ OK = dict(transformer_impl="local", distributed_backend="gloo", cuda_graph_impl=
         ({"fp4": "e2m1", "moe_dispatch_align": True}, "--moe-grouped-gemm"),
         ({"bf16": True}, "--bf16"),
         ({"fp16": True}, "--fp16"),
+        ({"moe_token_dispatcher_type": "flex"}, "--moe-token-dispatcher-type flex"),
+        ({"moe_permute_fusion": True}, "--moe-permute-fusion"),
+        ({"mtp_num_layers": 1}, "--mtp-num-layers"),
     ],
 )
 def test_refused_naming_the_flag(change, flag):

@@ -652,3 +652,90 @@ def test_full_validation_of_a_validation_split_rounded_to_no_documents(data_pref
     assert isinstance(err, str), err
     assert err.startswith("--full-validation evaluates on the whole validation split")
     assert f"--split 995,5,0 gives it no sample of --data-path {data_prefix}" in err
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--overlap-moe-expert-parallel-comm"], "--overlap-moe-expert-parallel-comm"),
+        (["--sft"], "--sft"),
+        (["--fim-data"], "--fim-data"),
+        (
+            ["--moe-router-load-balancing-type", "quantile_balancing"],
+            "quantile_balancing is not supported",
+        ),
+        (
+            ["--mock-data", "--pack-documents", "--pad-to-seq-len"],
+            "--mock-data cannot be combined with --pack-doc",
+        ),
+        (
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--route-replay-mode",
+                "record",
+                "--route-record-path",
+                "/tmp/never-written",
+                "--pack-documents",
+                "--pad-to-seq-len",
+                "--data-path",
+                "P",
+            ],
+            "record with --pipeline-model-parallel-size > 1",
+        ),
+        (
+            [
+                "--pack-documents",
+                "--eval-micro-batch-size",
+                "2",
+                "--micro-batch-size",
+                "1",
+                "--global-batch-size",
+                "4",
+                "--data-path",
+                "P",
+            ],
+            "--eval-micro-batch-size 1",
+        ),
+        (["--mtp-num-layers", "1", "--moe-dispatch-align"], "--mtp-num-layers with --moe-disp"),
+        (
+            [
+                "--mtp-num-layers",
+                "1",
+                "--moe-router-enable-expert-bias",
+                "--moe-router-score-function",
+                "sigmoid",
+            ],
+            "--mtp-num-layers with --moe-router-enable-expert-bias",
+        ),
+        (
+            [
+                "--mtp-num-layers",
+                "1",
+                "--route-replay-mode",
+                "replay",
+                "--pack-documents",
+                "--pad-to-seq-len",
+                "--route-data-suffix",
+                "_routes",
+                "--data-path",
+                "P",
+            ],
+            "--mtp-num-layers with --route-replay-mode",
+        ),
+    ],  # fmt: skip
+)
+def test_what_the_entry_cannot_run_is_refused_at_argument_time(
+    monkeypatch, data_prefix, extra: list[str], match: str
+) -> None:
+    """Megatron accepts each, and each crashed, hung or was silently ignored later in a run."""
+    from megatron.training.arguments import parse_args
+
+    from megatron_ext.arguments import add_megatron_ext_args, configs_from_args
+
+    extra = [data_prefix if a == "P" else a for a in extra]
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt", *BASE_ARGS, *extra])
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = parse_args(extra_args_provider=add_megatron_ext_args)
+    with pytest.raises(ValueError, match=match):
+        configs_from_args(args)
