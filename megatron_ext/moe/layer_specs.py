@@ -105,6 +105,14 @@ def with_padded_router(spec: Any, *, require: str | None = None) -> Any:
     return out
 
 
+def has_moe_layer(spec: Any) -> bool:
+    """Whether ``spec`` holds an MoE layer (a ``MoELayer`` or any ``MoESubmodules``): False for a
+    pipeline stage whose layers are all dense."""
+    found: list[bool] = []
+    _swap(spec, {}, found)
+    return bool(found) or bool(moe_routers(spec))
+
+
 def moe_routers(spec: Any) -> list[type]:
     """The router class of every ``MoESubmodules`` in ``spec``, in spec order."""
     routers: list[type] = []

@@ -33,9 +33,11 @@ def uses_aligned_moe(alignment: MoEAlignmentConfig, skip_pads: bool = False) -> 
 
 def _aligned(spec: Any, args: argparse.Namespace) -> Any:
     """``spec`` with megatron_ext's MoE layer and router where the run asks for them."""
-    if args.num_experts is None:
-        return spec
-    from megatron_ext.moe.layer_specs import with_aligned_moe, with_padded_router
+    from megatron_ext.moe.layer_specs import has_moe_layer, with_aligned_moe, with_padded_router
+
+    if args.num_experts is None or not has_moe_layer(spec):
+        # A dense model, or a pipeline stage holding only dense layers (--moe-layer-freq).
+        return _with_sp_norms(spec, args)
 
     alignment = run_state.configs(args)[MoEAlignmentConfig]
     pad_routing = run_state.pad_routing(args)
@@ -49,17 +51,22 @@ def _aligned(spec: Any, args: argparse.Namespace) -> Any:
 
         # --cpu: the torch._grouped_mm backend stands in for Transformer Engine's grouped GEMM.
         spec = with_grouped_mm_experts(spec)
-    if args.sequence_parallel and args.transformer_impl == "local":
-        from megatron_ext.local_norms import with_sequence_parallel_norms
-
-        # Megatron's local norms refuse SP (TE's are its SP path); ours mark params for TP reduce.
-        spec = with_sequence_parallel_norms(spec)
+    spec = _with_sp_norms(spec, args)
     # Megatron's own router unless expert bias needs ours (0.19.2's count fails on the pad mask) or
     # a capacity factor does (ours drops pads before real tokens).
     if args.moe_router_enable_expert_bias:
         spec = with_padded_router(spec, require="--moe-router-enable-expert-bias")
     elif args.moe_expert_capacity_factor is not None:
         spec = with_padded_router(spec, require="--moe-expert-capacity-factor")
+    return spec
+
+
+def _with_sp_norms(spec: Any, args: argparse.Namespace) -> Any:
+    if args.sequence_parallel and args.transformer_impl == "local":
+        from megatron_ext.local_norms import with_sequence_parallel_norms
+
+        # Megatron's local norms refuse SP (TE's are its SP path); ours mark params for TP reduce.
+        return with_sequence_parallel_norms(spec)
     return spec
 
 

@@ -444,6 +444,37 @@ def test_pipeline_parallel_with_aux_loss_free_expert_bias(corpus_prefix, tmp_pat
         assert bias.abs().max() > 0, bias
 
 
+def test_gpt_tp2_pp2_sequence_parallel_on_packed_data(corpus_prefix) -> None:
+    """GPTModel at TP=2 x PP=2 with sequence parallelism (4 ranks), packs with pads: megatron-core
+    0.19.2 scatters the pad mask only on the stage that embeds, so the second stage's routers got
+    the whole mask for half the tokens and crashed; the forward step now scatters it there."""
+    run = launch([
+        *TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--sequence-parallel", "--expert-model-parallel-size", "1",
+        "--expert-tensor-parallel-size", "1", "--pack-documents", "--pad-to-seq-len", VERBOSE,
+    ], nproc=4)  # fmt: skip
+    assert_trains(run)
+    assert built_model(run) == "GPTModel"
+    assert re.search(r"sequence_parallel \.+ True", run.output)
+    assert re.search(r"pipeline_model_parallel_size \.+ 2", run.output)
+
+
+def test_a_pipeline_stage_of_dense_layers_only(corpus_prefix) -> None:
+    """--moe-layer-freq [1,0] at PP=2: the second stage holds only a dense layer. megatron_ext's
+    MoE layer and router go where MoE layers are (load metrics, pads skipped) and the dense stage
+    builds Megatron's spec as it is (it raised 'the spec contains no MoELayer')."""
+    run = launch([
+        *TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
+        "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "1",
+        "--moe-layer-freq", "[1,0]", "--moe-expert-load-metrics", VERBOSE,
+    ])  # fmt: skip
+    assert_trains(run)
+    assert built_model(run) == "GPTModel"
+    assert re.search(r"moe_layer_freq \.+ \[1, 0\]", run.output), run.output[-2000:]
+    assert re.findall(r"megatron_ext expert load: ", run.output)  # the MoE stage's layer counted
+
+
 # ------------------------------------------------------------------------------------------------
 # What the CPU loop cannot run yet
 # ------------------------------------------------------------------------------------------------
