@@ -155,6 +155,10 @@ _ROUTE_KEYS = {
 }
 
 
+#: Formats whose records hold one row fewer than their tokens (T is needed to know it).
+_T_MINUS_ONE_FORMATS = ("vllm", "megatron")
+
+
 def _decode_line(
     line: str, fmt: str, name: str, num_layers: int, topk: int
 ) -> tuple[np.ndarray, int | None]:
@@ -227,6 +231,13 @@ def main(argv: list[str] | None = None) -> int:
                     f"has {int(token_lengths[index])} tokens"
                 )
             num_tokens = int(token_lengths[index])
+        if num_tokens is None and args.format in _T_MINUS_ONE_FORMATS:
+            # These engines return T - 1 rows for T tokens: taking the rows as complete would
+            # silently make the document's routes one row short of its tokens.
+            raise ValueError(
+                f"{name}: a --format {args.format} record holds T - 1 rows for T tokens; give its "
+                "num_tokens or token_ids, or pass --tokens-prefix"
+            )
         routes, counts = repair_document(
             rows,
             num_tokens,

@@ -178,6 +178,21 @@ def test_length_mismatches_and_missing_input_are_refused(tmp_path):
         run(tmp_path, [tmp_path / "nope.jsonl"], "vllm")
 
 
+@pytest.mark.parametrize("fmt, key", [("vllm", "routed_experts"), ("megatron", "moe_topk_indices")])
+def test_t_minus_1_records_without_a_token_count_are_refused(tmp_path, fmt, key):
+    """vLLM / Megatron inference give T - 1 rows for T tokens: without num_tokens, token_ids or
+    --tokens-prefix the tool cannot know T, and taking the rows as complete would leave every
+    document's routes one row short of its tokens. The same rows with the count convert."""
+    rows = random_routes(3, seed=1).tolist()
+    path = write_jsonl(tmp_path / f"{fmt}.jsonl", [{key: rows}])
+    with pytest.raises(ValueError, match="holds T - 1 rows for T tokens; give its num_tokens"):
+        run(tmp_path, [path], fmt)
+    assert not list(tmp_path.glob("routes*"))  # nothing written
+    counted = write_jsonl(tmp_path / f"{fmt}_n.jsonl", [{key: rows, "num_tokens": 4}])
+    docs, _ = run(tmp_path, [counted], fmt)
+    assert docs[0].shape == (4, L, K) and missing_mask(docs[0])[3].all()
+
+
 def test_uint16_above_256_experts(tmp_path):
     routes = random_routes(3, seed=9, num_experts=300)
     np.save(tmp_path / "w.npy", routes)
