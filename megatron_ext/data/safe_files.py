@@ -32,12 +32,14 @@ INDEXED_EXTENSIONS = (".bin", ".idx")
 
 
 def create_temp(path: str) -> tuple[int, str]:
-    """Creates a new, empty temporary file beside ``path`` (mode 0o666 & ~umask).
+    """Creates a new, empty temporary file beside ``path`` (mode 0o666 & ~umask), creating
+    ``path``'s directory first if it is missing (:func:`check_writable_dir` allowed that up front).
 
     Returns:
         ``(fd, temp_path)``; the caller writes, then :func:`publish` s or unlinks it.
     """
     directory, base = os.path.split(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
     while True:
         tmp = os.path.join(directory, f".{base}.{secrets.token_hex(6)}.tmp")
         try:

@@ -74,6 +74,8 @@ class MoEAlignmentConfig:
                 "--moe-expert-load-metrics needs an MoE model: set --num-experts (a dense model "
                 "has no routing to count)"
             )
+        if self.moe_expert_load_log:
+            check_load_log(self.moe_expert_load_log)
         if not self.moe_dispatch_align:
             return
         if getattr(args, "moe_router_padding_for_quantization", False):
@@ -222,3 +224,33 @@ def _cuda_graph_over_moe(args: _moe_argparse.Namespace) -> bool:
     modules = getattr(args, "cuda_graph_modules", None) or []
     names = {str(getattr(m, "name", m)) for m in modules}
     return not names or bool(names & {"moe", "moe_router", "moe_preprocess"})
+
+
+def check_load_log(path: str) -> None:
+    """Refuses a ``--moe-expert-load-log`` that appending would damage: a directory, a place
+    that cannot be written, or an existing file that is not such a log (a data file, say: every
+    line of a load log is a JSON object with an ``iteration``). A missing directory is created
+    when the first line is written.
+    """
+    import json
+    import os
+
+    from megatron_ext.data.safe_files import check_writable_dir
+
+    flag = "--moe-expert-load-log"
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a directory")
+    check_writable_dir(path, flag)
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return
+    with open(path, "rb") as f:
+        first = f.readline(1 << 20)
+    try:
+        record = json.loads(first)
+    except (UnicodeDecodeError, ValueError):
+        record = None
+    if not isinstance(record, dict) or "iteration" not in record:
+        raise ValueError(
+            f"{flag} {path} exists and is not an expert-load log (its first line is not one of "
+            "its JSON records); appending would change that file: name a new file"
+        )

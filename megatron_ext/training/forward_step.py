@@ -19,6 +19,7 @@ Example::
 """
 
 import json
+import os
 from collections.abc import Hashable
 from functools import partial
 from typing import Any
@@ -243,6 +244,7 @@ def log_expert_load(args: Any, iteration: int) -> dict[str, Any] | None:
     print_rank_0(f"megatron_ext expert load: worst EP-rank max_vio {worst:.3f}")
     path = run_state.configs(args)[MoEAlignmentConfig].moe_expert_load_log
     if path and torch.distributed.get_rank() == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # checked at args time
         with open(path, "a", encoding="utf-8") as log:
             log.write(json.dumps({"iteration": iteration + 1, **summary}) + "\n")
     writer, wandb = get_tensorboard_writer(), get_wandb_writer()

@@ -58,7 +58,10 @@ def test_unwritable_places_are_refused_before_the_work(tmp_path) -> None:
         check_output_file(str(tmp_path / "file" / "plot.png"), flag="--png")
     with pytest.raises(ValueError, match=r"--json .* is a directory"):
         check_output_file(str(tmp_path), flag="--json", overwrite=True)
-    check_output_file(str(tmp_path / "new" / "deep" / "x.json"), flag="--json")  # creatable
+    deep = tmp_path / "new" / "deep" / "x.json"
+    check_output_file(str(deep), flag="--json")  # creatable: allowed, so the write creates it
+    atomic_write_bytes(str(deep), b"{}")
+    assert deep.read_bytes() == b"{}" and os.listdir(deep.parent) == ["x.json"]
     if os.geteuid() != 0:  # root writes anywhere
         ro = tmp_path / "ro"
         ro.mkdir(mode=0o500)

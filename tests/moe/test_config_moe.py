@@ -171,3 +171,26 @@ def test_load_log_needs_load_metrics():
     with pytest.raises(ValueError, match="--moe-expert-load-log needs --moe-expert-load-metrics"):
         MoEAlignmentConfig(moe_expert_load_log="load.jsonl")
     MoEAlignmentConfig(moe_expert_load_log="load.jsonl", moe_expert_load_metrics=True)
+
+
+def test_load_log_that_appending_would_damage_is_refused(tmp_path):
+    """A review appended JSON lines to the training data's .bin (exit 0); a missing directory
+    failed after the first iteration. Both are settled at argument time now."""
+    from megatron_ext.moe.config import check_load_log
+
+    data = tmp_path / "corpus.bin"
+    data.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ValueError, match=r"--moe-expert-load-log .*corpus\.bin exists and is not"):
+        check_load_log(str(data))
+    text = tmp_path / "notes.txt"
+    text.write_text("hello\n")
+    with pytest.raises(ValueError, match="is not an expert-load log"):
+        check_load_log(str(text))
+    with pytest.raises(ValueError, match="is a directory"):
+        check_load_log(str(tmp_path))
+    earlier = tmp_path / "load.jsonl"
+    earlier.write_text('{"iteration": 5, "layer1/tokens": [1, 2]}\n')
+    check_load_log(str(earlier))  # a previous run's log: appended to
+    check_load_log(str(tmp_path / "new" / "dir" / "load.jsonl"))  # created on first write
+    (tmp_path / "empty.jsonl").write_text("")
+    check_load_log(str(tmp_path / "empty.jsonl"))
