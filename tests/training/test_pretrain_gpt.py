@@ -739,3 +739,28 @@ def test_what_the_entry_cannot_run_is_refused_at_argument_time(
     args = parse_args(extra_args_provider=add_megatron_ext_args)
     with pytest.raises(ValueError, match=match):
         configs_from_args(args)
+
+
+@pytest.mark.parametrize(
+    "change, model",
+    [
+        (["--num-experts", str(2 * EXPERTS)], f"over {2 * EXPERTS} experts"),
+        (["--moe-router-topk", "1"], "x top-1 over"),
+        (["--num-layers", str(2 * NUM_LAYERS)], f"the model has {2 * NUM_LAYERS} MoE layers"),
+    ],
+)
+def test_a_route_file_for_another_model_is_refused_at_argument_time(
+    monkeypatch, data_prefix, change: list[str], model: str
+) -> None:
+    """The header's L, K, E are checked when arguments are parsed, not at dataset build after
+    the model and optimizer exist; the matching model passes."""
+    from megatron.training.arguments import parse_args
+
+    from megatron_ext.arguments import add_megatron_ext_args, configs_from_args
+
+    argv = [*BASE_ARGS, *REPLAY_ARGS, "--data-path", data_prefix]
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt", *argv])
+    configs_from_args(parse_args(extra_args_provider=add_megatron_ext_args))  # the same model
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt", *argv, *change])
+    with pytest.raises(ValueError, match=rf"was written for {NUM_LAYERS} MoE layers .*{model}"):
+        configs_from_args(parse_args(extra_args_provider=add_megatron_ext_args))
