@@ -146,9 +146,17 @@ def check_writable_dir(path: str, flag: str) -> None:
 
 
 def check_output_file(
-    path: str, *, flag: str, inputs: Iterable[str] = (), overwrite: bool = False
+    path: str,
+    *,
+    flag: str,
+    inputs: Iterable[str] = (),
+    overwrite: bool = False,
+    replace_hint: str = "pass --overwrite to replace it",
 ) -> None:
     """Refuses writing ``path`` if it exists (without ``overwrite``) or is one of ``inputs``.
+
+    ``replace_hint``: what the refusal tells the user to do (the tool's own flag, or for a
+    command without one, to name another file).
 
     Raises:
         ValueError: Naming ``flag`` and the file.
@@ -161,7 +169,7 @@ def check_output_file(
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path} is a directory")
     if os.path.exists(path) and not overwrite:
-        raise ValueError(f"{flag} {path} already exists; pass --overwrite to replace it")
+        raise ValueError(f"{flag} {path} already exists; {replace_hint}")
     check_writable_dir(path, flag)
 
 
@@ -172,6 +180,7 @@ def check_output_prefix(
     inputs: Iterable[str] = (),
     overwrite: bool = False,
     extensions: tuple[str, ...] = INDEXED_EXTENSIONS,
+    replace_hint: str = "pass --overwrite to replace it",
 ) -> None:
     """:func:`check_output_file` for every ``prefix + extension`` of an IndexedDataset output.
 
@@ -183,7 +192,13 @@ def check_output_prefix(
     for source in inputs:
         sources += [source] + [source + ext for ext in INDEXED_EXTENSIONS]
     for ext in extensions:
-        check_output_file(prefix + ext, flag=flag, inputs=sources, overwrite=overwrite)
+        check_output_file(
+            prefix + ext,
+            flag=flag,
+            inputs=sources,
+            overwrite=overwrite,
+            replace_hint=replace_hint,
+        )
 
 
 def remove_prefix_files(prefix: str, extensions: tuple[str, ...] = INDEXED_EXTENSIONS) -> list[str]:

@@ -138,6 +138,7 @@ class ReplayConfig:
             flag="--route-record-path",
             inputs=inputs,
             extensions=(".bin", ".idx", HEADER_EXTENSION),
+            replace_hint="choose a new --route-record-path (or remove the old files yourself)",
         )
 
 

@@ -96,6 +96,12 @@ def _refuse_unsupported(args: _argparse.Namespace) -> None:
     for dest, flag, why in _ENTRY_UNSUPPORTED:
         if getattr(args, dest, False):
             raise ValueError(f"megatron_ext.pretrain_gpt does not support {flag}: {why}")
+    train_iters = getattr(args, "train_iters", None)
+    if train_iters is not None and train_iters < 1 and not getattr(args, "skip_train", False):
+        raise ValueError(
+            f"--train-iters must be at least 1, got {train_iters} (Megatron fails after building "
+            "the model otherwise; --skip-train evaluates without training)"
+        )
     moe = bool(getattr(args, "num_experts", None))
     balancing = getattr(args, "moe_router_load_balancing_type", "aux_loss") or "aux_loss"
     balancing = [balancing] if isinstance(balancing, str) else list(balancing)

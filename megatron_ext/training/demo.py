@@ -294,17 +294,23 @@ def main(args: argparse.Namespace) -> int:
 
     png = getattr(args, "png", None) or "out/demo_load.png"
     overwrite = getattr(args, "overwrite", False)
+    if args.steps < 2:  # the step-time median and "loss falls" compare iterations 2.. with 1
+        print(f"megatron-ext demo: --steps must be at least 2, got {args.steps}", file=sys.stderr)
+        return 2
+    keep = getattr(args, "workdir", None)
+    if keep and os.path.exists(keep) and not os.path.isdir(keep):
+        print(f"megatron-ext demo: --workdir {keep} is a file, not a directory", file=sys.stderr)
+        return 2
     for flag, path in (("--png", png), ("--json", args.json)):
         if path:  # checked before minutes of training, not after
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
             check_output_file(path, flag=flag, overwrite=overwrite)
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     print(
         f"megatron_ext demo: {TRAINING_LOOP} on CPU (--cpu), tiny MoE HybridModel, EP={EP}, "
         "2 gloo processes, 4 runs (examples/cpu_demo.sh) ...",
         flush=True,
     )
-    keep = getattr(args, "workdir", None)
     workdir = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="megatron_ext_demo_"))
     workdir.mkdir(parents=True, exist_ok=True)
     if any(workdir.iterdir()):

@@ -41,7 +41,8 @@ def prefix(tmp_path) -> str:
     [
         ("{P}", r"--route-record-path .*d\.bin is an input"),  # would destroy the tokens
         ("{P}_lm", r"--route-record-path .*d_lm\.bin is an input"),  # ... or the loss mask
-        ("{dir}/old_rec", r"old_rec\.bin already exists"),  # ... or an earlier recording
+        # ... or an earlier recording; pretrain_gpt has no --overwrite, so the hint names none
+        ("{dir}/old_rec", r"old_rec\.bin already exists; choose a new --route-record-path"),
     ],
 )
 def test_record_path_never_overwrites_data(monkeypatch, prefix, record, match) -> None:

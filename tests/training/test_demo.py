@@ -8,6 +8,8 @@ replaying model would have routed differently).
 import argparse
 import json
 
+import pytest
+
 from megatron_ext.training.demo import LOSS_TOLERANCE, TRAINING_LOOP, main
 
 
@@ -49,3 +51,20 @@ def test_demo_runs_the_real_loop_and_its_checks_hold(tmp_path, capsys) -> None:
     assert 0 < summary["skip_expert_rows"] < 0.7 * summary["self_expert_rows"]
     assert "skip pads (--moe-pad-routing skip): expert rows" in printed
     assert (work / "corpus_text_document_routes.bin").stat().st_size > 0
+
+
+def test_bad_demo_flags_are_refused_before_any_launch(tmp_path, capsys) -> None:
+    """--steps below 2 (nothing to compare with iteration 1), a --workdir that is a file and a
+    --png under a file each give one line naming the flag, exit 2, before training starts."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    base = dict(steps=3, json=None, png=str(tmp_path / "p.png"), workdir=str(tmp_path / "w"))
+    for change, message in (
+        ({"steps": 1}, "--steps must be at least 2, got 1"),
+        ({"workdir": str(afile)}, "--workdir " + str(afile) + " is a file, not a directory"),
+    ):
+        assert main(argparse.Namespace(**{**base, **change})) == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"--png .*afile is a file, not a directory"):
+        main(argparse.Namespace(**{**base, "png": str(afile / "x.png")}))
+    assert not (tmp_path / "w").exists()  # nothing was started

@@ -698,6 +698,7 @@ def test_full_validation_of_a_validation_split_rounded_to_no_documents(data_pref
             "--eval-micro-batch-size 1",
         ),
         (["--mtp-num-layers", "1", "--moe-dispatch-align"], "--mtp-num-layers with --moe-disp"),
+        (["--train-iters", "0"], "--train-iters must be at least 1, got 0"),
         (
             [
                 "--mtp-num-layers",
