@@ -123,8 +123,9 @@ def main() -> int:
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     args = parse_arguments(dry_run, cpu)
     try:
-        from megatron_ext.training.eval_args import check_evaluation_data
+        from megatron_ext.training.eval_args import check_evaluation_data, check_split
 
+        check_split(args)  # before Megatron's split math reads it
         check_evaluation_data(args)  # Megatron's pretrain would crash in its first evaluation
         resolved = resolved_configuration(args)
     except ValueError as err:

@@ -55,6 +55,39 @@ def empty_validation_source(args: argparse.Namespace) -> str | None:
     return None
 
 
+def check_split(args: argparse.Namespace) -> None:
+    """Refuses a ``--split`` Megatron would misread or that leaves training nothing.
+
+    Megatron's ``parse_and_normalize_split`` reads ``0,0,0`` or ``abc`` as NaN weights (the run
+    fails after the model is built), asserts on more than three entries, and normalises negative
+    weights into another split; ``0,100,0`` gives the training split no data, and the run then
+    "trains" 0 iterations and exits 0.
+
+    Raises:
+        ValueError: Naming ``--split`` and what is wrong.
+    """
+    split = getattr(args, "split", None)
+    if split is None or not (
+        getattr(args, "data_path", None) or getattr(args, "data_args_path", None)
+    ):
+        return  # Megatron's default, or a per-split data path (--split is not used)
+    parts = [p.strip() for p in str(split).replace("/", ",").split(",")]
+    try:
+        weights = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"--split {split}: weights must be numbers, e.g. 969,30,1") from None
+    if len(weights) > 3:
+        raise ValueError(f"--split {split}: at most three weights (train, validation, test)")
+    if any(not (w >= 0) or w == float("inf") for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"--split {split}: weights must be finite, >= 0 and not all 0")
+    training = (getattr(args, "train_iters", None) or getattr(args, "train_samples", None) or 0) > 0
+    if weights[0] == 0 and training and not getattr(args, "skip_train", False):
+        raise ValueError(
+            f"--split {split} gives the training split no data, so nothing would be trained: give "
+            "it a non-zero first weight (or --skip-train to only evaluate)"
+        )
+
+
 def check_evaluation_data(args: argparse.Namespace) -> None:
     """Refuses an evaluation Megatron would run on an empty validation split.
 
