@@ -53,6 +53,10 @@ def split_documents(num_docs: int, split: str, split_name: str) -> np.ndarray:
 
     Example: ``split_documents(10, "80,10,10", "valid") -> [8]``.
     """
+    from megatron_ext.training.eval_args import check_split
+
+    # Megatron's parser reads 0,0,0 or abc as NaN weights and asserts on 4 weights: say why first.
+    check_split(argparse.Namespace(split=split, data_path=["-"], train_iters=0))
     bookends = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
     part = bookends[SPLIT_NAMES.index(split_name)]
     if part is None:
@@ -137,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--seq-length must be >= 1, got {args.seq_length}")
     if args.pad_to_multiple_of < 1:
         raise ValueError(f"--pad-to-multiple-of must be >= 1, got {args.pad_to_multiple_of}")
+    if args.seed < 0:  # numpy's default_rng refuses it without naming the flag
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
     dataset = open_indexed(args.data_path, "--data-path")  # alive: the lengths view its mmap
     # Before the work: a long run must not fail at its end on an unwritable --png / --json.
     inputs = [args.data_path + ext for ext in INDEXED_EXTENSIONS]

@@ -193,6 +193,10 @@ BAD_INPUTS = [
     ("existing --png", ["--png", "{tmp}/old.png"], r"old\.png already exists; pass --overwrite"),
     ("--png under a file", ["--png", "{tmp}/d.bin/x.png"], "is a file, not a directory"),
     ("--json is a directory", ["--json", "{tmp}", "--overwrite"], "is a directory"),
+    ("--seed -1", ["--seed", "-1"], "--seed must be >= 0, got -1"),
+    ("--split 0,0,0", ["--split", "0,0,0"], "--split 0,0,0: weights must be finite"),
+    ("--split abc", ["--split", "abc"], "--split abc: weights must be numbers"),
+    ("--split 1,1,1,1", ["--split", "1,1,1,1"], "--split 1,1,1,1: at most three weights"),
 ]
 
 
