@@ -34,10 +34,10 @@ test: setup
 	TORCHDYNAMO_DISABLE=1 $(PY) -m pytest -q
 
 bench: setup
-	$(VENV)/bin/megatron-ext bench --json docs/benchmarks.json
+	$(VENV)/bin/megatron-ext bench --overwrite --json docs/benchmarks.json
 
 bench-quick: setup
-	$(VENV)/bin/megatron-ext bench --quick --json out/benchmarks.json --markdown out/BENCHMARKS.md
+	$(VENV)/bin/megatron-ext bench --quick --overwrite --json out/benchmarks.json --markdown out/BENCHMARKS.md
 
 lint: setup
 	$(VENV)/bin/ruff check megatron_ext tests tools

@@ -21,6 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--markdown", metavar="PATH", default="docs/BENCHMARKS.md", help="report path"
     )
     bench.add_argument("--only", nargs="+", metavar="NAME", help="run only these benchmarks")
+    bench.add_argument(
+        "--overwrite", action="store_true", help="replace an existing --markdown/--json"
+    )
 
     demo = sub.add_parser(
         "demo", help="the CPU main job: Megatron's real training loop, 2 gloo ranks, EP=2"

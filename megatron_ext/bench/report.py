@@ -103,14 +103,20 @@ def to_json(results: list[tuple[str, BenchResult, float]], command: str) -> dict
 
 def main(args: Any) -> int:
     """``megatron-ext bench``: runs, prints and writes the report."""
+    from megatron_ext.data.safe_files import atomic_write_bytes, check_output_file
+
     command = "megatron-ext " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    outputs = [(f, p) for f, p in (("--markdown", args.markdown), ("--json", args.json)) if p]
+    for flag, path in outputs:  # before minutes of benchmarks, not after
+        check_output_file(path, flag=flag, overwrite=getattr(args, "overwrite", False))
+    if len({os.path.abspath(p) for _, p in outputs}) < len(outputs):
+        raise ValueError("--markdown and --json are the same file")
     results = run_benchmarks(args.only, args.quick)
     markdown = to_markdown(results, command)
     print(markdown)
     if args.markdown:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(markdown)
+        atomic_write_bytes(args.markdown, markdown.encode())
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(to_json(results, command), indent=2, default=str))
+        report = json.dumps(to_json(results, command), indent=2, default=str)
+        atomic_write_bytes(args.json, report.encode())
     return 0

@@ -43,6 +43,15 @@ def test_markdown_and_json_carry_date_machine_command_and_values(tmp_path, monke
             assert needle in text
         data = json.loads(js.read_text())
         assert data["benchmarks"]["_toy_for_report_test"]["rows"] == [["x", 1.25]]
+        # A second run refuses to replace them unless told (before running anything).
+        ran = []
+        BENCHMARKS["_toy_for_report_test"] = lambda quick: ran.append(1) or toy(quick)
+        with pytest.raises(ValueError, match=r"--markdown .*B\.md already exists; pass --overw"):
+            report.main(args)
+        assert ran == [] and md.read_text() == text
+        args.overwrite = True
+        assert report.main(args) == 0 and ran == [1]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["B.md", "b.json"]  # no temp left
     finally:
         BENCHMARKS.pop("_toy_for_report_test")
 
