@@ -28,6 +28,7 @@ OK = dict(transformer_impl="local", distributed_backend="gloo", cuda_graph_impl=
         ({"moe_token_dispatcher_type": "flex"}, "--moe-token-dispatcher-type flex"),
         ({"moe_permute_fusion": True}, "--moe-permute-fusion"),
         ({"mtp_num_layers": 1}, "--mtp-num-layers"),
+        ({"fp4_param_gather": True}, "--fp4-param-gather"),
     ],
 )
 def test_refused_naming_the_flag(change, flag):
