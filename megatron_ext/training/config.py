@@ -88,6 +88,12 @@ _ENTRY_UNSUPPORTED: tuple[tuple[str, str, str], ...] = (
     ("sft", "--sft", "megatron_ext builds its own packed datasets, not Megatron's SFTDataset: "
      "use --pack-documents with --pack-loss-mask-suffix for SFT data"),
     ("fim_data", "--fim-data", "megatron_ext builds no GPTFIMDataset"),
+    ("dataloader_fast_cache_load", "--dataloader-fast-cache-load",
+     "megatron_ext's datasets key their index caches by the data and always check them"),
+    ("dataloader_defer_npy_index_mmap", "--dataloader-defer-npy-index-mmap",
+     "megatron_ext's datasets do not defer their index loads"),
+    ("per_dataset_sequences_path", "--per-dataset-sequences-path",
+     "megatron_ext's datasets count their own sequences"),
 )  # fmt: skip
 
 

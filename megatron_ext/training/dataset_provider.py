@@ -78,6 +78,14 @@ def dataset_config_from_args(args: argparse.Namespace, tokenizer: Any = None) ->
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader,
         allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens,
+        # Megatron's own data flags, read by its dataset builder (and, for the document mask,
+        # by the self-padded GPTDataset; packs always carry their document boundaries).
+        inter_document_masking=getattr(args, "dataloader_inter_document_masking", False),
+        multiple_validation_sets=getattr(args, "multiple_validation_sets", False),
+        full_validation=getattr(args, "full_validation", False),
+        num_dataset_builder_threads=getattr(args, "num_dataset_builder_threads", 1),
+        mid_level_dataset_surplus=getattr(args, "mid_level_dataset_surplus", 0.005),
+        object_storage_cache_path=getattr(args, "object_storage_cache_path", None),
     )
     if padding.pack_documents and replay.route_replay_mode != "off":
         # Replay reads route sidecars; record needs pack indices to scatter routes back to documents.

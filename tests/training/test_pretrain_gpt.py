@@ -166,6 +166,14 @@ def test_gpt_providers_and_forward_step_with_self_padded_gpt_dataset(data_prefix
         assert result["moe_layers"] == ["AlignedMoELayer"] * NUM_LAYERS
         assert np.isfinite(result["loss"]) and result["num_tokens"] > 0 and result["grad_norm"] > 0
         assert "padding_mask" in result["batch_keys"]
+        assert "cu_seqlens" not in result["batch_keys"]  # Megatron's default: no document mask
+    # Megatron's --dataloader-inter-document-masking reaches the self-padded GPTDataset (it was
+    # dropped, and Megatron's validate_args then turned the dataloader's attention mask off too,
+    # so attention crossed documents): samples carry their document boundaries.
+    masked = argv + ["--dataloader-inter-document-masking"]
+    for result in run_distributed(_run_providers, 2, masked, ep=2):
+        assert result["dataset"] == "SelfPaddedGPTDataset" and "cu_seqlens" in result["batch_keys"]
+        assert np.isfinite(result["loss"]) and result["grad_norm"] > 0
 
 
 def test_aligned_moe_packed_data(data_prefix) -> None:
@@ -660,6 +668,7 @@ def test_full_validation_of_a_validation_split_rounded_to_no_documents(data_pref
         (["--overlap-moe-expert-parallel-comm"], "--overlap-moe-expert-parallel-comm"),
         (["--sft"], "--sft"),
         (["--fim-data"], "--fim-data"),
+        (["--dataloader-fast-cache-load"], "--dataloader-fast-cache-load"),
         (
             ["--moe-router-load-balancing-type", "quantile_balancing"],
             "quantile_balancing is not supported",
