@@ -224,9 +224,9 @@ def log_expert_load(args: Any, iteration: int) -> dict[str, Any] | None:
     """After a log iteration, reduces the load metrics and writes them to Megatron's writers.
 
     Counts accumulate over the ``--log-interval`` iterations since the last log (training forwards only;
-    ``AlignedMoELayer`` skips evaluation and recompute) and are summed over the data-parallel (with
-    context-parallel) group: every distinct token once, unless sequence parallelism splits tokens over TP
-    ranks (then this rank's TP slice).
+    ``AlignedMoELayer`` skips evaluation and recompute) and are summed over the ranks that together
+    route every token once (:func:`_distinct_tokens_group`). Under pipeline parallelism each stage's
+    first rank reports that stage's MoE layers (one line each, marked with the stage).
 
     NOTE: device-to-host sync (inside ``ExpertLoadMetrics.summary``), only every ``--log-interval``.
     """
@@ -234,19 +234,27 @@ def log_expert_load(args: Any, iteration: int) -> dict[str, Any] | None:
     if metrics is None or not metrics.layers or (iteration + 1) % args.log_interval:
         return None
     from megatron.core import parallel_state
-    from megatron.training import get_tensorboard_writer, get_wandb_writer, print_rank_0
+    from megatron.training import get_tensorboard_writer, get_wandb_writer
 
-    summary = metrics.summary(parallel_state.get_data_parallel_group(with_context_parallel=True))
+    summary = metrics.summary(_distinct_tokens_group(args))
     metrics.reset()
     run_state.state(args).last_load_summary = summary
     scalars = {k: v for k, v in summary.items() if isinstance(v, float)}
     worst = max((v for k, v in scalars.items() if k.endswith("rank_max_vio")), default=0.0)
-    print_rank_0(f"megatron_ext expert load: worst EP-rank max_vio {worst:.3f}")
-    path = run_state.configs(args)[MoEAlignmentConfig].moe_expert_load_log
-    if path and torch.distributed.get_rank() == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # checked at args time
-        with open(path, "a", encoding="utf-8") as log:
-            log.write(json.dumps({"iteration": iteration + 1, **summary}) + "\n")
+    line = f"megatron_ext expert load: worst EP-rank max_vio {worst:.3f}"
+    record = {"iteration": iteration + 1, **summary}
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        # Each pipeline stage holds its own MoE layers, and a collective here, inside Megatron's
+        # schedule, would deadlock against the stages' point-to-point waits: every stage's first
+        # rank reports its own layers instead (the log gets one line per stage).
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        line += f" (pipeline stage {stage}, layers {', '.join(map(str, metrics.layers))})"
+        record["pipeline_stage"] = stage
+    if _reports_for_stage():
+        print(line, flush=True)
+        path = run_state.configs(args)[MoEAlignmentConfig].moe_expert_load_log
+        if path:
+            _append_line(path, json.dumps(record) + "\n")
     writer, wandb = get_tensorboard_writer(), get_wandb_writer()
     for name, value in scalars.items():
         if writer is not None:
@@ -254,6 +262,39 @@ def log_expert_load(args: Any, iteration: int) -> dict[str, Any] | None:
     if wandb is not None:
         wandb.log({f"expert_load/{k}": v for k, v in scalars.items()}, iteration + 1)
     return summary
+
+
+def _distinct_tokens_group(args: Any) -> Any:
+    """The ranks whose routers together see every token of the global batch once: data- and
+    context-parallel ranks, and under sequence parallelism the tensor-parallel ranks too (each
+    routes its slice of the sequence; without it they route the same tokens)."""
+    from megatron.core import parallel_state
+
+    if args.sequence_parallel:
+        return parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
+def _reports_for_stage() -> bool:
+    """This rank reports its pipeline stage's metrics: the stage's first rank (data-, context-
+    and tensor-parallel rank 0); at PP=1 that is global rank 0, as Megatron's ``print_rank_0``."""
+    from megatron.core import parallel_state
+
+    return (
+        parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+    )
+
+
+def _append_line(path: str, line: str) -> None:
+    """Appends one line with a single ``write`` on an ``O_APPEND`` descriptor, so the lines of
+    several pipeline stages never interleave within a line."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # checked at args time
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        os.write(fd, line.encode("utf-8"))
+    finally:
+        os.close(fd)
 
 
 def log_replay_check(args: Any, iteration: int) -> tuple[int, int, int] | None:
@@ -265,13 +306,17 @@ def log_replay_check(args: Any, iteration: int) -> tuple[int, int, int] | None:
     if check is None or (iteration + 1) % args.log_interval:
         return None
     from megatron.core import parallel_state
-    from megatron.training import print_rank_0
 
-    rows, matched, differs = check.take(parallel_state.get_data_parallel_group())
-    print_rank_0(
-        f"megatron_ext replay check: {matched}/{rows} (token, layer) routes replayed exactly; "
-        f"the model's own router would have chosen differently on {differs}"
-    )
+    rows, matched, differs = check.take(_distinct_tokens_group(args))
+    stage = ""
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # each stage its own layers
+        stage = f" (pipeline stage {parallel_state.get_pipeline_model_parallel_rank()})"
+    if _reports_for_stage():
+        print(
+            f"megatron_ext replay check: {matched}/{rows} (token, layer) routes replayed exactly; "
+            f"the model's own router would have chosen differently on {differs}{stage}",
+            flush=True,
+        )
     return rows, matched, differs
 
 

@@ -460,20 +460,41 @@ def test_pipeline_parallel_with_aux_loss_free_expert_bias(corpus_prefix, tmp_pat
         assert bias.abs().max() > 0, bias
 
 
-def test_gpt_tp2_pp2_sequence_parallel_on_packed_data(corpus_prefix) -> None:
+def test_gpt_tp2_pp2_sequence_parallel_on_packed_data(corpus_prefix, tmp_path) -> None:
     """GPTModel at TP=2 x PP=2 with sequence parallelism (4 ranks), packs with pads: megatron-core
     0.19.2 scatters the pad mask only on the stage that embeds, so the second stage's routers got
-    the whole mask for half the tokens and crashed; the forward step now scatters it there."""
+    the whole mask for half the tokens and crashed; the forward step now scatters it there.
+
+    Expert-load metrics cover both stages' layers (each stage's first rank logs its own; they
+    covered stage 0 only) and count every token once: summed over the TP ranks too, whose
+    routers each see half the sequence under SP."""
+    log = tmp_path / "load.jsonl"
     run = launch([
         *TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
         "--sequence-parallel", "--expert-model-parallel-size", "1",
         "--expert-tensor-parallel-size", "1", "--pack-documents", "--pad-to-seq-len", VERBOSE,
+        "--moe-expert-load-metrics", "--moe-expert-load-log", str(log),
     ], nproc=4)  # fmt: skip
     assert_trains(run)
     assert built_model(run) == "GPTModel"
     assert re.search(r"sequence_parallel \.+ True", run.output)
     assert re.search(r"pipeline_model_parallel_size \.+ 2", run.output)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    stages = {(r["pipeline_stage"], tuple(k for k in r if k.endswith("/tokens"))) for r in records}
+    assert stages == {(0, ("layer1/tokens",)), (1, ("layer2/tokens",))}, stages
+    # Per iteration both stages' layers routed the same tokens (pads skipped, so real ones only:
+    # at most the global batch's 8 x 128 tokens x top-2). One TP rank's routers see half of each
+    # sequence: more than half of that bound shows the TP ranks' counts were summed.
+    routed = {}
+    for r in records:
+        (key,) = [k for k in r if k.endswith("/tokens")]
+        routed.setdefault(r["iteration"], []).append(sum(r[key]))
+    bound = 8 * 128 * TOPK  # TINY_MOE_ARGS: --global-batch-size 8, --seq-length 128
+    assert len(routed) >= ITERATIONS - 1, routed
+    for counts in routed.values():
+        assert len(counts) == 2 and counts[0] == counts[1], routed
+        assert bound // 2 < counts[0] <= bound, routed
 
 
 def test_a_pipeline_stage_of_dense_layers_only(corpus_prefix) -> None:
