@@ -19,14 +19,62 @@ DATA_PATH_ARGS = ("data_path", "train_data_path", "valid_data_path", "test_data_
 
 
 def data_prefixes(args: argparse.Namespace) -> list[tuple[str, list[str], list[float] | None]]:
-    """``[(flag, prefixes, weights or None)]`` of every data-path flag that is set."""
+    """``[(flag, prefixes, weights or None)]`` of every data-path flag that is set, including the
+    prefixes listed in a local ``--data-args-path`` / ``--per-split-data-args-path`` file (read as
+    Megatron's ``get_blend_and_blend_per_split`` reads them; an object-storage file is left to it).
+
+    Raises:
+        ValueError: A local list file that is missing or not what Megatron expects, naming it.
+    """
     found = []
     for name in DATA_PATH_ARGS:
         value = getattr(args, name, None)
         if value:
             prefixes, weights = get_blend_from_list(list(value))
             found.append(("--" + name.replace("_", "-"), prefixes, weights))
+    for flag, entries in _listed_data_paths(args):
+        prefixes, weights = get_blend_from_list(entries)
+        found.append((flag, prefixes, weights))
     return found
+
+
+def _listed_data_paths(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """The data paths inside ``--data-args-path`` (whitespace-separated) and
+    ``--per-split-data-args-path`` (JSON ``{"train": ..., "valid": ..., "test": ...}``)."""
+    import json
+
+    listed = []
+    path = getattr(args, "data_args_path", None)
+    if path and not _is_remote(path):
+        entries = _read_list_file(path, "--data-args-path").split()
+        listed.append((f"--data-args-path {path}", entries))
+    path = getattr(args, "per_split_data_args_path", None)
+    if path and not _is_remote(path):
+        flag = "--per-split-data-args-path"
+        try:
+            splits = json.loads(_read_list_file(path, flag))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{flag} {path} is not valid JSON ({err})") from err
+        if not isinstance(splits, dict) or not {"train", "valid", "test"} <= splits.keys():
+            raise ValueError(f'{flag} {path} needs "train", "valid" and "test" entries')
+        for split in ("train", "valid", "test"):
+            value = splits[split]
+            entries = value.split() if isinstance(value, str) else list(value or [])
+            if entries:
+                listed.append((f"{flag} {path} ({split})", [str(e) for e in entries]))
+    return listed
+
+
+def _is_remote(path: str) -> bool:
+    return "://" in path  # msc:// and other object storage: Megatron opens it itself
+
+
+def _read_list_file(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as err:
+        raise ValueError(f"{flag} {path}: cannot read it ({err.strerror})") from err
 
 
 def check_data_args(args: argparse.Namespace, loss_mask_suffix: str | None) -> None:

@@ -87,16 +87,18 @@ class ReplayConfig:
                     "--route-replay-mode replay reads route sidecars through the packed dataset: "
                     "add --pack-documents"
                 )
-            paths = [getattr(args, name, None) or [] for name in _DATA_PATH_ARGS]
-            for prefix in (p for group in paths for p in group if not _is_number(p)):
-                for ext in (".bin", ".idx"):
-                    path = prefix + self.route_data_suffix + ext
-                    if not _os.path.isfile(path):
-                        raise ValueError(
-                            f"--route-data-suffix {self.route_data_suffix}: route file {path} "
-                            f"for --data-path prefix {prefix} does not exist"
-                        )
-                self._check_header(prefix + self.route_data_suffix, args)
+            from megatron_ext.data.data_args import data_prefixes
+
+            for flag, prefixes, _weights in data_prefixes(args):
+                for prefix in prefixes:
+                    for ext in (".bin", ".idx"):
+                        path = prefix + self.route_data_suffix + ext
+                        if not _os.path.isfile(path):
+                            raise ValueError(
+                                f"--route-data-suffix {self.route_data_suffix}: route file "
+                                f"{path} for {flag} prefix {prefix} does not exist"
+                            )
+                    self._check_header(prefix + self.route_data_suffix, args)
 
     @staticmethod
     def _check_header(route_prefix: str, args: _argparse.Namespace) -> None:
@@ -140,14 +142,3 @@ class ReplayConfig:
             extensions=(".bin", ".idx", HEADER_EXTENSION),
             replace_hint="choose a new --route-record-path (or remove the old files yourself)",
         )
-
-
-_DATA_PATH_ARGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True

@@ -4,7 +4,6 @@ import argparse as _argparse
 from dataclasses import dataclass as _dataclass
 
 from megatron_ext.config_registry import feature_config
-from megatron_ext.replay.config import _is_number
 
 
 @feature_config("entry: megatron_ext.pretrain_gpt")
@@ -55,12 +54,12 @@ class EntryConfig:
                 "routes) for context parallelism"
             )
         if getattr(args, "route_replay_mode", "off") == "record":
-            prefixes = [p for p in (getattr(args, "data_path", None) or []) if not _is_number(p)]
-            per_split = [
-                getattr(args, n, None)
-                for n in ("train_data_path", "valid_data_path", "test_data_path")
-            ]
-            if not getattr(args, "pack_documents", False) or len(prefixes) != 1 or any(per_split):
+            from megatron_ext.data.data_args import data_prefixes
+
+            found = data_prefixes(args)
+            prefixes = [p for _flag, group, _weights in found for p in group]
+            per_split = [f for f, _, _ in found if not f.startswith(("--data-path", "--data-args"))]
+            if not getattr(args, "pack_documents", False) or len(prefixes) != 1 or per_split:
                 raise ValueError(
                     "--route-replay-mode record writes one route sidecar aligned with one token "
                     "dataset: it needs --pack-documents and exactly one --data-path prefix "

@@ -177,3 +177,26 @@ def test_existing_data_passes_and_flags_without_effect_warn(monkeypatch, data_pr
     configs(["--seq-length", "64", "--data-path", "1", data_prefix], monkeypatch)
     with pytest.warns(UserWarning, match=r"--pad-to-seq-len.* no effect without --pack-documents"):
         configs(["--seq-length", "64", "--pad-to-seq-len"], monkeypatch)
+
+
+def test_data_listed_in_data_args_files_is_checked_too(monkeypatch, data_prefix, tmp_path) -> None:
+    """--data-args-path / --per-split-data-args-path list the prefixes in a file (Megatron reads it
+    when building the datasets): the same checks apply to them at argument time."""
+    listed = tmp_path / "paths.txt"
+    listed.write_text(f"1 {data_prefix}\n1 {tmp_path / 'nope'}\n")
+    with pytest.raises(ValueError, match=r"--data-args-path .*paths\.txt prefix .*nope\.bin does"):
+        configs(["--seq-length", "64", "--data-args-path", str(listed)], monkeypatch)
+    per_split = tmp_path / "splits.json"
+    per_split.write_text(f'{{"train": "{data_prefix}", "valid": ["{data_prefix}"], "test": null}}')
+    lm = ["--pack-documents", "--pack-loss-mask-suffix", "_lm"]
+    with pytest.raises(ValueError, match=r"\(train\) .*sidecar file .*d_lm\.bin does not exist"):
+        configs(["--seq-length", "64", "--per-split-data-args-path", str(per_split), *lm],
+                monkeypatch)  # fmt: skip
+    configs(["--seq-length", "64", "--per-split-data-args-path", str(per_split)], monkeypatch)
+    for bad, match in (("{", "is not valid JSON"), ('{"train": []}', 'needs "train", "valid"')):
+        per_split.write_text(bad)
+        with pytest.raises(ValueError, match=match):
+            configs(["--seq-length", "64", "--per-split-data-args-path", str(per_split)],
+                    monkeypatch)  # fmt: skip
+    with pytest.raises(ValueError, match=r"--data-args-path .*gone\.txt: cannot read it"):
+        configs(["--seq-length", "64", "--data-args-path", str(tmp_path / "gone.txt")], monkeypatch)

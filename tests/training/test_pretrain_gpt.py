@@ -330,11 +330,19 @@ def example_data(tmp_path_factory, data_prefix) -> Path:
         "chat_text_document",
         "corpus_text_document",
     ]
-    for name in [*names, "rollouts_text_document"]:
+    for name in names:
         for ext in (".bin", ".idx"):
             shutil.copy(data_prefix + ext, data / f"{name}{ext}")
-    for ext in (".bin", ".idx", HEADER_EXTENSION):
-        shutil.copy(data_prefix + "_routes" + ext, data / f"rollouts_text_document_routes{ext}")
+    # The RL example's rollouts and routes, written for its model (16 MoE layers, top-6 of 64):
+    # the dry run checks the route file's header against the model.
+    from tests.data.dataset_helpers import write_documents_with_random_routes
+
+    docs = [d[:90] for d in corpus_documents()[:80]]
+    write_documents_with_random_routes(
+        str(data / "rollouts_text_document"), docs, np.random.default_rng(1),
+        num_layers=16, topk=6, num_experts=64,
+    )  # fmt: skip
+    assert (data / f"rollouts_text_document_routes{HEADER_EXTENSION}").is_file()
     masks = [np.ones(d[:90].size, dtype=np.uint8) for d in corpus_documents()[:80]]
     write_documents(str(data / "chat_text_document_loss_mask"), masks, np.uint8)
     return data
