@@ -4,7 +4,8 @@
 #     SLURM_NNODES, SLURM_NODEID and the first host of SLURM_JOB_NODELIST (explicit values win)
 #   GPUS_PER_NODE (8; 2 with CPU=1): processes per node
 #   PYTHON (python3)  DRY_RUN (0): 1 = parse and validate every flag with Megatron's parser plus
-#   megatron_ext's, print the resolved configuration and exit (no GPU, no data access needed).
+#   megatron_ext's, print the resolved configuration and exit (no GPU needed; the data files under
+#   DATA are checked to exist, and route files to match the model).
 #   CPU (0): 1 = the same script, for real, on this machine's CPUs over gloo (a laptop, CI): appends
 #     `--cpu --transformer-impl local` (Transformer Engine modules and fused kernels swapped for
 #     Megatron's local, unfused equivalents; fp8/fp4 flags become a rehearsal) and CPU_SIZES.
@@ -19,7 +20,8 @@
 #   CPU_DROP: with CPU=1, flags of the script left out with their values (e.g. "--bf16" while the
 #     CPU loop cannot run Megatron's bf16 optimizer); default none.
 #   OVERRIDES: flags appended last of all, e.g. the parallel sizes that fit GPUS_PER_NODE:
-#     CPU=1 OVERRIDES="--expert-model-parallel-size 2" bash examples/pretrain_moe_blended.sh
+#     CPU=1 CPU_DROP=--bf16 OVERRIDES="--expert-model-parallel-size 2" \
+#       bash examples/pretrain_moe_blended.sh   (its --bf16 left out: --cpu refuses it)
 # Flags given to the script itself are appended after the script's own (before CPU_SIZES).
 # Under Slurm (sbatch/srun: one task per node), the nodes come from Slurm unless set explicitly:
 #   NNODES <- SLURM_NNODES, NODE_RANK <- SLURM_NODEID, MASTER_ADDR <- first host of SLURM_JOB_NODELIST.

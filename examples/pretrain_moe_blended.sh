@@ -5,7 +5,7 @@
 #   in TensorBoard. MODEL=gpt trains the same layers as a GPTModel (deprecated in Megatron 0.19).
 # Hardware: 4 nodes x 8 H100/H200 (TP 2, EP 8, PP 1, DP 16).
 # Command: NNODES=4 NODE_RANK=<0..3> MASTER_ADDR=<node0> bash examples/pretrain_moe_blended.sh
-#   (DRY_RUN=1 validates every flag on any machine and exits.)
+#   (DRY_RUN=1 validates every flag, and the files under DATA, on any machine and exits.)
 set -euo pipefail
 source "$(dirname "$0")/_launch.sh"
 DATA=${DATA:-/data/corpora}

@@ -9,7 +9,7 @@
 # Hardware: 1 node x 8 H100/H200 (TP 2 with sequence parallelism, EP 4).
 # Command: bash examples/rl_route_replay.sh
 #   Routes: python tools/convert_routes.py --format vllm --input rollouts.jsonl --out "$DATA/rollouts_text_document_routes" ...
-#   (DRY_RUN=1 validates every flag on any machine and exits.)
+#   (DRY_RUN=1 validates every flag, and the files under DATA, on any machine and exits.)
 set -euo pipefail
 source "$(dirname "$0")/_launch.sh"
 DATA=${DATA:-/data/rl}

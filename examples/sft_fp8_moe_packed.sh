@@ -8,7 +8,7 @@
 # Hardware: 2 nodes x 8 H100/H200 (fp8 needs Hopper or newer; mxfp8 needs Blackwell). TP 1, EP 8, DP 16.
 # Command: NNODES=2 NODE_RANK=<0|1> MASTER_ADDR=<node0> RECIPE=tensorwise bash examples/sft_fp8_moe_packed.sh
 #   Data: python tools/preprocess_data.py --input sft.jsonl --prompt-key prompt --response-key response ...
-#   (DRY_RUN=1 validates every flag on any machine and exits.)
+#   (DRY_RUN=1 validates every flag, and the files under DATA, on any machine and exits.)
 set -euo pipefail
 source "$(dirname "$0")/_launch.sh"
 DATA=${DATA:-/data/sft}
