@@ -23,6 +23,8 @@ QUIET_WARNINGS: tuple[str, ...] = (
     "MimoModelConfig is experimental",  # imported by Megatron, never used by megatron_ext
     "\n        It is recommended to use a ModelConfig",  # megatron_ext's provider, not the user's choice
     "`torch.distributed.all_gather_into_tensor` is deprecated",  # inside Megatron, not user code
+    # Megatron's dataset code asks for a rank; a single-process tool has none, rank 0 is right.
+    "Could not determine rank from torch.distributed",
 )
 
 #: Log records (logger name, message prefix) that never apply.

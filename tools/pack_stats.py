@@ -23,10 +23,6 @@ import os
 import sys
 
 import numpy as np
-from megatron.core.datasets.blended_megatron_dataset_config import (
-    convert_split_vector_to_split_matrix,
-    parse_and_normalize_split,
-)
 from tqdm import tqdm
 
 import megatron_ext.cli_quiet  # noqa: F401  (first: hides inapplicable warnings unless --verbose)
@@ -53,6 +49,12 @@ def split_documents(num_docs: int, split: str, split_name: str) -> np.ndarray:
 
     Example: ``split_documents(10, "80,10,10", "valid") -> [8]``.
     """
+    # Megatron imported here, after megatron_ext.cli_quiet (its import warns on a CPU machine).
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
     from megatron_ext.training.eval_args import check_split
 
     # Megatron's parser reads 0,0,0 or abc as NaN weights and asserts on 4 weights: say why first.
