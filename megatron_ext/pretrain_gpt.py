@@ -130,6 +130,18 @@ def resolved_configuration(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _one_line(err: BaseException) -> str:
+    """An argument error as one line: its message, or for a bare ``assert`` the failing line
+    (file:line and source) of Megatron's check. ``--verbose`` shows the whole traceback."""
+    import traceback
+
+    message = " ".join(str(err).split())
+    if message:
+        return message
+    frame = traceback.extract_tb(err.__traceback__)[-1]
+    return f"{type(err).__name__} at {frame.filename}:{frame.lineno}: {frame.line}"
+
+
 def main() -> int:
     """Entry point (``python -m megatron_ext.pretrain_gpt``)."""
     argv = sys.argv[1:]
@@ -142,7 +154,13 @@ def main() -> int:
         enable_cpu_training()
         # validate_args asserts it under TP/CP (a CUDA stream setting; nothing to tune on CPU).
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    args = parse_arguments(dry_run, cpu)
+    try:
+        args = parse_arguments(dry_run, cpu)
+    except (AssertionError, ValueError) as err:  # Megatron's validate_args asserts and raises
+        if "--verbose" in argv:
+            raise
+        print(f"megatron_ext: invalid arguments: {_one_line(err)}", file=sys.stderr)
+        return 2
     try:
         from megatron_ext.training.eval_args import check_evaluation_data, check_split
 

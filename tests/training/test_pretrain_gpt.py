@@ -782,3 +782,18 @@ def test_a_route_file_for_another_model_is_refused_at_argument_time(
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt", *argv, *change])
     with pytest.raises(ValueError, match=rf"was written for {NUM_LAYERS} MoE layers .*{model}"):
         configs_from_args(parse_args(extra_args_provider=add_megatron_ext_args))
+
+
+def test_megatrons_own_argument_errors_are_one_line_and_exit_2() -> None:
+    """Megatron's validate_args asserts (a global batch its micro-batches cannot divide): the
+    entry prints one line naming the problem and exits 2, like its own refusals, not a
+    traceback with status 1."""
+    argv = [*BASE_ARGS, "--mock-data", "--global-batch-size", "7", "--dry-run"]
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "TORCHDYNAMO_DISABLE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_ext.pretrain_gpt", *argv],
+        capture_output=True, text=True, env=env, timeout=180, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "megatron_ext: invalid arguments: " in proc.stderr and "(7)" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
