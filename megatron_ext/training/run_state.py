@@ -166,7 +166,8 @@ def _record_stream(args: argparse.Namespace) -> Any:
 def check_record_directory(args: argparse.Namespace) -> None:
     """Record mode, at setup: the data-parallel ranks that stream routes (global rank 0's DP group,
     see :func:`_record_stream`) share ``--route-record-path``'s directory, where rank 0 assembles
-    their streams at the end. Collective over that group; other ranks return at once.
+    their streams at the end. Collective over that group; other ranks return at once. A run that
+    resumed from a checkpoint is refused (its streams would hold only the iterations after it).
 
     Raises:
         ValueError: On every rank of that group, naming ``--route-record-path``.
@@ -179,7 +180,17 @@ def check_record_directory(args: argparse.Namespace) -> None:
     from megatron_ext.replay.shared_directory import check_shared_directory
 
     replay = state(args).configs[ReplayConfig]
-    if replay.route_replay_mode != "record" or not torch.distributed.is_initialized():
+    if replay.route_replay_mode != "record":
+        return
+    resumed_at = getattr(args, "iteration", 0) or 0  # set by Megatron's checkpoint load
+    if resumed_at > 0:
+        raise ValueError(
+            f"--route-replay-mode record cannot resume from the checkpoint at iteration "
+            f"{resumed_at} (--load {getattr(args, 'load', None)}): the routes recorded before it "
+            "are in no stream of this run, so their documents would end up missing. Record from "
+            "the start (--finetune loads the weights without resuming)"
+        )
+    if not torch.distributed.is_initialized():
         return
     dp_rank, _, streams = record_streams(replay.route_record_path)
     if dp_rank is None or len(streams) == 1:

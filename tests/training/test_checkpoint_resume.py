@@ -158,3 +158,30 @@ def test_resume_self_padded_gpt_dataset_torch_dist_format(corpus_prefix, tmp_pat
     assert "building SelfPaddedGPTDataset" in resumed.output
     _assert_same_log(reference, resumed)
     _assert_same_checkpoint(tmp_path, "torch_dist")
+
+
+def test_record_mode_refuses_to_resume_and_records_from_a_finetune_load(
+    routed_prefix, tmp_path
+) -> None:
+    """Record mode streams what this run's forwards chose: resumed at iteration K, the documents
+    of iterations 1..K would end missing without a word, so resuming is refused; --finetune (the
+    weights, iteration 0) records every iteration."""
+    args = [
+        *TINY_MOE_ARGS, "--data-path", routed_prefix, "--pack-documents", "--pad-to-seq-len",
+        "--ckpt-format", "torch", "--train-iters", "2",
+    ]  # fmt: skip
+    record = ["--route-replay-mode", "record"]
+    launch([*args, "--save", str(tmp_path / "ckpt"), "--save-interval", "1"]).check()
+    resumed = launch(
+        [*args, *record, "--route-record-path", str(tmp_path / "r1"), "--load",
+         str(tmp_path / "ckpt"), "--ckpt-step", "1"]
+    )  # fmt: skip
+    assert resumed.returncode != 0
+    assert "record cannot resume from the checkpoint at iteration 1" in resumed.output
+    assert not list(tmp_path.glob("r1*"))  # nothing recorded, no stream left behind
+    finetuned = launch(
+        [*args, *record, "--route-record-path", str(tmp_path / "r2"), "--load",
+         str(tmp_path / "ckpt"), "--finetune"]
+    ).check()  # fmt: skip
+    assert sorted(p.name for p in tmp_path.glob("r2*")) == ["r2.bin", "r2.idx", "r2.routes.json"]
+    assert 1 in finetuned.losses
