@@ -251,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         totals.add(counts)
         docs.append(routes)
+    if not docs:  # as preprocess_data refuses an empty input: a 0-document sidecar is no data
+        raise ValueError(
+            f"--input {', '.join(args.input)} holds no route records: nothing to write"
+        )
     if token_lengths is not None and len(docs) != len(token_lengths):
         raise ValueError(
             f"{len(docs)} route documents for {len(token_lengths)} token documents "

@@ -160,11 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     vocab_top = max((int(d[0].max()) for d in docs if d[0].size), default=0)
     dtype = _token_dtype(vocab_top)
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
-    if args.overwrite:  # a loss mask of the old data must not survive beside the new tokens
-        remove_prefix_files(args.output_prefix + args.loss_mask_suffix)
+    # Each write replaces its files atomically. The tokens go first: if that write fails, the old
+    # tokens keep their old loss mask. A loss mask of the old data must not survive beside the
+    # new tokens: replaced by the new one, or removed when none is written.
     write_documents(args.output_prefix, (d[0] for d in tqdm(docs, desc="writing")), dtype=dtype)
     if len(outputs) > 1:
         write_documents(outputs[1], (d[1] for d in docs), dtype=np.uint8)
+    elif args.overwrite:
+        remove_prefix_files(args.output_prefix + args.loss_mask_suffix)
     others = sorted(
         set(glob.glob(glob.escape(args.output_prefix) + "?*.idx")) - {p + ".idx" for p in outputs}
     )

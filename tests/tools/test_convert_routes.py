@@ -422,3 +422,13 @@ def test_overwrite_replaces_output_and_header(tmp_path):
     assert (header["num_layers"], header["topk"], header["num_experts"]) == (L, K, E)
     assert run_cli(argv)[0] == 2
     assert load_tool().main([*argv, "--overwrite"]) == 0
+
+
+def test_an_input_without_records_is_refused(tmp_path):
+    """An empty or blank JSONL wrote a 0-document sidecar; preprocess_data refuses the same."""
+    for name, text in (("empty.jsonl", ""), ("blank.jsonl", "\n\n")):
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(ValueError, match=f"{name} holds no route records"):
+            run(tmp_path, [path], "vllm")
+    assert not list(tmp_path.glob("routes*"))

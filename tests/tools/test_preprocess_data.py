@@ -222,6 +222,27 @@ def test_overwrite_replaces_and_removes_the_stale_loss_mask(tmp_path) -> None:
     assert ds.sequence_lengths.tolist() == [3, 1]
 
 
+def test_a_failed_overwrite_keeps_the_old_data_and_its_loss_mask(tmp_path, monkeypatch) -> None:
+    """The tokens are written first: a write that fails leaves the old tokens with their mask
+    (the mask used to be removed before the tokens were written)."""
+    src = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "a", "response": "bc"}])
+    prefix = str(tmp_path / "d")
+    tool = load_tool()
+    tool.main(["--input", src, "--output-prefix", prefix, *SFT])
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("d")}
+    assert "d_loss_mask.idx" in before
+
+    def fails(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(tool, "write_documents", fails)
+    text = write_jsonl(tmp_path / "t.jsonl", [{"text": "xyz"}])
+    with pytest.raises(OSError, match="disk full"):
+        tool.main(["--input", text, "--output-prefix", prefix, "--overwrite"])
+    after = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("d")}
+    assert after == before
+
+
 def test_large_token_ids_are_stored_exactly(tmp_path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": "ab"}])
     prefix = str(tmp_path / "big")
