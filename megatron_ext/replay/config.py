@@ -106,25 +106,18 @@ class ReplayConfig:
         rather than at dataset build (after the model and optimizer are built). A file without a
         header is checked at dataset build as before (L x K per token, with a warning)."""
         from megatron_ext.replay.layout import moe_layer_numbers_for_args
-        from megatron_ext.replay.route_file import HEADER_EXTENSION, read_header
+        from megatron_ext.replay.route_file import HEADER_EXTENSION, check_written_for, read_header
 
         header_path = route_prefix + HEADER_EXTENSION
         if not _os.path.isfile(header_path):
             return
-        header = read_header(header_path)
-        written = (header["num_layers"], header["topk"], header["num_experts"])
-        model = (
-            len(moe_layer_numbers_for_args(args)),
-            getattr(args, "moe_router_topk", None),
-            getattr(args, "num_experts", None),
+        check_written_for(
+            read_header(header_path),
+            header_path,
+            num_layers=len(moe_layer_numbers_for_args(args)),
+            topk=getattr(args, "moe_router_topk", None),
+            num_experts=getattr(args, "num_experts", None),
         )
-        if written != model:
-            raise ValueError(
-                f"route file {header_path} was written for {written[0]} MoE layers x "
-                f"top-{written[1]} over {written[2]} experts; the model has {model[0]} MoE layers "
-                f"x top-{model[1]} over {model[2]} experts (--num-layers/--moe-layer-freq or "
-                "--hybrid-layer-pattern, --moe-router-topk, --num-experts)"
-            )
 
     def _check_record_path(self, args: _argparse.Namespace) -> None:
         from megatron_ext.data.data_args import data_prefixes

@@ -64,6 +64,23 @@ def read_header(path: str) -> dict:
     return header
 
 
+def check_written_for(
+    header: dict, path: str, *, num_layers: int, topk: int, num_experts: int
+) -> None:
+    """Refuses a route file whose header says it was written for another model (L, K, E).
+
+    Used at argument time (header only) and at dataset build (:func:`check_header`).
+    """
+    written = (header["num_layers"], header["topk"], header["num_experts"])
+    if written != (num_layers, topk, num_experts):
+        raise ValueError(
+            f"route file {path} was written for {written[0]} MoE layers x top-{written[1]} over "
+            f"{written[2]} experts; the model has {num_layers} MoE layers x top-{topk} over "
+            f"{num_experts} experts (--num-layers/--moe-layer-freq or --hybrid-layer-pattern, "
+            "--moe-router-topk, --num-experts)"
+        )
+
+
 def check_header(
     header: dict,
     path: str,
@@ -87,14 +104,7 @@ def check_header(
         num_documents: Documents of the sidecar's ``.idx``.
         num_values: Ids the sidecar's ``.idx`` indexes (tokens x L x K).
     """
-    written = (header["num_layers"], header["topk"], header["num_experts"])
-    if written != (num_layers, topk, num_experts):
-        raise ValueError(
-            f"route file {path} was written for {written[0]} MoE layers x top-{written[1]} over "
-            f"{written[2]} experts; the model has {num_layers} MoE layers x top-{topk} over "
-            f"{num_experts} experts (--num-layers/--moe-layer-freq, --moe-router-topk, "
-            "--num-experts)"
-        )
+    check_written_for(header, path, num_layers=num_layers, topk=topk, num_experts=num_experts)
     if header.get("dtype") != np.dtype(dtype).name:
         raise ValueError(
             f"route file {path} says {header.get('dtype')} but its .idx stores "
