@@ -55,10 +55,9 @@ def split_documents(num_docs: int, split: str, split_name: str) -> np.ndarray:
         parse_and_normalize_split,
     )
 
-    from megatron_ext.training.eval_args import check_split
+    from megatron_ext.training.eval_args import split_weights
 
-    # Megatron's parser reads 0,0,0 or abc as NaN weights and asserts on 4 weights: say why first.
-    check_split(argparse.Namespace(split=split, data_path=["-"], train_iters=0))
+    split_weights(split)  # Megatron's parser would read 0,0,0 or abc as NaN: say why first
     bookends = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
     part = bookends[SPLIT_NAMES.index(split_name)]
     if part is None:

@@ -87,6 +87,11 @@ def _moe_layer_numbers(model: torch.nn.Module) -> list[int]:
     return moe_layer_numbers(model.config.num_layers, model.config.moe_layer_freq)
 
 
+def replayed_routers(model: torch.nn.Module) -> list[TopKRouter]:
+    """The routers route replay binds: every decoder ``TopKRouter`` (MTP layers' excluded)."""
+    return [m for m in model.modules() if isinstance(m, TopKRouter) and not m.is_mtp_layer]
+
+
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
     while hasattr(module, "module"):  # DDP / Float16Module wrappers
         module = module.module
@@ -130,10 +135,9 @@ class RouteReplayBinding:
         self._restore: list[tuple[TopKRouter, RouterReplay | None]] = []
         self._hooks = []
         for chunk in chunks:
-            for module in chunk.modules():
-                if isinstance(module, TopKRouter) and not module.is_mtp_layer:
-                    self._restore.append((module, module.router_replay))
-                    self.replays.append(self._swap_in(module, ordinal_of[module.layer_number]))
+            for module in replayed_routers(chunk):
+                self._restore.append((module, module.router_replay))
+                self.replays.append(self._swap_in(module, ordinal_of[module.layer_number]))
             for block in (m for m in chunk.modules() if isinstance(m, _DECODER_BLOCKS)):
                 self._hooks.append(block.register_forward_hook(self._mark_block_output))
         if not self.replays:

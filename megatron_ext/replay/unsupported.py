@@ -27,7 +27,8 @@ Example::
 from typing import Any
 
 
-def _load_balancing_types(settings: Any) -> list[str]:
+def load_balancing_types(settings: Any) -> list[str]:
+    """``--moe-router-load-balancing-type`` as a list (Megatron takes one type or several)."""
     value = getattr(settings, "moe_router_load_balancing_type", "aux_loss") or "aux_loss"
     return [value] if isinstance(value, str) else list(value)
 
@@ -44,7 +45,7 @@ def replay_blockers(settings: Any) -> list[str]:
             "--moe-router-fusion (the fused TE top-k returns before RouterReplay is consulted)"
         )
     for kind in ("sinkhorn", "quantile_balancing"):
-        if kind in _load_balancing_types(settings):
+        if kind in load_balancing_types(settings):
             blockers.append(
                 f"--moe-router-load-balancing-type {kind} (its routing bypasses RouterReplay)"
             )

@@ -107,10 +107,10 @@ def _refuse_unsupported(args: _argparse.Namespace) -> None:
             f"--train-iters must be at least 1, got {train_iters} (Megatron fails after building "
             "the model otherwise; --skip-train evaluates without training)"
         )
+    from megatron_ext.replay.unsupported import load_balancing_types
+
     moe = bool(getattr(args, "num_experts", None))
-    balancing = getattr(args, "moe_router_load_balancing_type", "aux_loss") or "aux_loss"
-    balancing = [balancing] if isinstance(balancing, str) else list(balancing)
-    if moe and "quantile_balancing" in balancing:
+    if moe and "quantile_balancing" in load_balancing_types(args):
         raise ValueError(
             "--moe-router-load-balancing-type quantile_balancing is not supported: Megatron 0.19.2's "
             "quantile balancing refuses a padding mask, and megatron_ext hands every router one"

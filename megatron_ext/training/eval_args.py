@@ -55,6 +55,25 @@ def empty_validation_source(args: argparse.Namespace) -> str | None:
     return None
 
 
+def split_weights(split: str) -> list[float]:
+    """``--split``'s weights, refusing what Megatron's ``parse_and_normalize_split`` would misread
+    (NaN from ``0,0,0`` or ``abc``, an assertion on four weights, negative weights normalised).
+
+    Raises:
+        ValueError: Naming ``--split`` and what is wrong.
+    """
+    parts = [p.strip() for p in str(split).replace("/", ",").split(",")]
+    try:
+        weights = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"--split {split}: weights must be numbers, e.g. 969,30,1") from None
+    if len(weights) > 3:
+        raise ValueError(f"--split {split}: at most three weights (train, validation, test)")
+    if any(not (w >= 0) or w == float("inf") for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"--split {split}: weights must be finite, >= 0 and not all 0")
+    return weights
+
+
 def check_split(args: argparse.Namespace) -> None:
     """Refuses a ``--split`` Megatron would misread or that leaves training nothing.
 
@@ -71,15 +90,7 @@ def check_split(args: argparse.Namespace) -> None:
         getattr(args, "data_path", None) or getattr(args, "data_args_path", None)
     ):
         return  # Megatron's default, or a per-split data path (--split is not used)
-    parts = [p.strip() for p in str(split).replace("/", ",").split(",")]
-    try:
-        weights = [float(p) for p in parts]
-    except ValueError:
-        raise ValueError(f"--split {split}: weights must be numbers, e.g. 969,30,1") from None
-    if len(weights) > 3:
-        raise ValueError(f"--split {split}: at most three weights (train, validation, test)")
-    if any(not (w >= 0) or w == float("inf") for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"--split {split}: weights must be finite, >= 0 and not all 0")
+    weights = split_weights(split)
     training = (getattr(args, "train_iters", None) or getattr(args, "train_samples", None) or 0) > 0
     if weights[0] == 0 and training and not getattr(args, "skip_train", False):
         raise ValueError(

@@ -86,12 +86,11 @@ def pad_routing(args: argparse.Namespace) -> Any:
 def bind_replay(model: Any, replay: ReplayConfig) -> Any:
     """Binds route replay (or record) to a freshly built model stage; returns the binding, or
     None for a pipeline stage whose layers are all dense (no router: nothing to replay there)."""
-    from megatron.core.transformer.moe.router import TopKRouter
     from megatron.training import get_args
 
-    from megatron_ext.replay.binding import RouteReplayBinding
+    from megatron_ext.replay.binding import RouteReplayBinding, replayed_routers
 
-    if not any(isinstance(m, TopKRouter) for m in model.modules()):
+    if not replayed_routers(model):
         return None
     binding = RouteReplayBinding(
         model,
