@@ -37,9 +37,9 @@ def test_ranks_get_torchruns_environment_and_one_output(preload):
 
 
 @pytest.mark.parametrize("preload", [True, False], ids=["forked", "fresh"])
-def test_a_failing_rank_stops_the_one_waiting_for_it(preload):
+def test_a_failing_rank_stops_the_one_waiting_for_it(preload, tmp_path):
     start = time.monotonic()
-    run = launch(["fail"], nproc=2, module=PROBE, timeout=120, preload=preload)
+    run = launch(["fail", str(tmp_path)], nproc=2, module=PROBE, timeout=120, preload=preload)
     assert run.preloaded is preload
     assert run.returncode == 3, run.output  # the failing rank's code, not the stopped one's
     assert "rank 0 joining" in run.output and "rank 0 of 2" not in run.output
