@@ -121,8 +121,9 @@ class MoEAlignmentConfig:
             # A setting with no effect on the current path warns once (STYLE).
             if override:
                 _moe_warn_once(
-                    f"--moe-dispatch-align-size {override} pads bf16/fp16 expert groups, which "
-                    "need no padding (it only costs time)"
+                    f"--moe-dispatch-align-size {override} has no effect without --fp8-format / "
+                    "--fp4-format: bf16/fp16 expert groups are not padded (Megatron's path runs "
+                    "untouched)"
                 )
             else:
                 _moe_warn_once(

@@ -7,14 +7,14 @@ import warnings
 
 import pytest
 
-import megatron_ext.config as config_module
+import megatron_ext.moe.config as moe_config_module
 from megatron_ext.config import MoEAlignmentConfig
 
 
 @pytest.fixture(autouse=True)
 def _fresh_warn_once(monkeypatch):
     """Each test sees the once-per-process warnings anew."""
-    monkeypatch.setattr(config_module, "_MOE_WARNED", set(), raising=False)
+    monkeypatch.setattr(moe_config_module, "_MOE_WARNED", set())  # the set _moe_warn_once reads
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -163,6 +163,21 @@ def test_align_under_bf16_warns_once():
         warnings.simplefilter("always")
         on.check_megatron_args(_args(fp8="e4m3"))  # fp8: it has an effect, no warning
     assert not seen
+
+
+def test_align_size_override_under_bf16_warns_it_has_no_effect():
+    """The override pads nothing under bf16 (the multiple stays 0), and the warning says so."""
+    from megatron_ext.moe.token_dispatcher import align_size_for_config
+
+    on = MoEAlignmentConfig(moe_dispatch_align=True, moe_dispatch_align_size=64)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        on.check_megatron_args(_args())
+    messages = [str(w.message) for w in seen]
+    assert len(messages) == 1, messages
+    assert "--moe-dispatch-align-size 64 has no effect" in messages[0], messages
+    bf16 = argparse.Namespace(fp8=None, fp4=None, use_transformer_engine_op_fuser=False)
+    assert align_size_for_config(bf16, on) == 0  # what the warning states
 
 
 def test_load_log_needs_load_metrics():
