@@ -5,9 +5,10 @@
     # -> /data/sft.bin/.idx and /data/sft_loss_mask.bin/.idx; train with
     #    --data-path /data/sft --pack-documents --pack-loss-mask-suffix _loss_mask
 
-Outputs are written to temporary files and renamed at the end (a job reading the old files keeps
-them); an existing output prefix is refused unless --overwrite, which also removes a stale
-loss-mask sidecar of the prefix. --tokenizer-file takes a tokenizer.json or a Hugging Face
+Outputs are written to temporary files and renamed at the end, tokens and mask in one commit (a
+job reading the old files keeps them; a killed run never leaves new tokens beside an old mask that
+would load); an existing output prefix, or a loss-mask sidecar of it, is refused unless
+--overwrite, which also removes a stale sidecar when no mask is written. --tokenizer-file takes a tokenizer.json or a Hugging Face
 tokenizer directory (its tokenizer_config.json eos_token is the default --eod-id). Token ids are stored exactly (uint16, else int32) or refused.
 Errors are one line (file:line, flag), exit status 2; --debug shows the traceback.
 """
@@ -21,14 +22,14 @@ import numpy as np
 from tqdm import tqdm
 
 import megatron_ext.cli_quiet  # noqa: F401  (first: hides inapplicable warnings unless --verbose)
-from megatron_ext.data.indexed_writer import write_documents
+from megatron_ext.data.indexed_writer import write_prefixes
 from megatron_ext.data.jsonl_documents import (
     BYTE_EOD_ID,
     byte_tokenizer,
     hf_tokenizer,
     read_documents,
 )
-from megatron_ext.data.safe_files import check_output_prefix, remove_prefix_files
+from megatron_ext.data.safe_files import check_output_prefix
 from megatron_ext.data.tool_errors import add_common_flags, run_tool
 
 
@@ -79,16 +80,17 @@ def check_outputs(args: argparse.Namespace) -> list[str]:
     """Refuses, before any work, outputs that exist (without --overwrite) or are inputs.
 
     Returns:
-        The output prefixes (tokens, then the loss-mask sidecar when written).
+        The output prefixes: the tokens, then the loss-mask sidecar (written with --prompt-key,
+        else removed if present).
     """
     inputs = [args.input] + ([args.tokenizer_file] if args.tokenizer_file else [])
-    outputs = [args.output_prefix]
-    if args.prompt_key is not None:
-        if not args.loss_mask_suffix:
-            raise ValueError(
-                "--loss-mask-suffix must not be empty: the loss mask would overwrite the tokens"
-            )
-        outputs.append(args.output_prefix + args.loss_mask_suffix)
+    if not args.loss_mask_suffix:  # also without --prompt-key: a stale mask there is removed
+        raise ValueError(
+            "--loss-mask-suffix must not be empty: the loss mask would overwrite the tokens"
+        )
+    # The mask prefix is an output either way: written with --prompt-key, else any old mask
+    # there is removed (it would not match the new tokens), which also needs --overwrite.
+    outputs = [args.output_prefix, args.output_prefix + args.loss_mask_suffix]
     for prefix in outputs:
         check_output_prefix(prefix, flag="--output-prefix", inputs=inputs, overwrite=args.overwrite)
     return outputs
@@ -160,14 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     vocab_top = max((int(d[0].max()) for d in docs if d[0].size), default=0)
     dtype = _token_dtype(vocab_top)
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
-    # Each write replaces its files atomically. The tokens go first: if that write fails, the old
-    # tokens keep their old loss mask. A loss mask of the old data must not survive beside the
-    # new tokens: replaced by the new one, or removed when none is written.
-    write_documents(args.output_prefix, (d[0] for d in tqdm(docs, desc="writing")), dtype=dtype)
-    if len(outputs) > 1:
-        write_documents(outputs[1], (d[1] for d in docs), dtype=np.uint8)
-    elif args.overwrite:
-        remove_prefix_files(args.output_prefix + args.loss_mask_suffix)
+    # One commit (write_prefixes): tokens and mask are both written before any old file goes; a
+    # loss mask of the old data never survives beside the new tokens (replaced by the new one,
+    # or removed when none is written), and a crash leaves no old/new mix that would load.
+    tokens = (args.output_prefix, (d[0] for d in tqdm(docs, desc="writing")), dtype, None)
+    if args.prompt_key is not None:
+        write_prefixes([(outputs[1], (d[1] for d in docs), np.uint8, None), tokens])
+    else:
+        write_prefixes([tokens], remove=[outputs[1]])
     others = sorted(
         set(glob.glob(glob.escape(args.output_prefix) + "?*.idx")) - {p + ".idx" for p in outputs}
     )

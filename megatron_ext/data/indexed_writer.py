@@ -8,18 +8,21 @@ recording and the tests::
     # -> /data/sft_text.bin, /data/sft_text.idx
 
 Both files are written to temporary files in the target directory and renamed at the end, ``.bin``
-before ``.idx`` (:mod:`~megatron_ext.data.safe_files`): a killed writer leaves the old pair intact,
-and a job that has the old ``.bin`` memory-mapped keeps its (old) inode. Whether an existing prefix
+before ``.idx`` (:func:`~megatron_ext.data.safe_files.publish`): a writer killed before that leaves
+the old pair intact, one killed during it a prefix without its ``.idx`` (refused at load, never old
+and new files mixed), and a job that has the old ``.bin`` memory-mapped keeps its (old) inode.
+:func:`write_prefixes` commits a token dataset and its sidecars together the same way. Whether an existing prefix
 may be replaced is the caller's decision (the tools refuse it unless ``--overwrite``).
 """
 
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-from megatron_ext.data.safe_files import fsync_path, publish, temp_paths
+from megatron_ext.data.safe_files import fsync_path, publish, remove_prefix_files, temp_paths
 
 
 def write_documents(
@@ -46,36 +49,85 @@ def write_documents(
         ValueError: A value ``dtype`` cannot hold exactly (names the document), or a dtype
             IndexedDataset cannot store.
     """
-    dtype = np.dtype(dtype).type
-    DType.code_from_dtype(dtype)  # raises for a dtype Megatron cannot read back
-    finals = [path_prefix + ".bin", path_prefix + ".idx"]
-    finals += [path_prefix + ext for ext in companions or {}]
+    return write_prefixes([(path_prefix, documents, dtype, companions)])[0]
+
+
+def write_prefixes(
+    outputs: Sequence[tuple[str, Iterable[np.ndarray], type[np.number], dict[str, bytes] | None]],
+    remove: Sequence[str] = (),
+) -> list[int]:
+    """Writes several aligned prefixes (a token dataset and its per-token sidecars) as one commit.
+
+    Every prefix is written to temporary files first (a bad value stops the run with nothing
+    changed); then the existing files of every output, and the ``.bin``/``.idx`` of each
+    ``remove`` prefix (a stale sidecar), are removed and the new files renamed into place
+    (:func:`~megatron_ext.data.safe_files.publish`). A crash never leaves new tokens beside an
+    old sidecar that would load: a prefix not yet renamed has no ``.idx``.
+
+    Args:
+        outputs: ``(path_prefix, documents, dtype, companions)`` per prefix, as
+            :func:`write_documents` takes them.
+        remove: Prefixes whose files are deleted in the same commit (never one of ``outputs``).
+
+    Returns:
+        The number of documents written per output.
+    """
+    outputs = list(outputs)
+    prefixes = [prefix for prefix, *_ in outputs]
+    if set(map(os.path.abspath, remove)) & set(map(os.path.abspath, prefixes)):
+        raise ValueError(f"cannot both write and remove {sorted(set(remove) & set(prefixes))}")
+    finals_per = [
+        [prefix + ".bin", prefix + ".idx", *(prefix + ext for ext in companions or {})]
+        for prefix, _docs, _dtype, companions in outputs
+    ]
+    finals = [final for group in finals_per for final in group]
+    counts = []
     with temp_paths(finals) as temps:
-        builder = IndexedDatasetBuilder(temps[0], dtype=dtype)
-        count = 0
-        try:
-            for doc in documents:
-                values = np.asarray(doc).reshape(-1)
-                with np.errstate(invalid="ignore", over="ignore"):
-                    flat = np.ascontiguousarray(values, dtype=dtype)
-                    exact = values.dtype == dtype or np.array_equal(flat, values)
-                if not exact:  # wrapped, rounded or NaN: refuse rather than store another value
-                    with np.errstate(invalid="ignore", over="ignore"):
-                        i = int(np.flatnonzero(~(flat == values))[0])
-                    raise ValueError(
-                        f"document {count} value {i} is {values[i]!r}, which "
-                        f"{np.dtype(dtype).name} cannot store exactly"
-                    )
-                builder.add_item(torch.from_numpy(flat))
-                builder.end_document()
-                count += 1
-        finally:
-            builder.data_file.close()
-        builder.finalize(temps[1])
-        for tmp, content in zip(temps[2:], (companions or {}).values(), strict=True):
-            with open(tmp, "wb") as f:
-                f.write(content)
+        start = 0
+        for (_prefix, documents, dtype, companions), group in zip(outputs, finals_per, strict=True):
+            counts.append(
+                _write_temps(temps[start : start + len(group)], documents, dtype, companions)
+            )
+            start += len(group)
         for tmp in temps:
             fsync_path(tmp)
+        for stale in remove:
+            remove_prefix_files(stale)
         publish(zip(temps, finals, strict=True))
+    return counts
+
+
+def _write_temps(
+    temps: list[str],
+    documents: Iterable[np.ndarray],
+    dtype: type[np.number],
+    companions: dict[str, bytes] | None,
+) -> int:
+    """Fills one prefix's temporary ``.bin``, ``.idx`` and companions; returns its document count."""
+    dtype = np.dtype(dtype).type
+    DType.code_from_dtype(dtype)  # raises for a dtype Megatron cannot read back
+    builder = IndexedDatasetBuilder(temps[0], dtype=dtype)
+    count = 0
+    try:
+        for doc in documents:
+            values = np.asarray(doc).reshape(-1)
+            with np.errstate(invalid="ignore", over="ignore"):
+                flat = np.ascontiguousarray(values, dtype=dtype)
+                exact = values.dtype == dtype or np.array_equal(flat, values)
+            if not exact:  # wrapped, rounded or NaN: refuse rather than store another value
+                with np.errstate(invalid="ignore", over="ignore"):
+                    i = int(np.flatnonzero(~(flat == values))[0])
+                raise ValueError(
+                    f"document {count} value {i} is {values[i]!r}, which "
+                    f"{np.dtype(dtype).name} cannot store exactly"
+                )
+            builder.add_item(torch.from_numpy(flat))
+            builder.end_document()
+            count += 1
+    finally:
+        builder.data_file.close()
+    builder.finalize(temps[1])
+    for tmp, content in zip(temps[2:], (companions or {}).values(), strict=True):
+        with open(tmp, "wb") as f:
+            f.write(content)
     return count

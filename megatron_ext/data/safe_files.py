@@ -2,8 +2,10 @@
 
 Every file megatron_ext writes (IndexedDataset ``.bin``/``.idx`` pairs, route headers, index
 caches, tool reports) goes to a temporary file in its target directory and is ``os.replace``d into
-place at the end: a killed writer leaves only a stray temporary file, and a job that has the old
-file memory-mapped keeps reading the old inode instead of dying of SIGBUS. Temporary files are
+place at the end (:func:`publish`): a writer killed before that leaves the old files intact and a
+stray temporary file, one killed during it a prefix that refuses to load (never old and new files
+mixed), and a job that has the old file memory-mapped keeps reading the old inode instead of dying
+of SIGBUS. Temporary files are
 created with mode ``0o666`` minus the umask (``tempfile.mkstemp`` gives ``0o600``), so caches on a
 shared cluster are readable by the group, as Megatron's own caches are.
 
@@ -58,8 +60,19 @@ def fsync_path(path: str) -> None:
 
 
 def publish(pairs: Iterable[tuple[str, str]]) -> None:
-    """Renames each ``(temp, final)`` in order (``.bin`` before ``.idx``: a reader that sees the
-    new ``.idx`` always finds its ``.bin``; a crash in between is caught by the size check)."""
+    """Puts every ``(temp, final)`` in place as one commit: first removes every existing final,
+    then renames the temps in order (``.bin`` before ``.idx``).
+
+    A crash at any point leaves no mix of old and new files that would load: each prefix has
+    either its new files or no ``.idx`` (refused at load, naming the file). Renaming over the
+    old files instead would leave a window (new ``.bin`` beside the old ``.idx``) where a pair
+    of the same total size loads as misaligned documents. A job that has an old file
+    memory-mapped keeps reading its inode either way.
+    """
+    pairs = list(pairs)
+    for _tmp, final in pairs:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(final)
     for tmp, final in pairs:
         os.replace(tmp, final)
 

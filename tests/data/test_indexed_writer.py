@@ -68,3 +68,25 @@ def test_values_the_dtype_cannot_hold_are_refused(tmp_path, value, dtype) -> Non
 def test_companion_files_are_published_with_the_pair(tmp_path) -> None:
     write_documents(str(tmp_path / "r"), [np.array([1])], companions={".h.json": b"{}"})
     assert sorted(os.listdir(tmp_path)) == ["r.bin", "r.h.json", "r.idx"]
+
+
+def test_a_kill_between_the_renames_leaves_no_pair_that_loads_misaligned(tmp_path, monkeypatch):
+    """Same total size, other lengths: the new .bin beside the old .idx would load as wrong
+    documents. The old .idx is gone before the first rename, so the prefix refuses to load."""
+    prefix = str(tmp_path / "t")
+    write_documents(prefix, [np.array([1, 2]), np.array([3, 4, 5, 6, 7, 8])])
+    real_replace, renames = os.replace, []
+
+    def killed_after_the_bin(tmp, final):
+        if renames:
+            raise KeyboardInterrupt
+        renames.append(final)
+        real_replace(tmp, final)
+
+    monkeypatch.setattr(os, "replace", killed_after_the_bin)
+    with pytest.raises(KeyboardInterrupt):
+        write_documents(prefix, [np.array([9, 9, 9, 9, 9, 9]), np.array([9, 9])])
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert renames == [prefix + ".bin"]
+    assert not os.path.exists(prefix + ".idx")  # refused at load, not read misaligned
+    assert sorted(os.listdir(tmp_path)) == ["t.bin"]  # the temporaries cleaned up too

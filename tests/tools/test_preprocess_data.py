@@ -223,24 +223,98 @@ def test_overwrite_replaces_and_removes_the_stale_loss_mask(tmp_path) -> None:
 
 
 def test_a_failed_overwrite_keeps_the_old_data_and_its_loss_mask(tmp_path, monkeypatch) -> None:
-    """The tokens are written first: a write that fails leaves the old tokens with their mask
-    (the mask used to be removed before the tokens were written)."""
+    """Tokens and mask are written before any old file goes: a write that fails (here the disk
+    fills while writing the new tokens) leaves the old tokens with their mask, byte for byte."""
+    from megatron_ext.data import indexed_writer
+
     src = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "a", "response": "bc"}])
     prefix = str(tmp_path / "d")
     tool = load_tool()
     tool.main(["--input", src, "--output-prefix", prefix, *SFT])
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("d")}
     assert "d_loss_mask.idx" in before
+    real = indexed_writer._write_temps
+    written = []
 
-    def fails(*args, **kwargs):
-        raise OSError("disk full")
+    def fills_up(temps, documents, dtype, companions):
+        if written:  # the second prefix: the tokens (the mask is written first)
+            raise OSError("disk full")
+        written.append(temps)
+        return real(temps, documents, dtype, companions)
 
-    monkeypatch.setattr(tool, "write_documents", fails)
-    text = write_jsonl(tmp_path / "t.jsonl", [{"text": "xyz"}])
+    monkeypatch.setattr(indexed_writer, "_write_temps", fills_up)
+    again = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "xy", "response": "z"}])
     with pytest.raises(OSError, match="disk full"):
-        tool.main(["--input", text, "--output-prefix", prefix, "--overwrite"])
+        tool.main(["--input", again, "--output-prefix", prefix, *SFT, "--overwrite"])
+    assert written  # the mask had been written when the tokens failed
     after = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("d")}
     assert after == before
+
+
+@pytest.mark.parametrize("with_mask, kill_after", [(True, 1), (True, 2), (True, 3), (False, 1)])
+def test_a_run_killed_while_publishing_leaves_no_old_mask_beside_new_tokens(
+    tmp_path, monkeypatch, with_mask, kill_after
+) -> None:
+    """A kill between two renames of the commit: the old mask (same lengths, other split: it
+    would load and silently train prompt tokens) never stays loadable beside the new tokens."""
+    src = write_jsonl(tmp_path / "v1.jsonl", [{"prompt": "ab", "response": "cd"}])
+    prefix = str(tmp_path / "d")
+    tool = load_tool()
+    tool.main(["--input", src, "--output-prefix", prefix, *SFT])
+    renames = []
+    real_replace = os.replace
+
+    def killed_after(tmp, final):
+        if len(renames) == kill_after:
+            raise KeyboardInterrupt  # killed mid-commit
+        renames.append(final)
+        real_replace(tmp, final)
+
+    monkeypatch.setattr(os, "replace", killed_after)
+    rows = [{"prompt": "a", "response": "bcd"}] if with_mask else [{"text": "abcd"}]
+    flags = SFT if with_mask else []
+    v2 = write_jsonl(tmp_path / "v2.jsonl", rows)
+    with pytest.raises(KeyboardInterrupt):
+        tool.main(["--input", v2, "--output-prefix", prefix, *flags, "--overwrite"])
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert len(renames) == kill_after  # killed between renames, some new file in place
+    tokens_load = os.path.exists(prefix + ".idx") and os.path.exists(prefix + ".bin")
+    mask_load = os.path.exists(prefix + "_loss_mask.idx")
+    assert not (tokens_load and mask_load), renames
+    assert not tokens_load  # the tokens' .idx is the commit's last file: not in place yet
+    if mask_load:  # what loads is new, never the old mask
+        mask = IndexedDataset(prefix + "_loss_mask")  # kept alive: items view its mmap
+        assert mask[0].tolist() == [0, 1, 1, 1]
+
+
+def test_an_empty_loss_mask_suffix_is_refused_even_without_prompt_key(tmp_path) -> None:
+    """The suffix names the stale mask that --overwrite removes: empty, that is the tokens."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "ab"}])
+    prefix = str(tmp_path / "d")
+    tool = load_tool()
+    tool.main(["--input", src, "--output-prefix", prefix])
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("d")}
+    with pytest.raises(ValueError, match="--loss-mask-suffix must not be empty"):
+        tool.main(["--input", src, "--output-prefix", prefix, "--overwrite", "--loss-mask-suffix="])
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("d")} == before
+
+
+def test_a_lone_old_loss_mask_needs_overwrite(tmp_path) -> None:
+    """New tokens beside a mask left from other data would be read with it: refused unless
+    --overwrite, which removes it."""
+    sft = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "a", "response": "bc"}])
+    prefix = str(tmp_path / "d")
+    tool = load_tool()
+    tool.main(["--input", sft, "--output-prefix", prefix, *SFT])
+    for ext in (".bin", ".idx"):
+        os.unlink(prefix + ext)  # the tokens gone, their mask left behind
+    text = write_jsonl(tmp_path / "t.jsonl", [{"text": "xyz"}])
+    with pytest.raises(ValueError, match="_loss_mask.*already exists"):
+        tool.main(["--input", text, "--output-prefix", prefix])
+    tool.main(["--input", text, "--output-prefix", prefix, "--overwrite"])
+    assert not os.path.exists(prefix + "_loss_mask.idx")
+    ds = IndexedDataset(prefix)
+    assert ds.sequence_lengths.tolist() == [3]
 
 
 def test_large_token_ids_are_stored_exactly(tmp_path) -> None:
