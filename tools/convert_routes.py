@@ -55,6 +55,7 @@ from megatron_ext.replay.rollout_routes import (
     check_route_array,
     decode_routed_experts,
     read_safetensors,
+    refuse_duplicate_keys,
     repair_document,
     safetensors_documents,
 )
@@ -156,7 +157,7 @@ _ROUTE_KEYS = {
 
 
 #: Formats whose records hold one row fewer than their tokens (T is needed to know it).
-_T_MINUS_ONE_FORMATS = ("vllm", "megatron")
+_T_MINUS_ONE_FORMATS = ("vllm", "megatron", "sglang")
 
 
 def _decode_line(
@@ -164,9 +165,11 @@ def _decode_line(
 ) -> tuple[np.ndarray, int | None]:
     """One JSONL record -> ``(rows_TLK, num_tokens or None)``; errors name ``file:line``."""
     try:
-        record = json.loads(line)
+        record = json.loads(line, object_pairs_hook=refuse_duplicate_keys)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{name}: not valid JSON ({exc})") from exc
+    except ValueError as exc:  # the duplicate-key hook
+        raise ValueError(f"{name}: {exc}") from exc
     if fmt == "sglang":
         return decode_sglang_record(record, num_layers=num_layers, topk=topk, name=name)
     keys = _ROUTE_KEYS[fmt]
@@ -177,7 +180,14 @@ def _decode_line(
     num_tokens = _num_tokens(record, name)
     if fmt == "vllm":
         return decode_routed_experts(record["routed_experts"], f"{name} routed_experts"), num_tokens
-    parts = [decode_routed_experts(record[key], f"{name} {key}") for key in keys if record.get(key)]
+    # A key that is present is decoded whatever it holds (0 or "" is refused there, not skipped;
+    # null counts as absent); an empty part (no rows, e.g. an empty prompt) adds nothing.
+    parts = [
+        decode_routed_experts(record[key], f"{name} {key}")
+        for key in keys
+        if record.get(key, None) is not None
+    ]
+    parts = [p for p in parts if p.shape != (0, 0, 0)]
     shapes = {p.shape[1:] for p in parts}
     if len(shapes) > 1:
         raise ValueError(f"{name}: {' and '.join(keys)} have different [layers, topk] {shapes}")

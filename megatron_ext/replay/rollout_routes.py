@@ -95,9 +95,12 @@ def decode_routed_experts(payload: Any, name: str = "routed_experts") -> np.ndar
             array = np.array(payload)
         except (ValueError, OverflowError) as err:  # ragged nesting
             raise ValueError(f"{name}: rows are ragged or not numbers ({err})") from err
-        if array.size == 0:
-            return np.zeros((0, 0, 0), dtype=np.int64)
-        check_route_array(array, name)
+        if array.size == 0:  # no id to check: the shape decides ([] is no rows at all)
+            array = np.zeros(array.shape, dtype=np.int64)
+        else:
+            check_route_array(array, name)
+            if array.ndim == 3:
+                _refuse_mixed_booleans(payload, array, name)
     else:
         raise ValueError(f"{name}: expected nested lists or a base64 object, got {payload!r:.40}")
     if array.ndim != 3:
@@ -105,6 +108,18 @@ def decode_routed_experts(payload: Any, name: str = "routed_experts") -> np.ndar
             return array.reshape(0, 0, 0)
         raise ValueError(f"{name}: expected [tokens, layers, topk], got {array.shape}")
     return array
+
+
+def _refuse_mixed_booleans(payload_TLK: list, array_TLK: np.ndarray, name: str) -> None:
+    """Refuses a boolean among integer ids: numpy reads ``[true, 3]`` as ``[1, 3]`` (an all-bool
+    payload keeps a bool dtype and :func:`check_route_array` refuses it). Only ids read as 0 or
+    1 can have been booleans, so only those entries of the payload are looked at."""
+    for t, layer, k in np.argwhere((array_TLK == 0) | (array_TLK == 1)).tolist():
+        value = payload_TLK[t][layer][k]
+        if type(value) is bool:
+            raise ValueError(
+                f"{name}: token {t}, MoE layer {layer} holds {value!r}, not an expert id"
+            )
 
 
 def check_route_array(array: np.ndarray, name: str) -> None:
@@ -205,8 +220,10 @@ def repair_document(
             ``reject_invalid=False``) an invalid row; messages name the document, token, layer.
     """
     dtype = route_dtype(num_experts, topk)
-    if rows_TLK.size == 0:
+    if rows_TLK.shape in ((0,), (0, 0, 0)):  # no rows and no shape (an empty list)
         rows_TLK = np.zeros((0, num_layers, topk), dtype=np.int64)
+    if rows_TLK.ndim != 3:
+        raise ValueError(f"{name}: expected routes [tokens, layers, topk], got {rows_TLK.shape}")
     check_route_array(rows_TLK, name)
     if rows_TLK.shape[1:] != (num_layers, topk):
         raise ValueError(
@@ -246,6 +263,20 @@ def repair_document(
     return routes_TLK, counts
 
 
+def refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """``json.loads`` object hook: a key given twice would silently keep only its last value.
+
+    Raises:
+        ValueError: Naming the key.
+    """
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        keys = [key for key, _ in pairs]
+        dup = next(key for i, key in enumerate(keys) if key in keys[:i])
+        raise ValueError(f"key {dup!r} appears twice (only one of its values would be kept)")
+    return record
+
+
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
     """Reads every tensor of a ``.safetensors`` file (8-byte header size, JSON header, bytes).
 
@@ -260,9 +291,11 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
     if header_size > len(blob) - 8:
         raise ValueError(f"{path}: safetensors header of {header_size} bytes exceeds the file")
     try:
-        header = json.loads(blob[8 : 8 + header_size])
+        header = json.loads(blob[8 : 8 + header_size], object_pairs_hook=refuse_duplicate_keys)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{path}: safetensors header is not valid JSON ({err})") from err
+    except ValueError as err:  # a tensor key twice: one tensor would be lost
+        raise ValueError(f"{path}: safetensors header: {err}") from err
     if not isinstance(header, dict):
         raise ValueError(f"{path}: safetensors header is not a JSON object")
     data = blob[8 + header_size :]

@@ -193,6 +193,32 @@ def test_t_minus_1_records_without_a_token_count_are_refused(tmp_path, fmt, key)
     assert docs[0].shape == (4, L, K) and missing_mask(docs[0])[3].all()
 
 
+def test_sglang_records_without_a_token_count_are_refused(tmp_path):
+    """SGLang returns seqlen - 1 rows too: without prompt/completion counts, tokens or
+    --tokens-prefix the last token's missing row would be silently dropped."""
+    rows = random_routes(3, seed=1).tolist()
+    path = write_jsonl(tmp_path / "s.jsonl", [{"meta_info": {"routed_experts": rows}}])
+    with pytest.raises(ValueError, match="--format sglang record holds T - 1 rows"):
+        run(tmp_path, [path], "sglang")
+    assert not list(tmp_path.glob("routes*"))
+    meta = {"routed_experts": rows, "prompt_tokens": 2, "completion_tokens": 2}
+    docs, _ = run(tmp_path, [write_jsonl(tmp_path / "n.jsonl", [{"meta_info": meta}])], "sglang")
+    assert docs[0].shape == (4, L, K) and missing_mask(docs[0])[3].all()
+
+
+def test_a_null_or_empty_megatron_part_adds_no_rows(tmp_path):
+    """null is an absent part and [] a part with no rows (an empty prompt): both convert."""
+    rows = random_routes(3, seed=2)
+    for prompt in (None, []):
+        rec = {
+            "prompt_moe_topk_indices": prompt,
+            "moe_topk_indices": rows.tolist(),
+            "num_tokens": 4,
+        }
+        docs, _ = run(tmp_path, [write_jsonl(tmp_path / "m.jsonl", [rec])], "megatron")
+        assert np.array_equal(docs[0][:3], rows) and missing_mask(docs[0])[3].all()
+
+
 def test_uint16_above_256_experts(tmp_path):
     routes = random_routes(3, seed=9, num_experts=300)
     np.save(tmp_path / "w.npy", routes)
@@ -261,6 +287,15 @@ def _bad_input(tmp_path, kind: str, content) -> str:
         data = path.read_bytes()
         path.write_bytes(content(data))
     return str(path)
+
+
+def _duplicate_first_tensor(data: bytes) -> bytes:
+    """A safetensors file whose header lists its tensor twice (the same key)."""
+    size = int.from_bytes(data[:8], "little")
+    header = data[8 : 8 + size].decode().strip()
+    entry = header[1:-1]  # '"0": {...}' (the only tensor)
+    doubled = ("{" + entry + "," + entry + "}").encode()
+    return len(doubled).to_bytes(8, "little") + doubled + data[8 + size :]
 
 
 ROWS = random_routes(2, seed=0).tolist()  # [2, L, K], valid
@@ -394,6 +429,57 @@ BAD_INPUTS = [
         r"tokens\.bin already exists; pass --overwrite",
     ),
     ("--num-layers 0", "jsonl", _vllm(ROWS), "vllm", ["--num-layers", "0"], "--num-layers must"),
+    (  # numpy reads [true, 3] as [1, 3]: the boolean must not become expert 1
+        "boolean among integer ids",
+        "jsonl",
+        _vllm([[[0, 1]] * L, [[2, 3]] * (L - 1) + [[True, 3]]]),
+        "vllm",
+        [],
+        r"token 1, MoE layer 2 holds True, not an expert id",
+    ),
+    ("tokens with 0 layers", "npy", np.zeros((3, 0, K), np.uint8), "npy", [], "have 0 MoE layers"),
+    ("no rows of 5 layers", "npy", np.zeros((0, 5, K), np.uint8), "npy", [], "have 5 MoE layers"),
+    (
+        "base64 rows of 0 layers",
+        "jsonl",
+        _vllm({"data": "", "shape": [2, 0, K], "dtype": "uint8"}),
+        "vllm",
+        [],
+        "have 0 MoE layers",
+    ),
+    (
+        "megatron route key holding 0",
+        "jsonl",
+        json.dumps({"prompt_moe_topk_indices": ROWS, "moe_topk_indices": 0, "num_tokens": 3}),
+        "megatron",
+        [],
+        "moe_topk_indices: expected nested lists or a base64 object, got 0",
+    ),
+    (
+        "megatron route key holding ''",
+        "jsonl",
+        json.dumps({"moe_topk_indices": "", "num_tokens": 1}),
+        "megatron",
+        [],
+        "moe_topk_indices: expected nested lists or a base64 object, got ''",
+    ),
+    (
+        "a key twice in a record",
+        "jsonl",
+        '{"routed_experts": %s, "num_tokens": 3, "routed_experts": %s}'
+        % (json.dumps(ROWS), json.dumps(ROWS[:1])),
+        "vllm",
+        [],
+        r"in\.jsonl:1: key 'routed_experts' appears twice",
+    ),
+    (
+        "a tensor key twice in safetensors",
+        "safetensors",
+        lambda d: _duplicate_first_tensor(d),
+        "safetensors",
+        [],
+        "safetensors header: key '0' appears twice",
+    ),
 ]
 
 
