@@ -159,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if not docs:
         raise ValueError(f"--input {args.input} holds no records: nothing to write")
+    if not any(d[0].size for d in docs):  # an empty .bin: Megatron cannot even mmap it
+        raise ValueError(f"--input {args.input} holds only empty documents (0 tokens)")
     vocab_top = max((int(d[0].max()) for d in docs if d[0].size), default=0)
     dtype = _token_dtype(vocab_top)
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)

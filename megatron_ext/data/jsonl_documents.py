@@ -25,6 +25,20 @@ BYTE_EOD_ID = 256
 Tokenize = Callable[[str], np.ndarray]
 
 
+def refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """``json.loads`` object hook: a key given twice would silently keep only its last value.
+
+    Raises:
+        ValueError: Naming the key.
+    """
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        keys = [key for key, _ in pairs]
+        dup = next(key for i, key in enumerate(keys) if key in keys[:i])
+        raise ValueError(f"key {dup!r} appears twice (only one of its values would be kept)")
+    return record
+
+
 def byte_tokenizer(text: str) -> np.ndarray:
     """UTF-8 bytes as ids (int64)."""
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
@@ -122,23 +136,31 @@ def read_documents(
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(line, object_pairs_hook=refuse_duplicate_keys)
         except json.JSONDecodeError as err:
             raise ValueError(f"{source} line {lineno} is not valid JSON: {err}") from err
+        except ValueError as err:  # a key twice: one of its texts would be dropped silently
+            raise ValueError(f"{source} line {lineno}: {err}") from err
         keys = [prompt_key, response_key] if prompt_key is not None else [text_key]
         for key in keys:
             if not isinstance(record, dict) or not isinstance(record.get(key), str):
                 raise ValueError(f"{source} line {lineno} has no string field {key!r}")  # noqa: TRY004
-        if prompt_key is not None:
-            prompt, response = (
-                tokenize(record[prompt_key]),
-                tokenize(record[response_key]),
-            )
-            tokens = np.concatenate([prompt, response])
-            mask = np.concatenate([np.zeros(prompt.size), np.ones(response.size)])
-        else:
-            tokens = tokenize(record[text_key])
-            mask = np.ones(tokens.size)
+        try:
+            if prompt_key is not None:
+                prompt, response = (
+                    tokenize(record[prompt_key]),
+                    tokenize(record[response_key]),
+                )
+                tokens = np.concatenate([prompt, response])
+                mask = np.concatenate([np.zeros(prompt.size), np.ones(response.size)])
+            else:
+                tokens = tokenize(record[text_key])
+                mask = np.ones(tokens.size)
+        except UnicodeEncodeError as err:  # a lone surrogate ("\ud800"): JSON allows it, UTF-8 not
+            raise ValueError(
+                f"{source} line {lineno} holds {err.object[err.start : err.end]!r}, which is not "
+                f"text UTF-8 can encode ({err.reason})"
+            ) from err
         if eod_id is not None:
             tokens = np.append(tokens, eod_id)
             mask = np.append(mask, 1)

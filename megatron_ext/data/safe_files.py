@@ -17,7 +17,7 @@ directory must exist, be a directory and be writable. Example::
     # ValueError if /d/sft.bin or /d/sft.idx exists
 
 Identities: :func:`lengths_fingerprint` hashes an index's sequence lengths (what a pack plan or
-a sample index depends on); :func:`file_identity` names one state of a file (inode, size, mtime)
+a sample index depends on); :func:`file_identity` names one state of a file (inode, size, mtime, ctime)
 without reading it.
 """
 
@@ -131,9 +131,14 @@ def lengths_fingerprint(lengths: np.ndarray) -> str:
 
 
 def file_identity(path: str) -> str:
-    """One state of a file without reading it: ``"inode:size:mtime_ns"`` (changes on rewrite)."""
+    """One state of a file without reading it: ``"inode:size:mtime_ns:ctime_ns"``.
+
+    Changes on a rewrite, whether by rename (new inode) or in place: a write moves the status
+    change time, which, unlike the mtime (``touch -d``, ``os.utime``, ``cp -p``), no user call
+    can set back.
+    """
     st = os.stat(path)
-    return f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+    return f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
 
 def _same_file(a: str, b: str) -> bool:

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_ext.data.jsonl_documents import refuse_duplicate_keys
 from megatron_ext.replay.routes import (
     apply_missing_policy,
     missing_mask,
@@ -134,6 +135,9 @@ def check_route_array(array: np.ndarray, name: str) -> None:
             array.dtype.kind, "non-integer (or beyond int64)"
         )
         example = flat[0] if flat.size else None
+        if array.dtype.kind == "O":  # ints beyond int64 (or mixed objects): name one of those
+            odd = [v for v in flat.tolist() if type(v) is not int or not -(2**63) <= v < 2**64]
+            example = odd[0] if odd else example
         if array.dtype.kind == "f":
             with np.errstate(invalid="ignore"):
                 odd = np.flatnonzero(~np.isfinite(flat) | (flat != np.round(flat)))
@@ -261,20 +265,6 @@ def repair_document(
         routes_TLK, num_layers=num_layers, num_experts=num_experts, topk=topk, name=name
     )
     return routes_TLK, counts
-
-
-def refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
-    """``json.loads`` object hook: a key given twice would silently keep only its last value.
-
-    Raises:
-        ValueError: Naming the key.
-    """
-    record = dict(pairs)
-    if len(record) != len(pairs):
-        keys = [key for key, _ in pairs]
-        dup = next(key for i, key in enumerate(keys) if key in keys[:i])
-        raise ValueError(f"key {dup!r} appears twice (only one of its values would be kept)")
-    return record
 
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:

@@ -3,6 +3,7 @@
 import hashlib
 import os
 import stat
+import time
 
 import numpy as np
 import pytest
@@ -125,5 +126,14 @@ def test_file_identity_changes_on_atomic_rewrite(tmp_path) -> None:
     before = file_identity(path)
     atomic_write_bytes(path, b"two")  # same size: the inode still differs
     assert file_identity(path) != before
+    # In place, same size, the mtime set back (os.utime, cp -p): the ctime still moves.
+    stamped = os.stat(path)
+    kept = file_identity(path)
+    time.sleep(0.01)
+    with open(path, "r+b") as f:
+        f.write(b"TWO")
+    os.utime(path, ns=(stamped.st_atime_ns, stamped.st_mtime_ns))
+    assert os.stat(path).st_mtime_ns == stamped.st_mtime_ns  # what the old key saw: unchanged
+    assert file_identity(path) != kept
     assert remove_prefix_files(str(tmp_path / "f"), ("",)) == [path]
     assert remove_prefix_files(str(tmp_path / "f"), ("",)) == []

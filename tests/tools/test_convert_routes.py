@@ -330,6 +330,7 @@ BAD_INPUTS = [
     ("NaN id", "jsonl", _vllm([[[float("nan"), 1]] * L] * 2), "vllm", [], "such as nan"),
     ("1e30 id", "jsonl", _vllm([[[1e30, 1]] * L] * 2), "vllm", [], r"such as 1e\+30"),
     ("2**64 id", "jsonl", _vllm([[[2**64, 1]] * L] * 2), "vllm", [], "beyond int64"),
+    ("2**70 id named", "jsonl", _vllm([[[0, 2**70]] * L] * 2), "vllm", [], f"such as {2**70}"),
     ("2**63 id", "jsonl", _vllm([[[2**63, 1]] * L] * 2), "vllm", [], "within int64"),
     ("2**63 ids", "jsonl", _vllm([[[2**63, 2**63 + 1]] * L] * 2), "vllm", [], "is beyond int64"),
     ("ragged rows", "jsonl", _vllm([[[1, 2]] * L, [[1]] * L]), "vllm", [], ":1 .*ragged"),
@@ -466,8 +467,8 @@ BAD_INPUTS = [
     (
         "a key twice in a record",
         "jsonl",
-        '{"routed_experts": %s, "num_tokens": 3, "routed_experts": %s}'
-        % (json.dumps(ROWS), json.dumps(ROWS[:1])),
+        f'{{"routed_experts": {json.dumps(ROWS)}, "num_tokens": 3, '
+        f'"routed_experts": {json.dumps(ROWS[:1])}}}',
         "vllm",
         [],
         r"in\.jsonl:1: key 'routed_experts' appears twice",

@@ -182,6 +182,9 @@ BAD_INPUTS = [
         "--prompt-key and --response-key must be given together",
     ),
     ("missing input", '{"text": "a"}', ["--input", "{tmp}/nope.jsonl"], "nope.jsonl does not"),
+    ("lone surrogate", '{"text": "ok"}\n{"text": "bad \\ud800"}', [], r"line 2 holds '\\ud800'"),
+    ("key twice", '{"text": "a", "text": "b"}', [], r"line 1: key 'text' appears twice"),
+    ("only empty texts", '{"text": ""}\n{"text": ""}', [], "holds only empty documents"),
 ]
 
 
