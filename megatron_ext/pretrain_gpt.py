@@ -86,6 +86,7 @@ def resolved_configuration(args: argparse.Namespace) -> dict[str, Any]:
         PaddingConfig,
         ReplayConfig,
     )
+    from megatron_ext.moe.token_dispatcher import align_size_for_config
     from megatron_ext.training import run_state
     from megatron_ext.training.dataset_provider import pad_multiple_from_args
     from megatron_ext.training.model_provider import uses_aligned_moe
@@ -109,9 +110,8 @@ def resolved_configuration(args: argparse.Namespace) -> dict[str, Any]:
         if args.num_experts
         else "dense",
         "moe_pad_routing": f"{pad_routing} ({why})",
-        "expert_group_alignment": alignment.align_size(
-            fp8=args.fp8, fp8_recipe=args.fp8_recipe, fp4=args.fp4, fp4_recipe=args.fp4_recipe
-        ),
+        # The dispatcher's own rule (256 under the op fuser), read off the same attribute names.
+        "expert_group_alignment": align_size_for_config(args, alignment),
         "dataset": dataset,
         "pack_length": f"multiple of {pad_multiple_from_args(args)}"
         if padding.pack_documents and not padding.pad_to_seq_len
@@ -163,9 +163,11 @@ def main() -> int:
         return 2
     try:
         from megatron_ext.training.eval_args import check_evaluation_data, check_split
+        from megatron_ext.training.launch_args import check_launch_args
 
         check_split(args)  # before Megatron's split math reads it
         check_evaluation_data(args)  # Megatron's pretrain would crash in its first evaluation
+        check_launch_args(args)  # what validate_args accepts and pretrain fails on
         resolved = resolved_configuration(args)
     except ValueError as err:
         print(f"megatron_ext: invalid arguments: {err}", file=sys.stderr)

@@ -57,6 +57,19 @@ def check_cpu_args(args: argparse.Namespace) -> None:
                 f"--cpu cannot run {flag} yet: Megatron's Float16OptimizerWithFloat16Params accepts "
                 "only torch.cuda parameter types; drop it (the CPU run computes in fp32)"
             )
+    if getattr(args, "use_distributed_optimizer", False):
+        raise ValueError(
+            "--cpu cannot run --use-distributed-optimizer: Megatron's distributed optimizer "
+            "accepts only torch.cuda parameter types; drop it"
+        )
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+    if getattr(args, "moe_grouped_gemm", False) and getattr(args, "num_experts", None) and etp > 1:
+        raise ValueError(
+            f"--cpu with --moe-grouped-gemm needs --expert-tensor-parallel-size 1 (got {etp}; it "
+            "defaults to --tensor-model-parallel-size): megatron_ext's CPU grouped-GEMM experts "
+            "do not shard the experts over tensor-parallel ranks"
+        )
     if getattr(args, "mtp_num_layers", None):
         raise ValueError(
             "--cpu cannot run --mtp-num-layers: Megatron's MTP loss logging calls torch.cuda"

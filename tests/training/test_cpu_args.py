@@ -29,6 +29,15 @@ OK = dict(transformer_impl="local", distributed_backend="gloo", cuda_graph_impl=
         ({"moe_permute_fusion": True}, "--moe-permute-fusion"),
         ({"mtp_num_layers": 1}, "--mtp-num-layers"),
         ({"fp4_param_gather": True}, "--fp4-param-gather"),
+        ({"use_distributed_optimizer": True}, "--use-distributed-optimizer"),
+        (  # the CPU grouped-GEMM experts are not sharded over expert-TP ranks
+            {"moe_grouped_gemm": True, "num_experts": 8, "expert_tensor_parallel_size": 2},
+            "--expert-tensor-parallel-size 1 (got 2",
+        ),
+        (  # before validate_args fills it in, expert TP is the TP size
+            {"moe_grouped_gemm": True, "num_experts": 8, "tensor_model_parallel_size": 2},
+            "--expert-tensor-parallel-size 1 (got 2",
+        ),
     ],
 )
 def test_refused_naming_the_flag(change, flag):
@@ -44,6 +53,9 @@ def test_cpu_runnable_configuration_passes():
     check_cpu_args(
         argparse.Namespace(**OK, fp8="e4m3", moe_dispatch_align=True, moe_grouped_gemm=True)
     )
+    # TP=2 with grouped-GEMM experts runs when expert TP is 1.
+    grouped = dict(moe_grouped_gemm=True, num_experts=8, tensor_model_parallel_size=2)
+    check_cpu_args(argparse.Namespace(**OK, **grouped, expert_tensor_parallel_size=1))
 
 
 def test_megatrons_parser_default_transformer_engine_is_refused(monkeypatch):

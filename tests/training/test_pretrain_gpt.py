@@ -7,7 +7,9 @@ arguments parsed and validated by Megatron 0.19.2's own ``parse_and_validate_arg
 and the forward step (pad mask, document masks, replay routes, load metrics), forward and backward.
 """
 
+import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -309,8 +311,12 @@ EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.sh") if not p.name
 
 
 def _dry_run(script: Path, data_dir: Path) -> subprocess.CompletedProcess:
+    """The script's documented command (its header's ``NNODES=N``, else one node) as a dry run:
+    the world it validates is the one its parallel sizes are written for."""
     env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, DATA=str(data_dir))
     env.pop("WORLD_SIZE", None)
+    nodes = re.search(r"^# Command: NNODES=(\d+)", script.read_text(), re.MULTILINE)
+    env["NNODES"] = nodes.group(1) if nodes else "1"
     return subprocess.run(
         ["bash", str(script)], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT
     )
@@ -566,7 +572,8 @@ def _dry_run_main(argv: list[str], monkeypatch) -> int:
     ("flags", "named"),
     [
         (["--split", "100,0,0", "--eval-iters", "5", "--eval-interval", "2"], ["--eval-iters 5"]),
-        # Megatron's default --eval-iters 100 evaluates once after training, with no --eval-interval.
+        # Megatron's default --eval-iters 100 evaluates after training (named before the missing
+        # --eval-interval, which check_launch_args asks for next).
         (["--split", "100,0,0"], ["--eval-iters 100 (Megatron's default"]),
         (["--split", "99,0,1", "--eval-iters", "1", "--skip-train"], ["--split 99,0,1"]),
         (["--split", "100", "--eval-iters", "0", "--full-validation"], ["--full-validation"]),
@@ -596,7 +603,7 @@ def test_evaluation_without_valid_data_path_is_refused(data_prefix, monkeypatch,
     [
         ["--split", "99,1,0", "--eval-iters", "1", "--eval-interval", "2"],  # validation weight
         ["--split", "100,0,0", "--eval-iters", "0", "--eval-interval", "1000"],  # no evaluation
-        ["--mock-data", "--eval-iters", "1"],  # mock data: an even split
+        ["--mock-data", "--eval-iters", "1", "--eval-interval", "5"],  # mock data: an even split
     ],
 )
 def test_evaluation_with_validation_data_or_none_passes(
@@ -607,8 +614,58 @@ def test_evaluation_with_validation_data_or_none_passes(
     assert "megatron_ext: dry run OK" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--split", "99,1,0", "--eval-iters", "0"], "--eval-interval is required when training"),
+        (
+            ["--split", "99,1,0", "--eval-iters", "0", "--eval-interval", "9"]
+            + ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"],
+            "--expert-model-parallel-size 2 x --expert-tensor-parallel-size 2",
+        ),
+    ],
+)
+def test_what_megatron_validates_but_pretrain_fails_on_is_refused_in_the_dry_run(
+    flags, named, data_prefix, monkeypatch, capsys
+) -> None:
+    """Megatron's validate_args passes both; its pretrain failed after startup with a traceback
+    on every rank (a TypeError sizing validation samples; the expert grid at world size 2)."""
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron's own TP check, on a GPU
+    assert _dry_run_main(["--data-path", data_prefix, *flags], monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert named in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    ("flags", "align"),
+    [
+        ([], 0),  # bf16/fp32: no alignment
+        (["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"], 16),
+        (["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"], 32),
+        (["--fp8-format", "e4m3", "--use-transformer-engine-op-fuser"], 256),  # CUTLASS's multiple
+        (["--fp8-format", "e4m3", "--moe-dispatch-align-size", "64"], 64),
+    ],
+)
+def test_the_dry_run_reports_the_alignment_the_dispatcher_uses(
+    flags, align, data_prefix, monkeypatch, capsys
+) -> None:
+    from megatron_ext.config import MoEAlignmentConfig
+    from megatron_ext.moe.token_dispatcher import align_size_for_config
+
+    argv = ["--data-path", data_prefix, "--eval-iters", "0", "--eval-interval", "9"]
+    argv += ["--moe-dispatch-align", "--bf16", *flags]
+    assert _dry_run_main(argv, monkeypatch) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert f'"expert_group_alignment": {align},' in out, out[-2000:]
+    config = argparse.Namespace(fp8=None, fp8_recipe=None, fp4=None, fp4_recipe=None)
+    if "--use-transformer-engine-op-fuser" in flags:  # the dispatcher's rule agrees
+        config.fp8, config.use_transformer_engine_op_fuser = "e4m3", True
+        assert align_size_for_config(config, MoEAlignmentConfig(moe_dispatch_align=True)) == 256
+
+
 def test_per_split_evaluation_with_valid_data_path_passes(data_prefix, monkeypatch, capsys) -> None:
     argv = ["--train-data-path", data_prefix, "--valid-data-path", data_prefix, "--eval-iters", "1"]
+    argv += ["--eval-interval", "5"]
     assert _dry_run_main(argv, monkeypatch) == 0, capsys.readouterr().err
 
 
