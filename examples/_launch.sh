@@ -3,7 +3,8 @@
 #   NNODES (1)  NODE_RANK (0)  MASTER_ADDR (localhost)  MASTER_PORT (6000); under Slurm from
 #     SLURM_NNODES, SLURM_NODEID and the first host of SLURM_JOB_NODELIST (explicit values win)
 #   GPUS_PER_NODE (8; 2 with CPU=1): processes per node
-#   PYTHON (python3)  DRY_RUN (0): 1 = parse and validate every flag with Megatron's parser plus
+#   PYTHON (python3): an interpreter that imports megatron_ext, e.g. the project's .venv/bin/python
+#   DRY_RUN (0): 1 = parse and validate every flag with Megatron's parser plus
 #   megatron_ext's, print the resolved configuration and exit (no GPU needed; the data files under
 #   DATA are checked to exist, and route files to match the model).
 #   CPU (0): 1 = the same script, for real, on this machine's CPUs over gloo (a laptop, CI): appends
@@ -20,8 +21,10 @@
 #   CPU_DROP: with CPU=1, flags of the script left out with their values (e.g. "--bf16" while the
 #     CPU loop cannot run Megatron's bf16 optimizer); default none.
 #   OVERRIDES: flags appended last of all, e.g. the parallel sizes that fit GPUS_PER_NODE:
-#     CPU=1 CPU_DROP=--bf16 OVERRIDES="--expert-model-parallel-size 2" \
-#       bash examples/pretrain_moe_blended.sh   (its --bf16 left out: --cpu refuses it)
+#     CPU=1 CPU_DROP=--bf16 OVERRIDES="--tensor-model-parallel-size 1 --expert-model-parallel-size 2" \
+#       bash examples/pretrain_moe_blended.sh   (its --bf16 left out: --cpu refuses it; TP 2 x EP 2
+#       experts would need 4 processes). OVERRIDES is split on spaces: a path with spaces goes
+#       after the script name instead (flags given to the script).
 # Flags given to the script itself are appended after the script's own (before CPU_SIZES).
 # Under Slurm (sbatch/srun: one task per node), the nodes come from Slurm unless set explicitly:
 #   NNODES <- SLURM_NNODES, NODE_RANK <- SLURM_NODEID, MASTER_ADDR <- first host of SLURM_JOB_NODELIST.
@@ -52,6 +55,17 @@ else
   GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 fi
 PYTHON=${PYTHON:-python3}
+# The interpreter must be the environment megatron_ext is installed in (Python >= 3.12, Megatron-Core
+# importable): say so in one line rather than a traceback from inside Megatron on every rank.
+check_python() {
+  "$PYTHON" -c 'import importlib.util as u, sys
+sys.exit(0 if sys.version_info >= (3, 12) and u.find_spec("megatron_ext")
+         and u.find_spec("megatron") and u.find_spec("megatron.core") else 3)' 2>/dev/null && return
+  echo "error: PYTHON=$PYTHON is not an environment with megatron_ext and megatron-core on" \
+    "Python >= 3.12: activate it (e.g. 'make setup' then 'source .venv/bin/activate') or set" \
+    "PYTHON=/path/to/its/python" >&2
+  exit 2
+}
 # Megatron asserts this with tensor or context parallelism on pre-Blackwell GPUs.
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 MODEL=${MODEL:-hybrid}
@@ -77,6 +91,7 @@ model_layers() {
 }
 
 launch() {
+  check_python
   local extra=()
   if [ "${CPU:-0}" = "1" ]; then
     if [ -n "${CPU_DROP:-}" ]; then

@@ -3,15 +3,23 @@
 #   HybridModel (pattern *E*E: attention + MoE, 8 experts, top-2, EP=2) trained on rollout-style packs (one
 #   document per row, padded to the sequence length with the row's own tokens), per-expert / per-EP-rank
 #   load metrics, and an fp8 rehearsal of the aligned dispatch (the model computes in fp32; every expert
-#   group reaching the grouped GEMM is padded to 16 and checked). `make demo` runs it three times:
-#   constant pads, self pads + route recording, replay of the recorded routes.
+#   group reaching the grouped GEMM is padded to 16 and checked). `make demo` runs it four times:
+#   constant pads, self pads + route recording, self pads skipped (--moe-pad-routing skip), replay of
+#   the recorded routes.
 # Hardware: any machine, CPU only, 2 processes over gloo (--cpu). Copy it to try a launch before a cluster.
 # Command: DATA=<dir> bash examples/cpu_demo.sh [more flags, last wins]   (DATA/corpus_text_document is
 #   tools/preprocess_data.py --append-eod output; DRY_RUN=1 validates every flag and exits)
 set -euo pipefail
 DATA=${DATA:?set DATA to the directory holding corpus_text_document.bin/.idx}
 NPROC=${NPROC:-2}
-PYTHON=${PYTHON:-python3}
+PYTHON=${PYTHON:-python3}  # the environment megatron_ext is installed in (Python >= 3.12)
+if ! "$PYTHON" -c 'import sys, importlib.util as u
+sys.exit(0 if sys.version_info >= (3, 12) and u.find_spec("megatron_ext")
+         and u.find_spec("megatron") and u.find_spec("megatron.core") else 3)' 2>/dev/null; then
+  echo "error: PYTHON=$PYTHON is not an environment with megatron_ext and megatron-core on Python" \
+    ">= 3.12: activate it (e.g. source .venv/bin/activate) or set PYTHON" >&2
+  exit 2
+fi
 MASTER_PORT=${MASTER_PORT:-29500}
 
 ARGS=(

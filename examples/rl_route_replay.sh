@@ -32,7 +32,9 @@ ARGS=(
   --moe-expert-load-metrics
   --micro-batch-size 1 --global-batch-size 64 --train-iters 500
   --lr 1e-6 --lr-decay-style constant --weight-decay 0.0 --clip-grad 1.0
-  --load "$CKPT/policy" --save "$CKPT" --save-interval 100 --log-interval 1 --finetune
+  # Starts from $CKPT/policy; a restarted job resumes from its own saves in $CKPT (Megatron falls back
+  # to --pretrained-checkpoint only while --load has none, and fails if neither has one).
+  --pretrained-checkpoint "$CKPT/policy" --load "$CKPT" --save "$CKPT" --save-interval 100 --log-interval 1
   # No validation split (--split 100,0,0): no evaluation. Megatron 0.19.2 would still run one on
   # the missing split at the end (default --eval-iters 100), and needs an --eval-interval anyway.
   --eval-interval 100 --eval-iters 0

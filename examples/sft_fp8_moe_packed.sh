@@ -33,7 +33,9 @@ ARGS=(
   --pack-loss-mask-suffix _loss_mask --pad-policy self --pad-to-seq-len
   --micro-batch-size 1 --global-batch-size 128 --train-iters 2000
   --lr 1e-5 --min-lr 1e-6 --lr-decay-style cosine --lr-warmup-iters 50 --weight-decay 0.0 --clip-grad 1.0
-  --load "$CKPT/base" --save "$CKPT" --save-interval 500 --log-interval 10 --finetune
+  # Fine-tunes $CKPT/base; a restarted job resumes from its own saves in $CKPT (Megatron falls back to
+  # --pretrained-checkpoint only while --load has none, and fails if neither has one).
+  --pretrained-checkpoint "$CKPT/base" --load "$CKPT" --save "$CKPT" --save-interval 500 --log-interval 10
   # Megatron 0.19.2 has no default --eval-interval: pretrain() fails at startup without one.
   --eval-interval 500 --eval-iters 10
 )

@@ -13,19 +13,21 @@ class EntryConfig:
 
     dry_run: bool = False
     """Validate every argument (Megatron's and megatron_ext's) for the world size of the launch
-    (WORLD_SIZE), print the resolved configuration and exit, without initialising distributed
-    training or touching a GPU (data files are only checked for existence)."""
+    (WORLD_SIZE, default 1: set it to the job's; the example scripts set NNODES x GPUS_PER_NODE),
+    print the resolved configuration and exit, without initialising distributed training or
+    touching a GPU (data files are checked to exist, route files to match the model)."""
 
     cpu: bool = False
     """Run the same Megatron training loop on CPU over gloo (try a launch script on a laptop, CI):
     implies --distributed-backend gloo and patches the loop's CUDA-only calls
     (megatron_ext.cpu_loop). Needs --transformer-impl local; Transformer Engine, CUDA graphs and
     NCCL are refused. With --fp8-format/--fp4-format it is a rehearsal: the model computes in
-    fp32/bf16 while expert groups are aligned and checked exactly as the fp8/fp4 run's."""
+    fp32 while expert groups are aligned and checked exactly as the fp8/fp4 run's."""
 
     verbose: bool = False
     """Show every warning (missing Apex/Transformer Engine on CPU, CUDA_HOME, deprecations of
-    what was chosen on purpose); by default megatron_ext hides warnings that do not apply."""
+    what was chosen on purpose) and an argument error's whole traceback; by default megatron_ext
+    hides warnings that do not apply and reports an argument error in one line."""
 
     def check_megatron_args(self, args: _argparse.Namespace) -> None:
         """Refuses what Megatron's data loader cannot run with megatron_ext's datasets."""

@@ -8,7 +8,8 @@ memory-mapped ``.bin``, once per launch) and compares it with Megatron's padded 
 
 Example::
 
-    check_vocabulary(args)   # ValueError: --vocab-size 256: /data/corpus.bin holds token id 256 ...
+    check_vocabulary(args)   # ValueError: --vocab-size 256 (--tokenizer-type NullTokenizer):
+                             #   /data/corpus.bin holds token id 256 ...
 """
 
 import argparse
@@ -56,17 +57,48 @@ def data_prefixes(args: argparse.Namespace) -> list[str]:
 
 
 def padded_vocab_size(args: argparse.Namespace) -> int | None:
-    """Megatron's padded vocabulary size: set by its tokenizer, or derived for ``NullTokenizer``."""
+    """Megatron's padded vocabulary size: set by its tokenizer, else derived as Megatron would
+    (``NullTokenizer``: ``--vocab-size``; a local Hugging Face tokenizer: its ids, added tokens
+    included, as Megatron's ``len(tokenizer)``). None when neither is known (a dry run with a
+    tokenizer that is not a local file)."""
     padded = getattr(args, "padded_vocab_size", None)
-    if padded is None and getattr(args, "tokenizer_type", None) == "NullTokenizer":
-        from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+    if padded is not None:
+        return padded
+    vocab = _unpadded_vocab_size(args)
+    if vocab is None:
+        return None
+    from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
 
-        padded = vocab_size_with_padding(args.vocab_size, args, logging_enabled=False)
-    return padded
+    return vocab_size_with_padding(vocab, args, logging_enabled=False)
+
+
+def _unpadded_vocab_size(args: argparse.Namespace) -> int | None:
+    kind = getattr(args, "tokenizer_type", None)
+    if kind == "NullTokenizer":
+        return args.vocab_size
+    model = getattr(args, "tokenizer_model", None)
+    if kind == "HuggingFaceTokenizer" and model and os.path.exists(model):
+        from megatron_ext.data.jsonl_documents import hf_tokenizer
+
+        return hf_tokenizer(model).vocab_size
+    return None
+
+
+def _vocabulary_flags(args: argparse.Namespace) -> str:
+    """The flags that set the vocabulary, for the error message."""
+    kind = getattr(args, "tokenizer_type", None)
+    if kind == "NullTokenizer":
+        return f"--vocab-size {getattr(args, 'vocab_size', None)} (--tokenizer-type NullTokenizer)"
+    model = getattr(args, "tokenizer_model", None)
+    return (
+        f"--tokenizer-model {model} (--tokenizer-type {kind})"
+        if model
+        else f"--tokenizer-type {kind}"
+    )
 
 
 def check_vocabulary(args: argparse.Namespace) -> None:
-    """Raises ``ValueError`` naming ``--vocab-size`` and the file when a token id does not fit."""
+    """Raises ``ValueError`` naming the vocabulary's flags and the file when a token id does not fit."""
     vocab = padded_vocab_size(args)
     if vocab is None or getattr(args, "mock_data", False):
         return
@@ -76,8 +108,7 @@ def check_vocabulary(args: argparse.Namespace) -> None:
         largest = max_token_id(prefix)
         if largest >= vocab:
             raise ValueError(
-                f"--vocab-size {getattr(args, 'vocab_size', None)} "
-                f"(--tokenizer-type {args.tokenizer_type}): {prefix}.bin holds token id {largest}, "
+                f"{_vocabulary_flags(args)}: {prefix}.bin holds token id {largest}, "
                 f"but the model's embedding has {vocab} rows; use a vocabulary of at least "
                 f"{largest + 1} ids (the byte-level tokenizer of tools/preprocess_data.py needs 257)"
             )

@@ -532,6 +532,24 @@ def test_record_mode_needs_one_data_prefix(monkeypatch, tmp_path, data_prefix) -
         configs_from_args(parse_args(extra_args_provider=add_megatron_ext_args))
 
 
+@pytest.mark.parametrize("script", ["cpu_demo.sh", "rl_route_replay.sh"])
+def test_an_interpreter_without_megatron_ext_is_refused_in_one_line(script, tmp_path) -> None:
+    """The system python3 (or any other) instead of the project's environment: one line naming
+    PYTHON, not a traceback from inside Megatron on every rank."""
+    isolated = tmp_path / "python"  # this interpreter, blind to the venv's packages and the cwd
+    isolated.write_text(f'#!/bin/sh\nexec {sys.executable} -I -S "$@"\n')
+    isolated.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(isolated), DATA=str(tmp_path), DRY_RUN="1")
+    proc = subprocess.run(
+        ["bash", str(ROOT / "examples" / script)],
+        capture_output=True, text=True, env=env, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: PYTHON={isolated} is not"), lines
+    assert "Traceback" not in proc.stderr
+
+
 def test_examples_take_the_nodes_from_slurm(example_data) -> None:
     """Under sbatch/srun the launcher reads SLURM_NNODES, SLURM_NODEID and the first host of
     SLURM_JOB_NODELIST; the dry run validates for that world size. With MODEL=gpt: the examples'

@@ -50,3 +50,43 @@ def test_padded_vocab_size_from_the_tokenizer_wins(byte_prefix):
     args = _args(byte_prefix, 1000, padded_vocab_size=256)  # what Megatron's tokenizer set
     with pytest.raises(ValueError, match="256 rows"):
         check_vocabulary(args)
+
+
+@pytest.fixture(scope="module")
+def small_hf_tokenizer(tmp_path_factory):
+    """A Hugging Face tokenizer directory of 300 ids (a word-level vocabulary plus one added token)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(299)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path_factory.mktemp("hf") / "tokenizer"
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(str(path))
+    return path
+
+
+def test_a_local_hugging_face_tokenizer_is_checked_before_megatron_builds_it(
+    tmp_path, small_hf_tokenizer
+):
+    """A dry run (no tokenizer built, so no padded_vocab_size) still sees the tokenizer's ids, as
+    many as Megatron's own HuggingFaceTokenizer counts, and the error names --tokenizer-model."""
+    from megatron.core.tokenizers.text.libraries.huggingface_tokenizer import HuggingFaceTokenizer
+
+    from megatron_ext.training.vocab_check import padded_vocab_size
+
+    assert HuggingFaceTokenizer(str(small_hf_tokenizer)).vocab_size == 300  # Megatron's count
+    prefix = str(tmp_path / "wide")
+    write_documents(prefix, [np.array([5, 599])], np.uint16)  # tokenized with a larger vocabulary
+    args = _args(prefix, None, tokenizer_model=str(small_hf_tokenizer))
+    args.tokenizer_type = "HuggingFaceTokenizer"
+    assert padded_vocab_size(args) == 384  # 300 padded to a multiple of 128, as Megatron pads
+    with pytest.raises(ValueError) as err:
+        check_vocabulary(args)
+    assert f"--tokenizer-model {small_hf_tokenizer} (--tokenizer-type HuggingFaceTokenizer)" in str(
+        err.value
+    )
+    assert "holds token id 599" in str(err.value) and "--vocab-size" not in str(err.value)
+    write_documents(prefix + "_fits", [np.array([5, 383])], np.uint16)  # the last padded row
+    args.data_path = [prefix + "_fits"]
+    check_vocabulary(args)
