@@ -167,8 +167,8 @@ def main() -> int:
 
         check_split(args)  # before Megatron's split math reads it
         check_evaluation_data(args)  # Megatron's pretrain would crash in its first evaluation
-        check_launch_args(args)  # what validate_args accepts and pretrain fails on
         resolved = resolved_configuration(args)
+        check_launch_args(args)  # what validate_args accepts and pretrain fails on
     except ValueError as err:
         print(f"megatron_ext: invalid arguments: {err}", file=sys.stderr)
         return 2

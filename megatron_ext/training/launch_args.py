@@ -25,11 +25,12 @@ def _check_expert_grid(args: argparse.Namespace) -> None:
     ep = getattr(args, "expert_model_parallel_size", 1) or 1
     pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
     if world % (etp * ep * pp):
+        hint = "e.g. --expert-tensor-parallel-size 1" if etp > 1 else "or launch more processes"
         raise ValueError(
             f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} (it "
             f"defaults to --tensor-model-parallel-size) x --pipeline-model-parallel-size {pp} = "
             f"{etp * ep * pp} does not divide the world size {world}: Megatron's expert process "
-            "grid cannot be built (lower one of them, e.g. --expert-tensor-parallel-size 1)"
+            f"grid cannot be built (lower one of them, {hint})"
         )
 
 

@@ -179,13 +179,16 @@ def test_moe_gpt_real_loss_bitwise_and_grads_within_a_measured_bound(
     r = invariance[("moe", mode)]
     a, b = r["self"], r["constant"]
     assert a["real_loss"].abs().min() > 0
-    # Measured: the loss is bitwise equal. Gradients are not always: pads change how many rows each
-    # expert's GEMM sums over (self pads spread, constant pads pile onto two experts), fp32 summation
-    # order follows the row count, and the backward carries those last-bit differences into earlier
-    # layers (the embedding too). Measured up to 2.2e-8 at max|g| 0.13 (~1.4 eps*max|g|); bound
-    # 16 eps*max|g| per tensor. A leak of pads into real tokens is orders of magnitude larger.
-    assert torch.equal(a["real_loss"], b["real_loss"])
+    # Pads change how many rows each expert's GEMM holds (self pads spread, constant pads pile onto
+    # two experts), and whether a row's fp32 result depends on that depends on the CPU's GEMM
+    # kernels: on an Intel Xeon the loss was bitwise equal; on an AMD EPYC (MKL, AVX512) 1 of 42
+    # real-token losses differed by 1 ulp (4.8e-7 at 5.1), as it does from the same tokens with no
+    # pad at all. Bound: 4 ulps per token. A leak of pads into real tokens is orders of magnitude
+    # larger. Gradients carry such last-bit differences into earlier layers (the embedding too):
+    # measured up to 2.2e-8 at max|g| 0.13 (~1.4 eps*max|g|); bound 16 eps*max|g| per tensor.
     eps = torch.finfo(torch.float32).eps
+    loss_gap = (a["real_loss"] - b["real_loss"]).abs()
+    assert (loss_gap <= 4 * eps * b["real_loss"].abs()).all(), loss_gap.max()
     for name, grad in a["grads"].items():
         bound = 16 * eps * grad.abs().max().item()
         assert (grad - b["grads"][name]).abs().max().item() <= bound, name
