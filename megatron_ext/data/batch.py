@@ -71,15 +71,24 @@ def packed_seq_params(cu_seqlens_BC: torch.Tensor, seq_len: int) -> PackedSeqPar
 
 
 def gpt_forward_kwargs(
-    batch: dict[str, torch.Tensor], *, layout: AttentionLayout = "mask"
+    batch: dict[str, torch.Tensor],
+    *,
+    layout: AttentionLayout = "mask",
+    model: torch.nn.Module | None = None,
 ) -> dict[str, Any]:
-    """Keyword arguments for Megatron ``GPTModel.forward`` from a collated packed batch.
+    """Keyword arguments for Megatron ``GPTModel.forward`` / ``HybridModel.forward`` from a
+    collated batch.
 
     Args:
-        batch: ``tokens``, ``labels``, ``position_ids``, ``padding_mask`` [B, S] and
-            ``cu_seqlens`` [B, S+1] (as :class:`PackedDataset` returns them, collated).
+        batch: ``tokens``, ``labels``, ``position_ids``, ``padding_mask`` [B, S] and, for packed
+            samples, ``cu_seqlens`` [B, S+1] (as :class:`PackedDataset` returns them, collated).
+            Without ``cu_seqlens`` (``SelfPaddedGPTDataset``: one sequence per sample) the
+            batch's own ``attention_mask`` is passed on, or None (Megatron's causal mask).
         layout: ``"mask"``: [B, S] tensors with a per-document causal mask (local backend);
-            ``"thd"``: one [1, B*S] row plus ``packed_seq_params`` (THD backends).
+            ``"thd"``: one [1, B*S] row plus ``packed_seq_params`` (THD backends; packed only).
+        model: The model chunk the forward runs (possibly wrapped). Needed under sequence
+            parallelism: the routers then get this TP rank's slice of the pad mask where
+            megatron-core 0.19.2 does not scatter it (:func:`shard_padding_mask`).
 
     Returns:
         ``input_ids``, ``position_ids``, ``attention_mask``, ``labels``, ``padding_mask`` and,
@@ -95,14 +104,49 @@ def gpt_forward_kwargs(
         "labels": batch["labels"],
         "padding_mask": batch["padding_mask"].to(torch.bool),
     }
-    if layout == "mask":
+    if "cu_seqlens" not in batch:  # one sequence per sample: no document boundaries to pass
+        if layout == "thd":
+            raise ValueError(
+                "layout='thd' needs packed samples (the batch has no 'cu_seqlens': build it with "
+                "PackedDataset)"
+            )
+        kwargs["attention_mask"] = batch.get("attention_mask")
+    elif layout == "mask":
         kwargs["attention_mask"] = document_attention_mask(batch["cu_seqlens"], seq_len)
+    else:
+        for key in ("input_ids", "position_ids", "labels", "padding_mask"):
+            kwargs[key] = kwargs[key].reshape(1, -1)
+        kwargs["attention_mask"] = None
+        kwargs["packed_seq_params"] = packed_seq_params(batch["cu_seqlens"], seq_len)
+    return kwargs if model is None else shard_padding_mask(kwargs, model)
+
+
+def shard_padding_mask(kwargs: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """Under sequence parallelism, gives the routers this TP rank's slice of the pad mask where
+    megatron-core 0.19.2 does not.
+
+    ``GPTModel`` scatters ``padding_mask`` along the sequence with the embedding output, but only
+    on the stage that embeds (``pre_process``): a later pipeline stage passes it on whole.
+    ``HybridModel.forward`` never scatters it. There every MoE router (aux losses, z-loss,
+    expert-bias counts) would see S tokens of mask for S/TP tokens and fail on the shapes; the
+    scatter Megatron's GPTModel applies is applied here instead.
+    """
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    inner = model
+    while hasattr(inner, "module"):  # DDP / Float16Module wrappers
+        inner = inner.module
+    mask = kwargs.get("padding_mask")
+    if mask is None or not inner.config.sequence_parallel:
         return kwargs
-    for key in ("input_ids", "position_ids", "labels", "padding_mask"):
-        kwargs[key] = kwargs[key].reshape(1, -1)
-    kwargs["attention_mask"] = None
-    kwargs["packed_seq_params"] = packed_seq_params(batch["cu_seqlens"], seq_len)
-    return kwargs
+    if getattr(inner, "pre_process", True) and not isinstance(inner, HybridModel):
+        return kwargs  # GPTModel's embedding stage scatters it itself
+    from megatron.core import tensor_parallel
+
+    scattered = tensor_parallel.scatter_to_sequence_parallel_region(
+        mask.transpose(0, 1).contiguous()
+    )
+    return {**kwargs, "padding_mask": scattered.transpose(0, 1).contiguous()}
 
 
 def masked_mean_loss(per_token_loss_BS: torch.Tensor, loss_mask_BS: torch.Tensor) -> torch.Tensor:

@@ -279,12 +279,15 @@ def get_local_hybrid_stack_spec(
     grouped_mm: bool = False,
     load_metrics: ExpertLoadMetrics | None = None,
     padded_router: bool = True,
+    sequence_parallel: bool = False,
 ) -> ModuleSpec:
     """A ``HybridStack`` spec from local modules (attention ``*`` and MoE ``E`` layers).
 
     Megatron's stock ``hybrid_stack_spec`` needs Transformer Engine; this one runs on CPU. With
     ``alignment`` its MoE layers are ``AlignedMoELayer``; without, Megatron's ``MoELayer``. Its
-    routers are :class:`PaddedTopKRouter` unless ``padded_router=False``.
+    routers are :class:`PaddedTopKRouter` unless ``padded_router=False``. ``sequence_parallel``
+    (the model config's): the layers' norms are :class:`~megatron_ext.local_norms.
+    SequenceParallelTorchNorm` (Megatron's torch norms refuse sequence parallelism).
     """
     gpt = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
     if grouped_mm:
@@ -308,6 +311,10 @@ def get_local_hybrid_stack_spec(
         module=LocalHybridStack,
         submodules=HybridStackSubmodules(attention_layer=attention, moe_layer=moe),
     )
+    if sequence_parallel:
+        from megatron_ext.local_norms import with_sequence_parallel_norms
+
+        stack = with_sequence_parallel_norms(stack)
     if alignment is not None:
         stack = with_aligned_moe(stack, alignment, load_metrics, padded_router=False)
     return with_padded_router(stack) if padded_router else stack

@@ -257,7 +257,7 @@ class AlignedMoELayer(MoELayer):
         probs, routing_map = super().route(hidden_states, padding_mask)
         real_tokens = None
         if self.skips_pads and padding_mask is not None:
-            real_tokens = self.pad_routing.real_tokens(padding_mask)
+            real_tokens = self.pad_routing.real_tokens(padding_mask, self.layer_number)
         if real_tokens is not None:
             probs, routing_map = clear_pad_routes(probs, routing_map, padding_mask)
             if isinstance(self.token_dispatcher, SkipPadRowsMixin):

@@ -224,6 +224,9 @@ class PadRouting:
         self.mode = mode
         self.required = required
         self._current: tuple[int, int] | None = None
+        #: MoE layers that took the current count in a forward: one asking again is the next
+        #: micro-batch's forward, which nobody announced (its count is not this one).
+        self._used_by: set[Hashable] = set()
         self._by_mask: dict[Hashable, int] = {}
         self._warned = False
 
@@ -237,14 +240,21 @@ class PadRouting:
         if not 0 <= num_real_tokens <= num_tokens:
             raise ValueError(f"{num_real_tokens} real tokens of {num_tokens}: not a count")
         self._current = (int(num_tokens), int(num_real_tokens))
+        self._used_by = set()
 
     def clear(self) -> None:
         """Forgets every micro-batch (once per training step, after the last backward)."""
         self._by_mask.clear()
         self._current = None
+        self._used_by = set()
 
-    def real_tokens(self, padding_mask: torch.Tensor) -> int | None:
+    def real_tokens(self, padding_mask: torch.Tensor, layer: Hashable = None) -> int | None:
         """Real tokens among the rows of ``padding_mask`` (host int; nothing read from the device).
+
+        Args:
+            padding_mask: The mask the MoE layer received.
+            layer: The asking layer (its number): a layer that already took the announced count
+                in a forward is running the next micro-batch, which was not announced.
 
         Returns:
             The count, or None (route pads like text) when none was announced and not ``required``.
@@ -263,10 +273,15 @@ class PadRouting:
                     "--moe-pad-routing skip: a recomputed MoE layer got a padding mask no forward saw"
                 )
             return self._by_mask.get(key)
+        if self._current is not None and layer is not None:
+            if layer in self._used_by:  # a second forward on the same announcement: stale
+                self._current, self._used_by = None, set()
+            else:
+                self._used_by.add(layer)
         if self._current is None:
             message = (
                 "--moe-pad-routing skip needs the host-side real-token count of each micro-batch: "
-                "call PadRouting.set_micro_batch before the forward (megatron_ext.pretrain_gpt's "
+                "call PadRouting.set_micro_batch before every forward (megatron_ext.pretrain_gpt's "
                 "forward_step does), or use --moe-pad-routing dispatch"
             )
             if self.required:

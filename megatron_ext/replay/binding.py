@@ -140,6 +140,9 @@ class RouteReplayBinding:
                 self.replays.append(self._swap_in(module, ordinal_of[module.layer_number]))
             for block in (m for m in chunk.modules() if isinstance(m, _DECODER_BLOCKS)):
                 self._hooks.append(block.register_forward_hook(self._mark_block_output))
+                self._hooks.append(
+                    block.register_forward_pre_hook(self._check_block_input, with_kwargs=True)
+                )
         if not self.replays:
             raise ValueError("--route-replay-mode: this pipeline stage has no MoE router")
         self.stage_ordinals = [r.moe_ordinal for r in self.replays]
@@ -153,6 +156,9 @@ class RouteReplayBinding:
         self._device_positions: dict[tuple[torch.device, int, int], torch.Tensor] = {}
         self._forward_key: Hashable | None = None
         self._backward_key: Hashable | None = None
+        #: MoE ordinals that routed the current forward key in a forward: one routing again is
+        #: the next micro-batch's forward, which nobody installed (it must not replay these).
+        self._routed: set[int] = set()
         #: Called with each replayed layer's indices (training forwards); see ReplayCheck.
         self.on_replay: Callable[..., None] | None = None
 
@@ -259,7 +265,7 @@ class RouteReplayBinding:
         # Kept narrow (K bytes per token per layer); widened to int64 once per pass (_wide_rows).
         self._targets[key] = (rows_LNK, missing_LN)
         self._shapes[key] = (batch_size, seq_len)
-        self._forward_key, self._backward_key = key, None
+        self._forward_key, self._backward_key, self._routed = key, None, set()
 
     def begin_record(self, key: Hashable, batch_size: int, seq_len: int) -> None:
         """Makes ``key`` current for a recording forward of a ``[batch_size, seq_len]`` batch.
@@ -270,7 +276,7 @@ class RouteReplayBinding:
         if self.mode != "record":
             raise ValueError("begin_record() needs --route-replay-mode record")
         self._shapes[key] = (batch_size, seq_len)
-        self._forward_key, self._backward_key = key, None
+        self._forward_key, self._backward_key, self._routed = key, None, set()
 
     def enter_backward(self, key: Hashable) -> None:
         """Called by the decoder-output marker: routers now recompute micro-batch ``key``."""
@@ -283,6 +289,30 @@ class RouteReplayBinding:
         self._recorded.clear()
         self._shapes.clear()
         self._forward_key = self._backward_key = None
+        self._routed = set()
+
+    def _in_backward(self) -> bool:
+        """A recompute of the marked micro-batch: its backward reached the decoder's output and
+        the autograd engine is running (after the backward, a forward is a new one)."""
+        return self._backward_key is not None and torch._C._current_graph_task_id() != -1
+
+    def _check_block_input(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """A decoder's input ``[S, B, H]`` must have the batch the routes were installed for:
+        ``[B, S, L, K]`` routes under a THD forward (``[1, B*S]`` tokens) would otherwise
+        replay each row's route at another token, with no error (the row counts agree)."""
+        del module
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        key = self._forward_key
+        if self._in_backward() or key is None or not isinstance(hidden, torch.Tensor):
+            return None  # a recompute, nothing installed, or a later pipeline stage's input
+        batch_size, seq_len = self._shapes[key]
+        if hidden.dim() == 3 and hidden.shape[1] != batch_size:
+            raise ValueError(
+                f"routes of micro-batch {key!r} were given for a [{batch_size}, {seq_len}] "
+                f"batch, but the decoder runs a batch of {hidden.shape[1]} (THD packs run [1, B*S] "
+                f"tokens: pass routes_BSLK.reshape(1, B * S, L, K) / begin_record(key, 1, B * S))"
+            )
+        return None
 
     def _mark_block_output(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         del module, args
@@ -307,13 +337,21 @@ class RouteReplayBinding:
         default_compute_topk: _TopK,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-k of one router call: recorded, or replayed for the current key."""
-        in_backward = self._backward_key is not None
+        in_backward = self._in_backward()
         key = self._backward_key if in_backward else self._forward_key
         if key is None:
             raise RuntimeError(
                 f"MoE layer {replay.layer_number} routed with no micro-batch installed: call "
                 "RouteReplayBinding.install()/begin_record() before the forward"
             )
+        if not in_backward:  # every forward routes each layer once per install/begin_record
+            if replay.moe_ordinal in self._routed:
+                raise RuntimeError(
+                    f"MoE layer {replay.layer_number} routed micro-batch {key!r} a second time: "
+                    "call RouteReplayBinding.install()/begin_record() before every forward (it "
+                    "would replay, or record over, the previous micro-batch's routes)"
+                )
+            self._routed.add(replay.moe_ordinal)
         if self.mode == "record":
             probs, idx_NK = default_compute_topk(scores, topk, num_groups, group_topk)
             if not in_backward:

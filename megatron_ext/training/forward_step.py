@@ -79,55 +79,26 @@ def begin_micro_batch(args: Any) -> tuple[Hashable, bool]:
 
 
 def model_inputs(
-    batch: dict[str, torch.Tensor], args: Any, pre_process: bool = True
+    batch: dict[str, torch.Tensor], args: Any, model: torch.nn.Module | None = None
 ) -> dict[str, Any]:
     """``GPTModel.forward`` keyword arguments for a batch of megatron_ext samples.
 
-    ``pre_process``: the model stage embeds tokens (the first pipeline stage); see
-    :func:`_shard_padding_mask_for_sp`.
+    ``model``: the chunk the forward runs; under sequence parallelism the routers get their TP
+    slice of the pad mask through it (:func:`~megatron_ext.data.batch.shard_padding_mask`).
     """
-    from megatron_ext.data.batch import gpt_forward_kwargs
+    from megatron_ext.data.batch import gpt_forward_kwargs, shard_padding_mask
 
-    if "cu_seqlens" not in batch:  # Megatron's own datasets (e.g. --mock-data)
+    if "padding_mask" not in batch:  # Megatron's own datasets (e.g. --mock-data)
         kwargs = {
             "input_ids": batch["tokens"],
             "position_ids": batch["position_ids"],
             "attention_mask": batch.get("attention_mask"),
             "labels": batch["labels"],
         }
-        if "padding_mask" in batch:
-            kwargs["padding_mask"] = batch["padding_mask"].to(torch.bool)
-        return _shard_padding_mask_for_sp(kwargs, args, pre_process)
-    layout = "mask" if args.transformer_impl == "local" else "thd"
-    kwargs = gpt_forward_kwargs(batch, layout=layout)
-    return _shard_padding_mask_for_sp(kwargs, args, pre_process)
-
-
-def _shard_padding_mask_for_sp(
-    kwargs: dict[str, Any], args: Any, pre_process: bool
-) -> dict[str, Any]:
-    """Under sequence parallelism, hand the routers this TP rank's slice of the pad mask where
-    megatron-core 0.19.2 does not.
-
-    ``GPTModel`` scatters ``padding_mask`` along the sequence with the embedding output, but only
-    on the stage that embeds (``pre_process``): a later pipeline stage passes it on whole.
-    ``HybridModel.forward`` never scatters it. There every MoE router (aux losses, z-loss,
-    expert-bias counts) would see S tokens of mask for S/TP tokens and fail on the shapes. The
-    same scatter Megatron's GPTModel applies is applied here.
-    """
-    from megatron.training.utils import is_hybrid_model
-
-    mask = kwargs.get("padding_mask")
-    if mask is None or not args.sequence_parallel:
         return kwargs
-    if pre_process and not is_hybrid_model(args):
-        return kwargs  # GPTModel's embedding stage scatters it itself
-    from megatron.core import tensor_parallel
-
-    scattered = tensor_parallel.scatter_to_sequence_parallel_region(
-        mask.transpose(0, 1).contiguous()
-    )
-    return {**kwargs, "padding_mask": scattered.transpose(0, 1).contiguous()}
+    layout = "mask" if args.transformer_impl == "local" or "cu_seqlens" not in batch else "thd"
+    kwargs = gpt_forward_kwargs(batch, layout=layout)
+    return kwargs if model is None else shard_padding_mask(kwargs, model)
 
 
 def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
@@ -139,7 +110,7 @@ def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tens
     batch = batch_to_device(host_batch)
     key, starts_step = begin_micro_batch(args)
     training = key[0] != "eval"
-    kwargs = model_inputs(batch, args, pre_process=_embeds(model))
+    kwargs = model_inputs(batch, args, model)
     # The model's [batch, seq] layout: THD flattens the micro-batch to one row of B*S tokens, so routes
     # are installed (and recorded) in that layout too; router rows then follow the model's token order.
     model_shape = tuple(kwargs["input_ids"].shape)
@@ -174,13 +145,6 @@ def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tens
     # loss_func flattens both: the per-token loss ([B, S] or THD's [1, B*S]) and the mask share one order.
     # (On a non-last pipeline stage ``output`` is hidden states, which loss_func never sees.)
     return output, partial(loss_func, batch["loss_mask"])
-
-
-def _embeds(model: torch.nn.Module) -> bool:
-    """Whether this model chunk is the one that embeds tokens (Megatron's ``pre_process``)."""
-    from megatron.core.utils import get_attr_wrapped_model
-
-    return bool(get_attr_wrapped_model(model, "pre_process"))
 
 
 def announce_real_tokens(

@@ -176,6 +176,27 @@ def test_pad_routing_counts_per_micro_batch_and_for_recompute() -> None:
         routing.real_tokens(mask_a)
 
 
+def test_a_forward_nobody_announced_does_not_reuse_the_last_count() -> None:
+    """Every MoE layer takes the announced count once per forward; a layer asking again is the
+    next micro-batch's forward, whose count (here 1 real token, not 2) nobody announced."""
+    routing = PadRouting("skip")
+    routing.set_micro_batch(4, 2)
+    mask_a = torch.tensor([[False, True], [False, True]])
+    assert [routing.real_tokens(mask_a, layer) for layer in (1, 2)] == [2, 2]
+    mask_b = torch.tensor([[False, True], [True, True]])  # the next micro-batch, unannounced
+    with pytest.raises(ValueError, match="set_micro_batch before every forward"):
+        routing.real_tokens(mask_b, 1)
+    with pytest.raises(ValueError, match="set_micro_batch"):  # and for its later layers too
+        routing.real_tokens(mask_b, 2)
+    routing.set_micro_batch(4, 1)  # announced: counted again
+    assert [routing.real_tokens(mask_b, layer) for layer in (1, 2)] == [1, 1]
+    lenient = PadRouting("skip", required=False)
+    lenient.set_micro_batch(4, 2)
+    assert lenient.real_tokens(mask_a, 1) == 2
+    with pytest.warns(UserWarning, match="routed like text"):
+        assert lenient.real_tokens(mask_b, 1) is None  # auto: pads dispatched, not a stale count
+
+
 def test_auto_without_an_announced_count_routes_pads_like_text_with_one_warning() -> None:
     routing = PadRouting("skip", required=False)
     mask = torch.zeros(4, dtype=torch.bool)

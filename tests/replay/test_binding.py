@@ -265,17 +265,21 @@ def _thd_flattened_batch() -> dict:
     routes_BSLK = torch.flip(recorded.reshape(BATCH, SEQ, 2, 2), dims=[0]).contiguous()
     results = {}
     binding = RouteReplayBinding(model, "replay")
-    for name, installed in (
-        ("thd", routes_BSLK.reshape(1, BATCH * SEQ, 2, 2)),  # the documented THD layout
-        ("bshd", routes_BSLK),  # wrong for THD: rows would be taken in s*B+b order
-    ):
-        log, handles = capture_maps(model)
-        binding.install(installed, key=name)
-        loss(model, tokens_thd, positions_thd).backward()
-        for h in handles:
-            h.remove()
-        want = naive_maps(routes_BSLK.reshape(BATCH * SEQ, 2, 2))
-        results[name] = all(torch.equal(log[n][0], want[n]) for n in want)
+    log, handles = capture_maps(model)
+    binding.install(routes_BSLK.reshape(1, BATCH * SEQ, 2, 2), key="thd")  # the documented layout
+    loss(model, tokens_thd, positions_thd).backward()
+    for h in handles:
+        h.remove()
+    want = naive_maps(routes_BSLK.reshape(BATCH * SEQ, 2, 2))
+    results["thd"] = all(torch.equal(log[n][0], want[n]) for n in want)
+    # [B, S, L, K] under a THD forward: the row counts agree, but rows would be taken in s*B+b
+    # order (each token replaying another's route). Refused at the decoder, naming the reshape.
+    binding.install(routes_BSLK, key="bshd")
+    try:
+        loss(model, tokens_thd, positions_thd)
+        results["bshd"] = "ran"
+    except ValueError as err:
+        results["bshd"] = str(err)
     binding.remove()
     # Non-vacuous: the replayed routes are not the recorded (natural) ones.
     moved = not torch.equal(routes_BSLK.reshape(1, BATCH * SEQ, 2, 2), recorded)
@@ -291,7 +295,7 @@ def _hybrid_and_thd_checks(hybrid: bool) -> dict:
 
 def _assert_thd(thd: dict) -> None:
     assert thd["recorded_ok"] and thd["moved"] and thd["thd"], thd
-    assert not thd["bshd"], thd  # the [B, S] layout does not replay a THD row
+    assert "pass routes_BSLK.reshape(1, B * S, L, K)" in thd["bshd"], thd  # refused, not replayed
 
 
 def test_hybrid_model_and_thd_layout_replay_exactly():
@@ -305,3 +309,44 @@ def test_thd_layout_replays_exactly_tp2_sequence_parallel():
     # The local hybrid stack spec has no SP-capable norm: GPTModel only here.
     for result in run_distributed(_hybrid_and_thd_checks, 2, False, tp=2, sp=True):
         _assert_thd(result["thd"])
+
+
+def _a_forward_nobody_installed() -> dict:
+    """A second forward on the same install (replay) or begin_record (record): it would replay
+    the previous micro-batch's routes, or record over them, so it is refused. A recompute of the
+    installed micro-batch (its backward) and the next install both still work."""
+    from megatron_ext.replay.binding import RouteReplayBinding
+
+    torch.manual_seed(7)
+    model = tiny_replay_model(True)  # activation recompute: routers run again in the backward
+    tokens_a, positions = batch(1)
+    tokens_b, _ = batch(2)
+    routes_a = record(model, tokens_a, positions)
+    out = {}
+    for mode in ("replay", "record"):
+        binding = RouteReplayBinding(model, mode)
+        if mode == "replay":
+            binding.install(routes_a, key="a")
+        else:
+            binding.begin_record("a", BATCH, SEQ)
+        loss(model, tokens_a, positions).backward()  # forward + recompute in the backward: fine
+        try:
+            loss(model, tokens_b, positions)
+            out[mode] = "ran"
+        except RuntimeError as err:
+            out[mode] = str(err)
+        if mode == "replay":
+            binding.install(routes_a, key="b")  # announced: runs
+        else:
+            binding.begin_record("b", BATCH, SEQ)
+        loss(model, tokens_b, positions).backward()
+        out[f"{mode} next"] = "ran"
+        binding.remove()
+    return out
+
+
+def test_a_forward_without_install_does_not_reuse_the_last_routes():
+    out = run_distributed(_a_forward_nobody_installed, 1)[0]
+    for mode in ("replay", "record"):
+        assert "a second time: call RouteReplayBinding.install()/begin_record()" in out[mode], out
+        assert out[f"{mode} next"] == "ran"
