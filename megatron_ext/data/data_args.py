@@ -88,10 +88,12 @@ def check_data_args(args: argparse.Namespace, loss_mask_suffix: str | None) -> N
     for flag, prefixes, weights in data_prefixes(args):
         if weights is not None:
             for weight, prefix in zip(weights, prefixes, strict=True):
-                if not math.isfinite(weight) or weight < 0:
-                    raise ValueError(f"{flag} weight {weight} for {prefix} must be finite and >= 0")
-            if not any(w > 0 for w in weights):
-                raise ValueError(f"{flag} weights are all zero")
+                if not math.isfinite(weight) or weight <= 0:
+                    raise ValueError(
+                        f"{flag} weight {weight} for {prefix} must be finite and > 0 (Megatron's "
+                        "BlendedDataset asserts it after building every index; leave the prefix "
+                        "out to switch it off)"
+                    )
         for prefix in prefixes:
             suffixes = [("", "data")]
             if loss_mask_suffix:

@@ -40,12 +40,12 @@ def check_dataset_config(config: GPTDatasetConfig) -> None:
         prefixes, weights = blend
         if weights is None:
             continue
-        if any(not math.isfinite(w) or w < 0 for w in weights):
-            raise ValueError(
-                f"--data-path weights must be finite and >= 0, got {weights} for {prefixes}"
-            )
-        if not any(w > 0 for w in weights):
-            raise ValueError(f"--data-path weights are all zero for {prefixes}")
+        for weight, prefix in zip(weights, prefixes, strict=True):
+            if not math.isfinite(weight) or weight <= 0:
+                raise ValueError(
+                    f"--data-path weight {weight} for {prefix} must be finite and > 0 (Megatron's "
+                    "BlendedDataset asserts it; leave the prefix out to switch it off)"
+                )
     pad_id = getattr(config, "pad_constant_id", 0)
     if pad_id < 0:
         raise ValueError(f"--pad-constant-id must be >= 0, got {pad_id}")

@@ -63,7 +63,15 @@ class Sidecar:
 
 @dataclasses.dataclass
 class PackedDatasetConfig(GPTDatasetConfig):
-    """``GPTDatasetConfig`` plus packing and padding (mirrors ``PaddingConfig``'s flags)."""
+    """``GPTDatasetConfig`` plus packing and padding (mirrors ``PaddingConfig``'s flags).
+
+    Of ``GPTDatasetConfig``'s own fields, ``eod_mask_loss`` applies as in Megatron's GPTDataset
+    (no loss where the input token is the tokenizer's eod). Position ids and attention always
+    restart at each document (a pack keeps its documents apart: ``reset_position_ids`` /
+    ``reset_attention_mask`` are implied), and no dense attention mask is built in the dataset
+    (``create_attention_mask``: :func:`~megatron_ext.data.batch.gpt_forward_kwargs` builds the
+    per-document mask, or THD ``PackedSeqParams``, from ``cu_seqlens``).
+    """
 
     pad_policy: str = "self"
     """'self' or 'constant' (see megatron_ext.data.padding)."""
@@ -345,10 +353,14 @@ class PackedDataset(MegatronDataset):
         # cu_seqlens at a fixed length across samples (seq_length + 1) so default_collate works.
         cu_seqlens = np.full(cfg.sequence_length + 1, length, dtype=np.int32)
         cu_seqlens[: pack.cu_seqlens.size] = pack.cu_seqlens
+        loss_mask_S = pack.loss_mask_S
+        if cfg.eod_mask_loss:  # Megatron's rule: no loss where the input token is the eod
+            loss_mask_S = np.where(pack.tokens_S == cfg.tokenizer.eod, 0, loss_mask_S)
+            loss_mask_S = loss_mask_S.astype(pack.loss_mask_S.dtype)
         sample: dict[str, Any] = {
             "tokens": torch.from_numpy(pack.tokens_S),
             "labels": torch.from_numpy(pack.labels_S),
-            "loss_mask": torch.from_numpy(pack.loss_mask_S),
+            "loss_mask": torch.from_numpy(loss_mask_S),
             "position_ids": torch.from_numpy(pack.position_ids_S),
             "padding_mask": torch.from_numpy(pack.pad_mask_S),
             "src_index": torch.from_numpy(pack.src_index_S),

@@ -142,9 +142,14 @@ DRY_RUN_BAD_INPUTS = [
         ["--data-path", "{P}", "--pack-documents", "--pack-loss-mask-suffix", "_lm"],
         r"--pack-loss-mask-suffix sidecar file .*d_lm\.bin does not exist",
     ),
-    ("NaN weight", ["--data-path", "nan", "{P}", "1", "{P}"], "weight nan for .* finite and >= 0"),
+    ("NaN weight", ["--data-path", "nan", "{P}", "1", "{P}"], "weight nan for .* finite and > 0"),
     ("negative weight", ["--data-path", "-1", "{P}", "1", "{P}"], "weight -1.0 for"),
-    ("zero weights", ["--data-path", "0", "{P}", "0", "{P}"], "--data-path weights are all zero"),
+    ("zero weights", ["--data-path", "0", "{P}", "0", "{P}"], "--data-path weight 0.0 for .*> 0"),
+    (  # Megatron's BlendedDataset asserted it only after building every index
+        "one zero weight",
+        ["--data-path", "1", "{P}", "0", "{P}"],
+        "weight 0.0 for .* leave the prefix out",
+    ),
     (
         "pad id beyond vocab",
         [

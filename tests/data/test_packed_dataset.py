@@ -295,8 +295,9 @@ def test_sidecar_fill_must_fit_the_sidecar_dtype(corpus: dict, tmp_path) -> None
     "overrides, match",
     [
         ({"sequence_length": 0}, "--seq-length must be >= 1"),
-        ({"blend": (["x", "y"], [1.0, -1.0])}, "--data-path weights must be finite and >= 0"),
-        ({"blend": (["x", "y"], [0.0, 0.0])}, "--data-path weights are all zero"),
+        ({"blend": (["x", "y"], [1.0, -1.0])}, "--data-path weight -[12].0 for .* finite and > 0"),
+        ({"blend": (["x", "y"], [0.0, 0.0])}, "--data-path weight 0.0 for"),
+        ({"blend": (["x", "y"], [1.0, 0.0])}, "weight 0.0 for y .* leave the prefix out"),
         ({"pad_policy": "zeros"}, "unknown --pad-policy 'zeros'"),
         ({"packing_algorithm": "first_fit"}, "unknown --packing-algorithm"),
         ({"pack_overlong_policy": "wrap"}, "unknown --pack-overlong-policy"),
@@ -385,3 +386,25 @@ def test_loss_mask_values_other_than_0_1_are_refused_naming_document_and_token(t
     )
     with pytest.raises(ValueError, match=r"lm_lm: document 1, token 1 holds 2; only \[0, 1\]"):
         build(config, (2, 0, 0))
+
+
+def test_eod_mask_loss_masks_the_eod_inputs_as_megatron_does(tmp_path) -> None:
+    """--eod-mask-loss was silently ignored by packs: no loss where the input token is the eod
+    (Megatron's GPTDataset rule), the rest of the loss mask unchanged."""
+    eod = 127  # the null tokenizer's eod: vocab_size - 1
+    docs = [np.array([5, 6, eod, 7, 8, eod]), np.array([9, eod, 10, 11]), np.array([12, 13, 14])]
+    prefix = str(tmp_path / "e")
+    write_documents(prefix, docs)
+    kw = gpt_config_kwargs([prefix], sequence_length=16, path_to_cache=str(tmp_path / "c"))
+    plain = build_splits(PackedDataset, PackedDatasetConfig(**kw, pad_to_seq_len=True), [3, 0, 0])
+    kw["eod_mask_loss"] = True
+    masked = build_splits(PackedDataset, PackedDatasetConfig(**kw, pad_to_seq_len=True), [3, 0, 0])
+    hits = 0
+    for i in range(len(plain[0])):
+        a, b = plain[0][i], masked[0][i]
+        assert torch.equal(a["tokens"], b["tokens"])
+        at_eod = a["tokens"] == eod
+        hits += int((at_eod & (a["loss_mask"] > 0)).sum())  # trained on before: the case occurs
+        assert (b["loss_mask"][at_eod] == 0).all()
+        assert torch.equal(b["loss_mask"][~at_eod], a["loss_mask"][~at_eod])
+    assert hits > 0
