@@ -73,8 +73,8 @@ def _create_temp(path: str) -> tuple[int, str]:
         return create_temp(path)
     except OSError as err:
         raise ValueError(
-            f"cannot write the index cache {path} ({err.strerror}); a read-only data directory "
-            "needs --data-cache-path pointing at a writable directory"
+            f"cannot write the index cache {path} ({err.strerror}); point --data-cache-path at "
+            "a writable directory (the cache is kept beside the data unless it is given)"
         ) from err
 
 

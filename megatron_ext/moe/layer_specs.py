@@ -70,7 +70,12 @@ def with_aligned_moe(
     extra = {"alignment": alignment, "load_metrics": load_metrics, "pad_routing": pad_routing}
     out = _swap(spec, extra, found)
     if not found:
-        raise ValueError("with_aligned_moe: the spec contains no MoELayer to align")
+        already = _contains(spec, AlignedMoELayer)
+        raise ValueError(
+            "with_aligned_moe: the spec's MoE layers are already AlignedMoELayer (apply it once)"
+            if already
+            else "with_aligned_moe: the spec contains no MoELayer to align"
+        )
     return with_padded_router(out) if padded_router else out
 
 
@@ -192,9 +197,22 @@ def _swap(node: Any, extra: dict[str, Any], found: list[bool]) -> Any:
             if f.init
         }
         return dataclasses.replace(node, **changes)
-    if isinstance(node, list):
-        return [_swap(n, extra, found) for n in node]
+    if isinstance(node, (list, tuple)):  # a block's layer_specs may be either
+        return type(node)(_swap(n, extra, found) for n in node)
     return node
+
+
+def _contains(node: Any, module: type) -> bool:
+    """Whether a spec tree holds ``module`` (as a ``ModuleSpec``'s module or a partial's func)."""
+    if isinstance(node, functools.partial):
+        return node.func is module
+    if isinstance(node, ModuleSpec):
+        return node.module is module or _contains(node.submodules, module)
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        return any(_contains(getattr(node, f.name), module) for f in dataclasses.fields(node))
+    if isinstance(node, (list, tuple)):
+        return any(_contains(n, module) for n in node)
+    return False
 
 
 def with_grouped_mm_experts(spec: Any) -> Any:

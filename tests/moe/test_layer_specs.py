@@ -112,3 +112,27 @@ def test_gpt_and_hybrid_models_align_and_match_stock():
     assert load["layer1/expert_max_vio"] == pytest.approx((max(tokens) - mean) / mean)
     assert load["layer1/expert_max_vio"] > 0  # 96 routes over 8 experts: never exactly even here
     assert "layer4/tokens" in load
+
+
+def test_block_specs_with_tuples_are_aligned_and_a_second_application_is_named():
+    """A block spec whose layer_specs is a tuple (not a list) is walked too; aligning an aligned
+    spec says so instead of 'no MoELayer'."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from megatron_ext.config import MoEAlignmentConfig
+    from megatron_ext.moe.layer_specs import _contains, with_aligned_moe
+    from megatron_ext.moe.moe_layer import AlignedMoELayer
+
+    layer = get_gpt_layer_local_spec(num_experts=8)
+    block = TransformerBlockSubmodules(layer_specs=(layer, layer))
+    aligned = with_aligned_moe(block, MoEAlignmentConfig(moe_dispatch_align=True))
+    assert isinstance(aligned.layer_specs, tuple) and len(aligned.layer_specs) == 2
+    assert all(
+        _contains(s, AlignedMoELayer) and not _contains(s, MoELayer) for s in aligned.layer_specs
+    )
+    with pytest.raises(ValueError, match="already AlignedMoELayer"):
+        with_aligned_moe(aligned, MoEAlignmentConfig(moe_dispatch_align=True))
+    with pytest.raises(ValueError, match="contains no MoELayer"):
+        with_aligned_moe(get_gpt_layer_local_spec(), MoEAlignmentConfig(moe_dispatch_align=True))
