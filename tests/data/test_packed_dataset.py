@@ -408,3 +408,15 @@ def test_eod_mask_loss_masks_the_eod_inputs_as_megatron_does(tmp_path) -> None:
         assert (b["loss_mask"][at_eod] == 0).all()
         assert torch.equal(b["loss_mask"][~at_eod], a["loss_mask"][~at_eod])
     assert hits > 0
+
+
+def test_a_resume_asking_for_more_samples_keeps_the_packs_order(corpus: dict) -> None:
+    """More --train-iters (or another global batch) asks the builder for another sample count:
+    the packs the first run consumed come in the same order (Megatron's GPTDataset index would
+    reshuffle over the new epoch count)."""
+    small = build(make_config(corpus), sizes=(100, 10, 10))[0]
+    large = build(make_config(corpus), sizes=(700, 10, 10))[0]
+    assert len(large) > len(small) >= 100  # the larger request spans more epochs of packs
+    for i in range(100):
+        a, b = small[i], large[i]
+        assert all(torch.equal(a[k], b[k]) for k in a), i
