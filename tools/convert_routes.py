@@ -281,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         overwrite=args.overwrite,
         flag="--output-prefix",
         inputs=tuple(inputs),
+        tokens_prefix=args.tokens_prefix,
     )
     print(
         f"wrote {args.output_prefix}.bin/.idx/{HEADER_EXTENSION}: {totals.documents} documents, {totals.tokens} "

@@ -130,6 +130,23 @@ def lengths_fingerprint(lengths: np.ndarray) -> str:
     return f"{flat.size}:{hasher.hexdigest()}"
 
 
+#: Bytes :func:`content_digest` reads at a time.
+DIGEST_CHUNK_BYTES = 8 << 20
+
+
+def content_digest(paths: Iterable[str]) -> str:
+    """blake2b-128 of the files' bytes, in order, each preceded by its size (a file's content, not
+    its state: equal for a byte-identical copy, different for any rewritten byte). Reads every
+    byte once, in chunks of :data:`DIGEST_CHUNK_BYTES`."""
+    hasher = hashlib.blake2b(digest_size=16)
+    for path in paths:
+        hasher.update(os.path.getsize(path).to_bytes(8, "little"))
+        with open(path, "rb") as f:
+            while chunk := f.read(DIGEST_CHUNK_BYTES):
+                hasher.update(chunk)
+    return hasher.hexdigest()
+
+
 def file_identity(path: str) -> str:
     """One state of a file without reading it: ``"inode:size:mtime_ns:ctime_ns"``.
 

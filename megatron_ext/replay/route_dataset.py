@@ -60,6 +60,7 @@ from megatron_ext.replay.route_file import (
     first_invalid_row,
     header_bytes,
     read_header,
+    tokens_digest,
 )
 from megatron_ext.replay.route_recorder import RouteRecorder as RouteRecorder  # re-exported
 from megatron_ext.replay.routes import (
@@ -189,8 +190,12 @@ def write_route_sidecar(
     overwrite: bool = False,
     flag: str = "--route-record-path",
     inputs: tuple[str, ...] = (),
+    tokens_prefix: str | None = None,
 ) -> int:
     """Writes route documents ``[T, L, K]`` with the header (L, K, E) beside them, atomically.
+
+    ``tokens_prefix``: the token data the routes belong to; its content digest goes into the
+    header, so the dataset refuses these routes beside other tokens (even of the same lengths).
 
     Raises:
         ValueError: An existing output without ``overwrite``, an output equal to one of
@@ -207,7 +212,12 @@ def write_route_sidecar(
             )
     lengths = np.array([r.shape[0] for r in routes_per_doc], dtype=np.int64)
     header = header_bytes(
-        num_layers=num_layers, topk=topk, num_experts=num_experts, dtype=dtype, lengths_D=lengths
+        num_layers=num_layers,
+        topk=topk,
+        num_experts=num_experts,
+        dtype=dtype,
+        lengths_D=lengths,
+        tokens=None if tokens_prefix is None else tokens_digest(tokens_prefix),
     )
     return write_documents(
         path_prefix, routes_per_doc, dtype=dtype.type, companions={HEADER_EXTENSION: header}
@@ -223,8 +233,9 @@ def _check_route_shape(
     header_path = route_prefix + HEADER_EXTENSION
     lens, route_lens = tokens.sequence_lengths, routes.sequence_lengths
     if os.path.isfile(header_path):
+        header = read_header(header_path)
         check_header(
-            read_header(header_path),
+            header,
             header_path,
             num_layers=config.route_num_layers,
             topk=config.route_topk,
@@ -233,6 +244,8 @@ def _check_route_shape(
             num_documents=int(route_lens.size),
             num_values=int(route_lens.sum()),
         )
+        if "tokens_digest" in header:
+            _check_tokens_digest(header["tokens_digest"], dataset_path, route_prefix, config)
     else:
         warnings.warn(
             f"route file {route_prefix} has no header {header_path}: the MoE layer count, top-k "
@@ -255,6 +268,27 @@ def _check_route_shape(
             f"route file {route_prefix} stores {np.dtype(routes.index.dtype).name}, expected "
             f"{expected.name} for {config.route_num_experts} experts and top-{config.route_topk}"
         )
+
+
+def _check_tokens_digest(
+    digest: str, dataset_path: str, route_prefix: str, config: RoutedPackedDatasetConfig
+) -> None:
+    """Refuses routes written for other token data than ``dataset_path``'s. The token files are
+    read once per state (the pass is remembered under their identities in the index cache)."""
+    key = (
+        f"tokens {digest} {os.path.realpath(dataset_path)} "
+        f"{file_identity(dataset_path + '.idx')} {file_identity(dataset_path + '.bin')}"
+    )
+    cache_dir = default_cache_dir(config, route_prefix)
+    if pack_index_cache.validated(cache_dir, key):
+        return
+    if tokens_digest(dataset_path) != digest:
+        raise ValueError(
+            f"route file {route_prefix} was written for other token data than {dataset_path} "
+            "(its header's tokens_digest differs: the tokens were rewritten after the routes "
+            "were converted or recorded); convert or record the routes again"
+        )
+    pack_index_cache.mark_validated(cache_dir, key)
 
 
 def _validate_route_file(

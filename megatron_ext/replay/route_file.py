@@ -6,7 +6,12 @@ cannot tell a file written for L = 2, K = 2 from one for L = 4, K = 1 (both 4 id
 header ``P.routes.json`` beside it says what the ids mean::
 
     {"format": "megatron_ext.routes", "version": 1, "num_layers": 2, "topk": 2,
-     "num_experts": 8, "dtype": "uint8", "num_documents": 3, "num_tokens": 15}
+     "num_experts": 8, "dtype": "uint8", "num_documents": 3, "num_tokens": 15,
+     "tokens_digest": "9b1c..."}
+
+``tokens_digest`` (optional; written when the writer knows the token data: ``RouteRecorder``, and
+``tools/convert_routes.py --tokens-prefix``) is the content digest of the token ``.idx``/``.bin``
+the routes belong to: routes left beside rewritten tokens of the same lengths are refused.
 
 It is written with the pair by ``tools/convert_routes.py`` and ``RouteRecorder`` and checked when
 the dataset is built (:func:`check_header`): a model whose L, K or E differs is refused, naming the
@@ -26,10 +31,28 @@ FORMAT = "megatron_ext.routes"
 VERSION = 1
 
 
+def tokens_digest(tokens_prefix: str) -> str:
+    """The content digest of the token data ``tokens_prefix.idx/.bin`` the routes belong to."""
+    from megatron_ext.data.safe_files import content_digest
+
+    return content_digest([tokens_prefix + ".idx", tokens_prefix + ".bin"])
+
+
 def header_bytes(
-    *, num_layers: int, topk: int, num_experts: int, dtype: np.dtype, lengths_D: np.ndarray
+    *,
+    num_layers: int,
+    topk: int,
+    num_experts: int,
+    dtype: np.dtype,
+    lengths_D: np.ndarray,
+    tokens: str | None = None,
 ) -> bytes:
-    """The header of a route sidecar whose document d holds ``lengths_D[d]`` tokens."""
+    """The header of a route sidecar whose document d holds ``lengths_D[d]`` tokens.
+
+    ``tokens``: :func:`tokens_digest` of the token data the routes were recorded or converted
+    for, stored as ``tokens_digest`` (the dataset then refuses the routes beside other tokens,
+    even of the same lengths); None when the writer does not know the token data.
+    """
     header = {
         "format": FORMAT,
         "version": VERSION,
@@ -40,6 +63,8 @@ def header_bytes(
         "num_documents": int(np.asarray(lengths_D).size),
         "num_tokens": int(np.sum(lengths_D, dtype=np.int64)),  # no int64 copy of the lengths
     }
+    if tokens is not None:
+        header["tokens_digest"] = tokens
     return (json.dumps(header, indent=1) + "\n").encode("utf-8")
 
 
@@ -61,6 +86,8 @@ def read_header(path: str) -> dict:
     for key in ("num_layers", "topk", "num_experts", "num_documents", "num_tokens"):
         if type(header.get(key)) is not int or header[key] < 0:
             raise ValueError(f"route header {path}: {key!r} must be a non-negative integer")
+    if "tokens_digest" in header and not isinstance(header["tokens_digest"], str):
+        raise ValueError(f"route header {path}: 'tokens_digest' must be a string")
     return header
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+from megatron_ext.replay.route_file import tokens_digest
 from megatron_ext.replay.route_stream import RouteStream, assemble_route_sidecar, remove_stream
 from megatron_ext.replay.routes import route_dtype
 
@@ -44,6 +45,8 @@ class RouteRecorder(RouteStream):
         doc_offsets: Token offset of each document in units of ``offset_unit`` (the token
             index's ``sequence_pointers``, read per piece); None: the running sum of the lengths.
         offset_unit: Divides ``doc_offsets`` (the token dtype's size for byte pointers).
+        tokens_prefix: The token data recorded on; its content digest goes into the header (the
+            dataset then refuses the routes beside rewritten tokens). None: not recorded.
     """
 
     def __init__(
@@ -56,11 +59,13 @@ class RouteRecorder(RouteStream):
         stream: str | None = None,
         doc_offsets: np.ndarray | None = None,
         offset_unit: int = 1,
+        tokens_prefix: str | None = None,
     ):
         route_dtype(num_experts, topk)  # refuses E / K before a temporary directory exists
         self.docs_shape = (num_layers, topk)
         self.num_experts = num_experts
         self.doc_lengths, self.doc_offsets, self.offset_unit = doc_lengths, doc_offsets, offset_unit
+        self.tokens_prefix = tokens_prefix
         self._tmpdir = tempfile.mkdtemp(prefix="megatron_ext_routes_") if stream is None else None
         base = stream if stream is not None else os.path.join(self._tmpdir, "stream")
         super().__init__(base, num_layers, topk, num_experts)
@@ -80,6 +85,7 @@ class RouteRecorder(RouteStream):
             stream=stream,
             doc_offsets=offsets,
             offset_unit=unit,
+            tokens_prefix=tokens.path_prefix,
         )
 
     def write(
@@ -109,6 +115,7 @@ class RouteRecorder(RouteStream):
             topk=self.docs_shape[1],
             num_experts=self.num_experts,
             overwrite=overwrite,
+            tokens=None if self.tokens_prefix is None else tokens_digest(self.tokens_prefix),
         )
 
     def close(self) -> None:

@@ -131,6 +131,7 @@ def assemble_route_sidecar(
     num_experts: int,
     overwrite: bool = False,
     flag: str = "--route-record-path",
+    tokens: str | None = None,
 ) -> int:
     """Writes the route sidecar of the documents from closed streams (later streams win).
 
@@ -147,6 +148,8 @@ def assemble_route_sidecar(
         num_experts: E.
         overwrite: Replace an existing output.
         flag: Names the output in errors.
+        tokens: The token data's :func:`~megatron_ext.replay.route_file.tokens_digest`, for the
+            header (None: not recorded).
 
     Returns:
         The number of documents written.
@@ -186,6 +189,7 @@ def assemble_route_sidecar(
             num_experts=num_experts,
             dtype=dtype,
             lengths_D=doc_lengths_D,
+            tokens=tokens,
         )
         with open(temps[2], "wb") as f:
             f.write(header)

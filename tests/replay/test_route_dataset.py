@@ -265,3 +265,35 @@ def test_recorder_writes_routes_aligned_with_documents(corpus, tmp_path):
         covered += int(seen[:, 0].sum())
     in_plan = set(ds.plan["piece_doc_Q"].tolist())
     assert covered == sum(len(corpus["docs"]["a"][d]) for d in in_plan) > 0
+
+
+def test_routes_beside_rewritten_tokens_of_the_same_lengths_are_refused(
+    corpus, tmp_path, monkeypatch
+):
+    """The header's tokens_digest ties the routes to the token data they were written for: new
+    token values of the same lengths (every length check passes) are refused, not replayed with
+    another text's routes. The token files are read once per state (cached like validation)."""
+    from megatron_ext.data import safe_files
+    from megatron_ext.replay.route_file import read_header
+
+    prefix, cache = str(tmp_path / "t"), str(tmp_path / "cache")
+    rng = np.random.default_rng(8)
+    docs = [rng.integers(1, 100, size=int(n)) for n in rng.integers(2, 45, size=10)]
+    write_documents(prefix, docs)
+    write_route_sidecar(
+        prefix + "_routes", [doc_routes(d) for d in docs], num_layers=LAYERS, topk=TOPK,
+        num_experts=EXPERTS, tokens_prefix=prefix,
+    )  # fmt: skip
+    assert "tokens_digest" in read_header(prefix + "_routes.routes.json")
+    config = make_config(corpus, blend=([prefix], None), path_to_cache=cache)
+    build(config, size=5)
+    real_digest, reads = safe_files.content_digest, []
+    monkeypatch.setattr(
+        safe_files, "content_digest", lambda paths: reads.append(paths) or real_digest(paths)
+    )
+    build(config, size=5)
+    assert reads == []  # unchanged tokens: the pass is remembered, not read again
+    write_documents(prefix, [(d + 1) % 100 for d in docs])  # same lengths, other tokens
+    with pytest.raises(ValueError, match="written for other token data than .*t "):
+        build(config, size=5)
+    assert len(reads) == 1

@@ -56,7 +56,10 @@ def _reference(ds, prefix: str, recorded) -> None:
             for d, s, n in zip(*(a.tolist() for a in ds.pack_pieces(pack)), strict=True):
                 docs[d][s : s + n] = rows[offset : offset + n]
                 offset += n
-    write_route_sidecar(prefix, docs, num_layers=LAYERS, topk=TOPK, num_experts=EXPERTS)
+    write_route_sidecar(
+        prefix, docs, num_layers=LAYERS, topk=TOPK, num_experts=EXPERTS,
+        tokens_prefix=ds.dataset.tokens.path_prefix,  # the recorder names the tokens it recorded on
+    )  # fmt: skip
 
 
 #: Micro-batches per data-parallel rank: (pack indices, routes seed, pads inside real tokens).

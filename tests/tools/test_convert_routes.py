@@ -74,7 +74,7 @@ def test_vllm_base64_t_minus_1_round_trip(tmp_path, capsys):
         for r, n in zip(full, lengths, strict=True)
     ]
     write_documents(str(tmp_path / "tokens"), [np.arange(n) for n in lengths])
-    docs, _ = run(
+    docs, out = run(
         tmp_path,
         [write_jsonl(tmp_path / "in.jsonl", records)],
         "vllm",
@@ -85,6 +85,13 @@ def test_vllm_base64_t_minus_1_round_trip(tmp_path, capsys):
         assert got.dtype == np.uint8 and got.shape == want.shape
         assert np.array_equal(got[:-1], want[:-1]) and missing_mask(got)[-1].all()
     assert "3 T-1 rows appended" in capsys.readouterr().out
+    # --tokens-prefix names the tokens: the header ties the routes to their content.
+    from megatron_ext.replay.route_file import read_header, tokens_digest
+
+    header = read_header(out + ".routes.json")
+    assert header["tokens_digest"] == tokens_digest(str(tmp_path / "tokens"))
+    _, unnamed = run(tmp_path, [write_jsonl(tmp_path / "in2.jsonl", records)], "vllm")
+    assert "tokens_digest" not in read_header(unnamed + ".routes.json")
 
 
 def test_megatron_prompt_and_completion_with_balanced_policy(tmp_path, capsys):
