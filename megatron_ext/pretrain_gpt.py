@@ -165,10 +165,14 @@ def main() -> int:
         from megatron_ext.training.eval_args import check_evaluation_data, check_split
         from megatron_ext.training.launch_args import check_launch_args
 
+        if cpu:  # what --cpu cannot run is named first (it is also checked with the configs)
+            from megatron_ext.training.cpu_args import check_cpu_args
+
+            check_cpu_args(args)
+        check_launch_args(args)  # cheap, before the data scans of the config checks
         check_split(args)  # before Megatron's split math reads it
         check_evaluation_data(args)  # Megatron's pretrain would crash in its first evaluation
         resolved = resolved_configuration(args)
-        check_launch_args(args)  # what validate_args accepts and pretrain fails on
     except ValueError as err:
         print(f"megatron_ext: invalid arguments: {err}", file=sys.stderr)
         return 2

@@ -178,12 +178,17 @@ def _decode_line(
             f"{name}: a --format {fmt} record needs a {' or '.join(map(repr, keys))} key"
         )
     num_tokens = _num_tokens(record, name)
+    # A boolean can only be there if the JSON text spells one: else skip the scan for them.
+    booleans = "true" in line or "false" in line
     if fmt == "vllm":
-        return decode_routed_experts(record["routed_experts"], f"{name} routed_experts"), num_tokens
+        rows = decode_routed_experts(
+            record["routed_experts"], f"{name} routed_experts", may_hold_booleans=booleans
+        )
+        return rows, num_tokens
     # A key that is present is decoded whatever it holds (0 or "" is refused there, not skipped;
     # null counts as absent); an empty part (no rows, e.g. an empty prompt) adds nothing.
     parts = [
-        decode_routed_experts(record[key], f"{name} {key}")
+        decode_routed_experts(record[key], f"{name} {key}", may_hold_booleans=booleans)
         for key in keys
         if record.get(key, None) is not None
     ]

@@ -39,8 +39,8 @@ def write_documents(
         documents: One array per document.
         dtype: Stored dtype (one of Megatron's IndexedDataset dtypes). Values are checked to be
             representable: a value that would wrap or round is refused, never stored.
-        companions: ``{extension: content}`` files published after the ``.idx`` (e.g. a route
-            header ``".routes.json"``).
+        companions: ``{extension: content}`` files published before the ``.idx`` (e.g. a route
+            header ``".routes.json"``: the prefix loads only once it is in place).
 
     Returns:
         The number of documents written.
@@ -74,8 +74,9 @@ def write_prefixes(
     """
     outputs = list(outputs)
     prefixes = [prefix for prefix, *_ in outputs]
-    if set(map(os.path.abspath, remove)) & set(map(os.path.abspath, prefixes)):
-        raise ValueError(f"cannot both write and remove {sorted(set(remove) & set(prefixes))}")
+    both = set(map(os.path.abspath, remove)) & set(map(os.path.abspath, prefixes))
+    if both:
+        raise ValueError(f"cannot both write and remove {sorted(both)}")
     finals_per = [
         [prefix + ".bin", prefix + ".idx", *(prefix + ext for ext in companions or {})]
         for prefix, _docs, _dtype, companions in outputs
@@ -93,8 +94,16 @@ def write_prefixes(
             fsync_path(tmp)
         for stale in remove:
             remove_prefix_files(stale)
-        publish(zip(temps, finals, strict=True))
+        publish(_idx_last(list(zip(temps, finals, strict=True))))
     return counts
+
+
+def _idx_last(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Each prefix's ``.idx`` after its companions (a route header): a prefix is loadable only
+    once every file of it is in place, so a kill in between never loads it unchecked."""
+    return [p for p in pairs if not p[1].endswith(".idx")] + [
+        p for p in pairs if p[1].endswith(".idx")
+    ]
 
 
 def _write_temps(

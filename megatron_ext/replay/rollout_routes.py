@@ -72,7 +72,9 @@ class RepairCounts:
             setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
 
 
-def decode_routed_experts(payload: Any, name: str = "routed_experts") -> np.ndarray:
+def decode_routed_experts(
+    payload: Any, name: str = "routed_experts", *, may_hold_booleans: bool = True
+) -> np.ndarray:
     """Decodes a vLLM / prime-rl ``routed_experts`` value or Megatron's nested lists, exactly.
 
     Ids are never coerced: fractional, NaN, huge, boolean or string ids, ragged rows and
@@ -82,6 +84,8 @@ def decode_routed_experts(payload: Any, name: str = "routed_experts") -> np.ndar
         payload: Nested lists ``[rows][L][K]`` of integers, or ``{"data": base64, "shape":
             [rows, L, K], "dtype": "uint8" | "uint16" | ...}``.
         name: Names the payload in errors (``file:line key``).
+        may_hold_booleans: False when the caller knows the payload has none (its JSON text holds
+            no ``true``/``false``): the scan for booleans among integer ids is skipped.
 
     Returns:
         ``[rows, L, K]`` array (its own integer dtype).
@@ -100,12 +104,12 @@ def decode_routed_experts(payload: Any, name: str = "routed_experts") -> np.ndar
             array = np.zeros(array.shape, dtype=np.int64)
         else:
             check_route_array(array, name)
-            if array.ndim == 3:
+            if array.ndim == 3 and may_hold_booleans:
                 _refuse_mixed_booleans(payload, array, name)
     else:
         raise ValueError(f"{name}: expected nested lists or a base64 object, got {payload!r:.40}")
     if array.ndim != 3:
-        if array.size == 0:
+        if array.shape == (0,):  # [] : no rows at all (the shape is then the model's)
             return array.reshape(0, 0, 0)
         raise ValueError(f"{name}: expected [tokens, layers, topk], got {array.shape}")
     return array

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron_ext.replay.route_file import tokens_digest
+from megatron_ext.data.safe_files import file_identity
 from megatron_ext.replay.route_stream import RouteStream, assemble_route_sidecar, remove_stream
 from megatron_ext.replay.routes import route_dtype
 
@@ -66,6 +66,9 @@ class RouteRecorder(RouteStream):
         self.num_experts = num_experts
         self.doc_lengths, self.doc_offsets, self.offset_unit = doc_lengths, doc_offsets, offset_unit
         self.tokens_prefix = tokens_prefix
+        # The token files' state when recording starts: the header's digest must describe the
+        # tokens the routes were recorded on, so a rewrite before write() is refused there.
+        self._tokens_state = None if tokens_prefix is None else _files_state(tokens_prefix)
         self._tmpdir = tempfile.mkdtemp(prefix="megatron_ext_routes_") if stream is None else None
         base = stream if stream is not None else os.path.join(self._tmpdir, "stream")
         super().__init__(base, num_layers, topk, num_experts)
@@ -102,9 +105,18 @@ class RouteRecorder(RouteStream):
                 flushed and closed first.
 
         Raises:
-            ValueError: The output exists (without ``overwrite``) or its directory is unusable.
+            ValueError: The output exists (without ``overwrite``) or its directory is unusable,
+                or the token data was rewritten since recording started.
         """
         super().close()  # flushed, not removed
+        if (
+            self.tokens_prefix is not None
+            and _files_state(self.tokens_prefix) != self._tokens_state
+        ):
+            raise ValueError(
+                f"the token data {self.tokens_prefix} was rewritten while its routes were being "
+                "recorded: the recording belongs to neither version of it; record again"
+            )
         return assemble_route_sidecar(
             path_prefix,
             [self.base] if streams is None else streams,
@@ -115,7 +127,7 @@ class RouteRecorder(RouteStream):
             topk=self.docs_shape[1],
             num_experts=self.num_experts,
             overwrite=overwrite,
-            tokens=None if self.tokens_prefix is None else tokens_digest(self.tokens_prefix),
+            tokens_prefix=self.tokens_prefix,
         )
 
     def close(self) -> None:
@@ -162,3 +174,8 @@ def record_streams(path_prefix: str) -> tuple[int | None, bool, list[str]]:
     streams = [f"{path_prefix}.dp{r}" for r in range(len(ranks))]
     me = torch.distributed.get_rank()
     return (ranks.index(me) if 0 in ranks else None), me == 0, streams
+
+
+def _files_state(tokens_prefix: str) -> tuple[str, str]:
+    """The identities (inode, size, mtime, ctime) of a token prefix's ``.idx`` and ``.bin``."""
+    return file_identity(tokens_prefix + ".idx"), file_identity(tokens_prefix + ".bin")

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from megatron_ext.data.safe_files import check_output_prefix, fsync_path, publish, temp_paths
-from megatron_ext.replay.route_file import HEADER_EXTENSION, header_bytes
+from megatron_ext.replay.route_file import HEADER_EXTENSION, header_bytes, tokens_digest
 from megatron_ext.replay.routes import missing_value, route_dtype
 
 #: Bytes the assembly reads or writes at a time (fill, rows, index); pieces read per chunk.
@@ -131,7 +131,7 @@ def assemble_route_sidecar(
     num_experts: int,
     overwrite: bool = False,
     flag: str = "--route-record-path",
-    tokens: str | None = None,
+    tokens_prefix: str | None = None,
 ) -> int:
     """Writes the route sidecar of the documents from closed streams (later streams win).
 
@@ -148,8 +148,9 @@ def assemble_route_sidecar(
         num_experts: E.
         overwrite: Replace an existing output.
         flag: Names the output in errors.
-        tokens: The token data's :func:`~megatron_ext.replay.route_file.tokens_digest`, for the
-            header (None: not recorded).
+        tokens_prefix: The token data the routes were recorded on: its
+            :func:`~megatron_ext.replay.route_file.tokens_digest` goes into the header (read
+            after the output check passes); None: not recorded.
 
     Returns:
         The number of documents written.
@@ -161,6 +162,7 @@ def assemble_route_sidecar(
     dtype = route_dtype(num_experts, topk)
     exts = (".bin", ".idx", HEADER_EXTENSION)
     check_output_prefix(path_prefix, flag=flag, overwrite=overwrite, extensions=exts)
+    tokens = None if tokens_prefix is None else tokens_digest(tokens_prefix)
     for base in streams:
         for path in stream_files(base):
             if not os.path.isfile(path):
@@ -195,7 +197,8 @@ def assemble_route_sidecar(
             f.write(header)
         for tmp in temps:
             fsync_path(tmp)
-        publish(zip(temps, finals, strict=True))
+        # .bin, the header, then .idx: the sidecar loads only once its header is in place.
+        publish([(temps[0], finals[0]), (temps[2], finals[2]), (temps[1], finals[1])])
     return int(np.asarray(doc_lengths_D).size)
 
 

@@ -78,9 +78,16 @@ def _unpadded_vocab_size(args: argparse.Namespace) -> int | None:
         return args.vocab_size
     model = getattr(args, "tokenizer_model", None)
     if kind == "HuggingFaceTokenizer" and model and os.path.exists(model):
-        from megatron_ext.data.jsonl_documents import hf_tokenizer
+        # Megatron's own class and count (len(tokenizer)), local files only: a tokenizer it
+        # cannot load here is left to its own build to report (this check is a pre-check).
+        from megatron.core.tokenizers.text.libraries.huggingface_tokenizer import (
+            HuggingFaceTokenizer,
+        )
 
-        return hf_tokenizer(model).vocab_size
+        try:
+            return HuggingFaceTokenizer(model).vocab_size
+        except (OSError, ValueError, ImportError):
+            return None
     return None
 
 

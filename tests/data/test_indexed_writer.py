@@ -90,3 +90,21 @@ def test_a_kill_between_the_renames_leaves_no_pair_that_loads_misaligned(tmp_pat
     assert renames == [prefix + ".bin"]
     assert not os.path.exists(prefix + ".idx")  # refused at load, not read misaligned
     assert sorted(os.listdir(tmp_path)) == ["t.bin"]  # the temporaries cleaned up too
+
+
+def test_a_companion_is_in_place_before_the_idx(tmp_path, monkeypatch):
+    """A route header published after the .idx could be missing from a pair that loads (a kill
+    in between): it goes first, so the prefix loads only with it."""
+    prefix = str(tmp_path / "r")
+    real_replace, renames = os.replace, []
+
+    def killed_after_two(tmp, final):
+        if len(renames) == 2:
+            raise KeyboardInterrupt
+        renames.append(os.path.basename(final))
+        real_replace(tmp, final)
+
+    monkeypatch.setattr(os, "replace", killed_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        write_documents(prefix, [np.array([1])], companions={".h.json": b"{}"})
+    assert renames == ["r.bin", "r.h.json"] and not os.path.exists(prefix + ".idx")

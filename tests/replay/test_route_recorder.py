@@ -174,3 +174,23 @@ def test_recorder_for_dataset_matches_the_in_memory_one(tmp_path):
     assert not os.path.exists(stream + ".rows")  # its temporary stream is gone
     with pytest.raises(ValueError, match="expected uint8"):
         RouteRecorder.for_dataset(ds).add_pack(ds.pack_pieces(0), _routes(0)[0].astype(np.int64))
+
+
+def test_tokens_rewritten_while_recording_are_refused_at_write(tmp_path):
+    """The header's tokens_digest must describe the tokens the routes were recorded on: tokens
+    rewritten (same lengths) between the first pack and write() are refused, nothing written."""
+    from megatron_ext.data.indexed_writer import write_documents
+    from megatron_ext.replay.route_recorder import RouteRecorder
+
+    rng = np.random.default_rng(6)
+    docs = [rng.integers(1, 100, size=int(n)) for n in rng.integers(3, 40, size=20)]
+    write_documents(str(tmp_path / "docs"), docs)
+    ds = _dataset(str(tmp_path))
+    recorder = RouteRecorder.for_dataset(ds)
+    assert recorder.tokens_prefix == str(tmp_path / "docs")
+    recorder.add_pack(ds.pack_pieces(0), _routes(0)[0])
+    write_documents(str(tmp_path / "docs"), [d + 1 for d in docs])  # same lengths
+    with pytest.raises(ValueError, match="was rewritten while its routes were being recorded"):
+        recorder.write(str(tmp_path / "rec"))
+    assert not os.path.exists(tmp_path / "rec.idx")
+    recorder.close()

@@ -446,6 +446,7 @@ BAD_INPUTS = [
         r"token 1, MoE layer 2 holds True, not an expert id",
     ),
     ("tokens with 0 layers", "npy", np.zeros((3, 0, K), np.uint8), "npy", [], "have 0 MoE layers"),
+    ("3 empty rows", "jsonl", _vllm([[], [], []]), "vllm", [], r"got \(3, 0\)"),
     ("no rows of 5 layers", "npy", np.zeros((0, 5, K), np.uint8), "npy", [], "have 5 MoE layers"),
     (
         "base64 rows of 0 layers",

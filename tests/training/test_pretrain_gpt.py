@@ -590,9 +590,8 @@ def _dry_run_main(argv: list[str], monkeypatch) -> int:
     ("flags", "named"),
     [
         (["--split", "100,0,0", "--eval-iters", "5", "--eval-interval", "2"], ["--eval-iters 5"]),
-        # Megatron's default --eval-iters 100 evaluates after training (named before the missing
-        # --eval-interval, which check_launch_args asks for next).
-        (["--split", "100,0,0"], ["--eval-iters 100 (Megatron's default"]),
+        # Megatron's default --eval-iters 100 evaluates after training (and every interval).
+        (["--split", "100,0,0", "--eval-interval", "9"], ["--eval-iters 100 (Megatron's default"]),
         (["--split", "99,0,1", "--eval-iters", "1", "--skip-train"], ["--split 99,0,1"]),
         (["--split", "100", "--eval-iters", "0", "--full-validation"], ["--full-validation"]),
     ],

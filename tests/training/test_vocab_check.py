@@ -90,3 +90,18 @@ def test_a_local_hugging_face_tokenizer_is_checked_before_megatron_builds_it(
     write_documents(prefix + "_fits", [np.array([5, 383])], np.uint16)  # the last padded row
     args.data_path = [prefix + "_fits"]
     check_vocabulary(args)
+
+
+def test_a_tokenizer_megatron_cannot_load_here_is_left_to_megatron(tmp_path):
+    """A sentencepiece-only directory (or any Megatron cannot load in this environment): no
+    vocabulary is known, the pre-check passes, and Megatron's own build decides."""
+    from megatron_ext.training.vocab_check import padded_vocab_size
+
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "tokenizer_config.json").write_text('{"tokenizer_class": "LlamaTokenizer"}')
+    (slow / "tokenizer.model").write_bytes(b"")  # not a sentencepiece model
+    args = _args(str(tmp_path / "none"), None, tokenizer_model=str(slow))
+    args.tokenizer_type = "HuggingFaceTokenizer"
+    assert padded_vocab_size(args) is None
+    check_vocabulary(args)  # no refusal, no traceback
