@@ -32,6 +32,7 @@ Legend: S positions of a pack, T tokens of a document, L MoE layers, K top-k, Q 
 import dataclasses
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -279,15 +280,27 @@ def _check_tokens_digest(
         f"tokens {digest} {os.path.realpath(dataset_path)} "
         f"{file_identity(dataset_path + '.idx')} {file_identity(dataset_path + '.bin')}"
     )
+
+    def check() -> None:
+        if tokens_digest(dataset_path) != digest:
+            raise ValueError(
+                f"route file {route_prefix} was written for other token data than {dataset_path} "
+                "(its header's tokens_digest differs: the tokens were rewritten after the routes "
+                "were converted or recorded); convert or record the routes again"
+            )
+
+    _once_per_state(config, route_prefix, key, check)
+
+
+def _once_per_state(
+    config: RoutedPackedDatasetConfig, route_prefix: str, key: str, check: Callable[[], None]
+) -> None:
+    """Runs ``check`` unless it passed before under ``key`` (file identities in it), remembering
+    a pass in the index cache directory."""
     cache_dir = default_cache_dir(config, route_prefix)
     if pack_index_cache.validated(cache_dir, key):
         return
-    if tokens_digest(dataset_path) != digest:
-        raise ValueError(
-            f"route file {route_prefix} was written for other token data than {dataset_path} "
-            "(its header's tokens_digest differs: the tokens were rewritten after the routes "
-            "were converted or recorded); convert or record the routes again"
-        )
+    check()
     pack_index_cache.mark_validated(cache_dir, key)
 
 
@@ -308,18 +321,19 @@ def _validate_route_file(
         f"routes L={num_layers} K={topk} E={num_experts} {os.path.realpath(route_prefix)} "
         f"{file_identity(route_prefix + '.bin')}"
     )
-    cache_dir = default_cache_dir(config, route_prefix)
-    if pack_index_cache.validated(cache_dir, key):
-        return
-    rows_TLK = flat_values(routes, route_prefix).reshape(-1, num_layers, topk)
-    rows_per_chunk = max(CHUNK_VALUES // (num_layers * topk), 1)
-    for start in range(0, rows_TLK.shape[0], rows_per_chunk):
-        bad = first_invalid_row(np.asarray(rows_TLK[start : start + rows_per_chunk]), num_experts)
-        if bad is not None:
-            row, layer, what = bad
-            doc, token = locate(tokens.sequence_lengths, start + row)
-            raise ValueError(
-                f"route file {route_prefix}: document {doc}, token {token}, MoE layer {layer} "
-                f"{what}"
-            )
-    pack_index_cache.mark_validated(cache_dir, key)
+
+    def check() -> None:
+        rows_TLK = flat_values(routes, route_prefix).reshape(-1, num_layers, topk)
+        rows_per_chunk = max(CHUNK_VALUES // (num_layers * topk), 1)
+        for start in range(0, rows_TLK.shape[0], rows_per_chunk):
+            chunk = np.asarray(rows_TLK[start : start + rows_per_chunk])
+            bad = first_invalid_row(chunk, num_experts)
+            if bad is not None:
+                row, layer, what = bad
+                doc, token = locate(tokens.sequence_lengths, start + row)
+                raise ValueError(
+                    f"route file {route_prefix}: document {doc}, token {token}, MoE layer "
+                    f"{layer} {what}"
+                )
+
+    _once_per_state(config, route_prefix, key, check)
