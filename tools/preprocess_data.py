@@ -92,7 +92,9 @@ def check_outputs(args: argparse.Namespace) -> list[str]:
     # there is removed (it would not match the new tokens), which also needs --overwrite.
     outputs = [args.output_prefix, args.output_prefix + args.loss_mask_suffix]
     for prefix in outputs:
-        check_output_prefix(prefix, flag="--output-prefix", inputs=inputs, overwrite=args.overwrite)
+        check_output_prefix(
+            prefix, flag="--output-prefix", input_files=inputs, overwrite=args.overwrite
+        )
     return outputs
 
 

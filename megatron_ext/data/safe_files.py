@@ -216,14 +216,17 @@ def check_output_prefix(
     overwrite: bool = False,
     extensions: tuple[str, ...] = INDEXED_EXTENSIONS,
     replace_hint: str = "pass --overwrite to replace it",
+    input_files: Iterable[str] = (),
 ) -> None:
     """:func:`check_output_file` for every ``prefix + extension`` of an IndexedDataset output.
 
-    ``inputs`` are input files or IndexedDataset prefixes (their ``.bin``/``.idx`` count too).
+    ``inputs`` are input files or IndexedDataset prefixes (their ``.bin``/``.idx`` count too);
+    ``input_files`` are plain files only (a JSONL named ``d/in.jsonl`` does not make
+    ``d/in.jsonl.bin`` an input).
     """
     if prefix == "" or prefix.endswith(os.sep):
         raise ValueError(f"{flag} {prefix!r} must name a file prefix, not a directory")
-    sources = []
+    sources = list(input_files)
     for source in inputs:
         sources += [source] + [source + ext for ext in INDEXED_EXTENSIONS]
     for ext in extensions:

@@ -328,3 +328,17 @@ def test_large_token_ids_are_stored_exactly(tmp_path) -> None:
     )
     ds = IndexedDataset(prefix)
     assert ds[0].dtype == np.int32 and ds[0].tolist() == [97, 98, 2**31 - 1]
+
+
+def test_an_output_prefix_named_like_the_input_file_can_be_rewritten(tmp_path) -> None:
+    """``--output-prefix d/in.jsonl`` writes d/in.jsonl.bin/.idx; the JSONL is a file, not a
+    prefix, so rerunning with --overwrite replaces them (it was refused as 'is an input')."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "ab"}])
+    tool = load_tool()
+    tool.main(["--input", src, "--output-prefix", src])
+    with pytest.raises(ValueError, match="already exists"):
+        tool.main(["--input", src, "--output-prefix", src])
+    assert tool.main(["--input", src, "--output-prefix", src, "--overwrite"]) == 0
+    ds = IndexedDataset(src)
+    assert ds.sequence_lengths.tolist() == [2]
+    assert (tmp_path / "in.jsonl").read_text().startswith('{"text"')  # the input untouched
