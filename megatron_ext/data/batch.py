@@ -132,10 +132,9 @@ def shard_padding_mask(kwargs: dict[str, Any], model: torch.nn.Module) -> dict[s
     scatter Megatron's GPTModel applies is applied here instead.
     """
     from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.utils import unwrap_model
 
-    inner = model
-    while hasattr(inner, "module"):  # DDP / Float16Module wrappers
-        inner = inner.module
+    inner = unwrap_model(model)  # DDP / Float16Module wrappers
     mask = kwargs.get("padding_mask")
     if mask is None or not inner.config.sequence_parallel:
         return kwargs

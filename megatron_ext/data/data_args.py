@@ -10,7 +10,6 @@ sidecar), and weights must be finite, >= 0 and not all zero::
 """
 
 import argparse
-import math
 import os
 
 from megatron.core.datasets.utils import get_blend_from_list
@@ -87,13 +86,9 @@ def check_data_args(args: argparse.Namespace, loss_mask_suffix: str | None) -> N
         return
     for flag, prefixes, weights in data_prefixes(args):
         if weights is not None:
-            for weight, prefix in zip(weights, prefixes, strict=True):
-                if not math.isfinite(weight) or weight <= 0:
-                    raise ValueError(
-                        f"{flag} weight {weight} for {prefix} must be finite and > 0 (Megatron's "
-                        "BlendedDataset asserts it after building every index; leave the prefix "
-                        "out to switch it off)"
-                    )
+            from megatron_ext.data.indexed_checks import check_blend_weights
+
+            check_blend_weights(flag, prefixes, weights)
         for prefix in prefixes:
             suffixes = [("", "data")]
             if loss_mask_suffix:

@@ -31,6 +31,18 @@ from megatron_ext.data.safe_files import file_identity, lengths_fingerprint
 CHUNK_VALUES = 1 << 24
 
 
+def check_blend_weights(flag: str, prefixes: list[str], weights: list[float]) -> None:
+    """Refuses a blend weight Megatron's ``BlendedDataset`` asserts on (after building every
+    index), naming ``flag`` and the prefix."""
+    for weight, prefix in zip(weights, prefixes, strict=True):
+        if not math.isfinite(weight) or weight <= 0:
+            raise ValueError(
+                f"{flag} weight {weight} for {prefix} must be finite and > 0 (Megatron's "
+                "BlendedDataset asserts it after building every index; leave the prefix out to "
+                "switch it off)"
+            )
+
+
 def check_dataset_config(config: GPTDatasetConfig) -> None:
     """ValueErrors for inputs Megatron would accept silently or fail on obscurely."""
     if config.sequence_length < 1:
@@ -40,12 +52,7 @@ def check_dataset_config(config: GPTDatasetConfig) -> None:
         prefixes, weights = blend
         if weights is None:
             continue
-        for weight, prefix in zip(weights, prefixes, strict=True):
-            if not math.isfinite(weight) or weight <= 0:
-                raise ValueError(
-                    f"--data-path weight {weight} for {prefix} must be finite and > 0 (Megatron's "
-                    "BlendedDataset asserts it; leave the prefix out to switch it off)"
-                )
+        check_blend_weights("--data-path", prefixes, weights)
     pad_id = getattr(config, "pad_constant_id", 0)
     if pad_id < 0:
         raise ValueError(f"--pad-constant-id must be >= 0, got {pad_id}")

@@ -94,16 +94,8 @@ def write_prefixes(
             fsync_path(tmp)
         for stale in remove:
             remove_prefix_files(stale)
-        publish(_idx_last(list(zip(temps, finals, strict=True))))
+        publish(zip(temps, finals, strict=True))  # every .idx last
     return counts
-
-
-def _idx_last(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """Each prefix's ``.idx`` after its companions (a route header): a prefix is loadable only
-    once every file of it is in place, so a kill in between never loads it unchecked."""
-    return [p for p in pairs if not p[1].endswith(".idx")] + [
-        p for p in pairs if p[1].endswith(".idx")
-    ]
 
 
 def _write_temps(

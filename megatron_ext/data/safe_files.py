@@ -61,18 +61,21 @@ def fsync_path(path: str) -> None:
 
 def publish(pairs: Iterable[tuple[str, str]]) -> None:
     """Puts every ``(temp, final)`` in place as one commit: first removes every existing final,
-    then renames the temps in order (``.bin`` before ``.idx``).
+    then renames the temps in order, every ``.idx`` last (after its ``.bin`` and companions
+    such as a route header).
 
     A crash at any point leaves no mix of old and new files that would load: each prefix has
-    either its new files or no ``.idx`` (refused at load, naming the file). Renaming over the
-    old files instead would leave a window (new ``.bin`` beside the old ``.idx``) where a pair
-    of the same total size loads as misaligned documents. A job that has an old file
-    memory-mapped keeps reading its inode either way.
+    either all its new files or no ``.idx`` (refused at load, naming the file). Renaming over
+    the old files instead would leave a window (new ``.bin`` beside the old ``.idx``) where a
+    pair of the same total size loads as misaligned documents, and an ``.idx`` renamed before a
+    companion would let the prefix load without it. A job that has an old file memory-mapped
+    keeps reading its inode either way.
     """
     pairs = list(pairs)
     for _tmp, final in pairs:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(final)
+    pairs.sort(key=lambda pair: pair[1].endswith(".idx"))  # stable: the given order otherwise
     for tmp, final in pairs:
         os.replace(tmp, final)
 

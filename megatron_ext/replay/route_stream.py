@@ -197,8 +197,7 @@ def assemble_route_sidecar(
             f.write(header)
         for tmp in temps:
             fsync_path(tmp)
-        # .bin, the header, then .idx: the sidecar loads only once its header is in place.
-        publish([(temps[0], finals[0]), (temps[2], finals[2]), (temps[1], finals[1])])
+        publish(zip(temps, finals, strict=True))  # .idx last: loads only with its header
     return int(np.asarray(doc_lengths_D).size)
 
 

@@ -106,10 +106,11 @@ def _vocabulary_flags(args: argparse.Namespace) -> str:
 
 def check_vocabulary(args: argparse.Namespace) -> None:
     """Raises ``ValueError`` naming the vocabulary's flags and the file when a token id does not fit."""
-    vocab = padded_vocab_size(args)
-    if vocab is None or getattr(args, "mock_data", False):
+    prefixes = [] if getattr(args, "mock_data", False) else data_prefixes(args)
+    vocab = padded_vocab_size(args) if prefixes else None  # may load a tokenizer: only if needed
+    if vocab is None:
         return
-    for prefix in data_prefixes(args):
+    for prefix in prefixes:
         if not (os.path.exists(prefix + ".idx") and os.path.exists(prefix + ".bin")):
             continue  # a missing file is reported by the data checks, naming it
         largest = max_token_id(prefix)
