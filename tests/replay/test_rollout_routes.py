@@ -1,6 +1,7 @@
 """Tier: pure (numpy only). Decoding rollout route dumps and repairing them into route buffers."""
 
 import base64
+import json
 
 import numpy as np
 import pytest
@@ -121,6 +122,15 @@ def test_route_file_header_round_trip_and_first_invalid_row(tmp_path):
         )
     path.write_text('{"format": "other"}')
     with pytest.raises(ValueError, match="is not a megatron_ext.routes header"):
+        read_header(str(path))
+    stamped = json.loads(
+        header_bytes(
+            num_layers=2, topk=2, num_experts=8, dtype=np.uint8, lengths_D=lengths, tokens="ab12"
+        )
+    )
+    assert stamped["tokens_digest"] == "ab12"
+    path.write_text(json.dumps({**stamped, "tokens_digest": 5}))  # a digest that is no digest
+    with pytest.raises(ValueError, match=r"r\.routes\.json: 'tokens_digest' must be a string"):
         read_header(str(path))
     # Hand-worked rows (E = 8, K = 2): token 1 layer 0 duplicates; token 0 layer 1 is missing.
     rows = np.array([[[1, 2], [255, 255]], [[3, 3], [0, 1]]], dtype=np.uint8)
