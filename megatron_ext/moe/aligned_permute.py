@@ -255,6 +255,10 @@ def permute_to_layout(x_TD: torch.Tensor, layout: PermuteLayout) -> torch.Tensor
     (Megatron's gather backward), pad rows onto a dropped trash row.
     """
     assert x_TD.shape[0] == layout.num_tokens, "x_TD rows differ from the routing map"
+    if layout.num_pads == 0:
+        # Every group already a multiple (a host int says so): Megatron's own gather, no zero
+        # row to append (the cat below would copy every token once more for nothing).
+        return x_TD.index_select(0, layout.token_idx_P)
     if x_TD.numel() * x_TD.element_size() <= SMALL_TOKENS_BYTES:
         # Pads gather the appended zero row (index T); autograd's backward is the same
         # index_add_ into T + 1 rows, the trash row dropped by the cat's backward.
@@ -290,6 +294,7 @@ def unpermute_from_layout(y_PD: torch.Tensor, layout: PermuteLayout) -> torch.Te
     if torch.are_deterministic_algorithms_enabled():
         out.index_add_(0, layout.token_idx_P, y_PD)
     else:
-        index = layout.token_idx_P.view(-1, *([1] * (y_PD.dim() - 1))).expand_as(y_PD)
-        out.scatter_add_(0, index, y_PD)
+        index = layout.token_idx_P
+        index = index.unsqueeze(1) if y_PD.dim() == 2 else index.view(-1, *[1] * (y_PD.dim() - 1))
+        out.scatter_add_(0, index.expand_as(y_PD), y_PD)
     return out[: layout.num_tokens]

@@ -373,7 +373,7 @@ class AlignedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         if not self.aligner.fused:
             return super().combine_postprocess(permutated_local_input_tokens)
         output = self.aligner.strip(permutated_local_input_tokens)
-        output = output.to(permutated_local_input_tokens.dtype).view(self.hidden_shape)
+        output = output.view(self.hidden_shape)  # the unpermute adds in the rows' own dtype
         if self.shared_experts is not None:
             output += self.shared_experts.get_output()
         return output
@@ -431,4 +431,4 @@ class AlignedAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
         """The unpermute, stripping the pads in the same scatter-add."""
         if self.aligner.layout is None:
             return super().combine_preprocess(hidden_states)
-        return self.aligner.strip(hidden_states).to(hidden_states.dtype)
+        return self.aligner.strip(hidden_states)  # in the rows' own dtype, as Megatron's

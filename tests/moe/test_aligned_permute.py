@@ -5,6 +5,7 @@ these modules never import megatron is checked in test_alignment.py (one subproc
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_ext.moe import aligned_chunk_sort as cs
 from megatron_ext.moe import aligned_permute as ap
@@ -232,6 +233,48 @@ def test_equals_megatrons_permute_and_unpermute_with_grads(deterministic, token_
     assert torch.equal(got, ref) and ref.abs().sum() > 0
     assert torch.equal(x2.grad, x1.grad) and torch.equal(p2.grad, p1.grad)
     assert p2.grad[~routing_map].abs().sum() == 0 and p2.grad[routing_map].abs().sum() > 0
+
+
+class _OpNames(TorchDispatchMode):
+    """The ATen ops called inside it, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_no_pad_layout_gathers_the_tokens_like_megatron(token_path):
+    """When every group is already a multiple (no pad row), the buffer is Megatron's permute
+    output exactly, built by Megatron's one gather: no zero row appended, no rows zeroed; the
+    gradients equal Megatron's bitwise."""
+    from megatron.core.transformer.moe.moe_utils import permute
+
+    # 32 tokens, top-2 over 4 experts, each expert routed exactly 16 tokens (align 16).
+    expert_of = torch.arange(64) // 16
+    token_of = torch.arange(64) % 32
+    routing_map = torch.zeros(32, 4, dtype=torch.bool)
+    routing_map[token_of, expert_of] = True
+    assert (routing_map.sum(1) == 2).all() and (routing_map.sum(0) == 16).all()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(32, 5, generator=g)
+    for host_starts in (False, True):
+        layout = plan(routing_map, 16, host_starts=host_starts)
+        assert layout.num_pads == 0 and layout.num_rows == 64  # the case under test
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ref, _, _, _, _ = permute(x1, routing_map, num_out_tokens=64)
+        ops = _OpNames()
+        with ops:
+            got = ap.permute_to_layout(x2, layout)
+        assert ops.names == ["index_select"], ops.names
+        assert torch.equal(got, ref)
+        w = torch.randn(64, 5, generator=g)
+        (ref * w).sum().backward()
+        (got * w).sum().backward()
+        assert torch.equal(x2.grad, x1.grad) and x1.grad.abs().sum() > 0
 
 
 def test_permute_autograd_is_the_gather_adjoint(token_path):
