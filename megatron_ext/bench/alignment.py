@@ -6,7 +6,8 @@ fp8 / mxfp8 / nvfp4, in one process per EP size:
 
 - dispatch + combine time of Megatron's dispatcher without alignment (the bf16 path), with
   megatron_ext's alignment, and (all-to-all) with ``--moe-router-padding-for-quantization``.
-  The variants are interleaved round by round, in an order that rotates every round, and the
+  The variants are interleaved round by round, in an order balanced so that each follows every
+  other equally often (:mod:`.rounds`), and the
   figure is the median of the per-round paired ratios ``ours / unaligned`` with its min and max
   (paired ratios cancel the drift of a shared machine);
 - rows entering the EP all-to-all (EP=2): ours never adds any (pads are created after it);
@@ -49,6 +50,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_ext.bench.registry import BenchResult, register_benchmark
+from megatron_ext.bench.rounds import round_order
 from megatron_ext.testing import run_distributed
 from megatron_ext.testing.distributed import shutdown_pools
 
@@ -234,8 +236,8 @@ def _worker(token_counts: list[int], hidden: int, rounds: int, allocator: str) -
             reps = max(1, 2048 // num_tokens)  # small inputs: several trips per timing
             _round_trip(stock, x, probs, routing_map.clone())  # warm-up (first-call allocations)
             for r in range(rounds):
-                # Same order on every rank (the exchanges pair up), rotated every round.
-                for v in variants[r % len(variants) :] + variants[: r % len(variants)]:
+                # Same order on every rank (the exchanges pair up), balanced per round.
+                for v in round_order(variants, r):
                     v.run(x, probs, routing_map, reps)
             for v in (base, *mine.values()):
                 v.count_ops(x, probs, routing_map)
@@ -411,8 +413,8 @@ def alignment(quick: bool) -> BenchResult:
             f"Megatron's all-to-all and all-gather dispatchers, 8 experts, top-2, hidden {hidden}, "
             "fp32 rows on CPU (gloo), no_grad; timed: dispatch + combine, the stand-in experts (a "
             "copy of their rows, which grows with the pad rows as the GEMMs do) outside it. Variants "
-            f"interleaved over {rounds} rounds in one process per EP size (order rotated every "
-            "round; small inputs repeat the trip within a timing); 'ours/unaligned' is the median "
+            f"interleaved over {rounds} rounds in one process per EP size (order balanced so each "
+            "follows every other equally often; small inputs repeat the trip within a timing); 'ours/unaligned' is the median "
             "of the per-round paired ratios, with their min and max; rank 0 of EP=2. The pad is "
             "folded into Megatron's permute for all-gather and for all-to-all at EP=1, and into "
             "Megatron's chunk sort after the exchange (host counts it already holds) at EP=2. "

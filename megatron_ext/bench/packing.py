@@ -13,8 +13,8 @@ IndexedDataset; every method sees exactly those documents:
   the compiled loops of :mod:`~megatron_ext.data.pack_kernel`, whose one-time compile and
   per-process load are timed as rows of their own.
 
-Method: every round builds every method once (a fresh cache directory each, the starting method
-rotating), and a method's ratio is the median over rounds of its time / GPTDataset's time *in the
+Method: every round builds every method once (a fresh cache directory each, in an order where each
+method follows every other equally often: :mod:`.rounds`), and a method's ratio is the median over rounds of its time / GPTDataset's time *in the
 same round*, with the min and max. Index bytes per document are the cache files' size; peak
 build memory is the peak of traced allocations (numpy and Python, ``tracemalloc``) in an
 untimed build before the rounds, after an untimed warm-up build of every method.
@@ -29,6 +29,7 @@ import tracemalloc
 import numpy as np
 
 from megatron_ext.bench.registry import BenchResult, register_benchmark
+from megatron_ext.bench.rounds import round_order
 
 SEQ_LENGTH = 4096
 
@@ -184,7 +185,7 @@ def packing(quick: bool) -> BenchResult:
         seconds = {name: [] for name in names}
         cpu_seconds = {name: [] for name in names}
         for r in range(rounds):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
+            for name in round_order(names, r):
                 cache = os.path.join(root, f"round{r}", str(names.index(name)))
                 _, wall_s, cpu_s = _timed(lambda n=name, c=cache: methods[n](c))
                 seconds[name].append(wall_s)
@@ -248,7 +249,7 @@ def packing(quick: bool) -> BenchResult:
             f"{total} tokens, one epoch, pad to seq_length {SEQ_LENGTH}. best_fit window 1000, "
             "over-long documents split (ours lose no tokens). Build times include writing the "
             "index cache (cache miss); the SFT rule is a Python loop over lengths only. "
-            f"{rounds} rounds, methods interleaved (starting method rotated); 'index build s' "
+            f"{rounds} rounds, methods interleaved (each following every other equally often); 'index build s' "
             "and 'vs GPTDataset build' are medians, the ratio is paired per round (min and max "
             "beside it); 'CPU-time ratio' is the same median over this process's CPU time, "
             "which a busy machine disturbs less than wall time. Index B/doc: cache files / "

@@ -3,7 +3,7 @@
 Megatron's real tiny MoE GPTModel (local spec, 8 experts, top-2, alltoall dispatcher) at EP=2 on 2 gloo
 ranks; each rank's packs are half padding. The first MoE layer's input for each variant comes from the
 model's own forward; then the MoE layer alone runs forward + backward, the variants interleaved round
-by round (the order rotating), and each round's time is divided by that round's no-padding time: the
+by round (each following every other equally often: :mod:`.rounds`), and each round's time is divided by that round's no-padding time: the
 reported figure is the median of those paired ratios (min, max). Rows are counted where they happen:
 all-to-all rows from the dispatcher's input splits, expert rows from the rows the experts received.
 """
@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from megatron_ext.bench.registry import BenchResult, register_benchmark
+from megatron_ext.bench.rounds import round_order
 from megatron_ext.testing import run_distributed
 
 VARIANTS = ("constant", "self", "skip", "no padding")
@@ -99,8 +100,7 @@ def _worker(seq_len: int, num_packs: int, hidden: int, rounds: int) -> dict:
     times = {v: [] for v in VARIANTS}
     counts = {}
     for r in range(rounds):
-        order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
-        for variant in order:
+        for variant in round_order(VARIANTS, r):
             seconds, counts[variant] = step(variant)
             times[variant].append(seconds)
     group = parallel_state.get_expert_model_parallel_group()
@@ -163,7 +163,7 @@ def pad_routing(quick: bool) -> BenchResult:
             f"Megatron GPTModel (local spec, 8 experts, top-2, hidden {hidden}, alltoall), EP=2 on 2 gloo "
             f"ranks, {num_packs} packs x {seq_len} tokens per rank from the embedded corpus, the second "
             "half of each pack padding; 'no padding' is the same packs' real tokens alone. Time: first "
-            f"MoE layer forward + backward, {rounds} interleaved rounds (order rotating), median of the "
+            f"MoE layer forward + backward, {rounds} interleaved rounds (each variant following every other equally often), median of the "
             "per-round ratio to no padding (min-max), rank 0, CPU with the default allocator (fresh "
             "tensors each call). Rows summed over both ranks; EP-rank peak/mean of expert rows. constant "
             "and self route pads (--moe-pad-routing dispatch); skip is --moe-pad-routing skip on self pads. "
