@@ -3,8 +3,7 @@
 A variant's time depends on the one that ran before it (caches and the allocator's free lists
 hold the previous variant's data). Rotating one order keeps every variant's predecessor fixed:
 in ``[a b c] [b c a] [c a b]`` b always follows a, so b's paired ratio to a carries that effect in
-every round. (Measured here: two identical copies of megatron_ext's dispatcher, one placed
-right after Megatron's, differed by 5 % under rotation, and agreed once reordered.)
+every round, and two copies of the same code can measure apart by their place in the order alone.
 
 The rounds here follow a Williams design (E. J. Williams, 1949): a Latin square in which every
 variant follows every other one equally often. Its first row is ``0, 1, n-1, 2, n-2, ...``, row
