@@ -209,12 +209,13 @@ def _worker(token_counts: list[int], hidden: int, rounds: int, allocator: str) -
     rows = []
     for dispatcher in DISPATCHERS:
         stock, ours = _build(dispatcher, hidden, False), _build(dispatcher, hidden, True)
+        copy = _build(dispatcher, hidden, False)  # a second, identical unaligned layer
         for num_tokens in token_counts:
             g = torch.Generator().manual_seed(num_tokens + 1000 * rank)
             x = torch.randn(num_tokens, 1, hidden, generator=g)
             with torch.no_grad():
                 probs, routing_map = stock.route(x)
-            base = _Variant(stock, None)
+            base, twin = _Variant(stock, None), _Variant(copy, None)
             mine = {p: _Variant(ours, p) for p in PRECISIONS}
             # Megatron refuses router padding for the all-gather dispatcher.
             padded = {p: _Variant(stock, p, True) for p in PRECISIONS if dispatcher == "alltoall"}
@@ -231,10 +232,10 @@ def _worker(token_counts: list[int], hidden: int, rounds: int, allocator: str) -
             no_pad_base, no_pad = None, {}
             if ep == 1:  # ours' own cost on a routing that needs no pad row
                 no_pad_base, no_pad = _no_pad_variants(stock, ours, x, probs, routing_map)
-            variants = [base, *mine.values(), *padded.values(), *floors.values()]
+            variants = [base, twin, *mine.values(), *padded.values(), *floors.values()]
             variants += [no_pad_base, *no_pad.values()] if no_pad_base else []
             reps = max(1, 2048 // num_tokens)  # small inputs: several trips per timing
-            _round_trip(stock, x, probs, routing_map.clone())  # warm-up (first-call allocations)
+            _check_same_layer(stock, copy, x, probs, routing_map)  # also a warm-up of both
             for r in range(rounds):
                 # Same order on every rank (the exchanges pair up), balanced per round.
                 for v in round_order(variants, r):
@@ -264,6 +265,7 @@ def _worker(token_counts: list[int], hidden: int, rounds: int, allocator: str) -
                         round(statistics.median(ratios), 3),
                         round(min(ratios), 3),
                         round(max(ratios), 3),
+                        round(statistics.median(_ratios(twin, base)), 3),
                         round(statistics.median(_ratios(rp, base)), 3) if rp else "-",
                         _floor_cell(floors.get(precision), base, sum(groups)),
                         _no_pad_cell(no_pad.get(precision), no_pad_base),
@@ -281,6 +283,21 @@ def _worker(token_counts: list[int], hidden: int, rounds: int, allocator: str) -
                     ]
                 )
     return rows
+
+
+def _check_same_layer(stock, copy, x, probs, routing_map) -> None:
+    """The copy is the same computation as the unaligned layer: equal groups and outputs."""
+    outputs = []
+    with torch.no_grad():
+        for layer in (stock, copy):
+            _set_precision(layer.config, None)
+            d = layer.token_dispatcher
+            h, p = d.dispatch_preprocess(x, routing_map.clone(), probs)
+            h, p = d.token_dispatch(h, p)
+            h, tokens_per_expert, p = d.dispatch_postprocess(h, p)
+            out = d.combine_postprocess(d.token_combine(d.combine_preprocess(h * p.unsqueeze(-1))))
+            outputs.append((tokens_per_expert.tolist(), out))
+    assert outputs[0][0] == outputs[1][0] and torch.equal(outputs[0][1], outputs[1][1])
 
 
 def _inputs_with_rows(x, probs, routing_map, num_rows: int):
@@ -373,6 +390,7 @@ COLUMNS = [
     "ours/unaligned",
     "ratio min",
     "ratio max",
+    "unaligned copy/unaligned",
     "router pad/unaligned",
     "unaligned at ours' rows/unaligned",
     "ours/unaligned, no pad needed",
@@ -415,7 +433,10 @@ def alignment(quick: bool) -> BenchResult:
             "copy of their rows, which grows with the pad rows as the GEMMs do) outside it. Variants "
             f"interleaved over {rounds} rounds in one process per EP size (order balanced so each "
             "follows every other equally often; small inputs repeat the trip within a timing); 'ours/unaligned' is the median "
-            "of the per-round paired ratios, with their min and max; rank 0 of EP=2. The pad is "
+            "of the per-round paired ratios, with their min and max; rank 0 of EP=2. 'unaligned "
+            "copy/unaligned': a second, identical unaligned layer timed as one more variant, "
+            "checked to compute the same: the ratio identical code gets here (1 up to the "
+            "machine's noise and the effect of the order), to read the others against. The pad is "
             "folded into Megatron's permute for all-gather and for all-to-all at EP=1, and into "
             "Megatron's chunk sort after the exchange (host counts it already holds) at EP=2. "
             "'a2a rows' = hidden rows entering the EP "
