@@ -7,9 +7,9 @@ fp8 / mxfp8 / nvfp4, in one process per EP size:
 - dispatch + combine time of Megatron's dispatcher without alignment (the bf16 path), with
   megatron_ext's alignment, and (all-to-all) with ``--moe-router-padding-for-quantization``.
   The variants are interleaved round by round, in an order balanced so that each follows every
-  other equally often (:mod:`.rounds`), and the
-  figure is the median of the per-round paired ratios ``ours / unaligned`` with its min and max
-  (paired ratios cancel the drift of a shared machine);
+  other equally often (:mod:`.rounds`), and the figure is the median of the per-round paired
+  ratios ``ours / unaligned`` with its min and max (paired ratios cancel the drift of a shared
+  machine);
 - rows entering the EP all-to-all (EP=2): ours never adds any (pads are created after it);
   router padding sends extra duplicated real tokens;
 - pad rows added, and whether every group ended up aligned (router padding cannot align when a
@@ -84,10 +84,11 @@ def _set_precision(cfg, precision: str | None) -> None:
 def _round_trip(layer, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, span=None):
     """Dispatch and combine around stand-in experts.
 
-    Returns (rows into the exchange, groups, seconds in the dispatcher). The stand-in (a copy,
-    as an expert's output is a fresh tensor) is outside the timed span: its cost is the experts'
-    (it grows with the pad rows, as the GEMMs do), not the dispatcher's. ``span``: a context
-    entered around the two dispatcher spans (an :class:`OpCounter`), outside their timing.
+    Returns (rows into the exchange, groups, seconds in the dispatcher, the layer's output). The
+    stand-in (a copy, as an expert's output is a fresh tensor) is outside the timed span: its cost
+    is the experts' (it grows with the pad rows, as the GEMMs do), not the dispatcher's.
+    ``span``: a context entered around the two dispatcher spans (an :class:`OpCounter`), outside
+    their timing.
     """
     d = layer.token_dispatcher
     span = span or contextlib.nullcontext()
@@ -103,9 +104,9 @@ def _round_trip(layer, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.
         combine = time.perf_counter()
         h = d.combine_preprocess(h)
         h = d.token_combine(h)
-        d.combine_postprocess(h)
+        out = d.combine_postprocess(h)
         done = time.perf_counter()
-    return rows_sent, tokens_per_expert, (dispatched - start) + (done - combine)
+    return rows_sent, tokens_per_expert, (dispatched - start) + (done - combine), out
 
 
 class OpCounter(TorchDispatchMode):
@@ -163,7 +164,7 @@ class _Variant:
             for _ in range(reps):
                 # A fresh map each trip: Megatron's pad_routing_map writes into the one it gets.
                 trip_map = routing_map.clone()
-                self.rows_sent, self.groups, trip = _round_trip(self.layer, x, probs, trip_map)
+                self.rows_sent, self.groups, trip, _ = _round_trip(self.layer, x, probs, trip_map)
                 seconds += trip
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         self.seconds.append(seconds / reps)
@@ -291,11 +292,7 @@ def _check_same_layer(stock, copy, x, probs, routing_map) -> None:
     with torch.no_grad():
         for layer in (stock, copy):
             _set_precision(layer.config, None)
-            d = layer.token_dispatcher
-            h, p = d.dispatch_preprocess(x, routing_map.clone(), probs)
-            h, p = d.token_dispatch(h, p)
-            h, tokens_per_expert, p = d.dispatch_postprocess(h, p)
-            out = d.combine_postprocess(d.token_combine(d.combine_preprocess(h * p.unsqueeze(-1))))
+            _, tokens_per_expert, _, out = _round_trip(layer, x, probs, routing_map.clone())
             outputs.append((tokens_per_expert.tolist(), out))
     assert outputs[0][0] == outputs[1][0] and torch.equal(outputs[0][1], outputs[1][1])
 
@@ -432,8 +429,9 @@ def alignment(quick: bool) -> BenchResult:
             "fp32 rows on CPU (gloo), no_grad; timed: dispatch + combine, the stand-in experts (a "
             "copy of their rows, which grows with the pad rows as the GEMMs do) outside it. Variants "
             f"interleaved over {rounds} rounds in one process per EP size (order balanced so each "
-            "follows every other equally often; small inputs repeat the trip within a timing); 'ours/unaligned' is the median "
-            "of the per-round paired ratios, with their min and max; rank 0 of EP=2. 'unaligned "
+            "follows every other equally often; small inputs repeat the trip within a timing); "
+            "'ours/unaligned' is the median of the per-round paired ratios, with their min and "
+            "max; rank 0 of EP=2. 'unaligned "
             "copy/unaligned': a second, identical unaligned layer timed as one more variant, "
             "checked to compute the same: the ratio identical code gets here (1 up to the "
             "machine's noise and the effect of the order), to read the others against. The pad is "

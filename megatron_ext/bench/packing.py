@@ -14,10 +14,11 @@ IndexedDataset; every method sees exactly those documents:
   per-process load are timed as rows of their own.
 
 Method: every round builds every method once (a fresh cache directory each, in an order where each
-method follows every other equally often: :mod:`.rounds`), and a method's ratio is the median over rounds of its time / GPTDataset's time *in the
-same round*, with the min and max. Index bytes per document are the cache files' size; peak
-build memory is the peak of traced allocations (numpy and Python, ``tracemalloc``) in an
-untimed build before the rounds, after an untimed warm-up build of every method.
+method follows every other equally often: :mod:`.rounds`), and a method's ratio is the median over
+rounds of its time / GPTDataset's time *in the same round*, with the min and max. Index bytes per
+document are the cache files' size; peak build memory is the peak of traced allocations (numpy and
+Python, ``tracemalloc``) in an untimed build before the rounds, after an untimed warm-up build of
+every method.
 """
 
 import os
@@ -249,9 +250,10 @@ def packing(quick: bool) -> BenchResult:
             f"{total} tokens, one epoch, pad to seq_length {SEQ_LENGTH}. best_fit window 1000, "
             "over-long documents split (ours lose no tokens). Build times include writing the "
             "index cache (cache miss); the SFT rule is a Python loop over lengths only. "
-            f"{rounds} rounds, methods interleaved (each following every other equally often); 'index build s' "
-            "and 'vs GPTDataset build' are medians, the ratio is paired per round (min and max "
-            "beside it); 'CPU-time ratio' is the same median over this process's CPU time, "
+            f"{rounds} rounds, methods interleaved (each following every other equally often); "
+            "'index build s' and 'vs GPTDataset build' are medians, the ratio is paired per round "
+            "(min and max beside it); 'CPU-time ratio' is the same median over this process's "
+            "CPU time, "
             "which a busy machine disturbs less than wall time. Index B/doc: cache files / "
             "documents. Peak build MiB: tracemalloc peak "
             "of one untimed build (Megatron's C++ sample index, about 8 B per sample, is not "

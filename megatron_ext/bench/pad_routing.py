@@ -1,11 +1,12 @@
 """Benchmark: what pads cost in the MoE layer, constant pads vs self pads vs skipped pads vs no padding.
 
-Megatron's real tiny MoE GPTModel (local spec, 8 experts, top-2, alltoall dispatcher) at EP=2 on 2 gloo
-ranks; each rank's packs are half padding. The first MoE layer's input for each variant comes from the
-model's own forward; then the MoE layer alone runs forward + backward, the variants interleaved round
-by round (each following every other equally often: :mod:`.rounds`), and each round's time is divided by that round's no-padding time: the
-reported figure is the median of those paired ratios (min, max). Rows are counted where they happen:
-all-to-all rows from the dispatcher's input splits, expert rows from the rows the experts received.
+Megatron's real tiny MoE GPTModel (local spec, 8 experts, top-2, alltoall dispatcher) at EP=2 on 2
+gloo ranks; each rank's packs are half padding. The first MoE layer's input for each variant comes
+from the model's own forward; then the MoE layer alone runs forward + backward, the variants
+interleaved round by round (each following every other equally often: :mod:`.rounds`), and each
+round's time is divided by that round's no-padding time: the reported figure is the median of those
+paired ratios (min, max). Rows are counted where they happen: all-to-all rows from the dispatcher's
+input splits, expert rows from the rows the experts received.
 """
 
 import statistics
@@ -163,9 +164,10 @@ def pad_routing(quick: bool) -> BenchResult:
             f"Megatron GPTModel (local spec, 8 experts, top-2, hidden {hidden}, alltoall), EP=2 on 2 gloo "
             f"ranks, {num_packs} packs x {seq_len} tokens per rank from the embedded corpus, the second "
             "half of each pack padding; 'no padding' is the same packs' real tokens alone. Time: first "
-            f"MoE layer forward + backward, {rounds} interleaved rounds (each variant following every other equally often), median of the "
-            "per-round ratio to no padding (min-max), rank 0, CPU with the default allocator (fresh "
-            "tensors each call). Rows summed over both ranks; EP-rank peak/mean of expert rows. constant "
+            f"MoE layer forward + backward, {rounds} interleaved rounds (each variant following "
+            "every other equally often), median of the per-round ratio to no padding (min-max), rank 0, "
+            "CPU with the default allocator (fresh tensors each call). Rows summed over both "
+            "ranks; EP-rank peak/mean of expert rows. constant "
             "and self route pads (--moe-pad-routing dispatch); skip is --moe-pad-routing skip on self pads. "
             "The router here is randomly initialised, and with 2 EP ranks whether constant pads, "
             "which crowd onto few experts, also overload one rank depends on where those experts "

@@ -10,7 +10,8 @@ side by side in one process:
   once per pass, and, when the micro-batch may have missing rows, the ``native`` policy's bool
   mask), and its cached row index;
 - forward time of four variants (and ``install()`` alone), **interleaved round by round** (each round runs every variant,
-  in an order where each follows every other equally often (:mod:`.rounds`), so drift of a shared machine hits all of them alike; a round
+  in an order where each follows every other equally often (:mod:`.rounds`), so drift of a
+  shared machine hits all of them alike; a round
   keeps each variant's fastest of a few passes), timed in thread CPU time (the machine's cores
   are shared; one intra-op thread): native routing, Megatron's ``REPLAY_FORWARD`` with its
   targets set, megatron_ext's binding with the dataset's host count saying the micro-batch has no missing row (``has_missing=False``:
@@ -39,7 +40,8 @@ def interleaved_rounds(
     clock: Callable[[], float] = time.thread_time,
     inner: int = 1,
 ) -> dict[str, list[float]]:
-    """Times every variant in every round (in :func:`~megatron_ext.bench.rounds.round_order`) after one warm-up pass.
+    """Times every variant in every round (in :func:`~megatron_ext.bench.rounds.round_order`'s
+    order) after one warm-up pass.
 
     A round runs its order ``inner`` times over and keeps each variant's fastest call,
     so a burst of other work on a shared machine during one call does not decide the round.
@@ -359,8 +361,9 @@ def replay(quick: bool) -> BenchResult:
         notes=(
             f"Tiny MoE GPTModel on CPU (1 intra-op thread), B={batch}, S={seq}, {layers} MoE "
             f"layers, hidden 128. {rounds} interleaved rounds: every round runs the variants "
-            f"{inner} times over in an order where each follows every other equally often and keeps each one's fastest "
-            "call, timed in thread CPU time (other jobs on the shared cores do not count); "
+            f"{inner} times over in an order where each follows every other equally often and "
+            "keeps each one's fastest call, timed in thread CPU time (other jobs on the shared "
+            "cores do not count); "
             "ratios are the median over rounds of the paired per-round ratio, with its "
             "min..max. uint8 costs K = 2 bytes per token per layer; Megatron "
             "keeps int64 targets (8K) and its inference buffer is int32 (4K). Our forward "

@@ -294,7 +294,6 @@ def unpermute_from_layout(y_PD: torch.Tensor, layout: PermuteLayout) -> torch.Te
     if torch.are_deterministic_algorithms_enabled():
         out.index_add_(0, layout.token_idx_P, y_PD)
     else:
-        index = layout.token_idx_P
-        index = index.unsqueeze(1) if y_PD.dim() == 2 else index.view(-1, *[1] * (y_PD.dim() - 1))
-        out.scatter_add_(0, index.expand_as(y_PD), y_PD)
+        index = layout.token_idx_P.view(-1, *([1] * (y_PD.dim() - 1))).expand_as(y_PD)
+        out.scatter_add_(0, index, y_PD)
     return out[: layout.num_tokens]
