@@ -44,9 +44,14 @@ from megatron_ext.moe.alignment import (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, eq=False)
 class PermuteLayout:
-    """The aligned permute of one routing map.
+    """The aligned permute of one routing map (never changed once planned: :meth:`narrow` makes
+    a new one).
+
+    Not ``frozen``: a frozen dataclass sets each field through ``object.__setattr__``, which
+    costs more than the rest of the layout's bookkeeping on the few-token path, where host work
+    is the whole cost.
 
     Attributes:
         pair_idx_P: Flat ``t * E + e`` pair of each buffer row (the probs' element); ``T * E``
@@ -171,10 +176,8 @@ def plan_aligned_permute(
     Returns:
         The layout; the last group absorbs any slack of a static bound.
     """
-    assert routing_map_TE.dim() == 2 and routing_map_TE.dtype == torch.bool
-    assert align > 1, "identity alignment needs no layout"
-    assert num_rows >= num_out_tokens, "the buffer holds every routed pair"
-    num_tokens, num_experts = routing_map_TE.shape
+    assert routing_map_TE.dtype == torch.bool and align > 1 and num_rows >= num_out_tokens
+    num_tokens, num_experts = routing_map_TE.shape  # (a map of another rank fails here)
     num_pairs = num_tokens * num_experts
     if rank_TE is None:
         rank_TE = rank_within_expert(routing_map_TE)
@@ -186,7 +189,10 @@ def plan_aligned_permute(
     slot_TE = rank_TE.add(start_E).mul_(routing_map_TE)
     pair_idx = slot_TE.new_full((num_rows + 1,), num_pairs)  # int64, on the map's device
     # The scatter reads its source only where the index is, so the buffer needs no slicing.
-    pair_idx.scatter_(0, slot_TE.view(-1), _arange_buffer(num_pairs, slot_TE))
+    values = _ARANGES.get(slot_TE.device)
+    if values is None or values.shape[0] < num_pairs:
+        values = _arange_buffer(num_pairs, slot_TE)
+    pair_idx.scatter_(0, slot_TE.view(-1), values)
     pair_idx_P = pair_idx[1:]
     return PermuteLayout(
         pair_idx_P=pair_idx_P,
@@ -259,7 +265,7 @@ def permute_to_layout(x_TD: torch.Tensor, layout: PermuteLayout) -> torch.Tensor
         # Every group already a multiple (a host int says so): Megatron's own gather, no zero
         # row to append (the cat below would copy every token once more for nothing).
         return x_TD.index_select(0, layout.token_idx_P)
-    if x_TD.numel() * x_TD.element_size() <= SMALL_TOKENS_BYTES:
+    if x_TD.nbytes <= SMALL_TOKENS_BYTES:
         # Pads gather the appended zero row (index T); autograd's backward is the same
         # index_add_ into T + 1 rows, the trash row dropped by the cat's backward.
         zero = shared_zero_row(x_TD)

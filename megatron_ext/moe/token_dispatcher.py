@@ -106,6 +106,7 @@ class _GroupAligner:
         host_tokens_per_expert_E: torch.Tensor | None,
         num_out_tokens: int | None = None,
         rank_TE: torch.Tensor | None = None,
+        align: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Builds the aligned buffer with one copy of the rows.
 
@@ -129,13 +130,14 @@ class _GroupAligner:
                 without host counts only.
             rank_TE: The routing map's ``rank_within_expert`` when the caller took its counts
                 from it (permute only).
+            align: :attr:`align` when the caller has just read it (saves reading it again).
 
         Returns:
             ``(x_P, aligned tokens_per_expert_E, probs_P)``; the counts are a host tensor, or
             None for a permute without host counts (its caller gets them from
             ``exact_host_sizes`` once Megatron's host counts arrive).
         """
-        align = self.align
+        align = align or self.align
         if isinstance(routing, list):
             layout = cs.plan_chunk_layout(
                 routing, align, self._static_rows(x.shape[0], routing, align)
@@ -192,13 +194,14 @@ class _GroupAligner:
         """``(real rows N, buffer rows P, aligned host counts, host group starts, (counts,
         aligned sizes) as Python ints)`` from host counts, one read."""
         counts = _host_counts(host_tokens_per_expert_E)
-        aligned = al.round_up_host(counts, align)
-        num_real = sum(counts)
-        if self.buffer_sizing == "host_counts":
-            num_rows = sum(aligned)
-        else:  # the slack rows join the last group, as in the device layout
-            num_rows = al.static_aligned_rows(num_real, len(counts), align)
-            aligned[-1] += num_rows - sum(aligned)
+        # al.round_up_host inline: on the few-token path each Python call is a measurable part.
+        aligned = [-(-n // align) * align for n in counts]
+        num_real, num_rows = sum(counts), sum(aligned)
+        if self.buffer_sizing != "host_counts":
+            # The slack rows join the last group, as in the device layout.
+            static_rows = al.static_aligned_rows(num_real, len(counts), align)
+            aligned[-1] += static_rows - num_rows
+            num_rows = static_rows
         # One host array, cut by numpy: torch's own indexing would add two dispatched ops.
         sizes = np.array([*aligned, *itertools.accumulate(aligned[:-1], initial=0)], np.int64)
         num_experts = len(aligned)
@@ -407,7 +410,8 @@ class AlignedAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
 
     def dispatch_postprocess(self, hidden_states, probs):
         """Megatron's permute by local expert, writing the aligned buffer directly."""
-        if not self.aligner.active:
+        align = self.aligner.align
+        if al.is_identity(align):
             return super().dispatch_postprocess(hidden_states, probs)
         self.hidden_shape_before_permute = hidden_states.shape
         if self.num_local_experts == self.routing_map.shape[1]:  # every expert is local (EP=1)
@@ -421,7 +425,12 @@ class AlignedAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
         # NOTE: device-to-host sync, Megatron's own (its dispatch_postprocess makes the same copy).
         tokens_per_expert = ap.counts_from_ranks(rank_TE).cpu()
         x_P, tokens_per_expert, probs_P = self.aligner.pad(
-            hidden_states, local_probs, self.local_map, tokens_per_expert, rank_TE=rank_TE
+            hidden_states,
+            local_probs,
+            self.local_map,
+            tokens_per_expert,
+            rank_TE=rank_TE,
+            align=align,
         )
         self.local_probs = probs_P
         self.routing_map = None
