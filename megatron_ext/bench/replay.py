@@ -9,16 +9,17 @@ side by side in one process:
   the device per micro-batch, measured as the nbytes of its tensors (the uint8 rows, widened to int64
   once per pass, and, when the micro-batch may have missing rows, the ``native`` policy's bool
   mask), and its cached row index;
-- forward time of four variants (and ``install()`` alone), **interleaved round by round** (each round runs every variant,
-  in an order where each follows every other equally often (:mod:`.rounds`), so drift of a
-  shared machine hits all of them alike; a round
-  keeps each variant's fastest of a few passes), timed in thread CPU time (the machine's cores
-  are shared; one intra-op thread): native routing, Megatron's ``REPLAY_FORWARD`` with its
-  targets set, megatron_ext's binding with the dataset's host count saying the micro-batch has no missing row (``has_missing=False``:
-  install + gather, the fast path), and the binding with ``has_missing`` unknown (missing mask,
-  native top-k and ``where`` in every router). Reported per variant: the median time, and the
-  median of the per-round paired ratios to native (and to Megatron's replay) with their min and
-  max;
+- forward time of five variants (and ``install()`` alone), **interleaved round by round**
+  (each round runs every variant, in an order where each follows every other equally often
+  (:mod:`.rounds`), so drift of a shared machine hits all of them alike; a round keeps each
+  variant's fastest of a few passes), timed in thread CPU time (the machine's cores are shared;
+  one intra-op thread): native routing, Megatron's ``REPLAY_FORWARD`` with its targets set,
+  megatron_ext's binding with the dataset's host count saying the micro-batch has no missing
+  row (``has_missing=False``: install + gather, the fast path), the binding with
+  ``has_missing`` unknown (missing mask, native top-k and ``where`` in every router), and native
+  routing once more as a control (the same code: its ratio to native is what identical code
+  measures in the run). Reported per variant: the median time, and the median of the per-round
+  paired ratios to native (and to Megatron's replay) with their min and max;
 - the replay step alone (no model): what differs between the variants, per micro-batch (see
   :func:`_replay_step_times`), the same way.
 """
@@ -159,6 +160,7 @@ def _worker(batch: int, seq: int, layers: int, rounds: int, inner: int) -> dict:
     times = interleaved_rounds(
         {
             "native": native,
+            "native_again": native,  # control: the same code, timed as one more variant
             "megatron": megatron_replay,
             "ours": ours_replay(False),
             "ours_unknown": ours_replay(None),
@@ -267,6 +269,7 @@ def _replay_step_times(binding, ours, theirs, recorded, routes_BSLK, rounds, inn
     times = interleaved_rounds(
         {
             "native": native,
+            "native_again": native,  # control, as in the forward rounds
             "megatron": megatron_with(lambda: recorded),
             "megatron_batch": megatron_with(from_batch),
             "ours": mine,
@@ -281,6 +284,7 @@ def _step_rows(step_times: dict[str, list[float]], layers: int) -> list[list]:
     label = f"replay step alone, no model ({layers} layers' top-k + setup, per micro-batch): "
     names = {
         "native": "native top-k",
+        "native_again": "native top-k again (control: the same code)",
         "megatron": "Megatron RouterReplay, targets precomputed per layer",
         "megatron_batch": "Megatron RouterReplay fed from the batch (users' glue)",
         "ours": "megatron_ext install() + replay",
@@ -315,6 +319,11 @@ def replay(quick: bool) -> BenchResult:
     vs_glue = paired_ratio(step, "ours", "megatron_batch")
     rows = [
         ["native routing (no replay)", "-", *_ratio_cells(times, "native")],
+        [
+            "native routing again (control: the same code, timed as another variant)",
+            "-",
+            *_ratio_cells(times, "native_again"),
+        ],
         ["Megatron RouterReplay (REPLAY_FORWARD)", r["megatron_bytes"]]
         + _ratio_cells(times, "megatron"),
         ["Megatron inference RoutingMetadata (int32)", r["inference_bytes"], *dash],
@@ -365,7 +374,9 @@ def replay(quick: bool) -> BenchResult:
             "keeps each one's fastest call, timed in thread CPU time (other jobs on the shared "
             "cores do not count); "
             "ratios are the median over rounds of the paired per-round ratio, with its "
-            "min..max. uint8 costs K = 2 bytes per token per layer; Megatron "
+            "min..max. The 'again (control)' rows time native routing a second time as one more "
+            "variant: their ratios are what identical code measures in this run, the scale "
+            "against which to read the others. uint8 costs K = 2 bytes per token per layer; Megatron "
             "keeps int64 targets (8K) and its inference buffer is int32 (4K). Our forward "
             "includes install() (CP/SP slicing, one gather) and the int64 widening, once per "
             "pass for all the stage's layers (routers save their int64 slice for backward, as "
