@@ -35,6 +35,7 @@ from megatron_ext.bench.rounds import round_order
 
 SEQ_LENGTH = 4096
 GPT_NAME = "Megatron GPTDataset (cuts documents)"
+CONTROL_NAME = "Megatron GPTDataset again (control: the same build)"
 SFT_NAME = "Megatron SFT rule (truncate overflow)"
 
 
@@ -173,10 +174,9 @@ def packing(quick: bool) -> BenchResult:
 
             return build
 
-        gpt_name, control_name = GPT_NAME, "Megatron GPTDataset again (control: the same build)"
         methods = {
-            gpt_name: gpt,
-            control_name: gpt,  # timed as one more method: what identical code measures
+            GPT_NAME: gpt,
+            CONTROL_NAME: gpt,  # timed as one more method: what identical code measures
             SFT_NAME: sft_rule,
             "ours: PackedDataset sequential": ours("sequential"),
             "ours: PackedDataset best_fit": ours("best_fit"),
@@ -198,13 +198,13 @@ def packing(quick: bool) -> BenchResult:
                 cpu_seconds[name].append(cpu_s)
 
         def paired(times: dict[str, list[float]], name: str) -> list[float]:
-            return [t / g for t, g in zip(times[name], times[gpt_name], strict=True)]
+            return [t / g for t, g in zip(times[name], times[GPT_NAME], strict=True)]
 
         rows: list[list] = []
         for name in names:
             ratios = paired(seconds, name)
             result = built[name]
-            gpt_like = name in (gpt_name, control_name)
+            gpt_like = name in (GPT_NAME, CONTROL_NAME)
             if name == SFT_NAME:
                 packs, real, lost = result
             else:
@@ -229,7 +229,7 @@ def packing(quick: bool) -> BenchResult:
                     peak[name],
                 ]
             )
-        gpt_median = statistics.median(seconds[gpt_name])
+        gpt_median = statistics.median(seconds[GPT_NAME])
         for label, cost in (
             ("ours: pack kernel compile (once per machine, cached)", compile_s),
             ("ours: pack kernel load (once per process)", load_s),

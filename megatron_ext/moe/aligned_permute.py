@@ -177,7 +177,7 @@ def plan_aligned_permute(
         The layout; the last group absorbs any slack of a static bound.
     """
     assert routing_map_TE.dtype == torch.bool and align > 1 and num_rows >= num_out_tokens
-    num_tokens, num_experts = routing_map_TE.shape  # (a map of another rank fails here)
+    num_tokens, num_experts = routing_map_TE.shape  # (a map that is not 2-D fails here)
     num_pairs = num_tokens * num_experts
     if rank_TE is None:
         rank_TE = rank_within_expert(routing_map_TE)
@@ -189,10 +189,7 @@ def plan_aligned_permute(
     slot_TE = rank_TE.add(start_E).mul_(routing_map_TE)
     pair_idx = slot_TE.new_full((num_rows + 1,), num_pairs)  # int64, on the map's device
     # The scatter reads its source only where the index is, so the buffer needs no slicing.
-    values = _ARANGES.get(slot_TE.device)
-    if values is None or values.shape[0] < num_pairs:
-        values = _arange_buffer(num_pairs, slot_TE)
-    pair_idx.scatter_(0, slot_TE.view(-1), values)
+    pair_idx.scatter_(0, slot_TE.view(-1), _arange_buffer(num_pairs, slot_TE))
     pair_idx_P = pair_idx[1:]
     return PermuteLayout(
         pair_idx_P=pair_idx_P,

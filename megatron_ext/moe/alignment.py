@@ -159,8 +159,7 @@ def shared_zero_rows(like: torch.Tensor, rows: int) -> torch.Tensor:
 def shared_zero_row(like: torch.Tensor) -> torch.Tensor:
     """One zero row ``[1, ...]`` like ``like``'s rows: a view of :func:`shared_zero_rows`'s
     buffer, made when the buffer is (so the permute's trash row costs no slicing op)."""
-    entry = _ZERO_ROWS.get((like.dtype, like.device, like.shape[1:]))  # _zero_entry's key
-    return (entry or _zero_entry(like, 1))[1]
+    return _zero_entry(like, 1)[1]
 
 
 def aligned_rows_from_host_counts(

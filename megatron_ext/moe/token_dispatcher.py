@@ -194,8 +194,7 @@ class _GroupAligner:
         """``(real rows N, buffer rows P, aligned host counts, host group starts, (counts,
         aligned sizes) as Python ints)`` from host counts, one read."""
         counts = _host_counts(host_tokens_per_expert_E)
-        # al.round_up_host inline: on the few-token path each Python call is a measurable part.
-        aligned = [-(-n // align) * align for n in counts]
+        aligned = al.round_up_host(counts, align)
         num_real, num_rows = sum(counts), sum(aligned)
         if self.buffer_sizing != "host_counts":
             # The slack rows join the last group, as in the device layout.
