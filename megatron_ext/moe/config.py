@@ -79,6 +79,33 @@ class MoEAlignmentConfig:
             check_load_log(self.moe_expert_load_log)
         if not self.moe_dispatch_align:
             return
+        quantized = self.refuse_unalignable(args)
+        override = self.moe_dispatch_align_size
+        if not quantized:
+            # A setting with no effect on the current path warns once (STYLE).
+            if override:
+                _moe_warn_once(
+                    f"--moe-dispatch-align-size {override} has no effect without --fp8-format / "
+                    "--fp4-format: bf16/fp16 expert groups are not padded (Megatron's path runs "
+                    "untouched)"
+                )
+            else:
+                _moe_warn_once(
+                    "--moe-dispatch-align has no effect without --fp8-format / --fp4-format: "
+                    "bf16/fp16 grouped GEMMs need no alignment (Megatron's path runs untouched)"
+                )
+
+    def refuse_unalignable(self, args: _moe_argparse.Namespace) -> bool:
+        """The refusals of :meth:`check_megatron_args` for an aligned run, without its warnings.
+
+        ``args`` is Megatron's arguments or a layer's ``TransformerConfig`` (the same names), so
+        :class:`~megatron_ext.moe.moe_layer.AlignedMoELayer` refuses at construction what
+        ``pretrain_gpt`` refuses at argument time, for a model built from a spec in a user's own
+        script. Returns whether the run's GEMMs are quantized (fp8/fp4).
+
+        Raises:
+            ValueError: Naming both flags of the refused combination.
+        """
         if getattr(args, "moe_router_padding_for_quantization", False):
             raise ValueError(
                 "--moe-dispatch-align and --moe-router-padding-for-quantization both pad expert "
@@ -117,19 +144,7 @@ class MoEAlignmentConfig:
                     "--moe-token-dispatcher-type flex under fp8/fp4: HybridEP re-derives its "
                     f"pad_multiple ({derived}) from the recipe, so an override cannot be honoured"
                 )
-        if not quantized:
-            # A setting with no effect on the current path warns once (STYLE).
-            if override:
-                _moe_warn_once(
-                    f"--moe-dispatch-align-size {override} has no effect without --fp8-format / "
-                    "--fp4-format: bf16/fp16 expert groups are not padded (Megatron's path runs "
-                    "untouched)"
-                )
-            else:
-                _moe_warn_once(
-                    "--moe-dispatch-align has no effect without --fp8-format / --fp4-format: "
-                    "bf16/fp16 grouped GEMMs need no alignment (Megatron's path runs untouched)"
-                )
+        return quantized
 
 
 def _moe_recipe_name(precision: dict) -> str:

@@ -225,11 +225,9 @@ class AlignedMoELayer(MoELayer):
                 )
         if not alignment.moe_dispatch_align:
             return
-        if config.moe_router_padding_for_quantization:
-            raise ValueError(
-                "--moe-dispatch-align and --moe-router-padding-for-quantization both pad expert "
-                "groups; use only --moe-dispatch-align"
-            )
+        # What pretrain_gpt refuses at argument time, refused here for a model built from a spec
+        # in a user's own script (the config carries the same names as Megatron's arguments).
+        alignment.refuse_unalignable(config)
         if config.moe_token_dispatcher_type not in (*_ALIGNED_DISPATCHERS, "flex"):
             raise ValueError(
                 "--moe-dispatch-align supports --moe-token-dispatcher-type alltoall, allgather "

@@ -53,14 +53,20 @@ def _padding_checks() -> dict:
     ref_layer, _, _ = build_layer("alltoall", aligned=False)
     ref = fwd_bwd(ref_layer)
 
-    def aligned_layer(override):
-        # Build as an AlignedMoELayer with this override (bypassing check_megatron_args).
+    def aligned_layer(override, precision=None, **config_changes):
+        # Build as an AlignedMoELayer with this override (no pretrain_gpt argument check: the
+        # layer's own construction check is all there is). ``precision`` and ``config_changes``
+        # are set before construction (an fp8 config cannot be built without TE).
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         from megatron_ext.moe.layer_specs import _use_grouped_mm_experts, with_aligned_moe
         from megatron_ext.testing import tiny_moe_config
 
         cfg = tiny_moe_config(moe_token_dispatcher_type="alltoall")
+        if precision is not None:
+            set_precision(cfg, precision)
+        for name, value in config_changes.items():
+            setattr(cfg, name, value)
         spec = _use_grouped_mm_experts(get_gpt_layer_local_spec(num_experts=8))
         alignment = MoEAlignmentConfig(moe_dispatch_align=True, moe_dispatch_align_size=override)
         layer = with_aligned_moe(spec, alignment).submodules.mlp(
@@ -118,6 +124,29 @@ def _padding_checks() -> dict:
         res["weaker_multiple"] = "passed"
     except AssertionError as e:
         res["weaker_multiple"] = str(e)
+
+    # Built from a spec in a user's own script, with what pretrain_gpt would refuse at argument
+    # time: the layer refuses at construction (the config already says fp8/fp4), not mid-run.
+    def construct(*args, **kwargs) -> str:
+        try:
+            aligned_layer(*args, **kwargs)
+            return "built"
+        except ValueError as e:  # ours, raised before Megatron's MoELayer is built
+            return str(e)
+        except AssertionError as e:  # Megatron's experts, past our check: fp8 needs TE to build
+            assert "requires TE" in str(e), e
+            return "past our check"
+
+    res["construct"] = {
+        "mxfp8_override_16": construct(16, "mxfp8"),
+        "mxfp8_override_64": construct(64, "mxfp8"),
+        "nvfp4_override_64": construct(64, "nvfp4"),
+        "bf16_override_16": construct(16),
+        "router_padding": construct(None, "fp8", moe_router_padding_for_quantization=True),
+        "capacity_padding": construct(
+            None, "fp8", moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True
+        ),
+    }
     return res
 
 
@@ -197,6 +226,20 @@ def test_inactive_aligner_without_padding_refuses(padding_results):
 
 def test_pass_through_checks_megatrons_multiple(padding_results):
     assert "multiple 32" in padding_results["weaker_multiple"]
+
+
+def test_layer_refuses_at_construction_what_the_arguments_refuse(padding_results):
+    r = padding_results["construct"]
+    # Weaker than the recipe's multiple: refused naming the override, the recipe and its multiple.
+    assert "--moe-dispatch-align-size 16 under --fp8-recipe mxfp8" in r["mxfp8_override_16"]
+    assert "multiple of 32" in r["mxfp8_override_16"]
+    assert "--moe-dispatch-align-size 64 under --fp4-recipe nvfp4" in r["nvfp4_override_64"]
+    assert "multiple of 128" in r["nvfp4_override_64"]
+    # A stronger multiple passes (Megatron's own experts then need TE for fp8 here), and any
+    # override under bf16 (no padding at all) builds.
+    assert r["mxfp8_override_64"] == "past our check" and r["bf16_override_16"] == "built"
+    assert "--moe-router-padding-for-quantization" in r["router_padding"]
+    assert "--moe-pad-expert-input-to-capacity" in r["capacity_padding"]
 
 
 def test_load_metrics_count_each_training_micro_batch_once():
