@@ -50,7 +50,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_ext.bench.registry import BenchResult, register_benchmark
-from megatron_ext.bench.rounds import round_order
+from megatron_ext.bench.rounds import design_length, round_order
 from megatron_ext.testing import run_distributed
 from megatron_ext.testing.distributed import shutdown_pools
 
@@ -200,7 +200,32 @@ def _ratios(ours: _Variant, base: _Variant) -> list[float]:
     return [o / b for o, b in zip(ours.seconds, base.seconds, strict=True)]
 
 
-def _worker(token_counts: list[int], hidden: int, rounds: int, allocator: str) -> list[list]:
+#: Up to this many tokens per rank a round costs well under a second, so the full run takes
+#: :data:`FEW_TOKEN_DESIGNS` whole Williams designs there (a median over more rounds, the same
+#: balance of who ran before whom); the largest inputs keep the run's ``rounds``.
+FEW_TOKENS = 1024
+FEW_TOKEN_DESIGNS = 2
+
+
+def _rounds_for(num_tokens: int, rounds: int, num_variants: int, designs: int) -> int:
+    """The rounds one token count runs: ``rounds``, or ``designs`` whole designs if more."""
+    if num_tokens > FEW_TOKENS or not designs:
+        return rounds
+    return max(rounds, designs * design_length(num_variants))
+
+
+def _rounds_note(rounds: int, designs: int) -> str:
+    if not designs:
+        return f"{rounds} rounds"
+    return (
+        f"{rounds} rounds, or at up to {FEW_TOKENS} tokens/rank {designs} whole designs "
+        f"({designs}x the variants, twice that for an odd count) where that is more"
+    )
+
+
+def _worker(
+    token_counts: list[int], hidden: int, rounds: int, allocator: str, designs: int = 0
+) -> list[list]:
     from megatron.core import parallel_state
 
     if allocator == "caching":
@@ -237,7 +262,8 @@ def _worker(token_counts: list[int], hidden: int, rounds: int, allocator: str) -
             variants += [no_pad_base, *no_pad.values()] if no_pad_base else []
             reps = max(1, 2048 // num_tokens)  # small inputs: several trips per timing
             _check_same_layer(stock, copy, x, probs, routing_map)  # also a warm-up of both
-            for r in range(rounds):
+            num_rounds = _rounds_for(num_tokens, rounds, len(variants), designs)
+            for r in range(num_rounds):
                 # Same order on every rank (the exchanges pair up), balanced per round.
                 for v in round_order(variants, r):
                     v.run(x, probs, routing_map, reps)
@@ -266,6 +292,7 @@ def _worker(token_counts: list[int], hidden: int, rounds: int, allocator: str) -
                         round(statistics.median(ratios), 3),
                         round(min(ratios), 3),
                         round(max(ratios), 3),
+                        num_rounds,
                         round(statistics.median(_ratios(twin, base)), 3),
                         round(statistics.median(_ratios(rp, base)), 3) if rp else "-",
                         _floor_cell(floors.get(precision), base, sum(groups)),
@@ -387,6 +414,7 @@ COLUMNS = [
     "ours/unaligned",
     "ratio min",
     "ratio max",
+    "rounds",
     "unaligned copy/unaligned",
     "router pad/unaligned",
     "unaligned at ours' rows/unaligned",
@@ -410,13 +438,13 @@ def alignment(quick: bool) -> BenchResult:
     """Dispatch time (paired ratios), all-to-all rows and pad rows at EP=1 and EP=2."""
     token_counts = [48, 1024] if quick else [48, 1024, 8192]
     hidden = 256 if quick else 1024
-    rounds = 5 if quick else 15
+    rounds, designs = (5, 0) if quick else (15, FEW_TOKEN_DESIGNS)
     rows = []
     for allocator in ALLOCATORS:
         shutdown_pools()  # fresh workers: nothing run before moves malloc's thresholds
         for ep in (1, 2):
             per_rank = run_distributed(
-                _worker, ep, token_counts, hidden, rounds, allocator, ep=ep, timeout=1800
+                _worker, ep, token_counts, hidden, rounds, allocator, designs, ep=ep, timeout=1800
             )
             rows += per_rank[0]  # rank 0's timings; the exchanges keep the ranks in step
     shutdown_pools()  # the 'caching' workers keep their setting: none serves anything else
@@ -428,8 +456,10 @@ def alignment(quick: bool) -> BenchResult:
             f"Megatron's all-to-all and all-gather dispatchers, 8 experts, top-2, hidden {hidden}, "
             "fp32 rows on CPU (gloo), no_grad; timed: dispatch + combine, the stand-in experts (a "
             "copy of their rows, which grows with the pad rows as the GEMMs do) outside it. Variants "
-            f"interleaved over {rounds} rounds in one process per EP size (order balanced so each "
-            "follows every other equally often; small inputs repeat the trip within a timing); "
+            "interleaved round by round in one process per EP size (order balanced so each "
+            "follows every other equally often; small inputs repeat the trip within a timing): "
+            + _rounds_note(rounds, designs)
+            + " (column 'rounds'); "
             "'ours/unaligned' is the median of the per-round paired ratios, with their min and "
             "max; rank 0 of EP=2. 'unaligned "
             "copy/unaligned': a second, identical unaligned layer timed as one more variant, "

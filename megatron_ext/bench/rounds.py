@@ -19,12 +19,20 @@ benchmarks) run the same order.
 from collections.abc import Sequence
 
 
-def williams_row(n: int, row: int) -> list[int]:
-    """Row ``row`` (any int, taken modulo the design's length) of the Williams design for ``n``."""
+def design_length(n: int) -> int:
+    """Rounds in one whole Williams design for ``n`` variants: ``n``, or ``2n`` for odd ``n``.
+
+    A run of a multiple of this many rounds has every variant follow every other equally often.
+    """
     if n < 1:
         raise ValueError(f"a design needs at least one variant, got {n}")
+    return n if n % 2 == 0 else 2 * n
+
+
+def williams_row(n: int, row: int) -> list[int]:
+    """Row ``row`` (any int, taken modulo the design's length) of the Williams design for ``n``."""
+    rows = design_length(n)
     first = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]
-    rows = n if n % 2 == 0 else 2 * n
     row %= rows
     order = [(k + row) % n for k in first]
     return order[::-1] if row >= n else order
