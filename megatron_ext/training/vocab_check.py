@@ -3,7 +3,7 @@
 The byte-level tokenizer of ``tools/preprocess_data.py`` ends documents with id 256, so its data needs
 257 ids; with ``--tokenizer-type NullTokenizer --vocab-size 256`` Megatron builds a 256-row embedding
 and the first end-of-document token indexes past it (a crash on GPU, silent garbage nowhere better).
-:func:`check_vocabulary` reads each ``--data-path`` prefix's largest token id (a vectorised scan of the
+:func:`check_vocabulary` reads each data prefix's largest token id (a vectorised scan of the
 memory-mapped ``.bin``, once per launch) and compares it with Megatron's padded vocabulary size.
 
 Example::
@@ -42,18 +42,6 @@ def max_token_id(prefix: str) -> int:
         return -1
     tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r", shape=(size,))
     return int(max(tokens[i : i + _CHUNK].max() for i in range(0, size, _CHUNK)))
-
-
-def data_prefixes(args: argparse.Namespace) -> list[str]:
-    """Every token-data prefix of ``--data-path`` / ``--{train,valid,test}-data-path`` (not weights)."""
-    found = []
-    for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        for item in getattr(args, name, None) or []:
-            try:
-                float(item)
-            except ValueError:
-                found.append(item)
-    return found
 
 
 def padded_vocab_size(args: argparse.Namespace) -> int | None:
@@ -104,9 +92,19 @@ def _vocabulary_flags(args: argparse.Namespace) -> str:
     )
 
 
+def _token_prefixes(args: argparse.Namespace) -> list[str]:
+    """Every distinct token-data prefix of the run, each once: every data-path flag and the
+    prefixes listed in a local ``--data-args-path`` / ``--per-split-data-args-path`` file, read
+    as Megatron's blend parser reads them (weights are never mistaken for prefixes)."""
+    from megatron_ext.data.data_args import data_prefixes
+
+    found = (prefix for _flag, group, _weights in data_prefixes(args) for prefix in group)
+    return list(dict.fromkeys(found))
+
+
 def check_vocabulary(args: argparse.Namespace) -> None:
     """Raises ``ValueError`` naming the vocabulary's flags and the file when a token id does not fit."""
-    prefixes = [] if getattr(args, "mock_data", False) else data_prefixes(args)
+    prefixes = [] if getattr(args, "mock_data", False) else _token_prefixes(args)
     vocab = padded_vocab_size(args) if prefixes else None  # may load a tokenizer: only if needed
     if vocab is None:
         return

@@ -35,6 +35,18 @@ def test_vocab_256_is_refused_naming_the_flag_and_file(byte_prefix):
         check_vocabulary(_args(byte_prefix, 256))
 
 
+def test_data_listed_in_a_data_args_file_is_checked_too(byte_prefix, tmp_path):
+    # Megatron reads --data-args-path's prefixes itself; the check reads the same list, so a
+    # corpus named only there is refused like one on --data-path (a weight is never a prefix).
+    listed = tmp_path / "data_args.txt"
+    listed.write_text(f"1.0 {byte_prefix}\n")
+    args = _args(byte_prefix, 256, data_args_path=str(listed))
+    args.data_path = None
+    with pytest.raises(ValueError, match=r"bytes\.bin holds token id 256"):
+        check_vocabulary(args)
+    check_vocabulary(_args(byte_prefix, 257, data_args_path=str(listed)))  # fits: no error
+
+
 def test_vocab_257_fits(byte_prefix):
     check_vocabulary(_args(byte_prefix, 257))  # padded to 384 rows
 
