@@ -200,31 +200,36 @@ def _ratios(ours: _Variant, base: _Variant) -> list[float]:
     return [o / b for o, b in zip(ours.seconds, base.seconds, strict=True)]
 
 
-#: Up to this many tokens per rank a round costs well under a second, so the full run takes
-#: :data:`FEW_TOKEN_DESIGNS` whole Williams designs there (a median over more rounds, the same
-#: balance of who ran before whom); the largest inputs keep the run's ``rounds``.
+#: The full run rounds every row's rounds up to whole Williams designs, so that each variant
+#: follows every other equally often (what the notes claim); up to this many tokens per rank a
+#: round costs well under a second, so those rows run :data:`FEW_TOKEN_DESIGNS` designs at
+#: least (a median over more rounds, where a shared machine's noise moves a trip most).
 FEW_TOKENS = 1024
 FEW_TOKEN_DESIGNS = 2
 
 
-def _rounds_for(num_tokens: int, rounds: int, num_variants: int, designs: int) -> int:
-    """The rounds one token count runs: ``rounds``, or ``designs`` whole designs if more."""
-    if num_tokens > FEW_TOKENS or not designs:
+def _rounds_for(num_tokens: int, rounds: int, num_variants: int, whole_designs: bool) -> int:
+    """The rounds one token count runs: ``rounds`` (quick run), else at least ``rounds`` (and
+    :data:`FEW_TOKEN_DESIGNS` designs for few tokens) rounded up to whole designs."""
+    if not whole_designs:
         return rounds
-    return max(rounds, designs * design_length(num_variants))
+    length = design_length(num_variants)
+    wanted = rounds if num_tokens > FEW_TOKENS else max(rounds, FEW_TOKEN_DESIGNS * length)
+    return -(-wanted // length) * length
 
 
-def _rounds_note(rounds: int, designs: int) -> str:
-    if not designs:
+def _rounds_note(rounds: int, whole_designs: bool) -> str:
+    if not whole_designs:
         return f"{rounds} rounds"
     return (
-        f"{rounds} rounds, or at up to {FEW_TOKENS} tokens/rank {designs} whole designs "
-        f"({designs}x the variants, twice that for an odd count) where that is more"
+        f"at least {rounds} rounds, and at up to {FEW_TOKENS} tokens/rank at least "
+        f"{FEW_TOKEN_DESIGNS} designs, rounded up to whole designs (a design is as many rounds "
+        "as variants, twice that for an odd count)"
     )
 
 
 def _worker(
-    token_counts: list[int], hidden: int, rounds: int, allocator: str, designs: int = 0
+    token_counts: list[int], hidden: int, rounds: int, allocator: str, whole_designs: bool
 ) -> list[list]:
     from megatron.core import parallel_state
 
@@ -262,7 +267,7 @@ def _worker(
             variants += [no_pad_base, *no_pad.values()] if no_pad_base else []
             reps = max(1, 2048 // num_tokens)  # small inputs: several trips per timing
             _check_same_layer(stock, copy, x, probs, routing_map)  # also a warm-up of both
-            num_rounds = _rounds_for(num_tokens, rounds, len(variants), designs)
+            num_rounds = _rounds_for(num_tokens, rounds, len(variants), whole_designs)
             for r in range(num_rounds):
                 # Same order on every rank (the exchanges pair up), balanced per round.
                 for v in round_order(variants, r):
@@ -438,13 +443,13 @@ def alignment(quick: bool) -> BenchResult:
     """Dispatch time (paired ratios), all-to-all rows and pad rows at EP=1 and EP=2."""
     token_counts = [48, 1024] if quick else [48, 1024, 8192]
     hidden = 256 if quick else 1024
-    rounds, designs = (5, 0) if quick else (15, FEW_TOKEN_DESIGNS)
+    rounds = 5 if quick else 15
     rows = []
     for allocator in ALLOCATORS:
         shutdown_pools()  # fresh workers: nothing run before moves malloc's thresholds
         for ep in (1, 2):
             per_rank = run_distributed(
-                _worker, ep, token_counts, hidden, rounds, allocator, designs, ep=ep, timeout=1800
+                _worker, ep, token_counts, hidden, rounds, allocator, not quick, ep=ep, timeout=1800
             )
             rows += per_rank[0]  # rank 0's timings; the exchanges keep the ranks in step
     shutdown_pools()  # the 'caching' workers keep their setting: none serves anything else
@@ -458,7 +463,7 @@ def alignment(quick: bool) -> BenchResult:
             "copy of their rows, which grows with the pad rows as the GEMMs do) outside it. Variants "
             "interleaved round by round in one process per EP size (order balanced so each "
             "follows every other equally often; small inputs repeat the trip within a timing): "
-            + _rounds_note(rounds, designs)
+            + _rounds_note(rounds, not quick)
             + " (column 'rounds'); "
             "'ours/unaligned' is the median of the per-round paired ratios, with their min and "
             "max; rank 0 of EP=2. 'unaligned "
