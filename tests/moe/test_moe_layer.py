@@ -235,9 +235,10 @@ def test_layer_refuses_at_construction_what_the_arguments_refuse(padding_results
     assert "multiple of 32" in r["mxfp8_override_16"]
     assert "--moe-dispatch-align-size 64 under --fp4-recipe nvfp4" in r["nvfp4_override_64"]
     assert "multiple of 128" in r["nvfp4_override_64"]
-    # A stronger multiple passes (Megatron's own experts then need TE for fp8 here), and any
+    # A stronger multiple passes (Megatron's own experts then need TE for fp8), and any
     # override under bf16 (no padding at all) builds.
-    assert r["mxfp8_override_64"] == "past our check" and r["bf16_override_16"] == "built"
+    assert r["mxfp8_override_64"] in ("past our check", "built")  # built where TE is installed
+    assert r["bf16_override_16"] == "built"
     assert "--moe-router-padding-for-quantization" in r["router_padding"]
     assert "--moe-pad-expert-input-to-capacity" in r["capacity_padding"]
 
