@@ -88,25 +88,35 @@ def _round_trip(layer, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.
     stand-in (a copy, as an expert's output is a fresh tensor) is outside the timed span: its cost
     is the experts' (it grows with the pad rows, as the GEMMs do), not the dispatcher's.
     ``span``: a context entered around the two dispatcher spans (an :class:`OpCounter`), outside
-    their timing.
+    their timing. On a GPU the device is synchronised at each clock read (kernels run
+    asynchronously), so each span holds its own kernels and nothing queued before it.
     """
     d = layer.token_dispatcher
     span = span or contextlib.nullcontext()
+    sync = torch.cuda.synchronize if x.is_cuda else _no_sync
     with span:
+        sync()
         start = time.perf_counter()
         h, p = d.dispatch_preprocess(x, routing_map, probs)
         rows_sent = h.shape[0]
         h, p = d.token_dispatch(h, p)
         h, tokens_per_expert, p = d.dispatch_postprocess(h, p)
+        sync()
         dispatched = time.perf_counter()
     h = h * 1.0
     with span:
+        sync()
         combine = time.perf_counter()
         h = d.combine_preprocess(h)
         h = d.token_combine(h)
         out = d.combine_postprocess(h)
+        sync()
         done = time.perf_counter()
     return rows_sent, tokens_per_expert, (dispatched - start) + (done - combine), out
+
+
+def _no_sync() -> None:
+    """CPU ops finish before they return: nothing to wait for."""
 
 
 class OpCounter(TorchDispatchMode):
@@ -179,7 +189,7 @@ class _Variant:
         return self.ops
 
 
-def _build(dispatcher: str, hidden: int, aligned: bool):
+def _build(dispatcher: str, hidden: int, aligned: bool, device: str = "cpu"):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_ext.config import MoEAlignmentConfig
@@ -193,7 +203,7 @@ def _build(dispatcher: str, hidden: int, aligned: bool):
     if aligned:
         spec = with_aligned_moe(spec, MoEAlignmentConfig(moe_dispatch_align=True))
     torch.manual_seed(0)
-    return spec.submodules.mlp(config=cfg, pg_collection=None, is_mtp_layer=False)
+    return spec.submodules.mlp(config=cfg, pg_collection=None, is_mtp_layer=False).to(device)
 
 
 def _ratios(ours: _Variant, base: _Variant) -> list[float]:
@@ -228,9 +238,17 @@ def _rounds_note(rounds: int, whole_designs: bool) -> str:
     )
 
 
-def _worker(
-    token_counts: list[int], hidden: int, rounds: int, allocator: str, whole_designs: bool
+def measure_rows(
+    token_counts: list[int],
+    hidden: int,
+    rounds: int,
+    allocator: str,
+    whole_designs: bool,
+    device: str = "cpu",
 ) -> list[list]:
+    """The table's rows for this rank's EP size. ``device``: "cpu" (gloo ranks), or "cuda" at
+    EP=1 (tools/gpu/gpu_check.py; ``allocator`` is then only the label, "cuda": PyTorch's
+    caching allocator)."""
     from megatron.core import parallel_state
 
     if allocator == "caching":
@@ -239,11 +257,12 @@ def _worker(
     rank = parallel_state.get_expert_model_parallel_rank()
     rows = []
     for dispatcher in DISPATCHERS:
-        stock, ours = _build(dispatcher, hidden, False), _build(dispatcher, hidden, True)
-        copy = _build(dispatcher, hidden, False)  # a second, identical unaligned layer
+        stock = _build(dispatcher, hidden, False, device)
+        ours = _build(dispatcher, hidden, True, device)
+        copy = _build(dispatcher, hidden, False, device)  # a second, identical unaligned layer
         for num_tokens in token_counts:
             g = torch.Generator().manual_seed(num_tokens + 1000 * rank)
-            x = torch.randn(num_tokens, 1, hidden, generator=g)
+            x = torch.randn(num_tokens, 1, hidden, generator=g).to(device)
             with torch.no_grad():
                 probs, routing_map = stock.route(x)
             base, twin = _Variant(stock, None), _Variant(copy, None)
@@ -333,7 +352,7 @@ def _inputs_with_rows(x, probs, routing_map, num_rows: int):
     """The round's tokens repeated cyclically until their routed pairs number ``num_rows``."""
     topk = int(routing_map[0].sum())
     assert num_rows % topk == 0 and bool((routing_map.sum(-1) == topk).all())
-    index = torch.arange(num_rows // topk) % x.shape[0]
+    index = torch.arange(num_rows // topk, device=x.device) % x.shape[0]
     return x[index], probs[index], routing_map[index]
 
 
@@ -360,7 +379,7 @@ def no_pad_inputs(probs: torch.Tensor, routing_map: torch.Tensor, aligns: list[i
             break
     else:
         return None
-    slot = torch.arange(pairs)
+    slot = torch.arange(pairs, device=routing_map.device)
     token, expert = slot % num_tokens, slot // group
     new_map = torch.zeros_like(routing_map)
     new_map[token, expert] = True
@@ -449,7 +468,7 @@ def alignment(quick: bool) -> BenchResult:
         shutdown_pools()  # fresh workers: nothing run before moves malloc's thresholds
         for ep in (1, 2):
             per_rank = run_distributed(
-                _worker, ep, token_counts, hidden, rounds, allocator, not quick, ep=ep, timeout=1800
+                measure_rows, ep, token_counts, hidden, rounds, allocator, not quick, ep=ep, timeout=1800
             )
             rows += per_rank[0]  # rank 0's timings; the exchanges keep the ranks in step
     shutdown_pools()  # the 'caching' workers keep their setting: none serves anything else

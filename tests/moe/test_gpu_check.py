@@ -45,6 +45,36 @@ def test_cpu_smoke_runs_the_guarded_layer_and_reports():
     assert result["rounds"] == 2 and "router_padding_error" not in result, result
     lo, hi = result["ours_over_router_padding_min_max"]
     assert lo <= result["ours_over_router_padding"] <= hi, result
+    # The alignment benchmark's EP=1 rows (issue 13's figures on a GPU) ran on this device: both
+    # dispatchers, every precision, paired ratios inside their range, pads really added.
+    assert "alignment_error" not in result, result.get("alignment_error")
+    # The checks were printed on their own line first (a table outrunning the timeout keeps them).
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 2 and json.loads(lines[0]) == {
+        k: v for k, v in result.items() if k != "alignment"
+    }
+    table = result["alignment"]
+    assert sorted((r["dispatcher"], r["precision"]) for r in table) == sorted(
+        (d, p) for d in ("alltoall", "allgather") for p in ("fp8", "mxfp8", "nvfp4")
+    )
+    for row in table:
+        assert row["tokens/rank"] == 48 and row["rounds"] == 2, row
+        assert row["ratio min"] <= row["ours/unaligned"] <= row["ratio max"], row
+        assert row["pad rows ours"] > 0 and row["ops/trip ours"] > 0, row
+
+
+def test_cpu_smoke_can_skip_the_alignment_table():
+    run = subprocess.run(
+        [sys.executable, "tools/gpu/gpu_check.py", "--cpu-smoke", "--skip-alignment-table"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["ok"] is True and "alignment" not in result and "alignment_error" not in result
 
 
 def test_gpu_check_sh_syntax():

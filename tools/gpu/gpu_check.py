@@ -26,6 +26,11 @@ Prints one JSON line with the results and exits non-zero when a check fails:
 - ``ours_over_router_padding`` (with ``_min_max``): forward + backward of ours over Megatron's
   router padding, interleaved round by round for ``rounds`` rounds, the median of the per-round
   paired ratios; ``ms_ours`` / ``ms_router_padding`` are each one's median. Not part of ``ok``.
+- ``alignment``: the ``alignment`` benchmark's EP=1 rows measured on this device (issue 13's
+  figures: ours/unaligned dispatch + combine for fp8/mxfp8/nvfp4 at 48 and 8192 tokens, both
+  dispatchers, with the control, floor and no-pad columns), one dict per row; an error there is
+  reported as ``alignment_error``. Not part of ``ok``. The checks are printed on a line of their
+  own before the table is measured; the last line is always the whole result.
 """
 
 import argparse
@@ -269,6 +274,11 @@ def main() -> None:
     parser.add_argument("--cpu-smoke", action="store_true", help="run on CPU with _grouped_mm")
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument(
+        "--skip-alignment-table",
+        action="store_true",
+        help="skip the dispatcher timing table (the alignment benchmark's EP=1 rows)",
+    )
     args = parser.parse_args()
     device = "cpu" if args.cpu_smoke else "cuda"
     global HIDDEN
@@ -367,9 +377,55 @@ def main() -> None:
         and result["allgather_matches_alltoall"]
         and result["fp8_vs_bf16_ok"]
     )
+    if not args.skip_alignment_table:
+        # The checks first, on a line of their own: a table that outruns the shell script's
+        # timeout must not take them with it. The last line is the whole result.
+        print(json.dumps(result), flush=True)
+        try:
+            result["alignment"] = _alignment_table(device, args.cpu_smoke)
+        except Exception as e:  # the checks above still print: device time is scarce
+            result["alignment_error"] = repr(e)[:500]
     print(json.dumps(result))
     if not result["ok"]:
         sys.exit(1)
+
+
+#: The ``alignment`` benchmark's columns each row of ``result["alignment"]`` keeps.
+ALIGNMENT_KEYS = (
+    "dispatcher",
+    "precision",
+    "tokens/rank",
+    "dispatch ms unaligned",
+    "dispatch ms ours",
+    "ours/unaligned",
+    "ratio min",
+    "ratio max",
+    "rounds",
+    "unaligned copy/unaligned",
+    "unaligned at ours' rows/unaligned",
+    "ours/unaligned, no pad needed",
+    "pad rows ours",
+    "ops/trip unaligned",
+    "ops/trip ours",
+)
+
+
+def _alignment_table(device: str, smoke: bool) -> list[dict]:
+    """Issue 13's dispatcher figures on this device: the ``alignment`` benchmark's EP=1 rows.
+
+    Megatron's unaligned all-to-all and all-gather dispatchers beside megatron_ext's aligned ones
+    (fp8, mxfp8, nvfp4), dispatch + combine, interleaved rounds, median paired ratios, the same
+    code as ``megatron-ext bench`` (which runs on CPU); on a GPU each span is closed by a device
+    synchronize. 48 and 8192 tokens at hidden 1024 (the smoke run: 48 tokens, hidden 64, 2
+    rounds). One GPU, so EP=1 only.
+    """
+    from megatron_ext.bench import alignment as bench
+
+    tokens, hidden, rounds, whole = ([48], 64, 2, False) if smoke else ([48, 8192], 1024, 15, True)
+    label = "cuda" if device == "cuda" else "glibc"  # CPU: malloc's defaults (no mallopt here)
+    rows = bench.measure_rows(tokens, hidden, rounds, label, whole, device=device)
+    named = (dict(zip(bench.COLUMNS, row, strict=True)) for row in rows)
+    return [{k: row[k] for k in ALIGNMENT_KEYS} for row in named]
 
 
 if __name__ == "__main__":
