@@ -10,7 +10,7 @@
 # GPU (issue 13: ours/unaligned dispatch + combine at 48 and 8192 tokens, both dispatchers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python}
+PY=${PYTHON:-python3}  # Debian and Ubuntu have no plain "python" unless a venv adds one
 
 # Preflight: megatron-core 0.19.2 requires torch>=2.6, numpy, packaging>=24.2 (its wheel
 # METADATA); --no-deps below cannot fetch them offline, so say what is missing up front.
