@@ -42,6 +42,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay
 from megatron.core.transformer.transformer_block import TransformerBlock
 
+from megatron_ext.moe.alignment import host_to_device
 from megatron_ext.replay.backward_key import mark_backward_key
 from megatron_ext.replay.layout import (
     moe_layer_numbers,
@@ -254,7 +255,9 @@ class RouteReplayBinding:
         positions_N = self._my_positions(batch_size, seq_len)
         device_key = (routes_BSLK.device, batch_size, seq_len)
         if device_key not in self._device_positions:  # one host-to-device copy per shape
-            self._device_positions[device_key] = positions_N.to(routes_BSLK.device)
+            # Pinned and asynchronous: a blocking copy would wait for the stream (a sync on the
+            # first micro-batch of every new shape).
+            self._device_positions[device_key] = host_to_device(positions_N, routes_BSLK)
         # This stage's layers [lo, hi) in one gather, layer-major: every layer's rows (and mask)
         # are then a contiguous slice, made by one kernel per micro-batch instead of one per layer.
         lo, hi = self._stage_range
