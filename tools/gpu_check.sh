@@ -6,8 +6,10 @@
 # --no-deps: a preflight checks its dependencies first), then runs tools/gpu/gpu_check.py: an
 # AlignedMoELayer feeding torch._scaled_grouped_mm (fp8), the dispatcher's pad/strip in the real
 # forward/backward under torch.cuda.set_sync_debug_mode("error"), fp8 vs bf16 within an
-# e4m3-derived bound, time vs router padding; then the alignment benchmark's EP=1 rows on the
-# GPU (issue 13: ours/unaligned dispatch + combine at 48 and 8192 tokens, both dispatchers).
+# e4m3-derived bound, time vs router padding; then route replay on the GPU (install() under the
+# same sync guard, exact replay, replay vs native and Megatron's RouterReplay timed) and the
+# alignment benchmark's EP=1 rows (issue 13: ours/unaligned dispatch + combine at 48 and 8192
+# tokens, both dispatchers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}  # Debian and Ubuntu have no plain "python" unless a venv adds one

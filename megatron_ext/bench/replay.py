@@ -79,11 +79,20 @@ def paired_ratio(times: dict[str, list[float]], name: str, base: str) -> dict[st
     return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
-def _worker(batch: int, seq: int, layers: int, rounds: int, inner: int) -> dict:
-    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+def synchronized_clock() -> float:
+    """Wall seconds after the GPU has finished its queued work (a GPU runs kernels
+    asynchronously, and the host thread's CPU time does not see them)."""
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def measure(batch: int, seq: int, layers: int, rounds: int, inner: int, device="cpu") -> dict:
+    """The benchmark's measurements on one rank. ``device``: "cpu" (the registered benchmark:
+    thread CPU time, one intra-op thread) or "cuda" (tools/gpu/gpu_check.py: wall time around a
+    device synchronize; the routes live on the device, moved with the batch as in training)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     from megatron_ext.replay.binding import RouteReplayBinding
-    from megatron_ext.replay.layout import router_row_positions, rows_for_router
     from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
 
     torch.manual_seed(0)
@@ -92,36 +101,24 @@ def _worker(batch: int, seq: int, layers: int, rounds: int, inner: int) -> dict:
     config = tiny_moe_config(
         num_layers=layers, hidden_size=128, moe_ffn_hidden_size=128, moe_enable_routing_replay=True
     )
-    model = build_tiny_gpt(config, vocab_size=256, max_seq_len=seq).eval()
-    tokens = torch.randint(0, 256, (batch, seq))
-    positions = torch.arange(seq).expand(batch, seq)
+    model = build_tiny_gpt(config, vocab_size=256, max_seq_len=seq).eval().to(device)
+    tokens = torch.randint(0, 256, (batch, seq)).to(device)
+    positions = torch.arange(seq, device=device).expand(batch, seq)
+    clock = synchronized_clock if tokens.is_cuda else time.thread_time
 
     def forward():
         with torch.no_grad():
             model(tokens, positions, attention_mask=None)
 
-    # Megatron RECORD gives the reference routes (and its own int64 buffers).
-    RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
-    forward()
-    recorded = RouterReplay.get_recorded_data()  # per layer [S*B, K] int64, router row order
-    RouterReplay.clear_global_router_replay_action()
-    megatron_bytes = sum(t.nbytes for t in recorded) / (batch * seq * layers)
+    from megatron.core.transformer.moe.router import TopKRouter
 
-    # Our uint8 [B, S, L, K] from the same routes (router rows are s-major).
-    rows_NLK = torch.stack(recorded, dim=1).to(torch.uint8)
-    order = router_row_positions(batch, seq)
-    routes_BSLK = torch.empty_like(rows_NLK)
-    routes_BSLK[order] = rows_NLK
-    routes_BSLK = routes_BSLK.reshape(batch, seq, layers, -1)
-    assert torch.equal(rows_for_router(routes_BSLK, order), rows_NLK)
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    recorded, routes_BSLK = record_routes(routers, forward, batch, seq)
+    megatron_bytes = sum(t.nbytes for t in recorded) / (batch * seq * layers)
     ours_bytes = routes_BSLK.nbytes / (batch * seq * layers)
     inference_bytes = torch.empty(batch * seq, layers, 2, dtype=torch.int32).nbytes / (
         batch * seq * layers
     )
-
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
     theirs = [r.router_replay for r in routers]  # Megatron's instances, before the binding
     binding = RouteReplayBinding(model, "replay", missing_route_policy="native")
     ours = [r.router_replay for r in routers]
@@ -167,6 +164,7 @@ def _worker(batch: int, seq: int, layers: int, rounds: int, inner: int) -> dict:
             "install": install_only,
         },
         rounds,
+        clock,
         inner=inner,
     )
     # Every variant routes exactly as recorded (the model is the recording one): checked once.
@@ -192,7 +190,9 @@ def _worker(batch: int, seq: int, layers: int, rounds: int, inner: int) -> dict:
             t.nbytes for pair in binding._targets.values() for t in pair if t is not None
         ) / (batch * seq * layers)
         binding.clear()
-    step_times = _replay_step_times(binding, ours, theirs, recorded, routes_BSLK, rounds, inner)
+    step_times = _replay_step_times(
+        binding, ours, theirs, recorded, routes_BSLK, rounds, inner, clock
+    )
     # Cached once per (device, B, S), shared by every layer and micro-batch: int64 row index.
     index_bytes = sum(t.nbytes for t in binding._device_positions.values()) / (batch * seq)
     binding.remove()
@@ -208,7 +208,36 @@ def _worker(batch: int, seq: int, layers: int, rounds: int, inner: int) -> dict:
     }
 
 
-def _replay_step_times(binding, ours, theirs, recorded, routes_BSLK, rounds, inner) -> dict:
+def record_routes(
+    routers: list, forward: Callable[[], None], batch: int, seq: int
+) -> tuple[list, torch.Tensor]:
+    """Megatron's RECORD of one ``forward`` by ``routers`` (their own ``RouterReplay`` instances,
+    not Megatron's process-wide list, which also holds any other model's): per layer ``[S*B, K]``
+    int64 in router row order, and the same routes as megatron_ext's uint8 ``[B, S, L, K]`` on
+    the model's device."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from megatron_ext.replay.layout import router_row_positions, rows_for_router
+
+    instances = [r.router_replay for r in routers]
+    for instance in instances:
+        instance.set_router_replay_action(RouterReplayAction.RECORD)
+    forward()
+    recorded = [instance.get_recorded_indices() for instance in instances]
+    for instance in instances:
+        instance.clear_router_replay_action()
+    rows_NLK = torch.stack(recorded, dim=1).to(torch.uint8)  # router rows are s-major
+    order = router_row_positions(batch, seq).to(rows_NLK.device)
+    routes_BSLK = torch.empty_like(rows_NLK)
+    routes_BSLK[order] = rows_NLK
+    routes_BSLK = routes_BSLK.reshape(batch, seq, len(recorded), -1)
+    assert torch.equal(rows_for_router(routes_BSLK, order), rows_NLK)
+    return recorded, routes_BSLK
+
+
+def _replay_step_times(
+    binding, ours, theirs, recorded, routes_BSLK, rounds, inner, clock=time.thread_time
+) -> dict:
     """The replay step alone: each MoE layer's top-k call on fixed scores, per micro-batch.
 
     What differs between the variants and nothing else (the rest of a forward is the same
@@ -222,7 +251,7 @@ def _replay_step_times(binding, ours, theirs, recorded, routes_BSLK, rounds, inn
 
     num_tokens, topk = recorded[0].shape
     recorded_shape = routes_BSLK.shape[2:]
-    scores = torch.randn(num_tokens, 8).softmax(-1)
+    scores = torch.randn(num_tokens, 8, device=routes_BSLK.device).softmax(-1)
     reps = 50
 
     def native_topk(s, k, num_groups=None, group_topk=None):  # Megatron's, without groups
@@ -275,6 +304,7 @@ def _replay_step_times(binding, ours, theirs, recorded, routes_BSLK, rounds, inn
             "ours": mine,
         },
         rounds,
+        clock,
         inner=inner,
     )
     return {name: [t / reps for t in ts] for name, ts in times.items()}
@@ -313,7 +343,7 @@ def _ratio_cells(times: dict[str, list[float]], name: str) -> list:
 def replay(quick: bool) -> BenchResult:
     """Route bytes per token per layer and replay forward time vs native routing."""
     batch, seq, layers, rounds, inner = (2, 128, 2, 9, 2) if quick else (4, 512, 4, 15, 3)
-    (r,) = run_distributed(_worker, 1, batch, seq, layers, rounds, inner)
+    (r,) = run_distributed(measure, 1, batch, seq, layers, rounds, inner)
     times, dash = r["times"], ["-"] * 5
     step = r["step_times"]
     vs_glue = paired_ratio(step, "ours", "megatron_batch")

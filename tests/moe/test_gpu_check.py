@@ -50,8 +50,9 @@ def test_cpu_smoke_runs_the_guarded_layer_and_reports():
     assert "alignment_error" not in result, result.get("alignment_error")
     # The checks were printed on their own line first (a table outrunning the timeout keeps them).
     lines = run.stdout.strip().splitlines()
+    later = ("replay", "replay_ok", "alignment")  # measured after the first line is printed
     assert len(lines) == 2 and json.loads(lines[0]) == {
-        k: v for k, v in result.items() if k != "alignment"
+        k: v for k, v in result.items() if k not in later
     }
     table = result["alignment"]
     assert sorted((r["dispatcher"], r["precision"]) for r in table) == sorted(
@@ -61,6 +62,16 @@ def test_cpu_smoke_runs_the_guarded_layer_and_reports():
         assert row["tokens/rank"] == 48 and row["rounds"] == 2, row
         assert row["ratio min"] <= row["ours/unaligned"] <= row["ratio max"], row
         assert row["pad rows ours"] > 0 and row["ops/trip ours"] > 0, row
+    # Route replay on the device: install() made no host sync (CUDA's "error" mode on a GPU),
+    # the forward replayed every recorded route, and the replay benchmark's ratios were measured.
+    assert result["replay_ok"] is True and "replay_error" not in result, result
+    replay = result["replay"]
+    assert replay["install_host_syncs"] == [] and replay["replayed_exactly"] is True
+    assert replay["native_routes_differ"] is True  # the replay really changed the routes
+    assert replay["rounds"] == 2 and replay["ms_native"] > 0
+    for name in ("ours_over_native", "ours_over_megatron", "native_again_over_native"):
+        ratio = replay[name]
+        assert ratio["min"] <= ratio["median"] <= ratio["max"], (name, ratio)
 
 
 def test_cpu_smoke_can_skip_the_alignment_table():

@@ -26,6 +26,12 @@ Prints one JSON line with the results and exits non-zero when a check fails:
 - ``ours_over_router_padding`` (with ``_min_max``): forward + backward of ours over Megatron's
   router padding, interleaved round by round for ``rounds`` rounds, the median of the per-round
   paired ratios; ``ms_ours`` / ``ms_router_padding`` are each one's median. Not part of ``ok``.
+- ``replay`` (``replay_ok``): route replay on this device: our binding's ``install()`` makes no
+  host sync (``install_host_syncs`` empty; under sync debug mode "error" on a GPU), a forward
+  of the perturbed model replays every recorded route exactly (``replayed_exactly``) where its
+  own routing differs (``native_routes_differ``), and the ``replay`` benchmark's
+  paired ratios (median, min, max) to native routing and to Megatron's RouterReplay, timed on
+  this device. ``replay_ok`` joins ``ok`` in the exit code; an error is ``replay_error``.
 - ``alignment``: the ``alignment`` benchmark's EP=1 rows measured on this device (issue 13's
   figures: ours/unaligned dispatch + combine for fp8/mxfp8/nvfp4 at 48 and 8192 tokens, both
   dispatchers, with the control, floor and no-pad columns), one dict per row; an error there is
@@ -43,6 +49,7 @@ import sys
 import time
 
 import torch
+from device_measurements import alignment_table, replay_checks  # beside this script
 
 #: e4m3 has 3 mantissa bits: round-to-nearest has relative error |d| <= u = 2**-4, and for
 #: values spread over the binade d is close to uniform on [-u, u], so rms(d) = u / sqrt(3).
@@ -377,55 +384,22 @@ def main() -> None:
         and result["allgather_matches_alltoall"]
         and result["fp8_vs_bf16_ok"]
     )
+    # The alignment checks first, on a line of their own: a later section that fails or outruns
+    # the shell script's timeout must not take them with it. The last line is the whole result.
+    print(json.dumps(result), flush=True)
+    try:
+        result["replay"] = replay_checks(device, args.cpu_smoke)
+    except Exception as e:  # the checks above are printed: device time is scarce
+        result["replay_error"] = repr(e)[:500]
+    result["replay_ok"] = bool(result.get("replay", {}).get("ok"))
     if not args.skip_alignment_table:
-        # The checks first, on a line of their own: a table that outruns the shell script's
-        # timeout must not take them with it. The last line is the whole result.
-        print(json.dumps(result), flush=True)
         try:
-            result["alignment"] = _alignment_table(device, args.cpu_smoke)
-        except Exception as e:  # the checks above still print: device time is scarce
+            result["alignment"] = alignment_table(device, args.cpu_smoke)
+        except Exception as e:  # likewise
             result["alignment_error"] = repr(e)[:500]
     print(json.dumps(result))
-    if not result["ok"]:
+    if not (result["ok"] and result["replay_ok"]):
         sys.exit(1)
-
-
-#: The ``alignment`` benchmark's columns each row of ``result["alignment"]`` keeps.
-ALIGNMENT_KEYS = (
-    "dispatcher",
-    "precision",
-    "tokens/rank",
-    "dispatch ms unaligned",
-    "dispatch ms ours",
-    "ours/unaligned",
-    "ratio min",
-    "ratio max",
-    "rounds",
-    "unaligned copy/unaligned",
-    "unaligned at ours' rows/unaligned",
-    "ours/unaligned, no pad needed",
-    "pad rows ours",
-    "ops/trip unaligned",
-    "ops/trip ours",
-)
-
-
-def _alignment_table(device: str, smoke: bool) -> list[dict]:
-    """Issue 13's dispatcher figures on this device: the ``alignment`` benchmark's EP=1 rows.
-
-    Megatron's unaligned all-to-all and all-gather dispatchers beside megatron_ext's aligned ones
-    (fp8, mxfp8, nvfp4), dispatch + combine, interleaved rounds, median paired ratios, the same
-    code as ``megatron-ext bench`` (which runs on CPU); on a GPU each span is closed by a device
-    synchronize. 48 and 8192 tokens at hidden 1024 (the smoke run: 48 tokens, hidden 64, 2
-    rounds). One GPU, so EP=1 only.
-    """
-    from megatron_ext.bench import alignment as bench
-
-    tokens, hidden, rounds, whole = ([48], 64, 2, False) if smoke else ([48, 8192], 1024, 15, True)
-    label = "cuda" if device == "cuda" else "glibc"  # CPU: malloc's defaults (no mallopt here)
-    rows = bench.measure_rows(tokens, hidden, rounds, label, whole, device=device)
-    named = (dict(zip(bench.COLUMNS, row, strict=True)) for row in rows)
-    return [{k: row[k] for k in ALIGNMENT_KEYS} for row in named]
 
 
 if __name__ == "__main__":
