@@ -468,7 +468,15 @@ def alignment(quick: bool) -> BenchResult:
         shutdown_pools()  # fresh workers: nothing run before moves malloc's thresholds
         for ep in (1, 2):
             per_rank = run_distributed(
-                measure_rows, ep, token_counts, hidden, rounds, allocator, not quick, ep=ep, timeout=1800
+                measure_rows,
+                ep,
+                token_counts,
+                hidden,
+                rounds,
+                allocator,
+                not quick,
+                ep=ep,
+                timeout=1800,
             )
             rows += per_rank[0]  # rank 0's timings; the exchanges keep the ranks in step
     shutdown_pools()  # the 'caching' workers keep their setting: none serves anything else

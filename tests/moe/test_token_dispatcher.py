@@ -38,14 +38,19 @@ def build_layer(
     buffer="host_counts",
     spy=True,
     num_experts: int = 8,
+    **config_overrides,
 ):
+    """An MoE layer of ``tiny_moe_config`` (``config_overrides`` win), grouped-GEMM experts by
+    default; returns ``(layer, config, groups the experts received per forward)``."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_ext.config import MoEAlignmentConfig
     from megatron_ext.moe.layer_specs import _use_grouped_mm_experts, with_aligned_moe
     from megatron_ext.testing import tiny_moe_config
 
-    cfg = tiny_moe_config(moe_token_dispatcher_type=dispatcher, num_moe_experts=num_experts)
+    cfg = tiny_moe_config(
+        moe_token_dispatcher_type=dispatcher, num_moe_experts=num_experts, **config_overrides
+    )
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
     if grouped_mm:
         spec = _use_grouped_mm_experts(spec)
