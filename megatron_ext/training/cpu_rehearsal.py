@@ -10,8 +10,11 @@ recipe's multiple (fp8 16, mxfp8 32, nvfp4 128) exactly as in the fp8/fp4 run, a
     model = ...build...
     rehearse_quantized_moe(model, precision) # MoE layers now align as the fp8 run would
 
-Only ``AlignedMoELayer`` (``--moe-dispatch-align``) and the grouped-GEMM experts are given the
-quantized view of the config; attention, dense MLPs, norms and the router are untouched.
+Only the token dispatcher and aligner of an ``AlignedMoELayer`` (``--moe-dispatch-align``) and its
+routed experts are given the quantized view of the config; the layer itself (whose precision only
+picks Transformer Engine's ``te_checkpoint`` for ``--recompute-modules moe`` / ``shared_experts``,
+absent on CPU: the rehearsal recomputes with Megatron's own checkpoint), shared experts, attention,
+dense MLPs, norms and the router are untouched.
 """
 
 import argparse
@@ -71,6 +74,7 @@ def rehearse_quantized_moe(
     """
     from megatron_ext.moe.grouped_mm_linear import GroupedMMLinear
     from megatron_ext.moe.moe_layer import AlignedMoELayer
+    from megatron_ext.moe.token_dispatcher import align_size_for_config
 
     stages = model if isinstance(model, list) else [model]
     aligns = []
@@ -83,15 +87,14 @@ def rehearse_quantized_moe(
             for name, value in precision.items():
                 setattr(view, name, value)
             dispatcher = layer.token_dispatcher
-            owners = [*layer.modules(), dispatcher, getattr(dispatcher, "aligner", None)]
+            owners = [*layer.experts.modules(), dispatcher, getattr(dispatcher, "aligner", None)]
             for owner in owners:
-                if owner is layer.router:
-                    continue  # routing stays exactly the unquantized run's
                 if owner is not None and getattr(owner, "config", None) is original:
                     owner.config = view
-            aligns.append(layer.align)
+            align = align_size_for_config(view, layer.alignment)
+            aligns.append(align)
             if log is not None:
-                log.align = layer.align
+                log.align = align
                 for module in layer.modules():
                     if isinstance(module, GroupedMMLinear):
                         module.register_forward_pre_hook(log.hook)

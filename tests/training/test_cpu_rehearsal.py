@@ -45,7 +45,11 @@ def _rehearse(precision: dict, break_aligner: bool) -> dict:
     except (UnalignedGroupError, ValueError) as err:  # the GEMM backend or the padding stand-in
         return {"aligns": aligns, "error": str(err), "groups": log.groups}
     routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    layers = [m for m in model.modules() if hasattr(m, "token_dispatcher")]
     return {
+        "layer_fp8": [layer.config.fp8 for layer in layers],
+        "experts_fp8": [layer.experts.config.fp8 for layer in layers],
+        "dispatcher_fp8": [layer.token_dispatcher.config.fp8 for layer in layers],
         "aligns": aligns,
         "error": None,
         "groups": log.groups,
@@ -64,8 +68,11 @@ def test_groups_reach_the_gemm_aligned(precision, multiple):
     assert out["groups"] > 0 and out["unaligned"] == 0
     assert all(n % multiple == 0 for n in out["last"])
     assert sum(out["last"]) > 0
-    # Only the MoE layers rehearse: the model's config and the routers stay unquantized.
+    # Only the MoE layers' dispatchers and experts rehearse: the model's config, the routers and
+    # the layers themselves (whose fp8 picks TE's te_checkpoint for MoE recompute) stay unquantized.
     assert out["model_fp8"] is None and out["router_fp8"] == [None, None]
+    assert out["layer_fp8"] == [None, None]
+    assert out["experts_fp8"] == out["dispatcher_fp8"] == [precision["fp8"]] * 2
 
 
 def test_without_the_aligner_the_backend_refuses():

@@ -404,6 +404,27 @@ def test_every_expert_local_aligned_dispatch_trains_as_unaligned(corpus_prefix, 
     assert built_model(aligned) == built_model(unaligned) == "GPTModel"
 
 
+def test_fp8_rehearsal_recomputes_moe_layers_as_without_recompute(corpus_prefix) -> None:
+    """--recompute-granularity selective --recompute-modules moe under the fp8 rehearsal: Megatron
+    recomputes an fp8 MoE layer with Transformer Engine's te_checkpoint, absent on CPU (the run
+    died in the first forward); the rehearsal's layer keeps the unquantized config, so Megatron's
+    own checkpoint recomputes it, and the losses are those of the same run without recompute."""
+    common = [
+        *TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
+        "--moe-grouped-gemm", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise",
+        "--moe-dispatch-align", VERBOSE,
+    ]  # fmt: skip
+    plain = launch(common)
+    recomputed = launch([*common, "--recompute-granularity", "selective",
+                         "--recompute-modules", "moe"])  # fmt: skip
+    reference, losses = assert_trains(plain), assert_trains(recomputed)
+    assert losses == reference  # recompute changes no value (dropout off)
+    assert re.search(r"recompute_modules \.+ \['moe'\]", recomputed.output)
+    groups = re.findall(r"rank \d rehearsal: (\d+) expert groups reached the grouped GEMM, (\d+) "
+                        r"not a multiple of 16", recomputed.output)  # fmt: skip
+    assert len(groups) == 2 and all(int(n) > 0 and int(bad) == 0 for n, bad in groups), groups
+
+
 def test_nvfp4_rehearsal_aligns_groups_to_128(corpus_prefix) -> None:
     """--cpu with --fp4-format e2m1 --fp4-recipe nvfp4: Megatron's validation asks for Transformer
     Engine >= 2.7 (NVFP4 kernels), which the rehearsal never runs; it starts, and every expert
