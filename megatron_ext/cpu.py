@@ -4,7 +4,8 @@ Megatron-Core 0.19.2 hard-codes a few CUDA calls on paths that are otherwise dev
 below replaces exactly one such call, names the Megatron function it works around, and fails loudly when the
 symbol it patches has moved (so an upgrade is noticed, not silently half-patched). The patches never change
 numerics: they only swap CUDA streams, CUDA RNG state and ``torch.cuda.current_device()`` for their CPU
-equivalents, and hand gloo plain split sizes.
+equivalents, hand gloo plain split sizes, and keep a recompute checkpoint from asking Transformer Engine
+for fp8 state when TE is not installed.
 
 Example::
 
@@ -244,6 +245,31 @@ def _patch_schedule_buffers() -> None:
     schedules.torch = _TorchProxy({}, zeros=zeros)
 
 
+def _patch_checkpoint_without_output() -> None:
+    """``tensor_parallel.random.CheckpointWithoutOutput``: no fp8 recompute state without TE.
+
+    Its ``__init__(fp8=False)`` sets ``self.fp8 = fp8 is not None``, true for the default ``False``,
+    so every default construction (the selective recompute of ``moe_act`` and ``layernorm``) asks
+    Transformer Engine's ``FP8GlobalStateManager`` for the fp8 state at checkpoint time: a
+    ``NameError`` where TE is not installed, as on CPU. Without TE there is no fp8 state to save, so
+    the flag is cleared after Megatron's own ``__init__`` (its non-fp8 branch: a plain recompute).
+    """
+    random = _module_with(
+        "megatron.core.tensor_parallel.random", "HAVE_TE", "CheckpointWithoutOutput.__init__"
+    )
+    if random.HAVE_TE:  # TE's fp8 state is there to ask: Megatron's own behaviour
+        return
+    cls = random.CheckpointWithoutOutput
+    original = getattr(cls.__init__, "__wrapped__", cls.__init__)  # idempotent
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.fp8 = False
+
+    cls.__init__ = __init__
+
+
 #: Every patch, in the order applied. Names are used by the tests that prove each is still needed.
 PATCHES: dict[str, Callable[[], None]] = {
     "rng_tracker": _patch_rng_tracker,
@@ -252,6 +278,7 @@ PATCHES: dict[str, Callable[[], None]] = {
     "current_device": _patch_current_device,
     "default_causal_mask": _patch_default_causal_mask,
     "schedule_buffers": _patch_schedule_buffers,
+    "checkpoint_without_output": _patch_checkpoint_without_output,
 }
 
 

@@ -46,6 +46,7 @@ def _probe(rank: int, port: str) -> None:
         (moe_utils, "maybe_move_tensor_to_cpu"),
         (fused_softmax, "get_default_causal_mask"),
         (schedules, "torch"),
+        (mrandom.CheckpointWithoutOutput, "__init__"),
     ] + [
         (importlib.import_module(name), "torch")
         for name in {**cpu._CURRENT_DEVICE_USERS, **cpu._STREAM_USERS}
@@ -66,7 +67,9 @@ def _probe(rank: int, port: str) -> None:
         for cuda_name in cuda_names:  # falls through to the real torch.cuda again
             delattr(sys.modules[module_name].torch.cuda, cuda_name)
 
-    def train_step(sequence_parallel: bool = False, ddp: bool = False) -> str:
+    def train_step(
+        sequence_parallel: bool = False, ddp: bool = False, recompute_layernorm: bool = False
+    ) -> str:
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -77,8 +80,16 @@ def _probe(rank: int, port: str) -> None:
 
         try:
             model_parallel_cuda_manual_seed(1, force_reset_rng=True)
+            # Selective recompute of the norms: Megatron's CheckpointWithoutOutput.
+            recompute = (
+                dict(recompute_granularity="selective", recompute_modules=["layernorm"])
+                if recompute_layernorm
+                else {}
+            )
             config = tiny_moe_config(
-                moe_token_dispatcher_type="alltoall", sequence_parallel=sequence_parallel
+                moe_token_dispatcher_type="alltoall",
+                sequence_parallel=sequence_parallel,
+                **recompute,
             )
             model = build_tiny_gpt(config)
             if ddp:  # Megatron's own DDP: its gradient buffers and all-reduce join the step
@@ -97,10 +108,11 @@ def _probe(rank: int, port: str) -> None:
     apply()
     results["all_patches"] = train_step()
     results["all_patches_ddp"] = train_step(ddp=True)
+    results["all_patches_recompute"] = train_step(recompute_layernorm=True)
     for name in cpu.PATCHES:
         if name not in ("current_device", "null_streams", "schedule_buffers"):
             apply(skip=name)
-            results[name] = train_step()
+            results[name] = train_step(recompute_layernorm=name == "checkpoint_without_output")
     for module_name in cpu._STREAM_USERS:
         if module_name != PP_ONLY:
             apply(unpatch=(module_name, stream_names))

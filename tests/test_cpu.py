@@ -40,6 +40,7 @@ def test_all_patches_make_a_moe_training_step_run(probe: dict[str, str]) -> None
     assert probe["all_patches"] == "ok"
     assert probe["all_patches_sequence_parallel"] == "ok"
     assert probe["all_patches_ddp"] == "ok"
+    assert probe["all_patches_recompute"] == "ok"
 
 
 CUDA_ERROR = ("NVIDIA driver", "CUDA", "cuda", "Torch not compiled")
@@ -49,6 +50,12 @@ CUDA_ERROR = ("NVIDIA driver", "CUDA", "cuda", "Torch not compiled")
 def test_patch_still_needed(probe: dict[str, str], name: str) -> None:
     assert probe[name] != "ok", f"{name}: Megatron now runs this on CPU unpatched; drop the patch"
     assert any(word in probe[name] for word in CUDA_ERROR), probe[name]
+
+
+def test_checkpoint_without_output_patch_still_needed(probe: dict[str, str]) -> None:
+    # Selective recompute (layernorm, moe_act) asks TE's fp8 state, which is not there on CPU.
+    assert probe["checkpoint_without_output"].startswith("NameError"), probe
+    assert "FP8GlobalStateManager" in probe["checkpoint_without_output"]
 
 
 def test_split_sizes_patch_still_needed(probe: dict[str, str]) -> None:

@@ -405,10 +405,12 @@ def test_every_expert_local_aligned_dispatch_trains_as_unaligned(corpus_prefix, 
 
 
 def test_fp8_rehearsal_recomputes_moe_layers_as_without_recompute(corpus_prefix) -> None:
-    """--recompute-granularity selective --recompute-modules moe under the fp8 rehearsal: Megatron
-    recomputes an fp8 MoE layer with Transformer Engine's te_checkpoint, absent on CPU (the run
-    died in the first forward); the rehearsal's layer keeps the unquantized config, so Megatron's
-    own checkpoint recomputes it, and the losses are those of the same run without recompute."""
+    """--recompute-granularity selective --recompute-modules moe moe_act layernorm under --cpu and
+    the fp8 rehearsal. Both died in the first forward: Megatron recomputes an fp8 MoE layer with
+    Transformer Engine's te_checkpoint (the rehearsal's layer now keeps the unquantized config, so
+    Megatron's own checkpoint does it), and moe_act / layernorm use Megatron's
+    CheckpointWithoutOutput, which asks TE's fp8 state even outside fp8 (megatron_ext.cpu's
+    checkpoint_without_output patch). The losses are those of the same run without recompute."""
     common = [
         *TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
         "--moe-grouped-gemm", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise",
@@ -416,10 +418,10 @@ def test_fp8_rehearsal_recomputes_moe_layers_as_without_recompute(corpus_prefix)
     ]  # fmt: skip
     plain = launch(common)
     recomputed = launch([*common, "--recompute-granularity", "selective",
-                         "--recompute-modules", "moe"])  # fmt: skip
+                         "--recompute-modules", "moe", "moe_act", "layernorm"])  # fmt: skip
     reference, losses = assert_trains(plain), assert_trains(recomputed)
     assert losses == reference  # recompute changes no value (dropout off)
-    assert re.search(r"recompute_modules \.+ \['moe'\]", recomputed.output)
+    assert re.search(r"recompute_modules \.+ \['moe', 'moe_act', 'layernorm'\]", recomputed.output)
     groups = re.findall(r"rank \d rehearsal: (\d+) expert groups reached the grouped GEMM, (\d+) "
                         r"not a multiple of 16", recomputed.output)  # fmt: skip
     assert len(groups) == 2 and all(int(n) > 0 and int(bad) == 0 for n, bad in groups), groups
