@@ -138,6 +138,7 @@ _STREAM_USERS: dict[str, str] = {
     ),
     "megatron.core.distributed.param_and_grad_buffer": "_ParamAndGradBucketGroup.start_grad_sync",
     "megatron.core.pipeline_parallel.p2p_communication": "P2PCommunicator",
+    "megatron.core.transformer.moe.shared_experts": "SharedExpertMLP",
 }
 
 
@@ -148,8 +149,9 @@ def _patch_null_streams() -> None:
     copies and ``_maybe_dtoh_and_synchronize`` enters ``torch.cuda.stream(...)`` and records events;
     Megatron's DDP (``_ParamAndGradBucketGroup.start_grad_sync`` / ``finish_grad_sync``) orders its gradient
     all-reduce against ``torch.cuda.current_stream()``; the pipeline's ``P2PCommunicator`` calls
-    ``torch.cuda.synchronize()`` after its sends and receives. On CPU every op is already synchronous, so
-    null streams and a no-op synchronize are exact.
+    ``torch.cuda.synchronize()`` after its sends and receives; ``SharedExpertMLP`` runs the shared experts on
+    a side stream under ``--moe-shared-expert-overlap``. On CPU every op is already synchronous, so null
+    streams and a no-op synchronize are exact.
     """
     null = _NullStream()
     for module_name, symbol in _STREAM_USERS.items():

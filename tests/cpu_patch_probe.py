@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 
 SP_ONLY = "megatron.core.tensor_parallel.layers"
 PP_ONLY = "megatron.core.pipeline_parallel.p2p_communication"
+SHARED_ONLY = "megatron.core.transformer.moe.shared_experts"
 DDP_ONLY = "megatron.core.distributed.param_and_grad_buffer"
 
 
@@ -68,7 +69,10 @@ def _probe(rank: int, port: str) -> None:
             delattr(sys.modules[module_name].torch.cuda, cuda_name)
 
     def train_step(
-        sequence_parallel: bool = False, ddp: bool = False, recompute_layernorm: bool = False
+        sequence_parallel: bool = False,
+        ddp: bool = False,
+        recompute_layernorm: bool = False,
+        shared_overlap: bool = False,
     ) -> str:
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -81,15 +85,19 @@ def _probe(rank: int, port: str) -> None:
         try:
             model_parallel_cuda_manual_seed(1, force_reset_rng=True)
             # Selective recompute of the norms: Megatron's CheckpointWithoutOutput.
-            recompute = (
+            extra = (
                 dict(recompute_granularity="selective", recompute_modules=["layernorm"])
                 if recompute_layernorm
                 else {}
             )
+            if shared_overlap:  # shared experts overlapped with the all-to-all on a side stream
+                extra.update(
+                    moe_shared_expert_intermediate_size=64, moe_shared_expert_overlap=True
+                )
             config = tiny_moe_config(
                 moe_token_dispatcher_type="alltoall",
                 sequence_parallel=sequence_parallel,
-                **recompute,
+                **extra,
             )
             model = build_tiny_gpt(config)
             if ddp:  # Megatron's own DDP: its gradient buffers and all-reduce join the step
@@ -109,6 +117,7 @@ def _probe(rank: int, port: str) -> None:
     results["all_patches"] = train_step()
     results["all_patches_ddp"] = train_step(ddp=True)
     results["all_patches_recompute"] = train_step(recompute_layernorm=True)
+    results["all_patches_shared_overlap"] = train_step(shared_overlap=True)
     for name in cpu.PATCHES:
         if name not in ("current_device", "null_streams", "schedule_buffers"):
             apply(skip=name)
@@ -116,7 +125,9 @@ def _probe(rank: int, port: str) -> None:
     for module_name in cpu._STREAM_USERS:
         if module_name != PP_ONLY:
             apply(unpatch=(module_name, stream_names))
-            results[f"null_streams:{module_name}"] = train_step(ddp=module_name == DDP_ONLY)
+            results[f"null_streams:{module_name}"] = train_step(
+                ddp=module_name == DDP_ONLY, shared_overlap=module_name == SHARED_ONLY
+            )
     for module_name in cpu._CURRENT_DEVICE_USERS:
         if module_name not in (SP_ONLY, PP_ONLY):
             apply(unpatch=(module_name, ("current_device",)))

@@ -41,6 +41,7 @@ def test_all_patches_make_a_moe_training_step_run(probe: dict[str, str]) -> None
     assert probe["all_patches_sequence_parallel"] == "ok"
     assert probe["all_patches_ddp"] == "ok"
     assert probe["all_patches_recompute"] == "ok"
+    assert probe["all_patches_shared_overlap"] == "ok"
 
 
 CUDA_ERROR = ("NVIDIA driver", "CUDA", "cuda", "Torch not compiled")

@@ -31,6 +31,9 @@ _GPU_ONLY: tuple[tuple[str, object, str, str], ...] = (
      "use alltoall or allgather (flex needs DeepEP or HybridEP)"),
     ("moe_permute_fusion", True, "--moe-permute-fusion",
      "drop it (Transformer Engine's fused permute)"),
+    ("multi_latent_attention", True, "--multi-latent-attention",
+     "drop it (Megatron's local attention has no MLA path: its DotProductAttention takes no "
+     "k_channels; MLA needs Transformer Engine)"),
 )  # fmt: skip
 
 

@@ -27,6 +27,7 @@ OK = dict(transformer_impl="local", distributed_backend="gloo", cuda_graph_impl=
         ({"fp16": True}, "--fp16"),
         ({"moe_token_dispatcher_type": "flex"}, "--moe-token-dispatcher-type flex"),
         ({"moe_permute_fusion": True}, "--moe-permute-fusion"),
+        ({"multi_latent_attention": True}, "--multi-latent-attention"),
         ({"mtp_num_layers": 1}, "--mtp-num-layers"),
         ({"fp4_param_gather": True}, "--fp4-param-gather"),
         ({"use_distributed_optimizer": True}, "--use-distributed-optimizer"),

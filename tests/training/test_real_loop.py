@@ -427,6 +427,25 @@ def test_fp8_rehearsal_recomputes_moe_layers_as_without_recompute(corpus_prefix)
     assert len(groups) == 2 and all(int(n) > 0 and int(bad) == 0 for n, bad in groups), groups
 
 
+@pytest.mark.parametrize("ep", ["1", "2"])
+def test_shared_expert_overlap_trains_as_without_overlap(corpus_prefix, ep) -> None:
+    """--moe-shared-expert-overlap under --cpu with the fp8 rehearsal's aligned dispatch: Megatron
+    runs the shared experts on a CUDA side stream (megatron_ext.cpu's null streams make it
+    sequential on CPU; it died building the model before); at EP=1 the aligned all-to-all folds
+    its pad into the permute and hands the shared experts their input itself. The losses are those
+    of the run without overlap."""
+    common = [
+        *TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
+        "--expert-model-parallel-size", ep, "--moe-grouped-gemm", "--fp8-format", "e4m3",
+        "--fp8-recipe", "tensorwise", "--moe-dispatch-align",
+        "--moe-shared-expert-intermediate-size", "64", VERBOSE,
+    ]  # fmt: skip
+    reference = assert_trains(launch(common))
+    overlapped = launch([*common, "--moe-shared-expert-overlap"])
+    assert assert_trains(overlapped) == reference
+    assert re.search(r"moe_shared_expert_overlap \.+ True", overlapped.output)
+
+
 def test_nvfp4_rehearsal_aligns_groups_to_128(corpus_prefix) -> None:
     """--cpu with --fp4-format e2m1 --fp4-recipe nvfp4: Megatron's validation asks for Transformer
     Engine >= 2.7 (NVFP4 kernels), which the rehearsal never runs; it starts, and every expert
