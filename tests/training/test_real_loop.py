@@ -336,6 +336,34 @@ def test_rl_example_replays_the_recorded_routes(rl_record, tmp_path) -> None:
     expert_load_lines(run)
 
 
+@pytest.mark.parametrize(
+    "recompute",
+    [
+        ["--recompute-granularity", "full", "--recompute-method", "uniform",
+         "--recompute-num-layers", "1"],
+        ["--recompute-granularity", "selective", "--recompute-modules", "moe", "layernorm"],
+    ],
+    ids=["full", "selective"],
+)  # fmt: skip
+def test_replay_under_activation_recompute_repeats_the_recording_run(
+    rl_record, tmp_path, recompute
+) -> None:
+    """The RL example's replay with Megatron's activation recompute (whole layers, or the MoE layers
+    and norms): each recomputed router replays the micro-batch's routes again, so loss, aux loss
+    and gradient norm still repeat the recording run's exactly (the router alone would pick other
+    experts: ONE_GROUP_ROUTING)."""
+    data, record = rl_record
+    run = run_example(
+        "rl_route_replay.sh", data, tmp_path / "ckpt", RL_PARALLEL + ONE_GROUP_ROUTING + recompute
+    )
+    assert_trains(run)
+    assert re.search(r"recompute_granularity \.+ " + recompute[1], run.output)
+    for key in ("lm loss", "load_balancing_loss", "grad norm"):
+        assert [run.iterations[i][key] for i in sorted(run.iterations)] == [
+            record.iterations[i][key] for i in sorted(record.iterations)
+        ], key
+
+
 # ------------------------------------------------------------------------------------------------
 # The matrix beyond the examples: HybridModel, allgather, seq/global aux loss, z-loss, PP=2, expert bias
 # ------------------------------------------------------------------------------------------------
@@ -649,3 +677,4 @@ def test_model_switch_gives_the_same_layers_to_either_class(tmp_path) -> None:
     wrong = _launch_argv(tmp_path, {"MODEL": "llama"})
     assert wrong.returncode == 2 and wrong.stdout == ""
     assert "MODEL=llama: expected hybrid (HybridModel) or gpt (GPTModel)" in wrong.stderr
+
