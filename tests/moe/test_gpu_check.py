@@ -12,9 +12,10 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHDYNAMO_DISABLE": "1"}
 
 
-def test_cpu_smoke_runs_the_guarded_layer_and_reports():
+def _cpu_smoke(*flags: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """Runs ``gpu_check.py --cpu-smoke`` with ``flags``; returns the run and its last JSON line."""
     run = subprocess.run(
-        [sys.executable, "tools/gpu/gpu_check.py", "--cpu-smoke"],
+        [sys.executable, "tools/gpu/gpu_check.py", "--cpu-smoke", *flags],
         cwd=ROOT,
         env=ENV,
         capture_output=True,
@@ -22,7 +23,11 @@ def test_cpu_smoke_runs_the_guarded_layer_and_reports():
         timeout=120,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    return run, json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_cpu_smoke_runs_the_guarded_layer_and_reports():
+    run, result = _cpu_smoke()
     assert result["device"] == "cpu" and result["ok"] is True
     calls = result["aligned_guarded_calls"]
     # pad and strip ran once each inside the real layer forward, and the backward entered the
@@ -75,16 +80,7 @@ def test_cpu_smoke_runs_the_guarded_layer_and_reports():
 
 
 def test_cpu_smoke_can_skip_the_alignment_table():
-    run = subprocess.run(
-        [sys.executable, "tools/gpu/gpu_check.py", "--cpu-smoke", "--skip-alignment-table"],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    _, result = _cpu_smoke("--skip-alignment-table")
     assert result["ok"] is True and "alignment" not in result and "alignment_error" not in result
 
 
