@@ -93,26 +93,11 @@ def measure(batch: int, seq: int, layers: int, rounds: int, inner: int, device="
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     from megatron_ext.replay.binding import RouteReplayBinding
-    from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
 
-    torch.manual_seed(0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # two cores shared with other jobs: one thread is steadier
-    config = tiny_moe_config(
-        num_layers=layers, hidden_size=128, moe_ffn_hidden_size=128, moe_enable_routing_replay=True
-    )
-    model = build_tiny_gpt(config, vocab_size=256, max_seq_len=seq).eval().to(device)
-    tokens = torch.randint(0, 256, (batch, seq)).to(device)
-    positions = torch.arange(seq, device=device).expand(batch, seq)
-    clock = synchronized_clock if tokens.is_cuda else time.thread_time
-
-    def forward():
-        with torch.no_grad():
-            model(tokens, positions, attention_mask=None)
-
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    model, forward, routers = replay_model(batch, seq, layers, device)
+    clock = synchronized_clock if torch.device(device).type == "cuda" else time.thread_time
     recorded, routes_BSLK = record_routes(routers, forward, batch, seq)
     megatron_bytes = sum(t.nbytes for t in recorded) / (batch * seq * layers)
     ours_bytes = routes_BSLK.nbytes / (batch * seq * layers)
@@ -173,11 +158,7 @@ def measure(batch: int, seq: int, layers: int, rounds: int, inner: int, device="
     for variant in (native, megatron_replay, ours_replay(False), ours_replay(None)):
         maps.clear()
         variant()
-        for routing_map_NE, target_NK in zip(maps, recorded, strict=True):
-            assert torch.equal(
-                routing_map_NE.nonzero()[:, 1].view(-1, target_NK.shape[1]),
-                target_NK.sort(-1).values,
-            )
+        assert routes_match(maps, recorded)
     for hook in hooks:
         hook.remove()
     use(ours)
@@ -206,6 +187,40 @@ def measure(batch: int, seq: int, layers: int, rounds: int, inner: int, device="
         "times": times,
         "step_times": step_times,
     }
+
+
+def replay_model(
+    batch: int, seq: int, layers: int, device="cpu"
+) -> tuple[torch.nn.Module, Callable[[], None], list]:
+    """The benchmark's model: a tiny MoE ``GPTModel`` (local spec, 8 experts, top-2, hidden 128,
+    routing replay enabled) in eval mode on ``device``, seeded; returns it, its no-grad forward on
+    one fixed random ``[batch, seq]`` batch, and its routers."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
+
+    torch.manual_seed(0)
+    config = tiny_moe_config(
+        num_layers=layers, hidden_size=128, moe_ffn_hidden_size=128, moe_enable_routing_replay=True
+    )
+    model = build_tiny_gpt(config, vocab_size=256, max_seq_len=seq).eval().to(device)
+    tokens = torch.randint(0, 256, (batch, seq)).to(device)
+    positions = torch.arange(seq, device=device).expand(batch, seq)
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(tokens, positions, attention_mask=None)
+
+    return model, forward, [m for m in model.modules() if isinstance(m, TopKRouter)]
+
+
+def routes_match(maps_NE: list[torch.Tensor], recorded_NK: list[torch.Tensor]) -> bool:
+    """Every router's routing map (one per layer, in forward order) chose exactly its recorded
+    top-k experts."""
+    return len(maps_NE) == len(recorded_NK) and all(
+        torch.equal(m.nonzero()[:, 1].view(-1, t.shape[1]), t.sort(-1).values)
+        for m, t in zip(maps_NE, recorded_NK, strict=True)
+    )
 
 
 def record_routes(

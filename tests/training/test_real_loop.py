@@ -677,4 +677,3 @@ def test_model_switch_gives_the_same_layers_to_either_class(tmp_path) -> None:
     wrong = _launch_argv(tmp_path, {"MODEL": "llama"})
     assert wrong.returncode == 2 and wrong.stdout == ""
     assert "MODEL=llama: expected hybrid (HybridModel) or gpt (GPTModel)" in wrong.stderr
-

@@ -25,47 +25,26 @@ def replay_checks(device: str, smoke: bool) -> dict:
     Then ``megatron_ext.bench.replay.measure`` times native, Megatron's RouterReplay and ours,
     interleaved (wall time around a device synchronize on a GPU).
     """
-    from megatron.core.transformer.moe.router import TopKRouter
-
     from megatron_ext.bench import replay as bench
     from megatron_ext.replay.binding import RouteReplayBinding
-    from megatron_ext.testing import build_tiny_gpt, record_host_syncs, tiny_moe_config
+    from megatron_ext.testing import record_host_syncs
 
     batch, seq, layers, rounds, inner = (2, 128, 2, 2, 1) if smoke else (4, 512, 4, 15, 3)
-    config = tiny_moe_config(
-        num_layers=layers, hidden_size=128, moe_ffn_hidden_size=128, moe_enable_routing_replay=True
-    )
-    torch.manual_seed(0)
-    model = build_tiny_gpt(config, vocab_size=256, max_seq_len=seq).eval().to(device)
-    tokens = torch.randint(0, 256, (batch, seq)).to(device)
-    positions = torch.arange(seq, device=device).expand(batch, seq)
-
-    def forward():
-        with torch.no_grad():
-            model(tokens, positions, attention_mask=None)
-
-    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    model, forward, routers = bench.replay_model(batch, seq, layers, device)
     recorded, routes_BSLK = bench.record_routes(routers, forward, batch, seq)
     with torch.no_grad():  # the model now routes otherwise: replay must bring the routes back
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     maps: list[torch.Tensor] = []
     hooks = [r.register_forward_hook(lambda m, a, out: maps.append(out[1])) for r in routers]
-
-    def as_recorded() -> bool:
-        return len(maps) == len(recorded) and all(
-            torch.equal(m.nonzero()[:, 1].view(-1, t.shape[1]), t.sort(-1).values)
-            for m, t in zip(maps, recorded, strict=False)  # the lengths are compared first
-        )
-
     forward()
-    native_as_recorded = as_recorded()
+    native_as_recorded = bench.routes_match(maps, recorded)
     maps.clear()
     binding = RouteReplayBinding(model, "replay", missing_route_policy="native")
     with record_host_syncs() as syncs:
         binding.install(routes_BSLK, key=0, has_missing=False)
     forward()
-    replayed = as_recorded()
+    replayed = bench.routes_match(maps, recorded)
     binding.clear()
     binding.remove()
     for hook in hooks:
