@@ -86,7 +86,7 @@ def resolved_configuration(args: argparse.Namespace) -> dict[str, Any]:
         PaddingConfig,
         ReplayConfig,
     )
-    from megatron_ext.moe.token_dispatcher import align_size_for_config
+    from megatron_ext.moe.group_aligner import align_size_for_config
     from megatron_ext.training import run_state
     from megatron_ext.training.dataset_provider import pad_multiple_from_args
     from megatron_ext.training.model_provider import uses_aligned_moe

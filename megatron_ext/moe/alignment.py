@@ -1,35 +1,29 @@
-"""Sync-free grouped-GEMM alignment of dispatched MoE tokens (pure torch, never imports megatron).
+"""Grouped-GEMM alignment of dispatched MoE tokens: multiples, sizes, shared pieces (pure torch,
+never imports megatron).
 
 Low-precision grouped GEMMs need every expert's group of rows to start and end on a multiple of
 the quantization block: 16 rows for fp8, 32 for mxfp8 (the 1x32 scale blocks run along M in the
 weight-gradient GEMM ``dW = dO^T @ X``), 128 for nvfp4. bf16/fp16 need nothing, and padding them
 only costs time, so their alignment is 0 and every function here is then the identity (no copy).
 
-After the token dispatcher has received its rows, this module lays them out expert-major with each
-expert's group starting at an aligned offset and zero rows filling the gaps, and strips the pads
-again on the way back. The rows may arrive in source-chunk order (Megatron's all-to-all delivers
-``[source rank][local expert]`` chunks), so the same copy also does the sort by local expert.
+This module holds what every aligned layout shares: the multiple per precision, rounding counts
+up (on the device and on the host), the buffer length (exact from host counts, or the static
+bound ``static_aligned_rows`` when no count has reached the host), the pad rows of a layout, the
+shared zero rows pads are copied from, and the gather that zeroes pads. The layouts themselves:
+:mod:`~megatron_ext.moe.aligned_permute` (pads folded into Megatron's permute),
+:mod:`~megatron_ext.moe.aligned_chunk_sort` (pads spliced into its chunk sort, host counts) and
+:mod:`~megatron_ext.moe.aligned_chunk_gather` (the chunk sort planned on the device).
 
-Worked example (align 4, one source chunk, 2 experts with 3 and 1 tokens)::
+Worked example (align 4, 2 experts with 3 and 1 tokens)::
 
-    received rows    [a b c | d]               tokens_per_expert_E = [3, 1]
-    aligned buffer   [a b c _ | d _ _ _]       aligned counts      = [4, 4]
-    dest_idx_N       [0 1 2 4]                 (row i of the input lands at dest_idx_N[i])
+    tokens_per_expert_E  [3, 1]  ->  round_up  [4, 4]      buffer [a b c _ | d _ _ _]
+    static_aligned_rows(4 rows, 2 experts, 4) = 8         (any split of 4 rows fits in 8)
 
-Everything is computed on the device from device counts with sync-free ops (``cumsum``,
-``searchsorted``, gathers). The data moves once: one gather through the inverse index
-``gather_idx_P`` (``[0 1 2 0 | 3 0 0 0]`` above) and a zero fill of only the pad rows, never a
-zero-filled buffer plus a scatter. The one host integer needed, the buffer length, comes either
-from counts the dispatcher already holds on the host (exact, no new sync) or from a static bound
-(``static_aligned_rows``; the last expert's group absorbs the slack so all groups stay aligned).
-
-Shape legend: N rows received (unaligned), P rows of the aligned buffer, E local experts,
-R source chunks the rows arrive in (TP x EP ranks; 1 when already expert-major), C = R*E chunks,
-D hidden size, Q = P - N pad rows.
+Shape legend: N rows (unaligned), P rows of the aligned buffer, E experts, D hidden size,
+Q = P - N pad rows.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -209,7 +203,8 @@ def host_pad_rows(counts: Sequence[int], aligned: Sequence[int]) -> np.ndarray:
 
     Host work only (numpy, a few microseconds): group ``e`` holds its ``counts[e]`` real rows
     and then ``aligned[e] - counts[e]`` pads (the last group may also hold a static bound's
-    slack). :func:`pad_rows_of_groups` is the device version, for counts that stay on the device.
+    slack). :func:`~megatron_ext.moe.aligned_chunk_gather.pad_rows_of_groups` is the device
+    version, for counts that stay on the device.
 
     Returns:
         int64 array ``[Q]``, ``Q = sum(aligned) - sum(counts)``.
@@ -242,108 +237,6 @@ def static_aligned_rows(num_rows: int, num_experts: int, align: int) -> int:
     return (num_rows + num_experts * (align - 1)) // align * align
 
 
-@dataclass(frozen=True)
-class AlignedLayout:
-    """Where each received row sits in the aligned expert-major buffer, and back.
-
-    Attributes:
-        dest_idx_N: Buffer row of each received row (device, int64).
-        gather_idx_P: Received row each buffer row copies (device, int64); pad rows point at
-            row 0 (any real row) and are zeroed after the gather.
-        pad_idx_Q: The ``Q = P - N`` pad rows of the buffer, ascending (device, int64).
-        tokens_per_expert_E: Aligned group sizes (device, int64), each a multiple of the
-            alignment, summing to ``num_rows``.
-        num_rows: Buffer length P (host int).
-        align: The alignment multiple used.
-    """
-
-    dest_idx_N: torch.Tensor
-    gather_idx_P: torch.Tensor
-    pad_idx_Q: torch.Tensor
-    tokens_per_expert_E: torch.Tensor
-    num_rows: int
-    align: int
-
-
-def pad_rows_of_groups(
-    first_pad_E: torch.Tensor, pads_E: torch.Tensor, num_pads: int
-) -> torch.Tensor:
-    """Lists the pad rows of an aligned buffer, sync-free, from per-group pad ranges.
-
-    Args:
-        first_pad_E: First pad row of each group (its start plus its real rows), device int64.
-        pads_E: Pad rows of each group (device int64), summing to ``num_pads``.
-        num_pads: Q, a host int (buffer length minus real rows).
-
-    Returns:
-        ``pad_idx_Q``: ascending buffer rows of every pad, shape [Q].
-    """
-    pad_end_E = pads_E.cumsum(0)
-    q_Q = torch.arange(num_pads, device=pads_E.device)
-    group_Q = torch.searchsorted(pad_end_E, q_Q, right=True)
-    return (first_pad_E - (pad_end_E - pads_E)).gather(0, group_Q) + q_Q
-
-
-def plan_aligned_layout(
-    counts_RE: torch.Tensor, align: int, num_received: int, num_rows: int
-) -> AlignedLayout:
-    """Plans the aligned expert-major layout of rows arriving in ``[source chunk][expert]`` order.
-
-    Rows arrive as chunks ``(r=0,e=0), (r=0,e=1), ..., (r=1,e=0), ...`` of sizes ``counts_RE``
-    (Megatron's all-to-all order; pass ``counts.view(1, E)`` for rows already sorted by expert).
-    Chunk ``(r, e)`` goes to ``aligned_start[e] + sum_{r' < r} counts_RE[r', e]``, so the copy
-    that pads also sorts by expert.
-
-    Sync-free: only ``cumsum``/``searchsorted``/gathers/scatters on device tensors; the two
-    lengths are host ints the caller already has.
-
-    Args:
-        counts_RE: Rows per (source chunk, local expert); device tensor, shape [R, E], summing
-            to ``num_received``.
-        align: Alignment multiple (> 1).
-        num_received: Rows received N (the received tensor's ``shape[0]``).
-        num_rows: Buffer length P, from ``aligned_rows_from_host_counts`` or
-            ``static_aligned_rows``; must be at least the exact aligned total (a smaller value
-            cannot be detected without a sync and would corrupt the last group).
-
-    Returns:
-        The layout. With a static bound, the last expert's group absorbs the slack rows.
-    """
-    assert counts_RE.dim() == 2, "counts_RE must be [R, E]"
-    assert not is_identity(align), "identity alignment needs no layout"
-    assert num_rows >= num_received, "the buffer holds every received row"
-    counts_RE = counts_RE.long()
-    counts_C = counts_RE.reshape(-1)
-    src_end_C = counts_C.cumsum(0)
-    src_start_C = src_end_C - counts_C
-
-    real_E = counts_RE.sum(0)
-    aligned_E = give_slack_to_last(round_up(real_E, align), num_rows)
-    aligned_start_E = aligned_E.cumsum(0) - aligned_E
-    # Offset of chunk (r, e) inside expert e's group: rows of the same expert in earlier chunks.
-    within_RE = counts_RE.cumsum(0) - counts_RE
-    dest_start_C = (aligned_start_E.unsqueeze(0) + within_RE).reshape(-1)
-
-    row_N = torch.arange(num_received, device=counts_RE.device)
-    # Chunk of each row: the first chunk whose end lies beyond it (empty chunks are skipped).
-    chunk_N = torch.searchsorted(src_end_C, row_N, right=True)
-    dest_idx_N = dest_start_C.gather(0, chunk_N) + (row_N - src_start_C.gather(0, chunk_N))
-    # The inverse index: pad rows keep 0 (a real row when N > 0) and are zeroed after the gather.
-    gather_idx_P = torch.zeros(num_rows, dtype=torch.long, device=counts_RE.device)
-    gather_idx_P.scatter_(0, dest_idx_N, row_N)
-    pad_idx_Q = pad_rows_of_groups(
-        aligned_start_E + real_E, aligned_E - real_E, num_rows - num_received
-    )
-    return AlignedLayout(
-        dest_idx_N=dest_idx_N,
-        gather_idx_P=gather_idx_P,
-        pad_idx_Q=pad_idx_Q,
-        tokens_per_expert_E=aligned_E,
-        num_rows=num_rows,
-        align=align,
-    )
-
-
 def gather_and_zero_pads(
     src_M: torch.Tensor, gather_idx_P: torch.Tensor, pad_idx_Q: torch.Tensor
 ) -> torch.Tensor:
@@ -356,65 +249,3 @@ def gather_and_zero_pads(
         return src_M.new_zeros((gather_idx_P.shape[0], *src_M.shape[1:]))
     out_P = src_M.index_select(0, gather_idx_P)
     return out_P.index_fill_(0, pad_idx_Q, 0)
-
-
-class _PadRows(torch.autograd.Function):
-    """Received rows -> aligned buffer; the backward is the strip's gather (pads get nothing)."""
-
-    @staticmethod
-    def forward(ctx, x_N, dest_idx_N, gather_idx_P, pad_idx_Q):
-        ctx.save_for_backward(dest_idx_N)
-        return gather_and_zero_pads(x_N, gather_idx_P, pad_idx_Q)
-
-    @staticmethod
-    def backward(ctx, grad_P):
-        (dest_idx_N,) = ctx.saved_tensors
-        return grad_P.index_select(0, dest_idx_N), None, None, None
-
-
-class _StripRows(torch.autograd.Function):
-    """Aligned buffer -> received rows; the backward is the pad's gather (pad rows get 0)."""
-
-    @staticmethod
-    def forward(ctx, y_P, dest_idx_N, gather_idx_P, pad_idx_Q):
-        ctx.save_for_backward(gather_idx_P, pad_idx_Q)
-        return y_P.index_select(0, dest_idx_N)
-
-    @staticmethod
-    def backward(ctx, grad_N):
-        gather_idx_P, pad_idx_Q = ctx.saved_tensors
-        return gather_and_zero_pads(grad_N, gather_idx_P, pad_idx_Q), None, None, None
-
-
-def pad_to_layout(x_N: torch.Tensor, layout: AlignedLayout) -> torch.Tensor:
-    """Copies received rows into the zero-padded aligned buffer.
-
-    One gather through the inverse index, then only the pad rows are zeroed (no zero-fill of
-    the whole buffer, no second copy). Differentiable: the gradient of ``x_N`` is the buffer
-    gradient gathered at ``dest_idx_N``; pad rows receive nothing.
-
-    Args:
-        x_N: Received rows, shape [N, ...] (hidden states ``[N, D]`` or probs ``[N]``).
-        layout: From ``plan_aligned_layout``.
-
-    Returns:
-        ``x_P`` of shape [P, ...] with zero pad rows.
-    """
-    assert x_N.shape[0] == layout.dest_idx_N.shape[0], "x_N rows differ from the planned layout"
-    return _PadRows.apply(x_N, layout.dest_idx_N, layout.gather_idx_P, layout.pad_idx_Q)
-
-
-def strip_layout(y_P: torch.Tensor, layout: AlignedLayout) -> torch.Tensor:
-    """Drops pad rows and restores the received row order (undoing the sort by expert too).
-
-    Differentiable: the gradient of ``y_P`` is zero on pad rows.
-
-    Args:
-        y_P: Rows of the aligned buffer, shape [P, ...].
-        layout: The layout ``pad_to_layout`` used.
-
-    Returns:
-        ``y_N`` of shape [N, ...] in the order the rows were received.
-    """
-    assert y_P.shape[0] == layout.num_rows, "y_P rows differ from the planned layout"
-    return _StripRows.apply(y_P, layout.dest_idx_N, layout.gather_idx_P, layout.pad_idx_Q)

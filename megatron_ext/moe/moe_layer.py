@@ -33,13 +33,13 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.config import MoEAlignmentConfig
+from megatron_ext.moe.group_aligner import align_size_for_config
 from megatron_ext.moe.load_metrics import ExpertLoadMetrics
 from megatron_ext.moe.pad_routing import PadRouting, clear_pad_routes
 from megatron_ext.moe.pad_skip_dispatcher import SkipPadRowsMixin, skip_pad_rows_dispatcher
 from megatron_ext.moe.token_dispatcher import (
     AlignedAllGatherTokenDispatcher,
     AlignedAlltoAllTokenDispatcher,
-    align_size_for_config,
 )
 
 logger = logging.getLogger(__name__)

@@ -72,9 +72,9 @@ def rehearse_quantized_moe(
 
     With ``log``, every grouped-GEMM expert linear records the group sizes it is handed.
     """
+    from megatron_ext.moe.group_aligner import align_size_for_config
     from megatron_ext.moe.grouped_mm_linear import GroupedMMLinear
     from megatron_ext.moe.moe_layer import AlignedMoELayer
-    from megatron_ext.moe.token_dispatcher import align_size_for_config
 
     stages = model if isinstance(model, list) else [model]
     aligns = []

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron_ext.moe import aligned_chunk_gather as cg
 from megatron_ext.moe import aligned_chunk_sort as cs
 from megatron_ext.moe import aligned_permute as ap
 from megatron_ext.moe import alignment as al
@@ -333,10 +334,10 @@ def test_chunk_layout_matches_device_layout_and_strips(align, num_chunks):
         for static in (False, True):
             rows = al.static_aligned_rows(n, 4, align) if static else None
             layout = cs.plan_chunk_layout(counts.tolist(), align, rows)
-            device = al.plan_aligned_layout(counts, align, n, layout.num_rows)
+            device = cg.plan_aligned_layout(counts, align, n, layout.num_rows)
             x = torch.randn(n, 3, generator=g, requires_grad=True)
             x_P = cs.pad_chunks(x, layout, torch.zeros(layout.max_pad, 3))
-            assert torch.equal(x_P, al.pad_to_layout(x, device))
+            assert torch.equal(x_P, cg.pad_to_layout(x, device))
             assert layout.tokens_per_expert_E == device.tokens_per_expert_E.tolist()
             assert all(s % align == 0 for s in layout.tokens_per_expert_E)
             w = torch.randn(n, 3, generator=g)

@@ -167,7 +167,7 @@ def test_align_under_bf16_warns_once():
 
 def test_align_size_override_under_bf16_warns_it_has_no_effect():
     """The override pads nothing under bf16 (the multiple stays 0), and the warning says so."""
-    from megatron_ext.moe.token_dispatcher import align_size_for_config
+    from megatron_ext.moe.group_aligner import align_size_for_config
 
     on = MoEAlignmentConfig(moe_dispatch_align=True, moe_dispatch_align_size=64)
     with warnings.catch_warnings(record=True) as seen:

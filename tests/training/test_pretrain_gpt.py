@@ -667,7 +667,7 @@ def test_the_dry_run_reports_the_alignment_the_dispatcher_uses(
     flags, align, data_prefix, monkeypatch, capsys
 ) -> None:
     from megatron_ext.config import MoEAlignmentConfig
-    from megatron_ext.moe.token_dispatcher import align_size_for_config
+    from megatron_ext.moe.group_aligner import align_size_for_config
 
     argv = ["--data-path", data_prefix, "--eval-iters", "0", "--eval-interval", "9"]
     argv += ["--moe-dispatch-align", "--bf16", *flags]
