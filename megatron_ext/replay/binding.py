@@ -3,8 +3,9 @@
 Megatron 0.19.2 gives each ``TopKRouter`` a ``RouterReplay`` whose targets are a single tensor for
 the forward and a FIFO (``pop(0)``) for recompute in backward, set through a process-global list
 in construction order. This binding replaces, on the MoE layers of this pipeline stage only, each
-router's instance with a :class:`KeyedRouterReplay` (a ``RouterReplay`` subclass, swapped in place
-in Megatron's global list) that looks its targets up by ``(micro-batch key, MoE layer)``:
+router's instance with a :class:`~megatron_ext.replay.keyed_router_replay.KeyedRouterReplay` (a
+``RouterReplay`` subclass, swapped in place in Megatron's global list) that looks its targets up
+by ``(micro-batch key, MoE layer)``:
 
 - ``install(routes_BSLK, key)`` before a micro-batch's forward slices the pack's routes for this
   rank (CP zigzag, then SP; :mod:`~megatron_ext.replay.layout`) in one gather, layer-major and
@@ -36,67 +37,22 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from megatron.core import parallel_state
-from megatron.core.models.hybrid.hybrid_block import HybridStack
-from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay
-from megatron.core.transformer.transformer_block import TransformerBlock
 
 from megatron_ext.moe.alignment import host_to_device
 from megatron_ext.replay.backward_key import mark_backward_key
-from megatron_ext.replay.layout import (
-    moe_layer_numbers,
-    moe_layer_numbers_from_hybrid_pattern,
-    router_row_positions,
-    stage_rows_layer_major,
+from megatron_ext.replay.keyed_router_replay import (
+    DECODER_BLOCKS,
+    KeyedRouterReplay,
+    TopKFunction,
+    model_moe_layer_numbers,
+    replayed_routers,
+    unwrap_model,
 )
+from megatron_ext.replay.layout import router_row_positions, stage_rows_layer_major
 from megatron_ext.replay.recorded_rows import gather_recorded_routes
 from megatron_ext.replay.unsupported import check_replay_supported
-
-_TopK = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-# Decoder stacks whose output carries the backward key marker (GPTModel's, HybridModel's).
-_DECODER_BLOCKS = (TransformerBlock, HybridStack)
-
-
-class KeyedRouterReplay(RouterReplay):
-    """A ``RouterReplay`` whose targets come from a :class:`RouteReplayBinding` by key."""
-
-    def __init__(self, binding: "RouteReplayBinding", moe_ordinal: int, layer_number: int) -> None:
-        super().__init__()
-        self.binding = binding
-        self.moe_ordinal = moe_ordinal
-        self.layer_number = layer_number
-
-    def get_replay_topk(
-        self,
-        scores: torch.Tensor,
-        topk: int,
-        num_groups: int | None = None,
-        group_topk: int | None = None,
-        default_compute_topk: _TopK | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replays (or records) this layer's top-k for the current micro-batch key."""
-        assert default_compute_topk is not None
-        return self.binding.route(self, scores, topk, num_groups, group_topk, default_compute_topk)
-
-
-def _moe_layer_numbers(model: torch.nn.Module) -> list[int]:
-    """The decoder's MoE layer numbers: a ``HybridModel`` from its layer pattern (its config's
-    ``moe_layer_freq`` does not describe it), a ``GPTModel`` from ``moe_layer_freq``."""
-    if isinstance(model, HybridModel):
-        return moe_layer_numbers_from_hybrid_pattern(model.hybrid_layer_pattern)
-    return moe_layer_numbers(model.config.num_layers, model.config.moe_layer_freq)
-
-
-def replayed_routers(model: torch.nn.Module) -> list[TopKRouter]:
-    """The routers route replay binds: every decoder ``TopKRouter`` (MTP layers' excluded)."""
-    return [m for m in model.modules() if isinstance(m, TopKRouter) and not m.is_mtp_layer]
-
-
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(module, "module"):  # DDP / Float16Module wrappers
-        module = module.module
-    return module
 
 
 class RouteReplayBinding:
@@ -123,12 +79,12 @@ class RouteReplayBinding:
     ) -> None:
         if mode not in ("replay", "record"):
             raise ValueError(f"--route-replay-mode must be 'replay' or 'record' here, got {mode!r}")
-        chunks = [_unwrap(m) for m in (model if isinstance(model, Sequence) else [model])]
+        chunks = [unwrap_model(m) for m in (model if isinstance(model, Sequence) else [model])]
         self.config = chunks[0].config
         check_replay_supported(self.config, f"--route-replay-mode {mode}")
         self.mode = mode
         self.native_missing = missing_route_policy == "native"
-        numbers = _moe_layer_numbers(chunks[0])
+        numbers = model_moe_layer_numbers(chunks[0])
         self.num_moe_layers = len(numbers)
         self.topk = self.config.moe_router_topk
         ordinal_of = {n: i for i, n in enumerate(numbers)}
@@ -139,7 +95,7 @@ class RouteReplayBinding:
             for module in replayed_routers(chunk):
                 self._restore.append((module, module.router_replay))
                 self.replays.append(self._swap_in(module, ordinal_of[module.layer_number]))
-            for block in (m for m in chunk.modules() if isinstance(m, _DECODER_BLOCKS)):
+            for block in (m for m in chunk.modules() if isinstance(m, DECODER_BLOCKS)):
                 self._hooks.append(block.register_forward_hook(self._mark_block_output))
                 self._hooks.append(
                     block.register_forward_pre_hook(self._check_block_input, with_kwargs=True)
@@ -337,7 +293,7 @@ class RouteReplayBinding:
         topk: int,
         num_groups: int | None,
         group_topk: int | None,
-        default_compute_topk: _TopK,
+        default_compute_topk: TopKFunction,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-k of one router call: recorded, or replayed for the current key."""
         in_backward = self._in_backward()

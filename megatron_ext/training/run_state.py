@@ -88,7 +88,8 @@ def bind_replay(model: Any, replay: ReplayConfig) -> Any:
     None for a pipeline stage whose layers are all dense (no router: nothing to replay there)."""
     from megatron.training import get_args
 
-    from megatron_ext.replay.binding import RouteReplayBinding, replayed_routers
+    from megatron_ext.replay.binding import RouteReplayBinding
+    from megatron_ext.replay.keyed_router_replay import replayed_routers
 
     if not replayed_routers(model):
         return None

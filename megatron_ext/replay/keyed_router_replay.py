@@ -1,0 +1,75 @@
+"""The ``RouterReplay`` subclass route replay swaps into routers, and which routers those are.
+
+Megatron 0.19.2 gives each ``TopKRouter`` a ``RouterReplay`` that the router asks for its top-k
+(``get_replay_topk``). :class:`KeyedRouterReplay` answers by asking its
+:class:`~megatron_ext.replay.binding.RouteReplayBinding`, which looks the targets up by
+``(micro-batch key, MoE layer)``. The binding finds what to bind here: the decoder's routers
+(:func:`replayed_routers`, MTP layers' excluded), their MoE ordinals (absolute layer number ->
+index among the MoE layers, :func:`model_moe_layer_numbers`) and the decoder blocks whose output
+carries the backward key marker (``DECODER_BLOCKS``). Example, a ``HybridModel`` with pattern
+``*E*E``::
+
+    model_moe_layer_numbers(model)                      # [2, 4]: the E positions
+    [r.layer_number for r in replayed_routers(model)]   # [2, 4] -> MoE ordinals 0, 1
+"""
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from megatron.core.models.hybrid.hybrid_block import HybridStack
+from megatron.core.models.hybrid.hybrid_model import HybridModel
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplay
+from megatron.core.transformer.transformer_block import TransformerBlock
+
+from megatron_ext.replay.layout import moe_layer_numbers, moe_layer_numbers_from_hybrid_pattern
+
+if TYPE_CHECKING:  # the binding imports this module
+    from megatron_ext.replay.binding import RouteReplayBinding
+
+TopKFunction = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# Decoder stacks whose output carries the backward key marker (GPTModel's, HybridModel's).
+DECODER_BLOCKS = (TransformerBlock, HybridStack)
+
+
+class KeyedRouterReplay(RouterReplay):
+    """A ``RouterReplay`` whose targets come from a :class:`RouteReplayBinding` by key."""
+
+    def __init__(self, binding: "RouteReplayBinding", moe_ordinal: int, layer_number: int) -> None:
+        super().__init__()
+        self.binding = binding
+        self.moe_ordinal = moe_ordinal
+        self.layer_number = layer_number
+
+    def get_replay_topk(
+        self,
+        scores: torch.Tensor,
+        topk: int,
+        num_groups: int | None = None,
+        group_topk: int | None = None,
+        default_compute_topk: TopKFunction | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replays (or records) this layer's top-k for the current micro-batch key."""
+        assert default_compute_topk is not None
+        return self.binding.route(self, scores, topk, num_groups, group_topk, default_compute_topk)
+
+
+def model_moe_layer_numbers(model: torch.nn.Module) -> list[int]:
+    """The decoder's MoE layer numbers: a ``HybridModel`` from its layer pattern (its config's
+    ``moe_layer_freq`` does not describe it), a ``GPTModel`` from ``moe_layer_freq``."""
+    if isinstance(model, HybridModel):
+        return moe_layer_numbers_from_hybrid_pattern(model.hybrid_layer_pattern)
+    return moe_layer_numbers(model.config.num_layers, model.config.moe_layer_freq)
+
+
+def replayed_routers(model: torch.nn.Module) -> list[TopKRouter]:
+    """The routers route replay binds: every decoder ``TopKRouter`` (MTP layers' excluded)."""
+    return [m for m in model.modules() if isinstance(m, TopKRouter) and not m.is_mtp_layer]
+
+
+def unwrap_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The model inside any wrappers that hold it as ``.module``."""
+    while hasattr(module, "module"):  # DDP / Float16Module wrappers
+        module = module.module
+    return module
