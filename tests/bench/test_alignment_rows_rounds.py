@@ -5,7 +5,7 @@ equally often, as its notes say), and the few-token rows, the ones a shared mach
 moves most, run at least two; the quick run (CI) keeps its few rounds.
 """
 
-from megatron_ext.bench import alignment as b
+from megatron_ext.bench import alignment_rows as b
 from megatron_ext.bench.rounds import design_length
 
 

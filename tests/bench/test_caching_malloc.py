@@ -1,4 +1,4 @@
-"""Tier: one subprocess (the benchmark's 'caching' allocator setting is process-wide and final).
+"""Tier: one subprocess (the 'caching' allocator setting is process-wide and final).
 
 The alignment benchmark reports every figure under glibc's defaults and under a setting that
 makes malloc keep freed memory, the way a GPU caching allocator keeps its blocks. This checks
@@ -11,7 +11,7 @@ import sys
 
 SCRIPT = """
 import resource, torch
-from megatron_ext.bench.alignment import _keep_freed_memory
+from megatron_ext.bench.caching_malloc import keep_freed_memory
 
 def faults_per_trip():
     # 64 MiB: above glibc's largest dynamic mmap threshold (32 MiB), so by default every
@@ -25,7 +25,7 @@ def faults_per_trip():
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 5
 
 glibc = faults_per_trip()
-_keep_freed_memory()
+keep_freed_memory()
 # The heap grows to its working size over the first trips (faults then), then reuses it.
 print(glibc, min(faults_per_trip() for _ in range(3)))
 """

@@ -12,11 +12,12 @@ from megatron_ext.testing import run_distributed
 
 
 def _copy_checks() -> dict:
-    from megatron_ext.bench import alignment as b
+    from megatron_ext.bench import alignment_rows as b
+    from megatron_ext.bench.dispatcher_variant import DISPATCHERS, build_layer
 
     out = {}
-    for dispatcher in b.DISPATCHERS:
-        stock, copy = b._build(dispatcher, 64, False), b._build(dispatcher, 64, False)
+    for dispatcher in DISPATCHERS:
+        stock, copy = build_layer(dispatcher, 64, False), build_layer(dispatcher, 64, False)
         x = torch.randn(48, 1, 64)
         with torch.no_grad():
             probs, routing_map = stock.route(x)

@@ -1,4 +1,4 @@
-"""Tier: pure (the replay benchmark's interleaving and paired ratios, on a fake clock).
+"""Tier: pure (interleaved rounds and paired ratios on a fake clock: the replay benchmark's timing).
 
 Interleaved rounds order the variants so each follows every other equally often (a Williams
 design, megatron_ext.bench.rounds) and pair them per round, so a machine that
@@ -8,7 +8,7 @@ paired ratio unchanged; one variant run after another would report the drift as 
 
 import pytest
 
-from megatron_ext.bench.replay import interleaved_rounds, paired_ratio
+from megatron_ext.bench.round_timing import interleaved_rounds, paired_ratio
 
 
 def test_rounds_balance_the_order_and_pairs_cancel_drift():

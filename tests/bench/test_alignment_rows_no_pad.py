@@ -9,7 +9,7 @@ its top-k experts distinct and its own probabilities, and ours adding no pad row
 import pytest
 import torch
 
-from megatron_ext.bench.alignment import no_pad_inputs
+from megatron_ext.bench.alignment_rows import no_pad_inputs
 from megatron_ext.testing import run_distributed
 
 
@@ -49,15 +49,15 @@ def test_no_pad_routing_refused_when_no_multiple_fits():
 
 
 def _groups_on_no_pad_routing() -> dict:
-    from megatron_ext.bench import alignment as b
+    from megatron_ext.bench import dispatcher_variant as b
 
     round_probs, round_map = _routing(48)
     x = torch.randn(48, 1, 64)
     _, probs, routing_map = no_pad_inputs(round_probs, round_map, [16, 32])
     groups = {}
     for dispatcher in b.DISPATCHERS:
-        stock, ours = b._build(dispatcher, 64, False), b._build(dispatcher, 64, True)
-        variants = {"unaligned": b._Variant(stock, None), "fp8": b._Variant(ours, "fp8")}
+        stock, ours = b.build_layer(dispatcher, 64, False), b.build_layer(dispatcher, 64, True)
+        variants = {"unaligned": b.Variant(stock, None), "fp8": b.Variant(ours, "fp8")}
         for name, v in variants.items():
             v.run(x, probs, routing_map, 1)
             groups[dispatcher, name] = [int(n) for n in v.groups]

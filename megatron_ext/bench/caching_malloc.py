@@ -1,0 +1,34 @@
+"""glibc malloc turned into a caching allocator, for benchmarks that must not measure page faults.
+
+A fresh CPU tensor beyond glibc's mmap threshold is its own mmap, so every page of it faults in on
+first touch, every time; a GPU caching allocator reuses its freed blocks and never pays that. The
+threshold also moves with what the process freed before, so two variants of the same size can
+fault differently. :func:`keep_freed_memory` makes malloc keep freed memory instead (no mmap'd
+chunks, no trimming of the heap), so a freed tensor's pages are reused. Minor faults per
+``x = torch.ones(16 * 2**20); del x`` (64 MiB, 4 KiB pages)::
+
+    glibc's defaults                          16384   (every page, every time)
+    after keep_freed_memory(), warmed up          0   (the heap's pages reused)
+
+The setting cannot be undone in a process: the ``alignment`` benchmark applies it in worker
+processes of their own (its ``caching`` rows) and shuts them down after.
+"""
+
+import ctypes
+import ctypes.util
+
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+
+
+def keep_freed_memory() -> None:
+    """glibc malloc as a caching allocator for the rest of this process (irreversible).
+
+    No allocation is served by its own mmap (``M_MMAP_MAX`` 0) and the heap top is never given
+    back (``M_TRIM_THRESHOLD`` at its maximum), so freed tensors' pages are reused.
+    """
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if not hasattr(libc, "mallopt"):
+        raise RuntimeError("the 'caching' allocator setting needs glibc's mallopt")
+    ok = libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
+    if not ok:
+        raise RuntimeError("glibc's mallopt refused the 'caching' allocator setting")
