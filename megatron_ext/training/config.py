@@ -95,6 +95,9 @@ _ENTRY_UNSUPPORTED: tuple[tuple[str, str, str], ...] = (
      "megatron_ext's datasets do not defer their index loads"),
     ("per_dataset_sequences_path", "--per-dataset-sequences-path",
      "megatron_ext's datasets count their own sequences"),
+    ("rampup_batch_size", "--rampup-batch-size",
+     "Megatron-Core 0.19.2 accepts it and ignores it (deprecated): every step would run the full "
+     "--global-batch-size. Use --step-batch-size-schedule (without --global-batch-size)"),
 )  # fmt: skip
 
 

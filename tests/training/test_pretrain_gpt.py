@@ -751,6 +751,7 @@ def test_full_validation_of_a_validation_split_rounded_to_no_documents(data_pref
         (["--sft"], "--sft"),
         (["--fim-data"], "--fim-data"),
         (["--dataloader-fast-cache-load"], "--dataloader-fast-cache-load"),
+        (["--rampup-batch-size", "4", "4", "16"], "--rampup-batch-size: Megatron-Core 0.19.2"),
         (
             ["--moe-router-load-balancing-type", "quantile_balancing"],
             "quantile_balancing is not supported",
