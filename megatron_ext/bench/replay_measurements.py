@@ -101,15 +101,13 @@ def measure(batch: int, seq: int, layers: int, rounds: int, inner: int, device="
         binding.install(routes_BSLK, key=0, has_missing=has_missing)
         # Everything install() keeps per micro-batch: the narrow rows [L, N, K] and, when the
         # micro-batch may have missing rows, the bool mask [L, N] (1 B/token/layer).
-        device_bytes[name] = sum(
-            t.nbytes for pair in binding._targets.values() for t in pair if t is not None
-        ) / (batch * seq * layers)
+        device_bytes[name] = binding.device_bytes()[0] / (batch * seq * layers)
         binding.clear()
     step_times = _replay_step_times(
         binding, ours, theirs, recorded, routes_BSLK, rounds, inner, clock
     )
     # Cached once per (device, B, S), shared by every layer and micro-batch: int64 row index.
-    index_bytes = sum(t.nbytes for t in binding._device_positions.values()) / (batch * seq)
+    index_bytes = binding.device_bytes()[1] / (batch * seq)
     binding.remove()
     torch.set_num_threads(threads)
     return {

@@ -250,6 +250,13 @@ class RouteReplayBinding:
         self._forward_key = self._backward_key = None
         self._routed = set()
 
+    def device_bytes(self) -> tuple[int, int]:
+        """``(installed, row index)``: bytes the installed micro-batches hold on the device (the
+        stage's narrow rows and any missing masks; freed by :meth:`clear`) and bytes of the row
+        indices cached once per (device, B, S) for the binding's lifetime."""
+        installed = sum(t.nbytes for pair in self._targets.values() for t in pair if t is not None)
+        return installed, sum(t.nbytes for t in self._device_positions.values())
+
     def _in_backward(self) -> bool:
         """A recompute of the marked micro-batch: its backward reached the decoder's output and
         the autograd engine is running (after the backward, a forward is a new one)."""

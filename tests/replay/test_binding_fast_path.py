@@ -86,11 +86,12 @@ def _fast_and_masked_paths() -> dict:
     }
     # The first micro-batch of a shape copies the row index to the device: no sync there either.
     first = RouteReplayBinding(model, "replay", missing_route_policy="native")
-    assert not first._device_positions  # a new binding: nothing cached yet
+    assert first.device_bytes() == (0, 0)  # a new binding: nothing installed or cached yet
     _, syncs["first_of_shape"] = count_host_syncs(
         first.install, routes, key="first", has_missing=False
     )
-    syncs["first_cached"] = len(first._device_positions)
+    # Held on the device: the uint8 rows [L, N, K] (no missing mask) and an int64 row index.
+    syncs["first_cached"] = first.device_bytes() == (routes.numel(), 8 * BATCH * SEQ)
     first.remove()
     errors = []
     try:
@@ -128,7 +129,7 @@ def test_no_missing_row_skips_native_topk_bitwise_and_without_sync():
     # With missing rows the replayed rows are exact and the native rows are the router's own
     # (non-vacuous: they differ from the routes that were replaced by the marker).
     assert r["told_replayed_exact"] and r["told_native_rows_differ"]
-    assert r["syncs"] == {"fast": [], "masked": [], "first_of_shape": [], "first_cached": 1}
+    assert r["syncs"] == {"fast": [], "masked": [], "first_of_shape": [], "first_cached": True}
     assert "host bool or None" in r["errors"][0]
 
 
