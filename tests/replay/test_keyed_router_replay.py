@@ -66,7 +66,6 @@ def test_unwrap_strips_module_wrappers():
 
 
 def _what_gets_bound() -> dict:
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     from megatron_ext.replay.keyed_router_replay import (
@@ -74,16 +73,11 @@ def _what_gets_bound() -> dict:
         model_moe_layer_numbers,
         replayed_routers,
     )
-    from megatron_ext.testing import tiny_moe_config
+    from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
 
     config = tiny_moe_config(num_layers=3, moe_layer_freq=[0, 1, 1])
-    gpt = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False),
-        vocab_size=VOCAB,
-        max_sequence_length=SEQ,
-        position_embedding_type="rope",
-    )
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)  # dense layer 1
+    gpt = build_tiny_gpt(config, vocab_size=VOCAB, max_seq_len=SEQ, layer_spec=spec)
     hybrid = tiny_hybrid_model(recompute=False, pattern="*E*E")
     out = {}
     for name, model in (("gpt", gpt), ("hybrid", hybrid)):
