@@ -91,9 +91,7 @@ def _probe(rank: int, port: str) -> None:
                 else {}
             )
             if shared_overlap:  # shared experts overlapped with the all-to-all on a side stream
-                extra.update(
-                    moe_shared_expert_intermediate_size=64, moe_shared_expert_overlap=True
-                )
+                extra.update(moe_shared_expert_intermediate_size=64, moe_shared_expert_overlap=True)
             config = tiny_moe_config(
                 moe_token_dispatcher_type="alltoall",
                 sequence_parallel=sequence_parallel,

@@ -41,7 +41,9 @@ def test_self_padding_routes_pads_elsewhere_and_trains_as_constant_padding(
     corpus_prefix, tmp_path, per_token_loss
 ) -> None:
     extra = ["--calculate-per-token-loss"] if per_token_loss else []
-    runs = {p: _train(corpus_prefix, tmp_path / f"{p}.jsonl", p, extra) for p in ("self", "constant")}
+    runs = {
+        p: _train(corpus_prefix, tmp_path / f"{p}.jsonl", p, extra) for p in ("self", "constant")
+    }
     (self_logged, self_load), (const_logged, const_load) = runs["self"], runs["constant"]
     assert sorted(self_logged) == [1, 2, 3, 4]
     assert self_logged == const_logged  # exactly: pads are loss-masked and after every real token
