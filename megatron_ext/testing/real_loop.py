@@ -98,7 +98,7 @@ def launch(
     (about 3 s of a 13 s fresh two-rank launch on a 2-core machine). Like the agent, the first rank to
     fail stops the others (a peer still waiting for it, in the rendezvous for one, would wait 30
     minutes); the launch's return code is that rank's. The examples' own torchrun path is run by
-    tests/training/test_real_loop.py and the demo.
+    tests/training/test_real_loop_examples.py and the demo.
 
     With ``preload`` (the default) the ranks are forked from a server that imported Megatron once
     (:mod:`megatron_ext.testing.preloaded`): a launch then skips about 6 s of imports and 1.7 s of

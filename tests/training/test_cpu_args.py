@@ -49,7 +49,8 @@ def test_refused_naming_the_flag(change, flag):
 
 def test_cpu_runnable_configuration_passes():
     check_cpu_args(argparse.Namespace(**OK))
-    # TP=2 + sequence parallelism runs too (megatron_ext's SP local norms; test_real_loop trains it).
+    # TP=2 + sequence parallelism runs too (megatron_ext's SP local norms; test_real_loop_features
+    # trains it).
     check_cpu_args(argparse.Namespace(**OK, sequence_parallel=True, tensor_model_parallel_size=2))
     check_cpu_args(
         argparse.Namespace(**OK, fp8="e4m3", moe_dispatch_align=True, moe_grouped_gemm=True)
