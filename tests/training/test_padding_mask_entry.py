@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_ext.testing import run_distributed
-from tests.training.test_pretrain_gpt import BASE_ARGS, TOPK, data_prefix  # noqa: F401
+from tests.training.entry_args import BASE_ARGS, TOPK
 
 #: Aux loss on, load metrics on; everything else the pretraining default (self-padded GPTDataset).
 ARGS = BASE_ARGS + ["--moe-aux-loss-coeff", "0.01", "--moe-expert-load-metrics"]
@@ -78,7 +78,7 @@ def _aux_loss_and_load(argv: list[str]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results(data_prefix):  # noqa: F811
+def results(data_prefix):
     return run_distributed(_aux_loss_and_load, 2, ARGS + ["--data-path", data_prefix], ep=2)
 
 

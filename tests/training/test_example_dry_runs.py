@@ -1,0 +1,162 @@
+"""Tier: subprocesses (the example scripts under ``DRY_RUN=1``, no GPU).
+
+Every script in examples/ parses and validates its documented command (Megatron's flags and ours)
+for the world size it is written for, and so does the examples' GPTModel variant under Slurm's
+environment; a wrong flag in a copy of an example, or an interpreter without megatron_ext, fails
+in one clear line.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.training.entry_args import ROOT
+
+EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.sh") if not p.name.startswith("_"))
+
+
+def _dry_run(script: Path, data_dir: Path) -> subprocess.CompletedProcess:
+    """The script's documented command (its header's ``NNODES=N``, else one node) as a dry run:
+    the world it validates is the one its parallel sizes are written for."""
+    env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, DATA=str(data_dir))
+    env.pop("WORLD_SIZE", None)
+    nodes = re.search(r"^# Command: NNODES=(\d+)", script.read_text(), re.MULTILINE)
+    env["NNODES"] = nodes.group(1) if nodes else "1"
+    return subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT
+    )
+
+
+@pytest.fixture(scope="module")
+def example_data(tmp_path_factory, data_prefix) -> Path:
+    """DATA for the examples: the files they name exist (the dry run checks route sidecars)."""
+    from megatron_ext.data.indexed_writer import write_documents
+    from megatron_ext.replay.route_file import HEADER_EXTENSION
+    from megatron_ext.training.corpus import corpus_documents
+
+    data = tmp_path_factory.mktemp("example_data")
+    names = [
+        "web_text_document",
+        "code_text_document",
+        "chat_text_document",
+        "corpus_text_document",
+    ]
+    for name in names:
+        for ext in (".bin", ".idx"):
+            shutil.copy(data_prefix + ext, data / f"{name}{ext}")
+    # The RL example's rollouts and routes, written for its model (16 MoE layers, top-6 of 64):
+    # the dry run checks the route file's header against the model.
+    from tests.data.dataset_helpers import write_documents_with_random_routes
+
+    docs = [d[:90] for d in corpus_documents()[:80]]
+    write_documents_with_random_routes(
+        str(data / "rollouts_text_document"), docs, np.random.default_rng(1),
+        num_layers=16, topk=6, num_experts=64,
+    )  # fmt: skip
+    assert (data / f"rollouts_text_document_routes{HEADER_EXTENSION}").is_file()
+    masks = [np.ones(d[:90].size, dtype=np.uint8) for d in corpus_documents()[:80]]
+    write_documents(str(data / "chat_text_document_loss_mask"), masks, np.uint8)
+    return data
+
+
+def test_there_are_three_examples() -> None:
+    assert EXAMPLES == [
+        "cpu_demo.sh",
+        "pretrain_moe_blended.sh",
+        "rl_route_replay.sh",
+        "sft_fp8_moe_packed.sh",
+    ]
+
+
+BROKEN = [
+    ("--pad-policy zeros", "--pad-policy: invalid choice"),
+    ("--moe-router-padding-for-quantization", "--moe-router-padding-for-quantization both pad"),
+    ("--no-such-flag 3", "unrecognized arguments: --no-such-flag"),
+]
+
+
+@pytest.fixture(scope="module")
+def dry_runs(example_data: Path, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Every example's dry run and the broken copies', two processes at a time (2 cores; each
+    is mostly Megatron's imports)."""
+    scripts = {name: ROOT / "examples" / name for name in EXAMPLES}
+    original = (ROOT / "examples" / "sft_fp8_moe_packed.sh").read_text()
+    assert "  --moe-dispatch-align" in original
+    for broken, _ in BROKEN:
+        folder = tmp_path_factory.mktemp("broken")
+        copy = folder / "sft_copy.sh"
+        copy.write_text(
+            original.replace("  --moe-dispatch-align", f"  {broken} --moe-dispatch-align")
+        )
+        shutil.copy(ROOT / "examples" / "_launch.sh", folder / "_launch.sh")
+        scripts[broken] = copy
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        done = pool.map(lambda item: (item[0], _dry_run(item[1], example_data)), scripts.items())
+        return dict(done)
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_script_flags_parse_and_validate(name: str, dry_runs) -> None:
+    proc = dry_runs[name]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "megatron_ext: dry run OK" in proc.stdout
+    # HybridModel by default (Megatron 0.19.2 deprecates GPTModel); MODEL=gpt: the Slurm test below.
+    assert '"model": "HybridModel"' in proc.stdout
+    # --moe-pad-routing auto resolved, and said why: every example is dropless alltoall.
+    assert '"moe_pad_routing": "skip (auto: dropless dispatch' in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.parametrize(("broken", "message"), BROKEN)
+def test_a_wrong_flag_in_a_copy_of_an_example_fails_clearly(
+    broken: str, message: str, dry_runs
+) -> None:
+    proc = dry_runs[broken]
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("script", ["cpu_demo.sh", "rl_route_replay.sh"])
+def test_an_interpreter_without_megatron_ext_is_refused_in_one_line(script, tmp_path) -> None:
+    """The system python3 (or any other) instead of the project's environment: one line naming
+    PYTHON, not a traceback from inside Megatron on every rank."""
+    isolated = tmp_path / "python"  # this interpreter, blind to the venv's packages and the cwd
+    isolated.write_text(f'#!/bin/sh\nexec {sys.executable} -I -S "$@"\n')
+    isolated.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(isolated), DATA=str(tmp_path), DRY_RUN="1")
+    proc = subprocess.run(
+        ["bash", str(ROOT / "examples" / script)],
+        capture_output=True, text=True, env=env, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: PYTHON={isolated} is not"), lines
+    assert "Traceback" not in proc.stderr
+
+
+def test_examples_take_the_nodes_from_slurm(example_data) -> None:
+    """Under sbatch/srun the launcher reads SLURM_NNODES, SLURM_NODEID and the first host of
+    SLURM_JOB_NODELIST; the dry run validates for that world size. With MODEL=gpt: the examples'
+    GPTModel variant (the same 16 layers as --num-layers) validates too."""
+    env = dict(
+        os.environ, DRY_RUN="1", PYTHON=sys.executable, DATA=str(example_data),
+        SLURM_JOB_NODELIST="gpu[03-05,07],cpu1", SLURM_NNODES="4", SLURM_NODEID="2",
+        PATH="/usr/bin:/bin",  # no scontrol: the launcher's own nodelist parsing
+        MODEL="gpt",
+    )  # fmt: skip
+    for key in ("WORLD_SIZE", "NNODES", "NODE_RANK", "MASTER_ADDR"):
+        env.pop(key, None)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "examples" / "pretrain_moe_blended.sh")],
+        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "launch: nnodes=4 node_rank=2 master_addr=gpu03 nproc_per_node=8" in proc.stderr
+    assert '"world_size": 32' in proc.stdout
+    assert '"model": "GPTModel"' in proc.stdout
