@@ -156,11 +156,14 @@ class _Pool:
         done: dict[int, tuple[bool, Any]] = {}
         deadline = time.monotonic() + timeout
         while len(done) < self.world_size:
-            if any(not ok for ok, _ in done.values()):
-                # A failed rank's peers may be stuck in a collective: give them a moment, no more.
+            dead = [rank for rank, proc in enumerate(self.procs) if not proc.is_alive()]
+            if dead and len(done) + len(dead) >= self.world_size:
+                break  # every live rank has answered; the dead never will
+            if dead or any(not ok for ok, _ in done.values()):
+                # A failed or dead rank's peers may be stuck in a collective: give them a moment.
                 deadline = min(deadline, time.monotonic() + 5.0)
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self.alive():
+            if remaining <= 0:
                 break
             try:
                 tid, rank, ok, value = self.results.get(timeout=min(remaining, 1.0))
@@ -232,7 +235,8 @@ def run_distributed(
         ``fn``'s return value from each rank, in rank order.
 
     Raises:
-        RuntimeError: A rank raised (its traceback is included) or did not answer in time.
+        RuntimeError: A rank raised (its traceback is included), its worker process died (its
+            exit code is named) or it did not answer in time.
     """
     sizes = ParallelSizes(tp=tp, ep=ep, pp=pp, cp=cp, sp=sp, seed=seed, etp=etp)
     pool = _pool(world_size)
@@ -240,16 +244,33 @@ def run_distributed(
     failed = {rank: value for rank, (ok, value) in done.items() if not ok}
     missing = [rank for rank in range(world_size) if rank not in done]
     if failed or missing:
+        exited = {rank: pool.procs[rank].exitcode for rank in missing}  # None: still running
         pool.close(force=True)
         _POOLS.pop(world_size, None)
         name = getattr(fn, "__qualname__", repr(fn))
         parts = [
             f"rank {rank} of {world_size} failed in {name}:\n{tb}" for rank, tb in failed.items()
         ]
-        if missing:
+        parts += [
+            _exit_message(rank, world_size, code, name)
+            for rank, code in exited.items()
+            if code is not None
+        ]
+        hung = [rank for rank, code in exited.items() if code is None]
+        if hung:
             parts.append(
-                f"ranks {missing} of {world_size} did not finish {name} within {timeout:.0f} s "
+                f"ranks {hung} of {world_size} did not finish {name} within {timeout:.0f} s "
                 "(hung, or a peer died inside a collective)"
             )
         raise RuntimeError("\n".join(parts))
     return [done[rank][1] for rank in range(world_size)]
+
+
+def _exit_message(rank: int, world_size: int, code: int, name: str) -> str:
+    """Why rank ``rank`` gave no answer: its worker process is gone."""
+    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+    return (
+        f"rank {rank} of {world_size}: its worker process {how} before finishing {name} (a "
+        "crash, an out-of-memory kill, or a script calling run_distributed without an "
+        "`if __name__ == '__main__':` guard: the spawned workers import it)"
+    )

@@ -1,5 +1,7 @@
-"""Tier: gloo ranks. The rank-pool harness: results, parallel sizes, failures and hangs."""
+"""Tier: gloo ranks. The rank-pool harness: results, parallel sizes, failures, dead ranks and
+hangs."""
 
+import os
 import time
 
 import pytest
@@ -63,6 +65,24 @@ def test_a_hung_rank_fails_by_timeout() -> None:
     with pytest.raises(RuntimeError, match=r"ranks \[1\] of 2 did not finish"):
         run_distributed(_hang_on_rank_one, 2, timeout=3)
     assert time.monotonic() - start < 60
+    assert [o["rank"] for o in run_distributed(_sizes_and_sum, 2, 0)] == [0, 1]
+
+
+def _exit_on_rank_one() -> int:
+    if torch.distributed.get_rank() == 1:
+        os._exit(3)  # a crash: no exception, no answer
+    return 0
+
+
+def test_a_dead_rank_is_named_with_its_exit_code_not_as_hung() -> None:
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(_exit_on_rank_one, 2, timeout=600)
+    message = str(info.value)
+    assert "rank 1 of 2: its worker process exited with code 3" in message, message
+    assert "if __name__ == '__main__':" in message
+    assert "did not finish" not in message  # rank 0 answered; nothing hung
+    assert time.monotonic() - start < 60  # not the 600 s timeout
     assert [o["rank"] for o in run_distributed(_sizes_and_sum, 2, 0)] == [0, 1]
 
 
