@@ -289,12 +289,17 @@ def unpermute_from_layout(y_PD: torch.Tensor, layout: PermuteLayout) -> torch.Te
     """Strips the pads and unpermutes in one scatter-add: ``[P, D]`` -> ``[T, D]``.
 
     Megatron's unpermute without probs: real rows add onto their tokens in buffer order, which
-    is Megatron's order, with the same kernel (``index_add_`` under deterministic algorithms,
-    ``scatter_add_`` otherwise); pad rows add onto a trash row that is dropped.
+    is Megatron's order; pad rows add onto a trash row that is dropped. On a GPU the kernel is
+    Megatron's (``index_add_`` under deterministic algorithms, ``scatter_add_`` otherwise). On
+    CPU it is always ``index_add_``: the same sums in the same order as ``scatter_add_`` (bitwise
+    in fp32, bf16 and fp16; tests/moe/test_aligned_permute.py checks it against Megatron's
+    unpermute), reading one index per row instead of one per element; its backward gathers rows
+    instead of elements, which is where most of the CPU time goes under autograd. GPUs keep
+    Megatron's choice until it is measured there.
     """
     assert y_PD.shape[0] == layout.num_rows, "y_PD rows differ from the planned layout"
     out = y_PD.new_zeros((layout.num_tokens + 1, *y_PD.shape[1:]))
-    if torch.are_deterministic_algorithms_enabled():
+    if y_PD.is_cpu or torch.are_deterministic_algorithms_enabled():
         out.index_add_(0, layout.token_idx_P, y_PD)
     else:
         index = layout.token_idx_P.view(-1, *([1] * (y_PD.dim() - 1))).expand_as(y_PD)

@@ -203,31 +203,45 @@ def test_plans_share_one_arange_buffer_of_the_largest_size():
     assert torch.equal(ap._ARANGES[torch.device("cpu")], torch.arange(10_000))  # never written
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_equals_megatrons_permute_and_unpermute_with_grads(deterministic, token_path):
+@pytest.mark.parametrize(
+    ("deterministic", "dtype", "hidden"),
+    [
+        (False, torch.float32, 5),
+        (True, torch.float32, 5),
+        (False, torch.float32, 256),
+        (False, torch.bfloat16, 256),
+        (False, torch.float16, 256),
+    ],
+)
+def test_equals_megatrons_permute_and_unpermute_with_grads(
+    deterministic, dtype, hidden, token_path
+):
     """Real rows equal Megatron's permute output in order; unpermute, and the gradients of the
-    tokens and the probs, equal Megatron's bitwise (fp32, the same kernels in the same order)."""
+    tokens and the probs, equal Megatron's bitwise: on CPU our unpermute's ``index_add_`` sums in
+    the order of Megatron's ``scatter_add_`` (non-deterministic mode), also in bf16 and fp16."""
     from megatron.core.transformer.moe.moe_utils import permute, unpermute
 
     routing_map, probs, g = random_routing(64, 8, 2, 0, dead_rows=4)
     num_out = int(routing_map.sum())
-    x = torch.randn(64, 5, generator=g)
-    w = torch.randn(num_out, 5, generator=g)
+    x = torch.randn(64, hidden, generator=g).to(dtype)
+    w = torch.randn(num_out, hidden, generator=g).to(dtype)
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(deterministic)
     try:
         x1, p1 = x.clone().requires_grad_(), probs.clone().requires_grad_()
         out, out_p, sorted_idx, _, _ = permute(x1, routing_map, probs=p1, num_out_tokens=num_out)
-        ref = unpermute(out * w * out_p.unsqueeze(1), sorted_idx, x.shape)
+        ref = unpermute((out * w * out_p.unsqueeze(1)).to(dtype), sorted_idx, x.shape)
         (ref * ref).sum().backward()
 
         layout = plan(routing_map, 16)
         real = layout.token_idx_P < 64
-        w_P = torch.zeros(layout.num_rows, 5).masked_scatter_(real.unsqueeze(1), w)
+        w_P = torch.zeros(layout.num_rows, hidden, dtype=dtype).masked_scatter_(
+            real.unsqueeze(1), w
+        )
         x2, p2 = x.clone().requires_grad_(), probs.clone().requires_grad_()
         buf, buf_p = ap.permute_to_layout(x2, layout), ap.permute_probs(p2, layout)
         assert torch.equal(buf[real], out.detach()) and torch.equal(buf_p[real], out_p.detach())
-        got = ap.unpermute_from_layout(buf * w_P * buf_p.unsqueeze(1), layout)
+        got = ap.unpermute_from_layout((buf * w_P * buf_p.unsqueeze(1)).to(dtype), layout)
         (got * got).sum().backward()
     finally:
         torch.use_deterministic_algorithms(was)
