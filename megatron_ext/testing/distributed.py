@@ -156,7 +156,7 @@ class _Pool:
         done: dict[int, tuple[bool, Any]] = {}
         deadline = time.monotonic() + timeout
         while len(done) < self.world_size:
-            dead = [rank for rank, proc in enumerate(self.procs) if not proc.is_alive()]
+            dead = [r for r, proc in enumerate(self.procs) if r not in done and not proc.is_alive()]
             if dead and len(done) + len(dead) >= self.world_size:
                 break  # every live rank has answered; the dead never will
             if dead or any(not ok for ok, _ in done.values()):
