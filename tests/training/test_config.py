@@ -161,3 +161,25 @@ def test_a_route_file_for_another_model_is_refused_at_argument_time(
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt", *argv, *change])
     with pytest.raises(ValueError, match=rf"was written for {NUM_LAYERS} MoE layers .*{model}"):
         configs_from_args(parse_args(extra_args_provider=add_megatron_ext_args))
+
+
+def test_megatron_ignores_rampup_batch_size_so_the_entry_refuses_it() -> None:
+    """Why ``--rampup-batch-size`` is refused: Megatron-Core 0.19.2's calculator takes it and keeps
+    the full global batch from the first sample (its training loop does not even pass it). Should
+    a later Megatron ramp again, this fails and the refusal must be revisited."""
+    from megatron.core import num_microbatches_calculator as nmc
+
+    saved = nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR
+    try:
+        nmc.init_num_microbatches_calculator(
+            rank=1,  # no deprecation warning in the test log
+            rampup_batch_size=[4, 4, 16],
+            global_batch_size=8,
+            micro_batch_size=2,
+            data_parallel_size=1,
+        )
+        nmc.update_num_microbatches(consumed_samples=0, consistency_check=False)
+        assert nmc.get_current_global_batch_size() == 8  # a ramp would start at 4
+        assert nmc.get_num_microbatches() == 4
+    finally:
+        nmc._GLOBAL_NUM_MICROBATCHES_CALCULATOR = saved
