@@ -91,7 +91,7 @@ def _fast_and_masked_paths() -> dict:
         first.install, routes, key="first", has_missing=False
     )
     # Held on the device: the uint8 rows [L, N, K] (no missing mask) and an int64 row index.
-    syncs["first_cached"] = first.device_bytes() == (routes.numel(), 8 * BATCH * SEQ)
+    held = {"bytes": first.device_bytes(), "expected": (routes.numel(), 8 * BATCH * SEQ)}
     first.remove()
     errors = []
     try:
@@ -101,6 +101,7 @@ def _fast_and_masked_paths() -> dict:
     replayed = binding._my_positions(BATCH, SEQ) % 2 == 0  # router rows of even positions
     binding.remove()
     return {
+        "held": held,
         "routers": routers,
         "topk_calls": {"fast": fast[0], "masked": masked[0], "told": told[0]},
         "fast_exact": all(torch.equal(fast[1][n][0], want[n]) for n in want),
@@ -129,7 +130,8 @@ def test_no_missing_row_skips_native_topk_bitwise_and_without_sync():
     # With missing rows the replayed rows are exact and the native rows are the router's own
     # (non-vacuous: they differ from the routes that were replaced by the marker).
     assert r["told_replayed_exact"] and r["told_native_rows_differ"]
-    assert r["syncs"] == {"fast": [], "masked": [], "first_of_shape": [], "first_cached": True}
+    assert r["syncs"] == {"fast": [], "masked": [], "first_of_shape": []}
+    assert r["held"]["bytes"] == r["held"]["expected"], r["held"]
     assert "host bool or None" in r["errors"][0]
 
 
