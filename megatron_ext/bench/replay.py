@@ -6,9 +6,9 @@ side by side in one process:
 - route bytes per token per MoE layer: our uint8 route buffer (what is stored, read and copied
   host-to-device), Megatron's ``RouterReplay`` targets as it records them (int64), and Megatron
   inference's ``RoutingMetadata`` buffer dtype (int32); plus what our binding keeps installed on
-  the device per micro-batch, measured as the nbytes of its tensors (the uint8 rows, widened to int64
-  once per pass, and, when the micro-batch may have missing rows, the ``native`` policy's bool
-  mask), and its cached row index;
+  the device per micro-batch, measured by ``RouteReplayBinding.device_bytes()`` (the uint8 rows
+  and, when the micro-batch may have missing rows, the ``native`` policy's bool mask; the int64
+  copy a pass widens them into is transient and not counted), and its cached row index;
 - forward time of five variants (and ``install()`` alone), **interleaved round by round**
   (each round runs every variant, in an order where each follows every other equally often
   (:mod:`.rounds`), so drift of a shared machine hits all of them alike; a round keeps each
