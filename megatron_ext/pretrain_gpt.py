@@ -237,7 +237,24 @@ def train(args: argparse.Namespace) -> int:
     written = run_state.finish_recording(args)
     if written is not None:
         print(f"megatron_ext: wrote recorded routes of {written} documents")
+    destroy_process_groups()
     return 0
+
+
+def destroy_process_groups() -> None:
+    """Destroys every process group while the interpreter is still whole (Megatron's loop leaves
+    them to interpreter exit).
+
+    Left to exit, a gloo group's C++ worker threads can still hold work items whose tensors
+    reference Python objects; freeing them during finalization aborts the process ("terminate
+    called without an active exception", SIGABRT after training finished: seen once in this
+    project's CI, and described in pytorch/pytorch#179291 and #190489). With NCCL it is what
+    PyTorch asks for at exit. Local to each rank: every collective has completed by now.
+    """
+    import torch
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ Elsewhere: the examples' dry runs (test_example_dry_runs.py); what the entry ref
 (test_config.py, test_eval_args.py, test_entry_dry_run.py).
 """
 
+import subprocess
 import sys
 
 import numpy as np
@@ -367,3 +368,22 @@ def test_full_validation_of_a_validation_split_rounded_to_no_documents(data_pref
     assert isinstance(err, str), err
     assert err.startswith("--full-validation evaluates on the whole validation split")
     assert f"--split 995,5,0 gives it no sample of --data-path {data_prefix}" in err
+
+
+def test_process_groups_are_destroyed_before_interpreter_exit(tmp_path) -> None:
+    """``main`` ends by destroying every process group (gloo work left to interpreter exit can
+    abort the process after training finished). In a fresh interpreter: the default group and a
+    subgroup, as Megatron makes, are gone afterwards, and a second call is a no-op."""
+    code = f"""
+import torch.distributed as dist
+from megatron_ext.pretrain_gpt import destroy_process_groups
+dist.init_process_group("gloo", init_method="file://{tmp_path / "store"}", rank=0, world_size=1)
+sub = dist.new_group([0])
+dist.all_reduce(__import__("torch").ones(1), group=sub)
+destroy_process_groups()
+assert not dist.is_initialized()
+destroy_process_groups()
+print("destroyed")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "destroyed" in proc.stdout, proc.stderr[-2000:]
