@@ -5,7 +5,9 @@ Used by tests/training/test_real_loop_examples.py (the examples' scripts under `
 tests/training/test_real_loop_features.py (the tiny model's feature matrix): the tiny model's sizes
 (``ITERATIONS``, ``EXPERTS``/``TOPK``/``MOE_LAYERS``), ``VERBOSE``, and :func:`assert_trains` (exit 0,
 ``ITERATIONS`` finite, falling losses), :func:`built_model` (the model class the loop built),
-:func:`field_per_iteration` and :func:`expert_load_lines` (an iteration field, the expert-load lines).
+:func:`field_per_iteration` and :func:`expert_load_lines` (an iteration field, the expert-load lines),
+and :func:`without` (a launch's argv with a flag and its value left out; also
+tests/training/test_real_loop_padding.py).
 """
 
 import math
@@ -62,3 +64,11 @@ def expert_load_lines(run: LoopRun) -> list[float]:
     assert len(values) in (ITERATIONS - 1, ITERATIONS), run.output[-3000:]
     assert all(0.0 <= v <= 1.0 for v in values) and any(v > 0 for v in values), values
     return values
+
+
+def without(argv: list[str], flag: str) -> list[str]:
+    """``argv`` with every ``flag VALUE`` pair left out."""
+    drop = {i for i, a in enumerate(argv) if a == flag} | {
+        i + 1 for i, a in enumerate(argv) if a == flag
+    }
+    return [a for i, a in enumerate(argv) if i not in drop]

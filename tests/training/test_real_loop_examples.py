@@ -42,6 +42,7 @@ from tests.training.loop_checks import (
     built_model,
     expert_load_lines,
     field_per_iteration,
+    without,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -355,14 +356,6 @@ def _launch_argv(tmp_path: Path, env: dict[str, str], *args: str) -> subprocess.
         ["bash", str(ROOT / "examples/sft_fp8_moe_packed.sh"), *args],
         capture_output=True, text=True, env=full_env, cwd=tmp_path,
     )  # fmt: skip
-
-
-def without(argv: list[str], flag: str) -> list[str]:
-    """``argv`` with every ``flag VALUE`` pair left out."""
-    drop = {i for i, a in enumerate(argv) if a == flag} | {
-        i + 1 for i, a in enumerate(argv) if a == flag
-    }
-    return [a for i, a in enumerate(argv) if i not in drop]
 
 
 def values_of(argv: list[str], flag: str) -> list[str]:

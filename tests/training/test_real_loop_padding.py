@@ -15,6 +15,7 @@ import json
 import pytest
 
 from megatron_ext.testing.real_loop import TINY_MOE_ARGS, launch
+from tests.training.loop_checks import without
 
 PACKS = ("--pack-documents", "--pad-to-seq-len", "--moe-pad-routing", "dispatch")
 
@@ -55,8 +56,7 @@ def test_self_padding_routes_pads_elsewhere_and_trains_as_constant_padding(
 
 
 def test_step_batch_size_schedule_ramps_packed_batches(corpus_prefix) -> None:
-    args = list(TINY_MOE_ARGS)
-    del args[args.index("--global-batch-size") : args.index("--global-batch-size") + 2]
+    args = without(list(TINY_MOE_ARGS), "--global-batch-size")
     # Thresholds count tokens (Megatron reads them so when --seq-length is set): 2K = 16 packs.
     run = launch(
         [*args, "--data-path", corpus_prefix, "--train-iters", "6", *PACKS,
