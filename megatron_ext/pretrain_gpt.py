@@ -208,7 +208,7 @@ def train(args: argparse.Namespace) -> int:
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
-    from megatron_ext.training import run_state
+    from megatron_ext.training import loss_log, run_state
     from megatron_ext.training.dataset_provider import train_valid_test_datasets_provider
     from megatron_ext.training.forward_step import forward_step
     from megatron_ext.training.model_provider import model_provider
@@ -216,6 +216,7 @@ def train(args: argparse.Namespace) -> int:
 
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     skip_helpers_build_when_prebuilt()
+    loss_log.install()  # each logged lm loss is its own interval's
     cfg = pretrain_cfg_container_from_args(args)
     pretrain(
         cfg,
