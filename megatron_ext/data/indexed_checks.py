@@ -89,10 +89,24 @@ def open_indexed(path_prefix: str, what: str) -> IndexedDataset:
     if actual != expected:
         raise ValueError(
             f"{what} file {bin_path} has {actual} bytes but {idx_path} indexes {expected} "
-            f"({index.sequence_lengths.size} sequences of {np.dtype(index.dtype).name}): the "
-            "file is truncated or corrupt; rewrite it"
+            f"({index.sequence_lengths.size} sequences of {np.dtype(index.dtype).name}): "
+            f"{_size_diagnosis(actual, expected, index.dtype_size)}; rewrite it"
         )
     return dataset
+
+
+def _size_diagnosis(actual: int, expected: int, itemsize: int) -> str:
+    """Why a ``.bin`` is not the size its ``.idx`` indexes: a value width of its own that holds
+    exactly the indexed tokens (a ``.bin`` written with another dtype than the ``.idx``
+    records: uint16 tokens beside an int32 index), else truncated or corrupt."""
+    tokens = expected // itemsize
+    for width in (1, 2, 4, 8):
+        if width != itemsize and tokens and tokens * width == actual:
+            return (
+                f"it holds exactly those {tokens} tokens as {width}-byte values, so the .bin "
+                f"and .idx were written with different dtypes (the .idx says {itemsize}-byte)"
+            )
+    return "the file is truncated or corrupt"
 
 
 def check_aligned(tokens: IndexedDataset, side: IndexedDataset, width: int, path: str) -> None:
