@@ -25,6 +25,7 @@ from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron_ext.data import pack_index_cache
+from megatron_ext.data.data_args import empty_bin_reason
 from megatron_ext.data.safe_files import file_identity, lengths_fingerprint
 
 #: Values per chunk of a whole-file scan (bounded memory for any file size).
@@ -76,6 +77,8 @@ def open_indexed(path_prefix: str, what: str) -> IndexedDataset:
     for path in (idx_path, bin_path):
         if not os.path.isfile(path):
             raise ValueError(f"{what} file {path} does not exist")
+    if os.path.getsize(bin_path) == 0:  # before Megatron's reader, whose half-built one complains
+        raise ValueError(empty_bin_reason(bin_path, what))
     try:
         dataset = IndexedDataset(path_prefix, multimodal=False, mmap=True)
     except (AssertionError, ValueError, struct.error, KeyError) as err:
