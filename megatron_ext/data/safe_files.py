@@ -3,15 +3,18 @@
 Every file megatron_ext writes (IndexedDataset ``.bin``/``.idx`` pairs, route headers, index
 caches, tool reports) goes to a temporary file in its target directory and is ``os.replace``d into
 place at the end (:func:`publish`): a writer killed before that leaves the old files intact and a
-stray temporary file, one killed during it a prefix that refuses to load (never old and new files
-mixed), and a job that has the old file memory-mapped keeps reading the old inode instead of dying
-of SIGBUS. Temporary files are
-created with mode ``0o666`` minus the umask (``tempfile.mkstemp`` gives ``0o600``), so caches on a
-shared cluster are readable by the group, as Megatron's own caches are.
+stray temporary file (removed by the next writer of that output,
+:mod:`~megatron_ext.data.temp_names`), one killed during it a prefix that refuses to load (never
+old and new files mixed), and a job that has the old file memory-mapped keeps reading the old inode
+instead of dying of SIGBUS. Temporary files are created with mode ``0o666`` minus the umask
+(``tempfile.mkstemp`` gives ``0o600``), so caches on a shared cluster are readable by the group, as
+Megatron's own caches are.
 
 Outputs are checked *before* the work: an existing output is refused unless the user says
 ``--overwrite``; an output that is (or would overwrite) one of the inputs is always refused; the
-directory must exist, be a directory and be writable. Example::
+directory must exist, be a directory and be writable. An output that did not exist when checked is
+published without replacing (a file another run created meanwhile is never replaced: this run fails
+naming it). Example::
 
     check_output_prefix("/d/sft", flag="--output-prefix", inputs=["/d/sft.jsonl"], overwrite=False)
     # ValueError if /d/sft.bin or /d/sft.idx exists
