@@ -211,10 +211,12 @@ def train(args: argparse.Namespace) -> int:
     from megatron_ext.training import run_state
     from megatron_ext.training.dataset_provider import train_valid_test_datasets_provider
     from megatron_ext.training.forward_step import forward_step
+    from megatron_ext.training.loss_log import install as log_each_interval_own_loss
     from megatron_ext.training.model_provider import model_provider
     from megatron_ext.training.startup import skip_helpers_build_when_prebuilt
 
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    log_each_interval_own_loss()
     skip_helpers_build_when_prebuilt()
     cfg = pretrain_cfg_container_from_args(args)
     pretrain(

@@ -38,6 +38,7 @@ from megatron_ext.data.safe_files import (
     atomic_write_bytes,
     check_output_file,
     create_temp,
+    put_in_place,
 )
 from megatron_ext.data.tool_errors import add_common_flags, run_tool
 
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with os.fdopen(fd, "wb") as f:
                 fig.savefig(f, dpi=100, format="png")
-            os.replace(tmp, args.png)
+            put_in_place(tmp, args.png)  # never over a --png another run made meanwhile
         finally:
             plt.close(fig)
             if os.path.exists(tmp):

@@ -4,7 +4,7 @@ Megatron opens ``--data-path`` files only when it builds datasets, minutes into 
 typo'd prefix, a missing loss-mask sidecar or a NaN blend weight would pass the dry run. Here every
 prefix of ``--data-path`` / ``--{train,valid,test}-data-path`` (parsed by Megatron's own
 ``get_blend_from_list``) must have its ``.bin``/``.idx`` (and the ``--pack-loss-mask-suffix``
-sidecar), and weights must be finite, >= 0 and not all zero::
+sidecar), none of them an empty ``.bin``, and weights must be finite, >= 0 and not all zero::
 
     --data-path 0.3 /d/a nan /d/b   ->  ValueError: --data-path weight 'nan' for /d/b must be ...
 """
@@ -100,3 +100,14 @@ def check_data_args(args: argparse.Namespace, loss_mask_suffix: str | None) -> N
                         raise ValueError(
                             f"{flag} prefix {prefix}: {what} file {path} does not exist"
                         )
+                    if ext == ".bin" and os.path.getsize(path) == 0:
+                        raise ValueError(f"{flag} prefix {prefix}: {empty_bin_reason(path, what)}")
+
+
+def empty_bin_reason(bin_path: str, what: str) -> str:
+    """Why an empty ``.bin`` is refused (Megatron's ``IndexedDataset`` cannot map an empty file,
+    and its documents would hold no token to train on)."""
+    return (
+        f"{what} file {bin_path} is empty: its documents hold no token (Megatron cannot open an "
+        "empty .bin); leave the prefix out or rewrite it"
+    )

@@ -25,6 +25,7 @@ from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron_ext.data import pack_index_cache
+from megatron_ext.data.data_args import empty_bin_reason
 from megatron_ext.data.safe_files import file_identity, lengths_fingerprint
 
 #: Values per chunk of a whole-file scan (bounded memory for any file size).
@@ -76,6 +77,8 @@ def open_indexed(path_prefix: str, what: str) -> IndexedDataset:
     for path in (idx_path, bin_path):
         if not os.path.isfile(path):
             raise ValueError(f"{what} file {path} does not exist")
+    if os.path.getsize(bin_path) == 0:  # before Megatron's reader, whose half-built one complains
+        raise ValueError(empty_bin_reason(bin_path, what))
     try:
         dataset = IndexedDataset(path_prefix, multimodal=False, mmap=True)
     except (AssertionError, ValueError, struct.error, KeyError) as err:
@@ -89,10 +92,24 @@ def open_indexed(path_prefix: str, what: str) -> IndexedDataset:
     if actual != expected:
         raise ValueError(
             f"{what} file {bin_path} has {actual} bytes but {idx_path} indexes {expected} "
-            f"({index.sequence_lengths.size} sequences of {np.dtype(index.dtype).name}): the "
-            "file is truncated or corrupt; rewrite it"
+            f"({index.sequence_lengths.size} sequences of {np.dtype(index.dtype).name}): "
+            f"{_size_diagnosis(actual, expected, index.dtype_size)}; rewrite it"
         )
     return dataset
+
+
+def _size_diagnosis(actual: int, expected: int, itemsize: int) -> str:
+    """Why a ``.bin`` is not the size its ``.idx`` indexes: a value width of its own that holds
+    exactly the indexed tokens (a ``.bin`` written with another dtype than the ``.idx``
+    records: uint16 tokens beside an int32 index), else truncated or corrupt."""
+    tokens = expected // itemsize
+    for width in (1, 2, 4, 8):
+        if width != itemsize and tokens and tokens * width == actual:
+            return (
+                f"it holds exactly those {tokens} tokens as {width}-byte values, so the .bin "
+                f"and .idx were written with different dtypes (the .idx says {itemsize}-byte)"
+            )
+    return "the file is truncated or corrupt"
 
 
 def check_aligned(tokens: IndexedDataset, side: IndexedDataset, width: int, path: str) -> None:

@@ -52,6 +52,12 @@ def save_atomically(path: str, arrays: dict[str, np.ndarray], description: str) 
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as err:  # a full disk or quota, mid-write: nothing is left behind
+        raise ValueError(
+            f"cannot write the index cache {path} ({err.strerror}); free space there or point "
+            "--data-cache-path at a writable directory with room (the cache is kept beside the "
+            "data unless it is given)"
+        ) from err
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

@@ -3,15 +3,18 @@
 Every file megatron_ext writes (IndexedDataset ``.bin``/``.idx`` pairs, route headers, index
 caches, tool reports) goes to a temporary file in its target directory and is ``os.replace``d into
 place at the end (:func:`publish`): a writer killed before that leaves the old files intact and a
-stray temporary file, one killed during it a prefix that refuses to load (never old and new files
-mixed), and a job that has the old file memory-mapped keeps reading the old inode instead of dying
-of SIGBUS. Temporary files are
-created with mode ``0o666`` minus the umask (``tempfile.mkstemp`` gives ``0o600``), so caches on a
-shared cluster are readable by the group, as Megatron's own caches are.
+stray temporary file (removed by the next writer of that output,
+:mod:`~megatron_ext.data.temp_names`), one killed during it a prefix that refuses to load (never
+old and new files mixed), and a job that has the old file memory-mapped keeps reading the old inode
+instead of dying of SIGBUS. Temporary files are created with mode ``0o666`` minus the umask
+(``tempfile.mkstemp`` gives ``0o600``), so caches on a shared cluster are readable by the group, as
+Megatron's own caches are.
 
 Outputs are checked *before* the work: an existing output is refused unless the user says
 ``--overwrite``; an output that is (or would overwrite) one of the inputs is always refused; the
-directory must exist, be a directory and be writable. Example::
+directory must exist, be a directory and be writable. An output that did not exist when checked is
+published without replacing (a file another run created meanwhile is never replaced: this run fails
+naming it). Example::
 
     check_output_prefix("/d/sft", flag="--output-prefix", inputs=["/d/sft.jsonl"], overwrite=False)
     # ValueError if /d/sft.bin or /d/sft.idx exists
@@ -24,26 +27,37 @@ without reading it.
 import contextlib
 import hashlib
 import os
-import secrets
 from collections.abc import Iterable, Iterator
 
 import numpy as np
 
+from megatron_ext.data.temp_names import move_no_replace, remove_stale_temps, temp_name
+
 #: The two files of a Megatron IndexedDataset prefix, in the order they are published.
 INDEXED_EXTENSIONS = (".bin", ".idx")
+
+#: Absolute paths of outputs this process checked (:func:`check_output_file`) while they did not
+#: exist: they are published without replacing (:func:`put_in_place`), so two runs writing the
+#: same fresh output cannot both succeed, one silently replacing the other.
+_NEW_OUTPUTS: set[str] = set()
 
 
 def create_temp(path: str) -> tuple[int, str]:
     """Creates a new, empty temporary file beside ``path`` (mode 0o666 & ~umask), creating
     ``path``'s directory first if it is missing (:func:`check_writable_dir` allowed that up front).
 
+    The name records this host and process (:mod:`~megatron_ext.data.temp_names`); temporary
+    files of ``path`` left by a process of this host that is gone (killed before its rename) are
+    removed first, with a warning naming each.
+
     Returns:
-        ``(fd, temp_path)``; the caller writes, then :func:`publish` s or unlinks it.
+        ``(fd, temp_path)``; the caller writes, then :func:`publish` es or unlinks it.
     """
     directory, base = os.path.split(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
+    remove_stale_temps(directory, base)
     while True:
-        tmp = os.path.join(directory, f".{base}.{secrets.token_hex(6)}.tmp")
+        tmp = os.path.join(directory, temp_name(base))
         try:
             return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
         except FileExistsError:  # pragma: no cover - 48 random bits
@@ -60,24 +74,67 @@ def fsync_path(path: str) -> None:
 
 
 def publish(pairs: Iterable[tuple[str, str]]) -> None:
-    """Puts every ``(temp, final)`` in place as one commit: first removes every existing final,
-    then renames the temps in order, every ``.idx`` last (after its ``.bin`` and companions
-    such as a route header).
+    """Puts every ``(temp, final)`` in place as one commit: first removes every existing final
+    that may be replaced, then puts the temps in place in order, every ``.idx`` last (after its
+    ``.bin`` and companions such as a route header).
 
-    A crash at any point leaves no mix of old and new files that would load: each prefix has
-    either all its new files or no ``.idx`` (refused at load, naming the file). Renaming over
-    the old files instead would leave a window (new ``.bin`` beside the old ``.idx``) where a
-    pair of the same total size loads as misaligned documents, and an ``.idx`` renamed before a
-    companion would let the prefix load without it. A job that has an old file memory-mapped
-    keeps reading its inode either way.
+    A final that was absent when :func:`check_output_file` checked it is new: it is linked into
+    place without replacing (:func:`put_in_place`), so a file another writer created meanwhile
+    is never replaced; this commit's new finals are then taken back and a ``ValueError`` names
+    the file. A crash at any point leaves no mix of old and new files that would load: each
+    prefix has either all its new files or no ``.idx`` (refused at load, naming the file).
+    Renaming over the old files instead would leave a window (new ``.bin`` beside the old
+    ``.idx``) where a pair of the same total size loads as misaligned documents, and an ``.idx``
+    renamed before a companion would let the prefix load without it. A job that has an old file
+    memory-mapped keeps reading its inode either way.
     """
     pairs = list(pairs)
     for _tmp, final in pairs:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(final)
+        if os.path.abspath(final) not in _NEW_OUTPUTS:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(final)
     pairs.sort(key=lambda pair: pair[1].endswith(".idx"))  # stable: the given order otherwise
-    for tmp, final in pairs:
+    placed: list[tuple[str, tuple[int, int]]] = []  # new outputs this commit put in place
+    try:
+        for tmp, final in pairs:
+            inode = _inode(tmp)
+            if put_in_place(tmp, final):
+                placed.append((final, inode))
+    except ValueError:
+        for final, inode in placed:  # ours (our temp's inode), never what another writer made
+            with contextlib.suppress(FileNotFoundError):
+                if _inode(final) == inode:
+                    os.unlink(final)
+        raise
+
+
+def put_in_place(tmp: str, final: str) -> bool:
+    """Renames ``tmp`` to ``final``; a new output (absent when checked) is never replaced.
+
+    Returns:
+        Whether ``final`` was a new output.
+
+    Raises:
+        ValueError: A new output exists now: another writer created it after the check.
+    """
+    key = os.path.abspath(final)
+    if key not in _NEW_OUTPUTS:
         os.replace(tmp, final)
+        return False
+    try:
+        move_no_replace(tmp, final)
+    except FileExistsError as err:
+        raise ValueError(
+            f"{final} was created by another writer while this one ran (it did not exist when "
+            "checked); it is left as that writer made it and this output is discarded"
+        ) from err
+    _NEW_OUTPUTS.discard(key)
+    return True
+
+
+def _inode(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
@@ -88,7 +145,7 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        put_in_place(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -209,6 +266,10 @@ def check_output_file(
     if os.path.exists(path) and not overwrite:
         raise ValueError(f"{flag} {path} already exists; {replace_hint}")
     check_writable_dir(path, flag)
+    if os.path.lexists(path):
+        _NEW_OUTPUTS.discard(os.path.abspath(path))  # replacing it is what was asked
+    else:
+        _NEW_OUTPUTS.add(os.path.abspath(path))
 
 
 def check_output_prefix(

@@ -22,9 +22,10 @@ class MoEAlignmentConfig:
     --moe-router-padding-for-quantization (refused together)."""
 
     moe_dispatch_align_size: int | None = None
-    """Override the alignment multiple under fp8/fp4 (e.g. 256 for CUTLASS grouped kernels); it
-    must be a multiple of the recipe's own (fp8 16, mxfp8 32, nvfp4 128). Ignored (with a
-    warning) under bf16/fp16. Default: derived from --fp8-recipe / --fp4-recipe."""
+    """With --moe-dispatch-align: override the alignment multiple under fp8/fp4 (e.g. 256 for
+    CUTLASS grouped kernels); it must be a multiple of the recipe's own (fp8 16, mxfp8 32, nvfp4
+    128). Ignored (with a warning) under bf16/fp16. Default: derived from --fp8-recipe /
+    --fp4-recipe."""
 
     moe_dispatch_align_buffer: _MoeLiteral["host_counts", "static_bound"] = "host_counts"
     """Size of the aligned buffer: 'host_counts' is exact, from the token counts the dispatcher
@@ -45,6 +46,11 @@ class MoEAlignmentConfig:
     def __post_init__(self) -> None:
         if self.moe_expert_load_log and not self.moe_expert_load_metrics:
             raise ValueError("--moe-expert-load-log needs --moe-expert-load-metrics")
+        if self.moe_dispatch_align_size is not None and not self.moe_dispatch_align:
+            raise ValueError(
+                f"--moe-dispatch-align-size {self.moe_dispatch_align_size} needs "
+                "--moe-dispatch-align (without it no expert group is aligned)"
+            )
         if self.moe_dispatch_align_size is not None and self.moe_dispatch_align_size < 0:
             raise ValueError(
                 f"--moe-dispatch-align-size must be >= 0, got {self.moe_dispatch_align_size}"

@@ -1,10 +1,15 @@
-"""Refuses, at argument time, token data whose ids do not fit the model's (padded) vocabulary.
+"""Refuses, at argument time, token data whose ids do not fit the run's vocabulary.
 
 The byte-level tokenizer of ``tools/preprocess_data.py`` ends documents with id 256, so its data needs
 257 ids; with ``--tokenizer-type NullTokenizer --vocab-size 256`` Megatron builds a 256-row embedding
 and the first end-of-document token indexes past it (a crash on GPU, silent garbage nowhere better).
-:func:`check_vocabulary` reads each data prefix's largest token id (a vectorised scan of the
-memory-mapped ``.bin``, once per launch) and compares it with Megatron's padded vocabulary size.
+An id inside Megatron's padded embedding but beyond the tokenizer's own ids (``--vocab-size 200``
+padded to 256 rows) would train silently on one of the dummy rows Megatron adds for GEMM-friendly
+sizes: data written with another tokenizer than the run's. Both are refused.
+:func:`check_vocabulary` first checks that each prefix's ``.bin`` is exactly what its ``.idx``
+indexes (a ``.bin`` read with another dtype than it was written with shows ids it never held), then
+reads its largest token id (a vectorised scan of the memory-mapped ``.bin``, once per launch) and
+compares it with the tokenizer's vocabulary and Megatron's padded size.
 
 Example::
 
@@ -34,8 +39,16 @@ def _token_dtype(idx_path: str) -> np.dtype:
     return np.dtype(DType.dtype_from_code(code))
 
 
-def max_token_id(prefix: str) -> int:
-    """The largest token id in ``prefix.bin`` (-1 when it holds no tokens)."""
+def max_token_id(prefix: str, what: str = "--data-path") -> int:
+    """The largest token id in ``prefix.bin`` (-1 when it holds no tokens).
+
+    Raises:
+        ValueError: The ``.bin`` is not the size its ``.idx`` indexes (truncated, or written
+            with another dtype than the ``.idx`` records), naming ``what`` and both files.
+    """
+    from megatron_ext.data.indexed_checks import open_indexed
+
+    open_indexed(prefix, what)  # sizes before values: a misread .bin shows ids it never held
     dtype = _token_dtype(prefix + ".idx")
     size = os.path.getsize(prefix + ".bin") // dtype.itemsize
     if size == 0:
@@ -49,12 +62,15 @@ def padded_vocab_size(args: argparse.Namespace) -> int | None:
     (``NullTokenizer``: ``--vocab-size``; a local Hugging Face tokenizer: its ids, added tokens
     included, as Megatron's ``len(tokenizer)``). None when neither is known (a dry run with a
     tokenizer that is not a local file)."""
+    return _padded(args, _unpadded_vocab_size(args))
+
+
+def _padded(args: argparse.Namespace, vocab: int | None) -> int | None:
+    """Megatron's padded size: its tokenizer's (``args.padded_vocab_size``), else ``vocab``
+    padded by Megatron's rule."""
     padded = getattr(args, "padded_vocab_size", None)
-    if padded is not None:
+    if padded is not None or vocab is None:
         return padded
-    vocab = _unpadded_vocab_size(args)
-    if vocab is None:
-        return None
     from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
 
     return vocab_size_with_padding(vocab, args, logging_enabled=False)
@@ -92,29 +108,43 @@ def _vocabulary_flags(args: argparse.Namespace) -> str:
     )
 
 
-def _token_prefixes(args: argparse.Namespace) -> list[str]:
-    """Every distinct token-data prefix of the run, each once: every data-path flag and the
-    prefixes listed in a local ``--data-args-path`` / ``--per-split-data-args-path`` file, read
-    as Megatron's blend parser reads them (weights are never mistaken for prefixes)."""
+def _token_prefixes(args: argparse.Namespace) -> dict[str, str]:
+    """Every distinct token-data prefix of the run, each once, with the flag that names it: every
+    data-path flag and the prefixes listed in a local ``--data-args-path`` /
+    ``--per-split-data-args-path`` file, read as Megatron's blend parser reads them (weights are
+    never mistaken for prefixes)."""
     from megatron_ext.data.data_args import data_prefixes
 
-    found = (prefix for _flag, group, _weights in data_prefixes(args) for prefix in group)
-    return list(dict.fromkeys(found))
+    found: dict[str, str] = {}
+    for flag, group, _weights in data_prefixes(args):
+        for prefix in group:
+            found.setdefault(prefix, flag)
+    return found
 
 
 def check_vocabulary(args: argparse.Namespace) -> None:
-    """Raises ``ValueError`` naming the vocabulary's flags and the file when a token id does not fit."""
-    prefixes = [] if getattr(args, "mock_data", False) else _token_prefixes(args)
-    vocab = padded_vocab_size(args) if prefixes else None  # may load a tokenizer: only if needed
-    if vocab is None:
+    """Raises ``ValueError`` naming the vocabulary's flags and the file when a token id does not
+    fit the padded embedding, or lies beyond the tokenizer's own ids (a dummy padding row)."""
+    prefixes = {} if getattr(args, "mock_data", False) else _token_prefixes(args)
+    vocab = _unpadded_vocab_size(args) if prefixes else None  # may load a tokenizer: if needed
+    padded = _padded(args, vocab) if prefixes else None
+    if padded is None:
         return
-    for prefix in prefixes:
+    for prefix, flag in prefixes.items():
         if not (os.path.exists(prefix + ".idx") and os.path.exists(prefix + ".bin")):
             continue  # a missing file is reported by the data checks, naming it
-        largest = max_token_id(prefix)
-        if largest >= vocab:
-            raise ValueError(
-                f"{_vocabulary_flags(args)}: {prefix}.bin holds token id {largest}, "
-                f"but the model's embedding has {vocab} rows; use a vocabulary of at least "
-                f"{largest + 1} ids (the byte-level tokenizer of tools/preprocess_data.py needs 257)"
+        largest = max_token_id(prefix, f"{flag} prefix {prefix}: data")
+        if largest >= padded:
+            held = f"but the model's embedding has {padded} rows"
+        elif vocab is not None and largest >= vocab:
+            held = (
+                f"beyond the tokenizer's {vocab} ids (a row Megatron only adds to pad the "
+                f"embedding to {padded}: data written with another tokenizer?)"
             )
+        else:
+            continue
+        raise ValueError(
+            f"{_vocabulary_flags(args)}: {prefix}.bin holds token id {largest}, {held}; use a "
+            f"vocabulary of at least {largest + 1} ids (the byte-level tokenizer of "
+            "tools/preprocess_data.py needs 257)"
+        )

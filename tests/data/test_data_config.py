@@ -1,6 +1,8 @@
 """Tests for the data section of megatron_ext.config (PaddingConfig). Tier: Megatron on one rank
 (its real argument parser, no process group)."""
 
+import os
+import subprocess
 import sys
 
 import pytest
@@ -205,3 +207,42 @@ def test_data_listed_in_data_args_files_is_checked_too(monkeypatch, data_prefix,
                     monkeypatch)  # fmt: skip
     with pytest.raises(ValueError, match=r"--data-args-path .*gone\.txt: cannot read it"):
         configs(["--seq-length", "64", "--data-args-path", str(tmp_path / "gone.txt")], monkeypatch)
+
+
+@pytest.mark.parametrize("documents", [0, 3], ids=["no documents", "empty documents"])
+def test_an_empty_dataset_is_refused_at_argument_time(monkeypatch, tmp_path, documents) -> None:
+    """No document, or documents without a token: an empty .bin, which Megatron's IndexedDataset
+    cannot map (it failed at build, minutes in, after the dry run had said OK)."""
+    import numpy as np
+
+    from megatron_ext.data.indexed_writer import write_documents
+
+    prefix = str(tmp_path / "empty")
+    write_documents(prefix, [np.zeros(0, dtype=np.int64)] * documents)
+    assert os.path.getsize(prefix + ".bin") == 0 and os.path.getsize(prefix + ".idx") > 0
+    with pytest.raises(
+        ValueError, match=rf"--data-path prefix {prefix}: data file .*empty\.bin is empty"
+    ):
+        configs(["--seq-length", "64", "--data-path", prefix], monkeypatch)
+
+
+def test_the_dry_run_refuses_an_empty_dataset_in_one_line(tmp_path) -> None:
+    """What the launch prints: one line, exit 2, none of the 'Exception ignored' tracebacks a
+    half-built Megatron IndexedDataset leaves when it cannot map the file."""
+    from megatron_ext.data.indexed_writer import write_documents
+    from megatron_ext.testing.real_loop import TINY_MOE_ARGS
+
+    prefix = str(tmp_path / "empty")
+    write_documents(prefix, [])
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "TORCHDYNAMO_DISABLE": "1"}
+    argv = [*TINY_MOE_ARGS, "--data-path", prefix, "--train-iters", "2", "--dry-run"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_ext.pretrain_gpt", *argv],
+        capture_output=True, text=True, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr == (
+        f"megatron_ext: invalid arguments: --data-path prefix {prefix}: data file {prefix}.bin is "
+        "empty: its documents hold no token (Megatron cannot open an empty .bin); leave the prefix "
+        "out or rewrite it\n"
+    )

@@ -140,3 +140,26 @@ def test_unwritable_cache_directory_suggests_data_cache_path(tmp_path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="--data-cache-path"):
         save_atomically(str(tmp_path / "file" / "c" / "p.npz"), {"a": np.arange(1)}, "d")
+
+
+def test_a_full_disk_mid_write_is_one_error_naming_the_cache_and_leaves_nothing(tmp_path) -> None:
+    """A real failed write: the file-size limit makes the kernel refuse the write (EFBIG, as a
+    full disk refuses with ENOSPC) partway through the array, inside numpy's own savez."""
+    import resource
+    import signal
+
+    path = str(tmp_path / "c" / "big-packs.npz")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of killing
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, hard))
+    try:
+        with pytest.raises(ValueError) as err:
+            save_atomically(path, {"a": np.arange(1 << 16)}, "d")  # 512 KiB > 64 KiB
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    message = str(err.value)
+    assert message.startswith(f"cannot write the index cache {path} (File too large)"), message
+    assert "--data-cache-path" in message and "\n" not in message
+    assert isinstance(err.value.__cause__, OSError)
+    assert os.listdir(tmp_path / "c") == []  # neither the cache nor its temporary file

@@ -3,6 +3,8 @@
 import hashlib
 import os
 import stat
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -140,3 +142,57 @@ def test_file_identity_changes_on_atomic_rewrite(tmp_path) -> None:
     assert file_identity(path) != kept
     assert remove_prefix_files(str(tmp_path / "f"), ("",)) == [path]
     assert remove_prefix_files(str(tmp_path / "f"), ("",)) == []
+
+
+def test_a_fresh_output_another_writer_published_meanwhile_is_not_replaced(tmp_path) -> None:
+    """Two writers of one fresh prefix: this one checks it (absent), the other -- the real
+    tools/preprocess_data.py, in its own process -- writes it completely, then this one
+    publishes. Its publication fails naming the file; the other's pair is left intact."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_ext.data.indexed_writer import write_documents
+
+    prefix = str(tmp_path / "out")
+    check_output_prefix(prefix, flag="--output-prefix")
+    (tmp_path / "in.jsonl").write_text('{"text": "the other writer"}\n')
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    subprocess.run(
+        [sys.executable, os.path.join(root, "tools", "preprocess_data.py"),
+         "--input", str(tmp_path / "in.jsonl"), "--output-prefix", prefix],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    theirs = {ext: (tmp_path / f"out{ext}").read_bytes() for ext in (".bin", ".idx")}
+    with pytest.raises(ValueError, match=rf"^{prefix}\.bin was created by another writer"):
+        write_documents(prefix, [np.array([1, 2, 3])])
+    assert {ext: (tmp_path / f"out{ext}").read_bytes() for ext in (".bin", ".idx")} == theirs
+    assert len(IndexedDataset(prefix)[0]) == len("the other writer")
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "out.bin", "out.idx"]  # no temporaries
+
+
+def test_a_commit_that_meets_another_writers_idx_takes_its_own_files_back(tmp_path) -> None:
+    """The other writer got its .idx in first, this one its .bin: this one's .bin is unlinked
+    again (by inode: only its own), so no prefix pairs this .bin with that .idx."""
+    from megatron_ext.data.indexed_writer import write_documents
+
+    prefix = str(tmp_path / "out")
+    check_output_prefix(prefix, flag="--output-prefix")
+    (tmp_path / "out.idx").write_bytes(b"the other writer's index")
+    with pytest.raises(ValueError, match=rf"^{prefix}\.idx was created by another writer"):
+        write_documents(prefix, [np.array([1, 2, 3])])
+    assert sorted(os.listdir(tmp_path)) == ["out.idx"]
+    assert (tmp_path / "out.idx").read_bytes() == b"the other writer's index"
+
+
+def test_a_single_file_output_is_not_replaced_either_but_overwrite_replaces(tmp_path) -> None:
+    path = str(tmp_path / "report.json")
+    check_output_file(path, flag="--json")
+    (tmp_path / "report.json").write_bytes(b"theirs")
+    with pytest.raises(ValueError, match="was created by another writer"):
+        atomic_write_bytes(path, b"mine")
+    assert (tmp_path / "report.json").read_bytes() == b"theirs"
+    assert os.listdir(tmp_path) == ["report.json"]
+    check_output_file(path, flag="--json", overwrite=True)  # exists and may be replaced
+    atomic_write_bytes(path, b"mine")
+    assert (tmp_path / "report.json").read_bytes() == b"mine"
+    atomic_write_bytes(path, b"again")  # published once: later writes replace, as caches do
+    assert (tmp_path / "report.json").read_bytes() == b"again"

@@ -59,7 +59,10 @@ def test_align_size_from_precision():
 def test_refusals_name_both_flags():
     on = MoEAlignmentConfig(moe_dispatch_align=True)
     with pytest.raises(ValueError, match="--moe-dispatch-align-size"):
-        MoEAlignmentConfig(moe_dispatch_align_size=-1)
+        MoEAlignmentConfig(moe_dispatch_align=True, moe_dispatch_align_size=-1)
+    # An override alone would be accepted and ignored (no group is aligned without the switch).
+    with pytest.raises(ValueError, match="--moe-dispatch-align-size 32 needs --moe-dispatch-align"):
+        MoEAlignmentConfig(moe_dispatch_align_size=32)
     with pytest.raises(ValueError, match="--moe-router-padding-for-quantization"):
         on.check_megatron_args(_args(moe_router_padding_for_quantization=True, fp8="e4m3"))
     with pytest.raises(ValueError, match="--moe-pad-expert-input-to-capacity"):

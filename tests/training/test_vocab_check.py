@@ -58,6 +58,38 @@ def test_padding_can_make_a_small_vocab_fit(byte_prefix):
     check_vocabulary(_args(byte_prefix, 257, divisible_by=300))
 
 
+def test_an_id_inside_the_padded_embedding_but_beyond_the_vocabulary_is_refused(tmp_path):
+    # --vocab-size 200 is padded to 256 embedding rows: id 210 indexes a row, but one Megatron
+    # only added to pad the embedding, which no id of the run's tokenizer names.
+    prefix = str(tmp_path / "wider")
+    write_documents(prefix, [np.array([3, 210, 199])], np.uint16)
+    with pytest.raises(ValueError) as err:
+        check_vocabulary(_args(prefix, 200))
+    message = str(err.value)
+    assert "--vocab-size 200 " in message and "wider.bin holds token id 210" in message
+    assert "beyond the tokenizer's 200 ids" in message and "at least 211 ids" in message
+    check_vocabulary(_args(prefix, 211))  # the id is inside the vocabulary itself
+
+
+def test_a_bin_of_another_dtype_than_its_idx_is_named_not_misread(tmp_path):
+    """uint16 tokens beside the int32 .idx of the same documents: the sizes disagree, and the
+    refusal says so (as tools/pack_stats.py's does) instead of reading int32 ids out of uint16
+    pairs (256 and 104 read as 16777320: "holds token id 16777320")."""
+    docs = [np.array([104, 105, 256]), np.array([7, 256])]
+    write_documents(str(tmp_path / "narrow"), docs, np.uint16)
+    write_documents(str(tmp_path / "wide"), docs, np.int32)
+    prefix = str(tmp_path / "mixed")
+    (tmp_path / "mixed.bin").write_bytes((tmp_path / "narrow.bin").read_bytes())
+    (tmp_path / "mixed.idx").write_bytes((tmp_path / "wide.idx").read_bytes())
+    with pytest.raises(ValueError) as err:
+        check_vocabulary(_args(prefix, 257))
+    message = str(err.value)
+    assert f"--data-path prefix {prefix}: data file {prefix}.bin has 10 bytes" in message
+    assert f"{prefix}.idx indexes 20 (2 sequences of int32)" in message
+    assert "those 5 tokens as 2-byte values" in message and "different dtypes" in message
+    assert "holds token id" not in message and "\n" not in message
+
+
 def test_padded_vocab_size_from_the_tokenizer_wins(byte_prefix):
     args = _args(byte_prefix, 1000, padded_vocab_size=256)  # what Megatron's tokenizer set
     with pytest.raises(ValueError, match="256 rows"):
@@ -99,7 +131,11 @@ def test_a_local_hugging_face_tokenizer_is_checked_before_megatron_builds_it(
         err.value
     )
     assert "holds token id 599" in str(err.value) and "--vocab-size" not in str(err.value)
-    write_documents(prefix + "_fits", [np.array([5, 383])], np.uint16)  # the last padded row
+    write_documents(prefix + "_dummy", [np.array([5, 383])], np.uint16)  # the last padded row
+    args.data_path = [prefix + "_dummy"]
+    with pytest.raises(ValueError, match="holds token id 383, beyond the tokenizer's 300 ids"):
+        check_vocabulary(args)
+    write_documents(prefix + "_fits", [np.array([5, 299])], np.uint16)  # the tokenizer's last id
     args.data_path = [prefix + "_fits"]
     check_vocabulary(args)
 

@@ -1,0 +1,85 @@
+"""Each logged ``lm loss`` is its own log interval's loss: the reset Megatron 0.19.2 skips.
+
+Megatron's ``training_log`` sums every iteration's losses into ``total_loss_dict`` and, when it
+prints a line, divides the sums by the iterations summed and zeroes them. It always prints the
+first iteration of a process (startup cost made visible) and, so that this extra line does not cut
+the first regular interval short, never zeroes the sums there (``should_reset = not
+is_first_iteration``). That is right when the first iteration is not on the log schedule and wrong
+when it is: under ``--log-interval 1`` the first iteration *is* its interval, the sums are kept, and
+the second line prints the mean of iterations 1 and 2 (a resumed run's first two lines likewise)::
+
+    --log-interval 1, losses 5.50 5.30 5.20    Megatron 0.19.2 logs  5.50 5.40 5.20
+                                                 with install()        5.50 5.30 5.20
+
+:func:`install` wraps ``megatron.training.training.training_log`` so that a first iteration on the
+schedule (``iteration % --log-interval == 0``) is logged as the regular line it is
+(``is_first_iteration=False``): its loss sums, iteration counts and interval timer are reset after
+the line, exactly as for every later one; its iteration time then also goes to TensorBoard, as any
+regular line's does. A first iteration off the schedule (``--log-interval 10``: iteration 1, or
+iteration 51 after resuming at 50) is untouched: Megatron prints it and keeps it in its interval,
+whose line then averages the whole interval (1..10, 51..60). This is the rule of the upstream fix
+(NVIDIA/Megatron-LM#7092, "reset log accumulators when the first iteration is on a boundary").
+
+The loop looks ``training_log`` up in its module at each call, so replacing the module attribute
+is enough; nothing of Megatron's body is copied. Example::
+
+    from megatron_ext.training.loss_log import install
+    install()            # before megatron.training.pretrain; idempotent
+"""
+
+import functools
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+_MODULE = "megatron.training.training"
+#: The parameters of ``training_log`` the fix reads or sets.
+_PARAMETERS = ("iteration", "is_first_iteration")
+
+
+def first_line_is_regular(iteration: int, log_interval: int) -> bool:
+    """Whether the first logged iteration of a process is on the regular log schedule (then its
+    line closes an interval and must reset the sums like any other)."""
+    return iteration % log_interval == 0
+
+
+def install() -> None:
+    """Makes Megatron reset its loss sums after a first logged iteration that is on the schedule.
+
+    Idempotent. Works on any device (it changes one argument of the logging call).
+
+    Raises:
+        RuntimeError: ``training_log`` is gone from ``megatron.training.training`` or no longer
+            takes ``iteration`` and ``is_first_iteration`` (a Megatron upgrade: check whether it
+            fixed the reset itself, then update or drop this module).
+    """
+    training = importlib.import_module(_MODULE)
+    original = getattr(training, "training_log", None)
+    if original is None:
+        raise RuntimeError(f"megatron_ext.training.loss_log: {_MODULE}.training_log is gone")
+    if getattr(original, "_megatron_ext_loss_log", False):
+        return
+    signature = inspect.signature(original)
+    missing = [name for name in _PARAMETERS if name not in signature.parameters]
+    if missing:
+        raise RuntimeError(
+            f"megatron_ext.training.loss_log: {_MODULE}.training_log no longer takes {missing}; "
+            "this megatron-core version needs the loss-log fix revisited"
+        )
+    training.training_log = _wrap(original, signature)
+
+
+def _wrap(original: Callable[..., Any], signature: inspect.Signature) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def training_log(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        if bound.arguments.get("is_first_iteration", False):
+            from megatron.training import get_args
+
+            if first_line_is_regular(bound.arguments["iteration"], get_args().log_interval):
+                bound.arguments["is_first_iteration"] = False
+        return original(*bound.args, **bound.kwargs)
+
+    training_log._megatron_ext_loss_log = True  # type: ignore[attr-defined]
+    return training_log
