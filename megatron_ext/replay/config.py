@@ -71,6 +71,11 @@ class ReplayConfig:
             raise ValueError("--route-replay-mode replay needs --route-data-suffix")
         if self.route_replay_mode == "record" and not self.route_record_path:
             raise ValueError("--route-replay-mode record needs --route-record-path")
+        if self.route_replay_mode != "replay" and self.route_replay_max_missing != 0.05:
+            _replay_warnings.warn(
+                "--route-replay-max-missing has no effect without --route-replay-mode replay",
+                stacklevel=2,
+            )
         unused = {
             "off": ("route_data_suffix", "route_record_path"),
             "record": ("route_data_suffix",),

@@ -11,6 +11,7 @@ tokens of the training packs are exactly half missing.
 | launch                                  | proves                                                   |
 |-----------------------------------------|----------------------------------------------------------|
 | plain, full recompute, selective ``moe`` | the counts equal the data's, identical under recompute   |
+| ``--replay-missing-route-policy balanced`` | the data's filled rows are counted apart from recorded   |
 | PP=2                                    | each stage counts its layer's rows once per micro-batch   |
 | ``--route-replay-max-missing 0.4``      | a run whose data is half missing is refused              |
 | every row missing, limit 1              | reported as nothing replayed, never as replayed exactly  |
@@ -117,6 +118,25 @@ def test_replay_check_counts_what_the_data_says_with_and_without_recompute(
                                f"{ROWS_PER_LAYER} used exactly; {ROWS_PER_LAYER} without one, "
                                f"{ROWS_PER_LAYER} routed by the model's own router (native)")
                for line in lines), lines  # fmt: skip
+
+
+def test_replay_check_tells_balanced_fills_from_recorded_rows(parity_prefix, tmp_path) -> None:
+    """``balanced`` fills the missing rows in the data: its mask of the filled rows reaches the
+    check through the batch (without it, every row would count as recorded)."""
+    log = tmp_path / "balanced.jsonl"
+    run = _checked_run(parity_prefix, log, [
+        "--route-replay-max-missing", "0.5", "--replay-missing-route-policy", "balanced",
+    ])  # fmt: skip
+    assert_trains(run)
+    records = _check_records(log)
+    assert len(records) == ITERATIONS, records
+    for r in records:
+        c = r["replay_check"]
+        assert c["policy"] == "balanced" and c["missing"] == ROWS_PER_LAYER, c
+        assert (c["recorded"], c["recorded_exact"], c["missing_as_decided"]) == (
+            ROWS_PER_LAYER,
+        ) * 3
+    assert "1024 filled with a balanced top-k (balanced), routed as filled" in run.output
 
 
 def test_replay_check_counts_each_pipeline_stage_once(parity_prefix, tmp_path) -> None:
