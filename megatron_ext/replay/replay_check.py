@@ -20,7 +20,7 @@ Example (what the loop prints at a log iteration, ``native`` policy)::
 
     megatron_ext replay check: 1024 (token, layer) rows with a recorded route, 1024 used exactly;
     1024 without one, 1024 routed by the model's own router (native); the model's own router would
-    have chosen differently on 877 of the recorded rows (85.6%)
+    have chosen differently on 991 of the recorded rows (96.8%)
 """
 
 import dataclasses

@@ -12,7 +12,11 @@ from megatron.core.datasets.blended_dataset import BlendedDataset
 
 from megatron_ext.data.indexed_writer import write_documents
 from megatron_ext.replay.route_coverage import check_route_coverage, training_route_coverage
-from megatron_ext.replay.route_dataset import RoutedPackedDataset, RoutedPackedDatasetConfig
+from megatron_ext.replay.route_dataset import (
+    RoutedPackedDataset,
+    RoutedPackedDatasetConfig,
+    write_route_sidecar,
+)
 from tests.data.dataset_helpers import build_splits, gpt_config_kwargs
 from tests.replay.test_route_dataset import EXPERTS, LAYERS, SEQ, TOPK, corpus, write_routes
 
@@ -84,3 +88,19 @@ def test_the_limit_refuses_more_missing_rows_and_logs_the_fraction(corpus):
     assert f"{missing} of {rows} (token, layer) rows of the 40 training packs' real tokens" in line
     with pytest.raises(ValueError, match=rf"--route-replay-max-missing 0.01: {missing} of {rows} "):
         check_route_coverage(dataset, 0, 40, 0.01, log=logged.append)
+
+
+def test_expert_255_of_256_is_a_route_not_a_missing_row(tmp_path):
+    # 256 experts, top-2: uint8 ids, where 255 is a real expert; only an all-255 row is missing.
+    write_documents(str(tmp_path / "d"), [np.array([5, 6, 7])])
+    routes_TLK = np.array([[[255, 3], [0, 1]], [[255, 255], [255, 255]], [[2, 255], [255, 254]]])
+    write_route_sidecar(
+        str(tmp_path / "d_routes"), [routes_TLK.astype(np.uint8)], num_layers=2, topk=2,
+        num_experts=256,
+    )  # fmt: skip
+    config = RoutedPackedDatasetConfig(
+        **gpt_config_kwargs([str(tmp_path / "d")], sequence_length=4, path_to_cache=str(tmp_path)),
+        pad_to_seq_len=True, route_num_layers=2, route_topk=2, route_num_experts=256,
+    )  # fmt: skip
+    dataset = build_splits(RoutedPackedDataset, config, [1, 0, 0])[0]
+    assert training_route_coverage(dataset, 0, 1) == (2, 6) == _naive(dataset, 0, 1)
