@@ -41,7 +41,8 @@ class MoEAlignmentConfig:
     """With --moe-expert-load-metrics: also append every logged summary (per layer: tokens per
     expert with and without pads, per-EP-rank and per-expert max_vio) as one JSON line to this
     file (rank 0; under pipeline parallelism each stage's first rank, one line per stage with its
-    ``pipeline_stage``), for analysis beside TensorBoard/W&B."""
+    ``pipeline_stage``), for analysis beside TensorBoard/W&B; with --route-replay-check, also
+    its counts (lines with a ``replay_check`` key)."""
 
     def __post_init__(self) -> None:
         if self.moe_expert_load_log and not self.moe_expert_load_metrics:

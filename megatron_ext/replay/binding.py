@@ -48,6 +48,7 @@ from megatron_ext.replay.keyed_router_replay import (
     TopKFunction,
     model_moe_layer_numbers,
     replayed_routers,
+    swap_in,
     unwrap_model,
 )
 from megatron_ext.replay.layout import router_row_positions, stage_rows_layer_major
@@ -94,7 +95,7 @@ class RouteReplayBinding:
         for chunk in chunks:
             for module in replayed_routers(chunk):
                 self._restore.append((module, module.router_replay))
-                self.replays.append(self._swap_in(module, ordinal_of[module.layer_number]))
+                self.replays.append(swap_in(module, self, ordinal_of[module.layer_number]))
             for block in (m for m in chunk.modules() if isinstance(m, DECODER_BLOCKS)):
                 self._hooks.append(block.register_forward_hook(self._mark_block_output))
                 self._hooks.append(
@@ -104,8 +105,9 @@ class RouteReplayBinding:
             raise ValueError("--route-replay-mode: this pipeline stage has no MoE router")
         self.stage_ordinals = [r.moe_ordinal for r in self.replays]
         self._stage_range = (min(self.stage_ordinals), max(self.stage_ordinals) + 1)
-        #: Per micro-batch key: the stage's rows [L_stage, N, K] (narrow) and missing mask or None.
-        self._targets: dict[Hashable, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        #: Per micro-batch key: the stage's rows [L_stage, N, K] (narrow), the missing mask and
+        #: the balanced fill's mask (the replay check's), or None.
+        self._targets: dict[Hashable, tuple[torch.Tensor, Any, Any]] = {}
         self._wide: tuple[torch.Tensor, torch.Tensor] | None = None
         self._recorded: dict[tuple[Hashable, int], torch.Tensor] = {}
         self._shapes: dict[Hashable, tuple[int, int]] = {}
@@ -116,19 +118,9 @@ class RouteReplayBinding:
         #: MoE ordinals that routed the current forward key in a forward: one routing again is
         #: the next micro-batch's forward, which nobody installed (it must not replay these).
         self._routed: set[int] = set()
-        #: Called with each replayed layer's indices (training forwards); see ReplayCheck.
+        #: Called with each replayed layer's indices in every forward (not recompute); see
+        #: replay_check.ReplayCheck.
         self.on_replay: Callable[..., None] | None = None
-
-    def _swap_in(self, router: TopKRouter, ordinal: int) -> KeyedRouterReplay:
-        """Replaces ``router.router_replay`` (and its slot in Megatron's global list)."""
-        old = router.router_replay
-        new = KeyedRouterReplay(self, ordinal, router.layer_number)  # appended to the global list
-        instances = RouterReplay.global_router_replay_instances
-        if old is not None and any(inst is old for inst in instances):
-            instances.pop()
-            instances[next(i for i, inst in enumerate(instances) if inst is old)] = new
-        router.router_replay = new
-        return new
 
     def remove(self) -> None:
         """Unbinds: puts each router's previous ``RouterReplay`` back and drops the hooks."""
@@ -169,7 +161,12 @@ class RouteReplayBinding:
         )
 
     def install(
-        self, routes_BSLK: torch.Tensor, key: Hashable, *, has_missing: bool | None = None
+        self,
+        routes_BSLK: torch.Tensor,
+        key: Hashable,
+        *,
+        has_missing: bool | None = None,
+        filled_BSL: torch.Tensor | None = None,
     ) -> None:
         """Stores a micro-batch's routes for the MoE layers of this stage and makes it current.
 
@@ -186,6 +183,9 @@ class RouteReplayBinding:
                 the ``where`` (a missing row would then index out of range: pass ``False`` only
                 from the data's count). ``None``: unknown, the mask is built (on the device, no
                 sync). Only the ``native`` policy reads it; ``balanced`` rows are never missing.
+            filled_BSL: ``balanced`` only, optional: the rows the data filled because they had
+                no recorded route (``sample["route_filled"]``, same layout as the routes), so
+                the replay check tells them from recorded ones; not read for routing.
 
         Raises:
             ValueError: Wrong rank, MoE layer count or top-k; ``has_missing`` not a host bool.
@@ -203,6 +203,8 @@ class RouteReplayBinding:
                 f"routes must be [batch, seq, moe_layers, topk], got {routes_BSLK.shape}"
             )
         batch_size, seq_len, num_layers, topk = routes_BSLK.shape
+        if filled_BSL is not None and filled_BSL.shape != routes_BSLK.shape[:3]:
+            raise ValueError(f"filled_BSL is {filled_BSL.shape}, the routes {routes_BSLK.shape}")
         if num_layers != self.num_moe_layers or topk != self.topk:
             raise ValueError(
                 f"routes have {num_layers} MoE layers x top-{topk}; the model has "
@@ -218,11 +220,14 @@ class RouteReplayBinding:
         # are then a contiguous slice, made by one kernel per micro-batch instead of one per layer.
         lo, hi = self._stage_range
         rows_LNK = stage_rows_layer_major(routes_BSLK, self._device_positions[device_key], lo, hi)
-        missing_LN = None
+        missing_LN = filled_LN = None
         if self.native_missing and has_missing is not False:
             missing_LN = (rows_LNK == torch.iinfo(rows_LNK.dtype).max).all(-1)
+        if filled_BSL is not None:
+            position_N = self._device_positions[device_key]
+            filled_LN = stage_rows_layer_major(filled_BSL.unsqueeze(-1), position_N, lo, hi)[..., 0]
         # Kept narrow (K bytes per token per layer); widened to int64 once per pass (_wide_rows).
-        self._targets[key] = (rows_LNK, missing_LN)
+        self._targets[key] = (rows_LNK, missing_LN, filled_LN)
         self._shapes[key] = (batch_size, seq_len)
         self._forward_key, self._backward_key, self._routed = key, None, set()
 
@@ -254,7 +259,7 @@ class RouteReplayBinding:
         """``(installed, row index)``: bytes the installed micro-batches hold on the device (the
         stage's narrow rows and any missing masks; freed by :meth:`clear`) and bytes of the row
         indices cached once per (device, B, S) for the binding's lifetime."""
-        installed = sum(t.nbytes for pair in self._targets.values() for t in pair if t is not None)
+        installed = sum(t.nbytes for kept in self._targets.values() for t in kept if t is not None)
         return installed, sum(t.nbytes for t in self._device_positions.values())
 
     def _in_backward(self) -> bool:
@@ -328,7 +333,7 @@ class RouteReplayBinding:
             raise RuntimeError(
                 f"no routes installed for micro-batch {key!r} at MoE layer {replay.layer_number}"
             )
-        rows_LNK, missing_LN = target
+        rows_LNK, missing_LN, filled_LN = target
         if rows_LNK.shape[1] != scores.shape[0]:
             raise ValueError(
                 f"MoE layer {replay.layer_number}: {rows_LNK.shape[1]} installed route rows for "
@@ -341,12 +346,17 @@ class RouteReplayBinding:
             # Missing rows hold the marker id; where() swaps in the router's choice before gather.
             _, native_NK = default_compute_topk(scores, topk, num_groups, group_topk)
             idx_NK = torch.where(missing_N.unsqueeze(-1), native_NK, idx_NK)
-        if self.on_replay is not None and not in_backward and torch.is_grad_enabled():
+        if self.on_replay is not None and not in_backward:
             # --route-replay-check (replay_check.ReplayCheck): compare with what Megatron uses.
+            # Every forward, with or without grad (a checkpointed forward runs without), never
+            # a recompute: each micro-batch's rows once. Balanced rows: the data's filled mask.
+            if not self.native_missing and filled_LN is not None:
+                missing_N = filled_LN[layer]
             self.on_replay(
-                replay.moe_ordinal,
+                key,
                 scores,
                 idx_NK,
+                missing_N,
                 lambda: default_compute_topk(scores, topk, num_groups, group_topk)[1],
             )
         return scores.gather(1, idx_NK), idx_NK

@@ -34,9 +34,17 @@ class ReplayConfig:
     EP ranks for every EP size dividing the expert count."""
 
     route_replay_check: bool = False
-    """With --route-replay-mode replay: count, on the device, the (token, layer) rows whose
-    routing Megatron's router used equals the replayed top-k, and those where the model's own
-    top-k would differ (one extra top-k per MoE layer); printed whenever Megatron logs."""
+    """With --route-replay-mode replay: count, on the device, per log interval, the (token,
+    layer) rows with a recorded route and how many Megatron's router used exactly (any other is
+    logged as an error), the rows without one and how --replay-missing-route-policy decided
+    them, and on recorded rows how often the model's own top-k would differ (one extra top-k per
+    MoE layer); printed whenever Megatron logs, and written to --moe-expert-load-log."""
+
+    route_replay_max_missing: float = 0.05
+    """With --route-replay-mode replay: the largest fraction of the (token, layer) rows of the
+    run's training packs (their real tokens) that may have no recorded route; a run whose data
+    has more is refused when its datasets are built (the fraction is logged either way). 1
+    accepts any coverage."""
 
     def __post_init__(self) -> None:
         if self.route_replay_check and self.route_replay_mode != "replay":
@@ -54,10 +62,20 @@ class ReplayConfig:
                 "--replay-missing-route-policy must be 'native' or 'balanced', "
                 f"got {self.replay_missing_route_policy!r}"
             )
+        if not 0.0 <= self.route_replay_max_missing <= 1.0:
+            raise ValueError(
+                "--route-replay-max-missing must be a fraction in [0, 1], "
+                f"got {self.route_replay_max_missing}"
+            )
         if self.route_replay_mode == "replay" and not self.route_data_suffix:
             raise ValueError("--route-replay-mode replay needs --route-data-suffix")
         if self.route_replay_mode == "record" and not self.route_record_path:
             raise ValueError("--route-replay-mode record needs --route-record-path")
+        if self.route_replay_mode != "replay" and self.route_replay_max_missing != 0.05:
+            _replay_warnings.warn(
+                "--route-replay-max-missing has no effect without --route-replay-mode replay",
+                stacklevel=2,
+            )
         unused = {
             "off": ("route_data_suffix", "route_record_path"),
             "record": ("route_data_suffix",),

@@ -55,6 +55,21 @@ class KeyedRouterReplay(RouterReplay):
         return self.binding.route(self, scores, topk, num_groups, group_topk, default_compute_topk)
 
 
+def swap_in(
+    router: TopKRouter, binding: "RouteReplayBinding", moe_ordinal: int
+) -> KeyedRouterReplay:
+    """Replaces ``router.router_replay`` (and its slot in Megatron's global list) with a
+    :class:`KeyedRouterReplay` asking ``binding``; returns it."""
+    old = router.router_replay
+    new = KeyedRouterReplay(binding, moe_ordinal, router.layer_number)  # appended to the list
+    instances = RouterReplay.global_router_replay_instances
+    if old is not None and any(inst is old for inst in instances):
+        instances.pop()
+        instances[next(i for i, inst in enumerate(instances) if inst is old)] = new
+    router.router_replay = new
+    return new
+
+
 def model_moe_layer_numbers(model: torch.nn.Module) -> list[int]:
     """The decoder's MoE layer numbers: a ``HybridModel`` from its layer pattern (its config's
     ``moe_layer_freq`` does not describe it), a ``GPTModel`` from ``moe_layer_freq``."""

@@ -1,30 +1,108 @@
-"""Verifies route replay inside the training loop: did Megatron's routers use the replayed routes?
+"""Verifies route replay inside the training loop: which routes did Megatron's routers use?
 
-With ``--route-replay-check``, every training forward of a replaying MoE router is compared, on the
-device, with what was installed for it: ``matched`` counts (token, layer) rows whose routing map holds
-exactly the replayed top-k experts, ``natural_differs`` the rows where the router's own top-k of the
-same scores (computed once more, for this diagnostic only) would have chosen another set. Both are
-device counters; they are read (one device-to-host copy) only when Megatron logs.
+With ``--route-replay-check``, the first forward of every training micro-batch through a replaying
+MoE router is compared, on the device, with what the binding decided for it. Each (token, layer)
+row is one of:
 
-Example (what the loop prints at a log iteration)::
+- **recorded**: the data holds a route for it; ``recorded_exact`` counts those whose routing map
+  holds exactly the recorded top-k (anything else is an error);
+- **missing**: no recorded route; ``--replay-missing-route-policy`` decided it (``native``: the
+  router's own top-k; ``balanced``: the data's synthetic fill), ``missing_as_decided`` counts those
+  routed exactly as the policy decided;
 
-    megatron_ext replay check: 4096/4096 (token, layer) routes replayed exactly; the model's own
-    router would have chosen differently on 3530 (86.2%)
+and ``natural_differs`` counts the recorded rows where the router's own top-k of the same scores
+(computed once more, for this diagnostic only) would have chosen another set. The forward is
+counted whether or not it runs with grad (activation recompute runs it without), never its
+recompute in backward, and never an evaluation forward, so each micro-batch's rows count once.
+All counts are device tensors, read (one device-to-host copy) only when Megatron logs.
+
+Example (what the loop prints at a log iteration, ``native`` policy)::
+
+    megatron_ext replay check: 1024 (token, layer) rows with a recorded route, 1024 used exactly;
+    1024 without one, 1024 routed by the model's own router (native); the model's own router would
+    have chosen differently on 991 of the recorded rows (96.8%)
 """
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 
+#: What ``--replay-missing-route-policy`` does with a row that has no recorded route.
+POLICY_DECIDES = {
+    "native": "routed by the model's own router (native)",
+    "balanced": "filled with a balanced top-k (balanced), routed as filled",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayCounts:
+    """One log interval's (token, layer) rows of this pipeline stage's MoE layers."""
+
+    recorded: int
+    recorded_exact: int
+    missing: int
+    missing_as_decided: int
+    natural_differs: int
+    policy: str
+
+    def line(self) -> str:
+        """The line the loop prints."""
+        share = f" ({self.natural_differs / self.recorded:.1%})" if self.recorded else ""
+        return (
+            f"{self.recorded} (token, layer) rows with a recorded route, {self.recorded_exact} "
+            f"used exactly; {self.missing} without one, {self.missing_as_decided} "
+            f"{POLICY_DECIDES[self.policy]}; the model's own router would have chosen differently "
+            f"on {self.natural_differs} of the recorded rows{share}"
+        )
+
+    def problems(self) -> list[str]:
+        """What must not happen: rows not routed as decided, or nothing replayed at all."""
+        found = []
+        if self.recorded_exact != self.recorded:
+            found.append(
+                f"ERROR: {self.recorded - self.recorded_exact} of {self.recorded} (token, layer) "
+                "rows with a recorded route were NOT routed as recorded"
+            )
+        if self.missing_as_decided != self.missing:
+            found.append(
+                f"ERROR: {self.missing - self.missing_as_decided} of {self.missing} rows without "
+                f"a recorded route were not routed as --replay-missing-route-policy {self.policy} "
+                "decided"
+            )
+        if self.recorded == 0 and self.missing:
+            found.append(
+                "WARNING: no row of this interval had a recorded route: nothing was replayed "
+                f"(every row was {POLICY_DECIDES[self.policy].split(' (')[0]})"
+            )
+        return found
+
+    def record(self) -> dict[str, int | str]:
+        """The counts as a JSON object (``--moe-expert-load-log``)."""
+        return dataclasses.asdict(self)
+
 
 class ReplayCheck:
-    """Device counters of replayed (token, layer) rows, filled by router hooks."""
+    """Device counters of the (token, layer) rows replayed by one rank's routers.
 
-    def __init__(self) -> None:
-        self.counts = torch.zeros(3, dtype=torch.long)  # rows, matched, natural_differs
-        self._pending: tuple[int, torch.Tensor] | None = None
+    Args:
+        policy: ``--replay-missing-route-policy`` (named in the report).
+    """
+
+    #: Order of the counters in :attr:`counts`.
+    FIELDS = ("recorded", "recorded_exact", "missing", "missing_as_decided", "natural_differs")
+
+    def __init__(self, policy: str = "native") -> None:
+        if policy not in POLICY_DECIDES:
+            raise ValueError(f"--replay-missing-route-policy: unknown policy {policy!r}")
+        self.policy = policy
+        #: The counters, in :attr:`FIELDS` order (None until a routing is counted).
+        self.counts: torch.Tensor | None = None
+        self._counted_key: Hashable | None = None
+        self._pending: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
         self._hooks: list[Any] = []
+        self._device = torch.device("cpu")  # the routers' (attach)
 
     def attach(self, binding: Any) -> None:
         """Hooks every router ``binding`` replays into (forward hooks: no change to routing)."""
@@ -32,48 +110,71 @@ class ReplayCheck:
 
         for router, _ in binding._restore:  # (router, previous RouterReplay) pairs
             assert isinstance(router, TopKRouter)
+            self._device = router.weight.device
             self._hooks.append(router.register_forward_hook(self._compare))
         binding.on_replay = self._observe
 
+    def count(self, key: Hashable | None) -> None:
+        """The micro-batch whose forward runs next is counted if it is ``key`` (a training
+        micro-batch); ``None``: the next forwards are not counted (evaluation)."""
+        self._counted_key = key
+
     def _observe(
         self,
-        ordinal: int,
+        key: Hashable,
         scores_NE: torch.Tensor,
         idx_NK: torch.Tensor,
+        missing_N: torch.Tensor | None,
         natural: Callable[[], torch.Tensor],
     ) -> None:
-        """Called by the binding with the indices it replays (training forwards only)."""
-        natural_NK = natural()
-        same = _same_sets(natural_NK, idx_NK, scores_NE.shape[-1])
-        self.counts = self.counts.to(idx_NK.device)
-        self.counts[2] += (~same).sum()
-        self._pending = (ordinal, idx_NK)
+        """Called by the binding in every forward (not recompute) routing of a replaying layer,
+        with the indices it returns and the rows without a recorded route (None: none)."""
+        if key is None or key != self._counted_key:
+            return
+        differs_N = ~_same_sets(natural(), idx_NK, scores_NE.shape[-1])
+        self._pending = (idx_NK, missing_N, differs_N)
 
     def _compare(self, router: torch.nn.Module, args: Any, output: Any) -> None:
         del router, args
         pending = self._pending
-        if pending is None or not torch.is_grad_enabled():
+        if pending is None:  # not counted (evaluation, a recompute in backward)
             return
         self._pending = None
-        _, idx_NK = pending
-        routing_map_NE = output[1]
-        used = routing_map_NE.bool()
-        # Exactly the replayed experts: each replayed one is set, and no other.
-        hit_N = used.gather(1, idx_NK).all(-1) & (used.sum(-1) == idx_NK.shape[-1])
-        self.counts[0] += hit_N.numel()
-        self.counts[1] += hit_N.sum()
+        idx_NK, missing_N, differs_N = pending
+        used_NE = output[1].bool()
+        # Exactly the decided experts: each one is set, and no other.
+        hit_N = used_NE.gather(1, idx_NK).all(-1) & (used_NE.sum(-1) == idx_NK.shape[-1])
+        if missing_N is None:
+            missing_N = torch.zeros_like(hit_N)
+        recorded_N = ~missing_N
+        row = torch.stack(
+            [
+                recorded_N.sum(),
+                (hit_N & recorded_N).sum(),
+                missing_N.sum(),
+                (hit_N & missing_N).sum(),
+                (differs_N & recorded_N).sum(),
+            ]
+        )
+        if self.counts is None:  # on the routers' device from the first routing on
+            self.counts = row
+        else:
+            self.counts += row
 
-    def take(self, group: Any = None) -> tuple[int, int, int]:
-        """``(rows, matched, natural_differs)`` summed over ``group``; resets the counters.
+    def take(self, group: Any = None) -> ReplayCounts:
+        """The counts summed over ``group``; resets the counters.
 
         NOTE: device-to-host sync (one ``tolist``), only when the loop logs.
         """
-        counts = self.counts.clone()
+        counts = self.counts
+        if counts is None:  # nothing counted on this rank (every rank of a group joins below)
+            counts = torch.zeros(len(self.FIELDS), dtype=torch.long, device=self._device)
         if group is not None and torch.distributed.get_world_size(group) > 1:
             torch.distributed.all_reduce(counts, group=group)
-        self.counts.zero_()
-        rows, matched, differs = counts.tolist()
-        return rows, matched, differs
+        self.counts = None
+        return ReplayCounts(
+            **dict(zip(self.FIELDS, counts.tolist(), strict=True)), policy=self.policy
+        )
 
 
 def _same_sets(a_NK: torch.Tensor, b_NK: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -81,5 +182,5 @@ def _same_sets(a_NK: torch.Tensor, b_NK: torch.Tensor, num_experts: int) -> torc
     a = torch.zeros(a_NK.shape[0], num_experts, dtype=torch.bool, device=a_NK.device)
     b = torch.zeros_like(a)
     a.scatter_(1, a_NK, True)
-    b.scatter_(1, b_NK.to(a_NK.device), True)
+    b.scatter_(1, b_NK, True)
     return (a == b).all(-1)

@@ -67,6 +67,7 @@ from megatron_ext.replay.route_recorder import RouteRecorder as RouteRecorder  #
 from megatron_ext.replay.routes import (
     apply_missing_policy,
     count_missing_rows,
+    missing_mask,
     missing_routes,
     missing_value,
     route_dtype,
@@ -77,6 +78,9 @@ ROUTES_KEY = "routes"
 #: Key of a sample's count of missing (token, layer) route rows, int64, counted on the host when
 #: the pack is read; it must stay on the host (see :func:`has_missing_routes`).
 MISSING_ROWS_KEY = "route_missing_rows"
+#: Key of a sample's ``[S, L]`` bool mask of the rows ``balanced`` filled (no recorded route), with
+#: ``RoutedPackedDatasetConfig.route_filled_mask`` (the replay check tells them from recorded rows).
+FILLED_KEY = "route_filled"
 
 
 def has_missing_routes(batch: dict[str, Any]) -> bool | None:
@@ -121,6 +125,8 @@ class RoutedPackedDatasetConfig(PackedDatasetConfig):
     """E: --num-experts."""
     route_missing_policy: str = "native"
     """--replay-missing-route-policy: 'native' keeps missing rows, 'balanced' fills them."""
+    route_filled_mask: bool = False
+    """'balanced': samples also carry the mask of the rows it filled (``FILLED_KEY``)."""
 
     def __post_init__(self) -> None:
         if self.route_suffix is not None:
@@ -167,6 +173,8 @@ class RoutedPackedDataset(PackedDataset):
             return sample
         # Every row was validated when the dataset was built (_validate_route_file).
         routes_SLK = sample[ROUTES_KEY].numpy().reshape(-1, cfg.route_num_layers, cfg.route_topk)
+        if cfg.route_filled_mask and cfg.route_missing_policy == "balanced":
+            sample[FILLED_KEY] = torch.from_numpy(missing_mask(routes_SLK))  # before the fill
         routes_SLK = apply_missing_policy(  # seed=idx: packs of a micro-batch differ
             routes_SLK,
             cfg.route_missing_policy,

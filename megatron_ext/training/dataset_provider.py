@@ -103,6 +103,7 @@ def dataset_config_from_args(args: argparse.Namespace, tokenizer: Any = None) ->
             route_topk=args.moe_router_topk,
             route_num_experts=args.num_experts,
             route_missing_policy=replay.replay_missing_route_policy,
+            route_filled_mask=replay.route_replay_check,
         )
     if args.mock_data and not padding.pack_documents:
         return MockGPTDataset, GPTDatasetConfig(**common)
@@ -137,8 +138,19 @@ def train_valid_test_datasets_provider(
         raise empty_split.full_validation_error(
             args.split, args.data_path, getattr(args, "data_args_path", None)
         )
-    if run_state.configs(args)[ReplayConfig].route_replay_mode == "record":
+    replay = run_state.configs(args)[ReplayConfig]
+    if replay.route_replay_mode == "record":
         run_state.state(args).record_dataset = datasets[0]
+    if replay.route_replay_mode == "replay" and datasets[0] is not None:
+        from megatron_ext.replay.route_coverage import check_route_coverage
+
+        check_route_coverage(  # the samples this run trains on: from a resume's to the last
+            datasets[0],
+            getattr(args, "consumed_train_samples", 0) or 0,
+            train_val_test_num_samples[0],
+            replay.route_replay_max_missing,
+            log=print_rank_0,
+        )
     return datasets
 
 

@@ -45,7 +45,10 @@ EP = 2
 #: pads into real tokens moves the loss by orders of magnitude more.
 LOSS_TOLERANCE = 5e-6
 TRAINING_LOOP = "megatron.training.pretrain"
-_REPLAY = re.compile(r"replay check: (\d+)/(\d+) \(token, layer\).*differently on (\d+)")
+_REPLAY = re.compile(
+    r"replay check: (\d+) \(token, layer\) rows with a recorded route, (\d+) used exactly;"
+    r".*differently on (\d+) of"
+)
 _REHEARSAL = re.compile(
     r"rank (\d+) rehearsal: (\d+) expert groups .*?, (\d+) not a multiple of (\d+); last: (\[[^\]]*\])"
 )
@@ -76,6 +79,7 @@ def _launch(flags: list[str], data: str, log_name: str, workdir: Path) -> LoopRu
 def _load_counts(path: Path) -> dict[str, np.ndarray]:
     """Tokens per expert summed over every logged iteration: ``{"all"|"real": [layers, experts]}``."""
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in lines if "replay_check" not in line]  # the replay check's lines
     layers = sorted({k.split("/")[0] for line in lines for k in line if k.startswith("layer")})
     out = {}
     for kind, key in (("all", "tokens"), ("real", "real_tokens")):
@@ -110,8 +114,9 @@ def summarize(runs: dict[str, LoopRun], loads: dict[str, dict[str, np.ndarray]])
         for name, run in (("self", self_pad), ("skip", skip))
     }
     experts = load_s["all"].shape[1]
+    # Per logged iteration: (rows with a recorded route, used exactly, the router would differ).
     matched = [tuple(map(int, m)) for m in _REPLAY.findall(replay.output)]
-    replayed_rows = sum(rows for _, rows, _ in matched)
+    replayed_rows = sum(rows for rows, _, _ in matched)
     groups = {}
     for run in (constant, self_pad):
         for rank, n, bad, align, last in _REHEARSAL.findall(run.output):
@@ -136,7 +141,7 @@ def summarize(runs: dict[str, LoopRun], loads: dict[str, dict[str, np.ndarray]])
         "expert_peak_over_mean_self": _peak_over_mean(load_s["all"], experts),
         "expert_peak_over_mean_nopad": _peak_over_mean(load_s["real"], experts),
         "replay_rows": replayed_rows,
-        "replay_match_rate": sum(m for m, _, _ in matched) / max(replayed_rows, 1),
+        "replay_match_rate": sum(m for _, m, _ in matched) / max(replayed_rows, 1),
         "natural_routing_changed": sum(d for _, _, d in matched) / max(replayed_rows, 1),
         "alignment_ok": bool(groups)
         and all(g["groups"] > 0 and g["unaligned"] == 0 for g in groups.values()),

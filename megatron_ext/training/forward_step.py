@@ -122,15 +122,19 @@ def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tens
             # first forward, so the routes kept for recompute can go.
             binding.clear()
         if binding.mode == "replay":
-            from megatron_ext.replay.route_dataset import has_missing_routes
+            from megatron_ext.replay.route_dataset import FILLED_KEY, has_missing_routes
 
-            routes_BSLK = batch["routes"]
+            routes_BSLK, filled_BSL = batch["routes"], batch.get(FILLED_KEY)
             binding.install(
                 routes_BSLK.reshape(*model_shape, *routes_BSLK.shape[2:]),
                 key=key,
                 # Counted by the dataset on the host: packs without a missing row skip native top-k.
                 has_missing=has_missing_routes(host_batch),
+                filled_BSL=None if filled_BSL is None else filled_BSL.reshape(*model_shape, -1),
             )
+            check = run_state.state(args).replay_check
+            if check is not None:  # counts training micro-batches only, each once
+                check.count(key if training else None)
         else:
             binding.begin_record(key, *model_shape)
     output = model(**kwargs, loss_mask=batch["loss_mask"].reshape(model_shape))
@@ -261,27 +265,33 @@ def _append_line(path: str, line: str) -> None:
         os.close(fd)
 
 
-def log_replay_check(args: Any, iteration: int) -> tuple[int, int, int] | None:
-    """After a log iteration with ``--route-replay-check``: how many replayed routes Megatron used.
+def log_replay_check(args: Any, iteration: int) -> Any:
+    """After a log iteration with ``--route-replay-check``: the interval's replayed, missing and
+    differing (token, layer) rows (:class:`~megatron_ext.replay.replay_check.ReplayCounts`),
+    printed, problems loudly on stderr, and written as a JSON line to ``--moe-expert-load-log``.
 
     NOTE: device-to-host sync (``ReplayCheck.take``), only every ``--log-interval``.
     """
     check = run_state.state(args).replay_check
     if check is None or (iteration + 1) % args.log_interval:
         return None
+    import sys
+
     from megatron.core import parallel_state
 
-    rows, matched, differs = check.take(_distinct_tokens_group(args))
-    stage = ""
+    counts = check.take(_distinct_tokens_group(args))
+    stage, record = "", {"iteration": iteration + 1, "replay_check": counts.record()}
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # each stage its own layers
-        stage = f" (pipeline stage {parallel_state.get_pipeline_model_parallel_rank()})"
+        record["pipeline_stage"] = parallel_state.get_pipeline_model_parallel_rank()
+        stage = f" (pipeline stage {record['pipeline_stage']})"
     if _reports_for_stage():
-        print(
-            f"megatron_ext replay check: {matched}/{rows} (token, layer) routes replayed exactly; "
-            f"the model's own router would have chosen differently on {differs}{stage}",
-            flush=True,
-        )
-    return rows, matched, differs
+        print(f"megatron_ext replay check: {counts.line()}{stage}", flush=True)
+        for problem in counts.problems():
+            print(f"megatron_ext replay check: {problem}{stage}", file=sys.stderr, flush=True)
+        path = run_state.configs(args)[MoEAlignmentConfig].moe_expert_load_log
+        if path:
+            _append_line(path, json.dumps(record) + "\n")
+    return counts
 
 
 def flush_logs(args: Any) -> None:

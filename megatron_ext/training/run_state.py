@@ -103,7 +103,7 @@ def bind_replay(model: Any, replay: ReplayConfig) -> Any:
     if replay.route_replay_check:
         from megatron_ext.replay.replay_check import ReplayCheck
 
-        run.replay_check = run.replay_check or ReplayCheck()
+        run.replay_check = run.replay_check or ReplayCheck(replay.replay_missing_route_policy)
         run.replay_check.attach(binding)
     return binding
 

@@ -64,3 +64,17 @@ def test_route_replay_check_needs_replay_mode():
     with pytest.raises(ValueError, match="--route-replay-check needs --route-replay-mode replay"):
         ReplayConfig(route_replay_check=True, route_replay_mode="record")
     ReplayConfig(route_replay_check=True, route_replay_mode="replay", route_data_suffix="_routes")
+
+
+def test_route_replay_max_missing_parses_as_a_fraction(monkeypatch) -> None:
+    for argv, want in (([], 0.05), (["--route-replay-max-missing", "1"], 1.0)):
+        monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *MOE, *argv])
+        args = parse_args(extra_args_provider=add_megatron_ext_args)
+        assert args.route_replay_max_missing == want
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="--route-replay-max-missing must be a fraction"):
+            ReplayConfig(
+                route_replay_mode="replay", route_data_suffix="_r", route_replay_max_missing=bad
+            )
+    with pytest.warns(UserWarning, match="--route-replay-max-missing has no effect without"):
+        ReplayConfig(route_replay_max_missing=0.5)
