@@ -290,3 +290,52 @@ def test_dense_row_that_is_not_zero_is_refused_naming_layer_and_token(tmp_path):
     argv = [a for a in argv if a not in ("--model-config", str(tmp_path / "config.json"))]
     with pytest.raises(ValueError, match=r"that is 5 layers x top-8 per row"):
         load_tool().main([*argv, "--num-layers", "3", "--topk", "8", "--num-experts", "256"])
+
+
+def _sglang_dump(tmp_path, start_len: int) -> list[str]:
+    """Two SGLang answers of a DeepSeek-style model (dense layers 0-1) with ``start_len``."""
+    model = Model("deepseek_dense_first", seed=2)
+    lines = []
+    for _ in range(2):
+        prompt, output = model.tokens(6), model.tokens(4)
+        payload = enc.sglang_base64(model.buffer(model.routes(10)), start_len)
+        lines.append(json.dumps(enc.sglang_generate(prompt, output, payload)))
+    (tmp_path / "in.jsonl").write_text("".join(line + "\n" for line in lines))
+    (tmp_path / "config.json").write_text(json.dumps(model.config))
+    argv = ["--format", "sglang", "--input", str(tmp_path / "in.jsonl"), "--no-progress"]
+    return argv + ["--output-prefix", str(tmp_path / "out")]
+
+
+def test_start_offsets_beyond_the_missing_limit_are_refused_unless_allowed(tmp_path):
+    argv = _sglang_dump(tmp_path, start_len=3)
+    argv += ["--model-config", str(tmp_path / "config.json"), "--routed-experts-start", "3"]
+    # 3 of 10 tokens per document before the offset: 30% of the rows, over the 5% default.
+    with pytest.raises(ValueError, match=r"18 of 60 \(token, layer\) rows \(30.00%\) have no "
+                       r"engine route \(6 tokens before start offsets"):  # fmt: skip
+        load_tool().main(argv)
+    assert not os.path.exists(tmp_path / "out.idx")
+    assert load_tool().main([*argv, "--max-missing-fraction", "0.3"]) == 0
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--moe-layer-ids", "1-4"], "--moe-layer-ids 1-4 disagrees with --model-config's MoE"),
+        (["--num-layers", "4"], "--num-layers 4 disagrees with the layer map's 3"),
+        (["--num-decoder-layers", "6"], "disagrees with --model-config's num_hidden_layers 5"),
+        (["--max-missing-fraction", "2"], r"--max-missing-fraction must be in \[0, 1\]"),
+    ],
+)
+def test_layer_map_flags_that_disagree_are_refused(tmp_path, extra, match):
+    argv = _sglang_dump(tmp_path, 0) + ["--model-config", str(tmp_path / "config.json")]
+    with pytest.raises(ValueError, match=match):
+        load_tool().main([*argv, *extra])
+
+
+def test_moe_layer_ids_alone_select_the_moe_rows(tmp_path):
+    argv = _sglang_dump(tmp_path, 0)
+    argv += ["--moe-layer-ids", "2-4", "--num-decoder-layers", "5", "--topk", "8"]
+    assert load_tool().main([*argv, "--num-experts", "256"]) == 0
+    assert read_header(str(tmp_path / "out.routes.json"))["moe_layer_ids"] == [2, 3, 4]
+    with pytest.raises(ValueError, match="--num-experts is required"):
+        load_tool().main([*argv, "--overwrite"])
