@@ -279,7 +279,7 @@ def _converted(
                 "its num_tokens or token_ids, or pass --tokens-prefix"
             )
         rows = doc.rows_TLK
-        if layer_map is not None and rows.ndim == 3 and rows.size:
+        if layer_map is not None and rows.ndim == 3 and rows.shape != (0, 0, 0):  # [] has no N
             rows = select_moe_rows(rows, layer_map, doc.name)
         routes, counts = repair_document(
             rows,

@@ -1,10 +1,9 @@
 """Tier: pure (numpy). megatron_ext.replay.moe_layer_map: the MoE layers of Hugging Face configs
 by the rules vLLM 0.34's model code builds its layers with (models/deepseek_v2.py,
-models/qwen3_moe.py), and selecting MoE rows from per-decoder-layer dumps."""
+models/qwen3_moe.py), and selecting MoE rows from per-decoder-layer dumps (that the module never
+imports megatron is tested with the other pure modules in test_routes.py)."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -79,13 +78,3 @@ def test_select_moe_rows_checks_dense_rows_are_zero():
         select_moe_rows(rows, layer_map, "r:1")
     with pytest.raises(ValueError, match="rows of 5 layers, neither the 2 MoE layers or the .* 4"):
         select_moe_rows(np.zeros((1, 5, 2), dtype=np.int32), layer_map, "r:1")
-
-
-def test_module_never_imports_megatron():
-    code = (
-        "import sys, megatron_ext.replay.moe_layer_map, megatron_ext.replay.vllm_routes, "
-        "megatron_ext.replay.route_records, megatron_ext.replay.safetensors_routes; "
-        "bad = [m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')]; "
-        "assert not bad, bad"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
