@@ -258,6 +258,13 @@ def repair_document(
             f"{name}: routes have {rows_TLK.shape[1]} MoE layers x top-{rows_TLK.shape[2]}, "
             f"expected {num_layers} MoE layers x top-{topk} (--num-layers, --topk)"
         )
+    if num_tokens is not None and exact and start + rows_TLK.shape[0] != max(num_tokens - 1, 0):
+        raise ValueError(
+            f"{name}: {rows_TLK.shape[0]} rows of {num_layers} layers x top-{topk} from token "
+            f"{start} on, but T = {num_tokens} tokens need T - 1{f' - {start}' if start else ''} = "
+            f"{max(num_tokens - 1 - start, 0)} (the payload's element type is fixed by the "
+            "format: a payload of another element type or layer count is refused, not guessed)"
+        )
     if rows_TLK.dtype == np.uint64 and rows_TLK.size and int(rows_TLK.max()) > 2**63 - 1:
         raise ValueError(f"{name}: expert id {int(rows_TLK.max())} is beyond int64")
     # Every input value is an id: the input dtype's maximum (255 in a uint8 payload) is a real
@@ -278,13 +285,6 @@ def repair_document(
         counts.rejected_rows = int(bad_TL.sum())
     routes_TLK = np.where(bad_TL[..., None], missing_value(dtype), wide)
     routes_TLK = routes_TLK.astype(dtype)
-    if num_tokens is not None and exact and start + routes_TLK.shape[0] != max(num_tokens - 1, 0):
-        raise ValueError(
-            f"{name}: {routes_TLK.shape[0]} rows of {num_layers} layers x top-{topk} from token "
-            f"{start} on, but T = {num_tokens} tokens need T - 1 - {start} = "
-            f"{max(num_tokens - 1 - start, 0)} (the payload's element type is fixed by the "
-            "format: a payload of another element type or layer count is refused, not guessed)"
-        )
     if start:
         counts.offset_rows = start
         routes_TLK = np.concatenate([missing_routes(start, num_layers, topk, dtype), routes_TLK])

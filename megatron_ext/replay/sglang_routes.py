@@ -112,7 +112,8 @@ def decode_sglang_base64(
     rows, extra = divmod(ids.size, per_row)
     want_rows = None if num_tokens is None else max(num_tokens - 1 - start, 0)
     if extra or (want_rows is not None and rows != want_rows):
-        want = "whole rows" if want_rows is None else f"T - 1 - {start} = {want_rows} rows"
+        minus = f" - {start}" if start else ""  # the start offset, when there is one
+        want = "whole rows" if want_rows is None else f"T - 1{minus} = {want_rows} rows"
         hint = ""
         if want_rows and ids.size % (want_rows * topk) == 0:
             layers = ids.size // (want_rows * topk)

@@ -53,12 +53,12 @@ def test_rows_are_exactly_t_minus_1_never_chosen_by_the_byte_count():
     assert decode_sglang_base64(payload, None, num_layers=2, topk=2, name="x").shape == (6, 2, 2)
     # T = 7: 6 = T - 1 rows. T = 6 would be 6 = T rows: refused (SGLang never sends T rows).
     assert decode_sglang_base64(payload, 7, num_layers=2, topk=2, name="x").shape == (6, 2, 2)
-    with pytest.raises(ValueError, match=r"24 int32 ids are not T - 1 - 0 = 5 rows"):
+    with pytest.raises(ValueError, match=r"24 int32 ids are not T - 1 = 5 rows"):
         decode_sglang_base64(payload, 6, num_layers=2, topk=2, name="x")
     # A start offset of 2: rows [2, T - 1) -> T = 9.
     assert decode_sglang_base64(payload, 9, num_layers=2, topk=2, name="x", start=2).shape[0] == 6
     # T = 4: 3 rows x K = 2 -> 24 ids are 4 layers (SGLang counted every decoder layer).
-    with pytest.raises(ValueError, match=r"24 int32 ids are not T - 1 - 0 = 3 rows .* 4 layers"):
+    with pytest.raises(ValueError, match=r"24 int32 ids are not T - 1 = 3 rows .* 4 layers"):
         decode_sglang_base64(payload, 4, num_layers=2, topk=2, name="x")
     with pytest.raises(ValueError, match="not whole int32 expert ids"):
         decode_sglang_base64(
@@ -74,7 +74,7 @@ def test_int64_payload_of_a_two_token_record_is_refused_not_read_as_two_rows():
     row) they would have been read as two full rows [[1, 0]], [[2, 0]] with exit status 0."""
     wrong = base64.b64encode(np.array([[[1, 2]], [[3, 4]]], dtype="<i8").tobytes()).decode()
     record = {"meta_info": {"prompt_tokens": 1, "completion_tokens": 1, "routed_experts": wrong}}
-    with pytest.raises(ValueError, match=r"8 int32 ids are not T - 1 - 0 = 1 rows"):
+    with pytest.raises(ValueError, match=r"8 int32 ids are not T - 1 = 1 rows"):
         decode_sglang_record(record, num_layers=1, topk=2, name="r:1")
 
 

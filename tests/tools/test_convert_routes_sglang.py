@@ -114,7 +114,7 @@ BAD_SGLANG = [
         "T rows, not T - 1",  # a shapeless payload's rows are the format's, never the byte count's
         _with_meta(routed_experts=b64_int32(np.zeros((3, L, K)))),
         [],
-        rf"{3 * L * K} int32 ids are not T - 1 - 0 = 2 rows",
+        rf"{3 * L * K} int32 ids are not T - 1 = 2 rows",
     ),
     ("null routed_experts", _with_meta(routed_experts=None), [], "--enable-return-routed-experts"),
     ("batched answer, bad element", json.dumps([GOOD, {"text": "x"}]), [], r"2\[1\]: a --format"),
@@ -129,7 +129,7 @@ BAD_SGLANG = [
         "every hidden layer",
         _with_meta(routed_experts=b64_int32(np.zeros((2, L + 1, K)))),
         [],
-        rf"are not T - 1 - 0 = 2 rows of {L} layers x top-{K}; that is {L + 1} layers",
+        rf"are not T - 1 = 2 rows of {L} layers x top-{K}; that is {L + 1} layers",
     ),
     (
         "one count only",
@@ -156,6 +156,12 @@ BAD_SGLANG = [
         _with_meta(routed_experts=[[[0.5, 1]] * L] * 2),
         [],
         "non-integer values such as 0.5",
+    ),
+    (
+        "T rows, T from --tokens-prefix",  # no counts in the record: still exactly T - 1 rows
+        json.dumps({"meta_info": {"routed_experts": b64_int32(np.zeros((4, L, K)))}}),
+        ["--tokens-prefix", "{tmp}/tokens"],
+        r"4 rows of 3 layers x top-2 from token 0 on, but T = 4 tokens need T - 1 = 3",
     ),
     (
         "T vs --tokens-prefix",
