@@ -44,6 +44,7 @@ import argparse
 import os
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tqdm import tqdm
@@ -61,6 +62,9 @@ from megatron_ext.replay.rollout_routes import RepairCounts, repair_document
 from megatron_ext.replay.route_file import HEADER_EXTENSION
 from megatron_ext.replay.route_records import FORMATS, T_MINUS_ONE_FORMATS, read_documents
 from megatron_ext.replay.routes import route_dtype
+
+if TYPE_CHECKING:
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 OUTPUT_EXTENSIONS = (".bin", ".idx", HEADER_EXTENSION)
 #: Defaults of the fraction limits (docs/replay.md says why).
@@ -123,8 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tokens-prefix",
-        help="token IndexedDataset: check document count and lengths against it and record "
-        "its digest (without it the dataset warns that rewritten tokens cannot be caught)",
+        help="token IndexedDataset: check document count, lengths and (where records carry them) "
+        "token ids against it and record its digest (without it the dataset warns that "
+        "rewritten tokens cannot be caught)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_common_flags(p)
@@ -203,20 +208,17 @@ def main(argv: list[str] | None = None) -> int:
         overwrite=args.overwrite,
         extensions=OUTPUT_EXTENSIONS,
     )
-    token_lengths = None
+    tokens = None
     if args.tokens_prefix:
         from megatron_ext.data.indexed_checks import open_indexed
 
         tokens = open_indexed(args.tokens_prefix, "--tokens-prefix")
-        # Copy while ``tokens`` lives: the lengths are a view of its index mmap.
-        token_lengths = np.array(tokens.sequence_lengths)
-        del tokens
     totals = RepairCounts()
     from megatron_ext.replay.route_dataset import write_route_sidecar
 
     write_route_sidecar(
         args.output_prefix,
-        _converted(args, layer_map, token_lengths, totals),
+        _converted(args, layer_map, tokens, totals),
         num_layers=args.num_layers,
         topk=args.topk,
         num_experts=args.num_experts,
@@ -239,11 +241,12 @@ def main(argv: list[str] | None = None) -> int:
 def _converted(
     args: argparse.Namespace,
     layer_map: MoeLayerMap | None,
-    token_lengths: np.ndarray | None,
+    tokens: "IndexedDataset | None",
     totals: RepairCounts,
 ) -> Iterator[np.ndarray]:
     """The route documents, converted one at a time; after the last, the whole-output checks
     (raised here, the writer then leaves nothing behind)."""
+    token_lengths = None if tokens is None else tokens.sequence_lengths
     wire_layers = args.num_layers
     if layer_map is not None and layer_map.num_decoder_layers is not None:
         wire_layers = layer_map.num_decoder_layers  # shapeless payloads carry every layer
@@ -271,6 +274,8 @@ def _converted(
                     f"has {int(token_lengths[index])} tokens"
                 )
             num_tokens = int(token_lengths[index])
+            if doc.token_ids is not None:
+                _check_token_ids(doc.name, doc.token_ids, np.asarray(tokens[index]), index)
         if num_tokens is None and args.format in T_MINUS_ONE_FORMATS:
             # These engines return T - 1 rows for T tokens: taking the rows as complete would
             # silently make the document's routes one row short of its tokens.
@@ -306,6 +311,22 @@ def _converted(
             f"in --tokens-prefix {args.tokens_prefix}"
         )
     _check_fractions(args, totals)
+
+
+def _check_token_ids(name: str, ids: list, document: np.ndarray, index: int) -> None:
+    """Refuses a record whose token ids are not token document ``index``'s (another order)."""
+    if len(ids) == document.size and all(type(i) is int for i in ids):
+        differ = np.flatnonzero(np.asarray(ids, dtype=np.int64) != document)
+        if not differ.size:
+            return
+        at = int(differ[0])
+        raise ValueError(
+            f"{name}: token {at} is {ids[at]} but token document {index} has {int(document[at])} "
+            "there: the records are not in the order of --tokens-prefix's documents"
+        )
+    raise ValueError(
+        f"{name}: its {len(ids)} token ids are not token document {index}'s {document.size}"
+    )
 
 
 def _check_fractions(args: argparse.Namespace, totals: RepairCounts) -> None:

@@ -59,6 +59,9 @@ class RolloutDocument:
     exact: bool = False
     """The format fixes the rows at ``T - 1 - start`` (a shapeless payload whose row count came
     from its length): ``T - start`` rows are then refused, not taken as complete."""
+    token_ids: list | None = None
+    """The document's token ids when the record carries them all (prompt and completion):
+    checked against the token data, so documents in another order are caught."""
 
 
 @dataclasses.dataclass

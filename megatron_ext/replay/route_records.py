@@ -153,7 +153,8 @@ def _documents(
         if type(offset) is not int or offset < 0:
             raise ValueError(f"{name}: {PROMPT_START_KEY} must be a non-negative integer")
         rows = decode_vllm_routes(record["routed_experts"], f"{name} routed_experts", booleans)
-        return [RolloutDocument(name, rows, num_tokens, start=offset)]
+        ids = record.get("token_ids")
+        return [RolloutDocument(name, rows, num_tokens, start=offset, token_ids=ids)]
     # A key that is present is decoded whatever it holds (0 or "" is refused there, not skipped;
     # null counts as absent); an empty part (no rows, e.g. an empty prompt) adds nothing.
     parts = [
@@ -166,4 +167,4 @@ def _documents(
     if len(shapes) > 1:
         raise ValueError(f"{name}: {' and '.join(keys)} have different [layers, topk] {shapes}")
     rows = np.concatenate(parts) if parts else np.zeros((0, 0, 0), dtype=np.int64)
-    return [RolloutDocument(name, rows, num_tokens)]
+    return [RolloutDocument(name, rows, num_tokens, token_ids=record.get("token_ids"))]

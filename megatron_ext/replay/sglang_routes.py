@@ -135,9 +135,17 @@ def _start_len(record: dict, default: int, name: str) -> int:
 
 
 def _document(
-    meta: dict, record: dict, *, num_layers: int, topk: int, name: str, start_len: int
+    meta: dict,
+    record: dict,
+    *,
+    num_layers: int,
+    topk: int,
+    name: str,
+    start_len: int,
+    token_ids: list | None = None,
 ) -> RolloutDocument:
-    """One ``meta_info`` (and the sample fields beside it) -> a document."""
+    """One ``meta_info`` (and the sample fields beside it) -> a document; ``token_ids``: the
+    document's ids from an OpenAI-compatible answer (prompt and completion)."""
     num_tokens = sglang_num_tokens({**record, "meta_info": meta}, name)
     payload, where = meta["routed_experts"], f"{name} meta_info.routed_experts"
     if payload is None:
@@ -146,12 +154,14 @@ def _document(
             "return_routed_experts with the request"
         )
     start = start_len if num_tokens is None else min(start_len, max(num_tokens - 1, 0))
+    ids = next((record[k] for k in ("tokens", "token_ids") if k in record), token_ids)
     if isinstance(payload, str):
         rows = decode_sglang_base64(
             payload, num_tokens, num_layers=num_layers, topk=topk, name=where, start=start
         )
-        return RolloutDocument(name, rows, num_tokens, start=start, exact=True)
-    return RolloutDocument(name, decode_routed_experts(payload, where), num_tokens, start=start)
+        return RolloutDocument(name, rows, num_tokens, start=start, exact=True, token_ids=ids)
+    rows = decode_routed_experts(payload, where)
+    return RolloutDocument(name, rows, num_tokens, start=start, token_ids=ids)
 
 
 def decode_sglang_record(
@@ -196,7 +206,8 @@ def _openai_documents(response: dict, name: str, shape: dict) -> list[RolloutDoc
     metas = [c.get("meta_info") if isinstance(c, dict) else None for c in choices]
     if metas and all(isinstance(m, dict) and "routed_experts" in m for m in metas):
         return [
-            _document(meta, {}, name=f"{name} choice {i}", **shape) for i, meta in enumerate(metas)
+            _document(meta, {}, name=f"{name} choice {i}", token_ids=_choice_ids(c), **shape)
+            for i, (meta, c) in enumerate(zip(metas, choices, strict=True))
         ]
     sglext = response.get("sglext")
     if not isinstance(sglext, dict) or "routed_experts" not in sglext:
@@ -210,14 +221,26 @@ def _openai_documents(response: dict, name: str, shape: dict) -> list[RolloutDoc
             "only: send n = 1, or return_meta_info: true (each choice's meta_info)"
         )
     choice = choices[0] if isinstance(choices[0], dict) else {}
-    prompt = sglext.get("input_ids") or choice.get("prompt_token_ids")
+    prompt = sglext.get("input_ids", choice.get("prompt_token_ids"))
     outputs = sglext.get("output_ids")
     completion = outputs[0] if isinstance(outputs, list) and outputs else None
-    completion = completion or choice.get("token_ids") or choice.get("response_token_ids")
+    if completion is None:
+        completion = choice.get("token_ids", choice.get("response_token_ids"))
     usage = response.get("usage") if isinstance(response.get("usage"), dict) else {}
+    ids = None
     if isinstance(prompt, list) and isinstance(completion, list):
         counts = {"prompt_tokens": len(prompt), "completion_tokens": len(completion)}
+        ids = prompt + completion
     else:  # one choice: the usage counts are its own
         counts = {k: usage[k] for k in ("prompt_tokens", "completion_tokens") if k in usage}
     meta = {"routed_experts": sglext["routed_experts"], **counts}
-    return [_document(meta, {}, name=f"{name} sglext", **shape)]
+    return [_document(meta, {}, name=f"{name} sglext", token_ids=ids, **shape)]
+
+
+def _choice_ids(choice: dict) -> list | None:
+    """A choice's prompt + completion ids (``return_token_ids``), or None."""
+    prompt = choice.get("prompt_token_ids")
+    completion = choice.get("token_ids", choice.get("response_token_ids"))
+    if isinstance(prompt, list) and isinstance(completion, list):
+        return prompt + completion
+    return None

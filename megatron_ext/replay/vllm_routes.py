@@ -146,7 +146,9 @@ def vllm_response_documents(
                     "(start vLLM with --enable-return-routed-experts)"
                 )
             rows = _join_split(prompt_rows, gen, len(prompt), where)
-            documents.append(RolloutDocument(where, rows, num_tokens))
+            documents.append(
+                RolloutDocument(where, rows, num_tokens, token_ids=prompt + completion)
+            )
             continue
         if payload is None:
             raise ValueError(
@@ -154,7 +156,10 @@ def vllm_response_documents(
                 "an aborted request has none)"
             )
         rows = decode_vllm_routes(payload, f"{where} routed_experts")
-        documents.append(RolloutDocument(where, rows, num_tokens, start=min(start, len(prompt))))
+        start_row = min(start, len(prompt))
+        documents.append(
+            RolloutDocument(where, rows, num_tokens, start=start_row, token_ids=prompt + completion)
+        )
     return documents
 
 

@@ -343,3 +343,28 @@ def test_moe_layer_ids_alone_select_the_moe_rows(tmp_path):
     assert read_header(str(tmp_path / "out.routes.json"))["moe_layer_ids"] == [2, 3, 4]
     with pytest.raises(ValueError, match="--num-experts is required"):
         load_tool().main([*argv, "--overwrite"])
+
+
+def test_records_in_another_order_than_the_tokens_are_refused(tmp_path):
+    """Equal lengths pass every count check; the token ids vLLM returns name the mismatch."""
+    model = Model("mixtral_all_moe", seed=3)
+    lines, tokens = [], []
+    for _ in range(2):
+        prompt, completion = model.tokens(4), model.tokens(3)
+        rows = enc.vllm034_rows(model.buffer(model.routes(7)), 4, model.experts, 0)
+        lines.append(json.dumps(enc.vllm034_response("chat", prompt, [completion], [rows])))
+        tokens.append(np.array(prompt + completion))
+    (tmp_path / "in.jsonl").write_text("".join(line + "\n" for line in lines))
+    (tmp_path / "config.json").write_text(json.dumps(model.config))
+    argv = ["--format", "vllm", "--input", str(tmp_path / "in.jsonl"), "--no-progress"]
+    argv += ["--model-config", str(tmp_path / "config.json"), "--tokens-prefix"]
+    write_documents(str(tmp_path / "swapped"), tokens[::-1], np.int32)
+    with pytest.raises(
+        ValueError, match=r"in.jsonl:1 choice 0: token 0 is \d+ but token document 0"
+    ):
+        load_tool().main([*argv, str(tmp_path / "swapped"), "--output-prefix", str(tmp_path / "o")])
+    write_documents(str(tmp_path / "right"), tokens, np.int32)
+    assert (
+        load_tool().main([*argv, str(tmp_path / "right"), "--output-prefix", str(tmp_path / "o")])
+        == 0
+    )
