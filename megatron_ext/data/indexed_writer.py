@@ -16,7 +16,7 @@ may be replaced is the caller's decision (the tools refuse it unless ``--overwri
 """
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ def write_documents(
     path_prefix: str,
     documents: Iterable[np.ndarray],
     dtype: type[np.number] = np.int32,
-    companions: dict[str, bytes] | None = None,
+    companions: dict[str, bytes | Callable[[], bytes]] | None = None,
 ) -> int:
     """Writes ``documents`` (1-D arrays; 2-D [len, W] are flattened row-major) to
     ``path_prefix.bin`` / ``.idx``.
@@ -40,7 +40,9 @@ def write_documents(
         dtype: Stored dtype (one of Megatron's IndexedDataset dtypes). Values are checked to be
             representable: a value that would wrap or round is refused, never stored.
         companions: ``{extension: content}`` files published before the ``.idx`` (e.g. a route
-            header ``".routes.json"``: the prefix loads only once it is in place).
+            header ``".routes.json"``: the prefix loads only once it is in place). A content may
+            be a function returning the bytes, called once every document is written (a header
+            that counts streamed documents).
 
     Returns:
         The number of documents written.
@@ -130,5 +132,5 @@ def _write_temps(
     builder.finalize(temps[1])
     for tmp, content in zip(temps[2:], (companions or {}).values(), strict=True):
         with open(tmp, "wb") as f:
-            f.write(content)
+            f.write(content() if callable(content) else content)
     return count

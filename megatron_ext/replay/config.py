@@ -120,22 +120,30 @@ class ReplayConfig:
 
     @staticmethod
     def _check_header(route_prefix: str, args: _argparse.Namespace) -> None:
-        """The model a route file was written for (its header: L, K, E) against this run's, now
+        """The model a route file was written for (its header: L, K, E and, when recorded, the
+        decoder layers of its rows) against this run's, now
         rather than at dataset build (after the model and optimizer are built). A file without a
         header is checked at dataset build as before (L x K per token, with a warning)."""
         from megatron_ext.replay.layout import moe_layer_numbers_for_args
-        from megatron_ext.replay.route_file import HEADER_EXTENSION, check_written_for, read_header
+        from megatron_ext.replay.route_file import (
+            HEADER_EXTENSION,
+            check_layer_ids,
+            check_written_for,
+            read_header,
+        )
 
         header_path = route_prefix + HEADER_EXTENSION
         if not _os.path.isfile(header_path):
             return
+        header, moe_layers = read_header(header_path), moe_layer_numbers_for_args(args)
         check_written_for(
-            read_header(header_path),
+            header,
             header_path,
-            num_layers=len(moe_layer_numbers_for_args(args)),
+            num_layers=len(moe_layers),
             topk=getattr(args, "moe_router_topk", None),
             num_experts=getattr(args, "num_experts", None),
         )
+        check_layer_ids(header, header_path, [n - 1 for n in moe_layers])  # 1-based -> 0-based
 
     def _check_record_path(self, args: _argparse.Namespace) -> None:
         from megatron_ext.data.data_args import data_prefixes

@@ -1,22 +1,22 @@
 """Reading rollout route dumps into route buffers (pure numpy, never imports megatron).
 
-Rollout engines return routes in three shapes, all ``[rows, moe_layers, topk]``:
+Rollout engines return routes as ``[rows, layers, topk]`` arrays; the engine-specific readers
+(:mod:`~megatron_ext.replay.vllm_routes`, :mod:`~megatron_ext.replay.sglang_routes`) turn their
+answers into :class:`RolloutDocument` s. This module holds what they share:
 
-- vLLM ``routed_experts`` (as prime-rl forwards it): ``T - 1`` rows for T tokens, uint8 (uint16
-  above 256 experts), either nested lists or ``{"data": <base64 of the raw bytes>, "shape":
-  [...], "dtype": "uint8"}``;
-- Megatron inference ``moe_topk_indices`` (plus ``prompt_moe_topk_indices`` for the prompt):
-  ``T - 1`` rows of int ids, nested lists;
-- a plain array ``[T, L, K]`` per document (``.npy``, or one tensor per document in a
-  ``.safetensors`` file, read by the small reader below).
+- :func:`decode_routed_experts`: nested lists ``[rows][L][K]`` (vLLM 0.21's JSON lists, Megatron
+  inference's ``moe_topk_indices``) or the ``{"data": <base64 of the raw bytes>, "shape": [...],
+  "dtype": "uint8"}`` object one RL framework (prime-rl) wraps vLLM's array in, decoded exactly;
+- :func:`repair_document`: one document's rows -> a validated ``[T, L, K]`` route buffer. Rows
+  before an engine's start offset (vLLM ``routed_experts_prompt_start``, SGLang
+  ``routed_experts_start_len``) and the last token's row (engines route ``T - 1`` tokens) become
+  missing; invalid rows are rejected (made missing) or raise; the missing-route policy is applied;
+  it returns counts of what it fixed.
 
-:func:`repair_document` turns one of those into a validated ``[T, L, K]`` route buffer: T - 1 is
-reconciled (:func:`~megatron_ext.replay.routes.reconcile_t_minus_1`), invalid rows are rejected
-(made missing) or raise, and the missing-route policy is applied; it returns counts of what it
-fixed. Worked example (E = 8, K = 2, T = 3)::
+Worked example (E = 8, K = 2, T = 4, start offset 1)::
 
-    rows [[1 2]] [[4 4]]      -> the duplicate row is rejected, the T-1 row appended:
-    [[1 2]] [-- --] [-- --]      counts: appended 1, rejected 1 (native policy keeps them missing)
+    rows [[1 2]] [[4 4]]            -> offset row and T-1 row missing, the duplicate rejected:
+    [-- --] [[1 2]] [-- --] [-- --]    counts: offset 1, appended 1, rejected 1 (native policy)
 
 Legend: T tokens of a document, L MoE layers, K top-k.
 """
@@ -24,34 +24,44 @@ Legend: T tokens of a document, L MoE layers, K top-k.
 import base64
 import binascii
 import dataclasses
-import json
-import struct
 from typing import Any
 
 import numpy as np
 
-from megatron_ext.data.jsonl_documents import refuse_duplicate_keys
+from megatron_ext.data.jsonl_documents import refuse_duplicate_keys as refuse_duplicate_keys
 from megatron_ext.replay.routes import (
     apply_missing_policy,
     missing_mask,
+    missing_routes,
     missing_value,
     reconcile_t_minus_1,
     route_dtype,
     validate_routes,
 )
+from megatron_ext.replay.safetensors_routes import DTYPES
+from megatron_ext.replay.safetensors_routes import read_safetensors as read_safetensors
+from megatron_ext.replay.safetensors_routes import safetensors_documents as safetensors_documents
+from megatron_ext.replay.safetensors_routes import write_safetensors as write_safetensors
 
-_DTYPES = {
-    "uint8": np.uint8,
-    "uint16": np.uint16,
-    "int16": np.int16,
-    "int32": np.int32,
-    "int64": np.int64,
-    "U8": np.uint8,
-    "U16": np.uint16,
-    "I16": np.int16,
-    "I32": np.int32,
-    "I64": np.int64,
-}
+
+@dataclasses.dataclass
+class RolloutDocument:
+    """One document's routes as an engine returned them, before :func:`repair_document`."""
+
+    name: str
+    """Names the record in errors (``file:line``, plus the choice of a response)."""
+    rows_TLK: np.ndarray
+    """Decoded rows; their layers are the dump's (MoE or decoder layers)."""
+    num_tokens: int | None
+    """T from the record, or None (then ``--tokens-prefix`` must give it)."""
+    start: int = 0
+    """First token the rows cover (the engine's start offset); earlier tokens are missing."""
+    exact: bool = False
+    """The format fixes the rows at ``T - 1 - start`` (a shapeless payload whose row count came
+    from its length): ``T - start`` rows are then refused, not taken as complete."""
+    token_ids: list | None = None
+    """The document's token ids when the record carries them all (prompt and completion):
+    checked against the token data, so documents in another order are caught."""
 
 
 @dataclasses.dataclass
@@ -66,6 +76,14 @@ class RepairCounts:
     """(token, layer) rows with an out-of-range or duplicate id, made missing."""
     filled_rows: int = 0
     """Missing rows filled by the ``balanced`` policy."""
+    offset_rows: int = 0
+    """Tokens before the engine's start offset (no route returned), made missing."""
+    unrouted_rows: int = 0
+    """(token, layer) rows the engine should have routed but did not (before a start offset,
+    rejected, missing in the input), whether then left missing or filled; the last token's rows
+    (appended, never routed by an engine) are not counted."""
+    layer_rows: int = 0
+    """(token, layer) rows in all (tokens x L): the denominator of the fractions."""
 
     def add(self, other: "RepairCounts") -> None:
         for field in dataclasses.fields(self):
@@ -159,12 +177,12 @@ def check_route_array(array: np.ndarray, name: str) -> None:
 
 def _decode_base64(payload: dict, name: str) -> np.ndarray:
     dtype_name = payload.get("dtype", "uint8")
-    if not isinstance(dtype_name, str) or dtype_name not in _DTYPES:
+    if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
         raise ValueError(
             f"{name}: dtype {dtype_name!r} is not an integer route dtype "
-            f"({sorted(k for k in _DTYPES if k.islower())})"
+            f"({sorted(k for k in DTYPES if k.islower())})"
         )
-    dtype = np.dtype(_DTYPES[dtype_name])
+    dtype = np.dtype(DTYPES[dtype_name])
     shape = payload.get("shape")
     if (
         not isinstance(shape, list)
@@ -204,12 +222,14 @@ def repair_document(
     reject_invalid: bool,
     name: str,
     seed: int = 0,
+    start: int = 0,
+    exact: bool = False,
 ) -> tuple[np.ndarray, RepairCounts]:
-    """Makes one document's route buffer: cast, T - 1, invalid rows, missing policy.
+    """Makes one document's route buffer: cast, offset, T - 1, invalid rows, missing policy.
 
     Args:
-        rows_TLK: Decoded rows (``num_tokens`` or ``num_tokens - 1`` of them).
-        num_tokens: T; None takes the rows as complete.
+        rows_TLK: Decoded rows (``num_tokens - start`` or ``num_tokens - 1 - start`` of them).
+        num_tokens: T; None takes the rows (after ``start`` missing ones) as complete.
         num_layers: L.
         topk: K.
         num_experts: E.
@@ -219,12 +239,15 @@ def repair_document(
         name: For error messages (file and request number).
         seed: The document index: ``balanced`` fills differ per document (see
             :func:`~megatron_ext.replay.routes.fill_missing_balanced`).
+        start: The first token the rows cover (:attr:`RolloutDocument.start`).
+        exact: Only ``T - 1 - start`` rows are accepted (:attr:`RolloutDocument.exact`).
 
     Returns:
         ``(routes_TLK, counts)`` with the dtype of :func:`route_dtype`.
 
     Raises:
-        ValueError: Wrong layer count / top-k, a row count that is neither T nor T - 1, or (with
+        ValueError: Wrong layer count / top-k, a row count that is neither T - start nor
+            T - 1 - start (only the latter when ``exact``), or (with
             ``reject_invalid=False``) an invalid row; messages name the document, token, layer.
     """
     dtype = route_dtype(num_experts, topk)
@@ -237,6 +260,13 @@ def repair_document(
         raise ValueError(
             f"{name}: routes have {rows_TLK.shape[1]} MoE layers x top-{rows_TLK.shape[2]}, "
             f"expected {num_layers} MoE layers x top-{topk} (--num-layers, --topk)"
+        )
+    if num_tokens is not None and exact and start + rows_TLK.shape[0] != max(num_tokens - 1, 0):
+        raise ValueError(
+            f"{name}: {rows_TLK.shape[0]} rows of {num_layers} layers x top-{topk} from token "
+            f"{start} on, but T = {num_tokens} tokens need T - 1{f' - {start}' if start else ''} = "
+            f"{max(num_tokens - 1 - start, 0)} (the payload's element type is fixed by the "
+            "format: a payload of another element type or layer count is refused, not guessed)"
         )
     if rows_TLK.dtype == np.uint64 and rows_TLK.size and int(rows_TLK.max()) > 2**63 - 1:
         raise ValueError(f"{name}: expert id {int(rows_TLK.max())} is beyond int64")
@@ -258,112 +288,20 @@ def repair_document(
         counts.rejected_rows = int(bad_TL.sum())
     routes_TLK = np.where(bad_TL[..., None], missing_value(dtype), wide)
     routes_TLK = routes_TLK.astype(dtype)
+    if start:
+        counts.offset_rows = start
+        routes_TLK = np.concatenate([missing_routes(start, num_layers, topk, dtype), routes_TLK])
     if num_tokens is not None:
         counts.appended_rows = num_tokens - routes_TLK.shape[0]
-        routes_TLK = reconcile_t_minus_1(routes_TLK, num_tokens, name=name)
+        where = f"{name} (rows from token {start} on)" if start else name
+        routes_TLK = reconcile_t_minus_1(routes_TLK, num_tokens, name=where)
     counts.tokens = routes_TLK.shape[0]
+    counts.layer_rows = routes_TLK.shape[0] * num_layers
     before = int(missing_mask(routes_TLK).sum())
+    counts.unrouted_rows = before - counts.appended_rows * num_layers  # appended: all missing
     routes_TLK = apply_missing_policy(routes_TLK, policy, num_experts, seed)
     counts.filled_rows = before - int(missing_mask(routes_TLK).sum())
     validate_routes(
         routes_TLK, num_layers=num_layers, num_experts=num_experts, topk=topk, name=name
     )
     return routes_TLK, counts
-
-
-def read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """Reads every tensor of a ``.safetensors`` file (8-byte header size, JSON header, bytes).
-
-    Raises:
-        ValueError: A truncated or corrupt file, naming the file and the tensor's key.
-    """
-    with open(path, "rb") as f:
-        blob = f.read()
-    if len(blob) < 8:
-        raise ValueError(f"{path}: not a safetensors file (only {len(blob)} bytes)")
-    (header_size,) = struct.unpack("<Q", blob[:8])
-    if header_size > len(blob) - 8:
-        raise ValueError(f"{path}: safetensors header of {header_size} bytes exceeds the file")
-    try:
-        header = json.loads(blob[8 : 8 + header_size], object_pairs_hook=refuse_duplicate_keys)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: safetensors header is not valid JSON ({err})") from err
-    except ValueError as err:  # a tensor key twice: one tensor would be lost
-        raise ValueError(f"{path}: safetensors header: {err}") from err
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: safetensors header is not a JSON object")
-    data = blob[8 + header_size :]
-    tensors = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        where = f"{path}: tensor {name!r}"
-        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
-            raise ValueError(f"{where} lacks dtype/shape/data_offsets")
-        if info["dtype"] not in _DTYPES:
-            raise ValueError(f"{where} has unsupported dtype {info['dtype']}")
-        dtype = np.dtype(_DTYPES[info["dtype"]])
-        offsets, shape = info["data_offsets"], info["shape"]
-        ints = [*offsets, *shape] if isinstance(offsets, list) and isinstance(shape, list) else []
-        if len(offsets) != 2 or not ints or any(type(v) is not int or v < 0 for v in ints):
-            raise ValueError(f"{where}: data_offsets/shape must be non-negative integers")
-        start, end = offsets
-        if not start <= end <= len(data) or end - start != int(np.prod(shape)) * dtype.itemsize:
-            raise ValueError(
-                f"{where}: bytes {start}..{end} do not hold shape {shape} of {dtype} in the "
-                f"{len(data)} data bytes (truncated or corrupt file)"
-            )
-        tensors[name] = np.frombuffer(data[start:end], dtype=dtype).reshape(shape)
-    return tensors
-
-
-def safetensors_documents(
-    tensors: dict[str, np.ndarray], path: str
-) -> list[tuple[str, np.ndarray]]:
-    """Orders a safetensors file's per-document tensors by document index.
-
-    Keys must be the document indices ``"0" .. "N-1"``; they are sorted as numbers (a lexical sort
-    would put ``"10"`` before ``"2"`` and misalign every document from the tenth on).
-
-    Args:
-        tensors: :func:`read_safetensors` of ``path``.
-        path: For the error message.
-
-    Returns:
-        ``[(key, routes_TLK), ...]`` in document order.
-
-    Raises:
-        ValueError: A non-numeric key, or keys that are not exactly ``0 .. N-1``.
-    """
-    bad = [key for key in tensors if not (key.isascii() and key.isdigit())]
-    if bad:
-        raise ValueError(
-            f"{path}: safetensors keys must be document indices 0..N-1; got non-numeric key(s) "
-            f"{sorted(bad)[:5]}"
-        )
-    ordered = sorted(tensors, key=int)
-    if [int(key) for key in ordered] != list(range(len(ordered))):
-        gaps = sorted(set(range(len(ordered))) - {int(key) for key in ordered})[:5]
-        raise ValueError(
-            f"{path}: safetensors keys must be document indices 0..{len(ordered) - 1} exactly "
-            f"once (missing {gaps}, or duplicates such as '01' and '1')"
-        )
-    return [(key, tensors[key]) for key in ordered]
-
-
-def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
-    """Writes integer arrays as a ``.safetensors`` file (for tests and round trips)."""
-    codes = {np.dtype(v): k for k, v in _DTYPES.items() if k.isupper()}
-    header, blobs, offset = {}, [], 0
-    for name, array in tensors.items():
-        blob = np.ascontiguousarray(array).tobytes()
-        header[name] = {
-            "dtype": codes[array.dtype],
-            "shape": list(array.shape),
-            "data_offsets": [offset, offset + len(blob)],
-        }
-        blobs.append(blob)
-        offset += len(blob)
-    encoded = json.dumps(header).encode("utf-8")
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)) + encoded + b"".join(blobs))

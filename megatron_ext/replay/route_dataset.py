@@ -32,7 +32,7 @@ Legend: S positions of a pack, T tokens of a document, L MoE layers, K top-k, Q 
 import dataclasses
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -81,6 +81,9 @@ MISSING_ROWS_KEY = "route_missing_rows"
 #: Key of a sample's ``[S, L]`` bool mask of the rows ``balanced`` filled (no recorded route), with
 #: ``RoutedPackedDatasetConfig.route_filled_mask`` (the replay check tells them from recorded rows).
 FILLED_KEY = "route_filled"
+
+#: Headers already warned about for lacking a tokens digest (the dataset is built per split).
+_WARNED_NO_DIGEST: set[str] = set()
 
 
 def has_missing_routes(batch: dict[str, Any]) -> bool | None:
@@ -191,7 +194,7 @@ class RoutedPackedDataset(PackedDataset):
 
 def write_route_sidecar(
     path_prefix: str,
-    routes_per_doc: list[np.ndarray],
+    routes_per_doc: Iterable[np.ndarray],
     *,
     num_layers: int,
     topk: int,
@@ -200,11 +203,18 @@ def write_route_sidecar(
     flag: str = "--route-record-path",
     inputs: tuple[str, ...] = (),
     tokens_prefix: str | None = None,
+    moe_layer_ids: Sequence[int] | None = None,
 ) -> int:
     """Writes route documents ``[T, L, K]`` with the header (L, K, E) beside them, atomically.
 
+    ``routes_per_doc`` may be a generator: documents are written as they come (memory holds
+    one), the header is made from their lengths at the end, and an exception raised by the
+    generator (even after its last document) leaves nothing written.
+
     ``tokens_prefix``: the token data the routes belong to; its content digest goes into the
     header, so the dataset refuses these routes beside other tokens (even of the same lengths).
+    ``moe_layer_ids``: the 0-based decoder layers the L rows belong to, recorded in the header
+    (the training model's MoE layers are checked against them).
 
     Raises:
         ValueError: An existing output without ``overwrite``, an output equal to one of
@@ -213,23 +223,31 @@ def write_route_sidecar(
     dtype = route_dtype(num_experts, topk)
     exts = (".bin", ".idx", HEADER_EXTENSION)
     check_output_prefix(path_prefix, flag=flag, inputs=inputs, overwrite=overwrite, extensions=exts)
-    for d, routes in enumerate(routes_per_doc):
-        if routes.ndim != 3 or routes.shape[1:] != (num_layers, topk) or routes.dtype != dtype:
-            raise ValueError(
-                f"route document {d} is {routes.dtype} {routes.shape}, expected {dtype} "
-                f"[T, {num_layers}, {topk}]"
-            )
-    lengths = np.array([r.shape[0] for r in routes_per_doc], dtype=np.int64)
-    header = header_bytes(
-        num_layers=num_layers,
-        topk=topk,
-        num_experts=num_experts,
-        dtype=dtype,
-        lengths_D=lengths,
-        tokens=None if tokens_prefix is None else tokens_digest(tokens_prefix),
-    )
+    lengths: list[int] = []
+
+    def checked() -> Iterator[np.ndarray]:
+        for d, routes in enumerate(routes_per_doc):
+            if routes.ndim != 3 or routes.shape[1:] != (num_layers, topk) or routes.dtype != dtype:
+                raise ValueError(
+                    f"route document {d} is {routes.dtype} {routes.shape}, expected {dtype} "
+                    f"[T, {num_layers}, {topk}]"
+                )
+            lengths.append(routes.shape[0])
+            yield routes
+
+    def header() -> bytes:
+        return header_bytes(
+            num_layers=num_layers,
+            topk=topk,
+            num_experts=num_experts,
+            dtype=dtype,
+            lengths_D=np.array(lengths, dtype=np.int64),
+            tokens=None if tokens_prefix is None else tokens_digest(tokens_prefix),
+            moe_layer_ids=moe_layer_ids,
+        )
+
     return write_documents(
-        path_prefix, routes_per_doc, dtype=dtype.type, companions={HEADER_EXTENSION: header}
+        path_prefix, checked(), dtype=dtype.type, companions={HEADER_EXTENSION: header}
     )
 
 
@@ -255,6 +273,15 @@ def _check_route_shape(
         )
         if "tokens_digest" in header:
             _check_tokens_digest(header["tokens_digest"], dataset_path, route_prefix, config)
+        elif os.path.realpath(header_path) not in _WARNED_NO_DIGEST:
+            _WARNED_NO_DIGEST.add(os.path.realpath(header_path))  # once per file and launch
+            warnings.warn(
+                f"route file {route_prefix} records no tokens digest (converted without "
+                f"--tokens-prefix): routes left beside rewritten tokens of the same lengths "
+                f"cannot be caught; convert with tools/convert_routes.py --tokens-prefix "
+                f"{dataset_path}",
+                stacklevel=2,
+            )
     else:
         warnings.warn(
             f"route file {route_prefix} has no header {header_path}: the MoE layer count, top-k "

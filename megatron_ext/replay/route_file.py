@@ -12,6 +12,10 @@ header ``P.routes.json`` beside it says what the ids mean::
 ``tokens_digest`` (optional; written when the writer knows the token data: ``RouteRecorder``, and
 ``tools/convert_routes.py --tokens-prefix``) is the content digest of the token ``.idx``/``.bin``
 the routes belong to: routes left beside rewritten tokens of the same lengths are refused.
+``moe_layer_ids`` (optional; written by ``tools/convert_routes.py --moe-layer-ids/--model-config``)
+are the 0-based decoder layers the L rows belong to, e.g. ``[1, 2]`` for a model whose layer 0 is
+dense: a training model whose MoE layers are other ones is refused at argument time
+(:func:`check_layer_ids`).
 
 It is written with the pair by ``tools/convert_routes.py`` and ``RouteRecorder`` and checked when
 the dataset is built (:func:`check_header`): a model whose L, K or E differs is refused, naming the
@@ -22,6 +26,7 @@ Legend: T tokens (rows), L MoE layers, K top-k, E experts.
 """
 
 import json
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -46,6 +51,7 @@ def header_bytes(
     dtype: np.dtype,
     lengths_D: np.ndarray,
     tokens: str | None = None,
+    moe_layer_ids: Sequence[int] | None = None,
 ) -> bytes:
     """The header of a route sidecar whose document d holds ``lengths_D[d]`` tokens.
 
@@ -65,6 +71,9 @@ def header_bytes(
     }
     if tokens is not None:
         header["tokens_digest"] = tokens
+    if moe_layer_ids is not None:
+        assert len(moe_layer_ids) == num_layers, (moe_layer_ids, num_layers)
+        header["moe_layer_ids"] = [int(i) for i in moe_layer_ids]
     return (json.dumps(header, indent=1) + "\n").encode("utf-8")
 
 
@@ -88,7 +97,44 @@ def read_header(path: str) -> dict:
             raise ValueError(f"route header {path}: {key!r} must be a non-negative integer")
     if "tokens_digest" in header and not isinstance(header["tokens_digest"], str):
         raise ValueError(f"route header {path}: 'tokens_digest' must be a string")
+    if "moe_layer_ids" in header:
+        ids = header["moe_layer_ids"]
+        if (
+            not isinstance(ids, list)
+            or any(type(i) is not int or i < 0 for i in ids)
+            or ids != sorted(set(ids))
+            or len(ids) != header["num_layers"]
+        ):
+            raise ValueError(
+                f"route header {path}: 'moe_layer_ids' must be num_layers distinct increasing "
+                "non-negative integers"
+            )
     return header
+
+
+def check_layer_ids(header: dict, path: str, moe_layer_ids: Sequence[int]) -> None:
+    """Refuses a route file whose rows belong to other decoder layers than the model's MoE
+    layers (0-based), when its header records them; the same count of layers is not enough
+    (a model with its dense layers elsewhere replays every layer's routes on another layer)."""
+    written = header.get("moe_layer_ids")
+    if written is not None and list(written) != list(moe_layer_ids):
+        raise ValueError(
+            f"route file {path} holds the routes of decoder layers {_ranges(written)} (0-based), "
+            f"but the model's MoE layers are {_ranges(moe_layer_ids)} (--moe-layer-freq, or the "
+            "E positions of --hybrid-layer-pattern): convert the routes with the model's layer "
+            "map (--moe-layer-ids / --model-config) or fix the model's MoE layers"
+        )
+
+
+def _ranges(ids: Sequence[int]) -> str:
+    """``[3, 4, 5, 7]`` -> ``"3-5,7"`` (messages stay one line for 60-layer models)."""
+    parts: list[str] = []
+    for i in ids:
+        if parts and parts[-1][1] == i - 1:
+            parts[-1][1] = i
+        else:
+            parts.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in parts) or "none"
 
 
 def check_written_for(

@@ -1,15 +1,27 @@
-"""SGLang ``return_routed_experts`` records -> route rows (pure numpy, never imports megatron).
+"""SGLang ``return_routed_experts`` answers -> route documents (pure numpy, never imports megatron).
 
-SGLang (``--enable-return-routed-experts`` on the server, ``"return_routed_experts": true`` on a
-``/generate`` request; what slime and miles replay from) returns the top-k of every token it fed
-forward as ``meta_info.routed_experts``: base64 of the raw bytes of an int32 array ``[T - 1, L, K]``
-(C order), with ``T = meta_info.prompt_tokens + meta_info.completion_tokens``; the last generated
-token was never fed forward, so it has no row. The base64 carries no shape: ``L`` and ``K`` come
-from the caller (``--num-layers``, ``--topk``) and ``T`` from the record. Some dumps keep the value
-as nested lists ``[T - 1][L][K]`` instead. A record is a response as ``/generate`` returns it, or a
-training sample that carries its ``tokens`` (or ``token_ids``) beside ``meta_info``; in a multi-turn
-rollout each turn's value covers the whole sequence so far, so the last turn's record is the one to
-keep. Worked example (L = 1, K = 2)::
+Read from SGLang 0.5.23's released source (``--enable-return-routed-experts`` on the server,
+``"return_routed_experts": true`` on the request; what slime and miles replay from):
+
+- ``/generate``: ``meta_info.routed_experts`` is base64 of the raw bytes of an int32 array
+  (``managers/tokenizer_manager.py``: ``pybase64.b64encode(val.numpy().tobytes())``;
+  ``state_capturer/routed_experts.py``'s ``extract_routed_experts_from_meta_info`` decodes it with
+  ``dtype=np.int32``) of shape ``[T - 1 - start, N, K]`` (``state_capturer/base.py`` ``get_topk``:
+  rows ``[start_len, seqlen - 1)``, ``start_len = min(routed_experts_start_len, seqlen - 1)``;
+  ``N = num_hidden_layers``, every decoder layer, dense ones zero), ``T = meta_info.prompt_tokens +
+  meta_info.completion_tokens``. The base64 carries no shape or dtype: the element type is int32
+  by the format, N and K come from the caller, the row count must then be exactly ``T - 1 -
+  start`` (never taken from the byte count). A batched ``/generate`` answer is a JSON list of
+  such responses. Some dumps keep the value as nested lists instead.
+- OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions``
+  (``entrypoints/openai/serving_{chat,completions}.py``, ``protocol.py`` ``SglExt``): the same
+  base64 in the response's ``sglext.routed_experts``, for the *first* choice only; with the
+  request's ``return_meta_info`` (chat) every choice carries its own ``meta_info``.
+
+A record is a response, or a training sample that carries its ``tokens`` (or ``token_ids``)
+beside ``meta_info``; in a multi-turn rollout each turn's value covers the whole sequence so far
+(unless ``routed_experts_start_len`` was set), so the last turn's record is the one to keep.
+Worked example (N = 1, K = 2)::
 
     {"meta_info": {"prompt_tokens": 2, "completion_tokens": 1,
                    "routed_experts": base64(int32 [[[1, 4]], [[0, 2]]])}}
@@ -24,10 +36,12 @@ from typing import Any
 
 import numpy as np
 
-from megatron_ext.replay.rollout_routes import decode_routed_experts
+from megatron_ext.replay.rollout_routes import RolloutDocument, decode_routed_experts
 
 #: SGLang's dtype for routed expert ids (its capturer's int32 buffers), little-endian on the wire.
 SGLANG_DTYPE = np.dtype("<i4")
+#: Request parameter whose value a record may carry beside the response.
+START_KEY = "routed_experts_start_len"
 
 
 def _count(meta: dict, key: str, name: str) -> int:
@@ -77,16 +91,15 @@ def sglang_num_tokens(record: dict, name: str) -> int | None:
 
 
 def decode_sglang_base64(
-    data: str, num_tokens: int | None, *, num_layers: int, topk: int, name: str
+    data: str, num_tokens: int | None, *, num_layers: int, topk: int, name: str, start: int = 0
 ) -> np.ndarray:
-    """SGLang's base64 int32 payload -> ``[rows, L, K]`` int32 rows, exactly.
+    """SGLang's base64 int32 payload -> ``[rows, N, K]`` int32 rows, exactly.
 
-    Rows are ``T - 1`` (what SGLang sends) or ``T``; with ``num_tokens`` None, the byte count
-    alone decides (it must be whole rows of ``L * K`` ids).
+    The ids must be whole rows of ``N * K``; with T known, exactly ``T - 1 - start`` of them.
 
     Raises:
         ValueError: Invalid base64, a byte count that is not whole int32 ids, or an id count
-            that is not ``T - 1`` (or ``T``) rows of ``[L, K]``; the message says what it holds.
+            that is not those rows of ``[N, K]``; the message says what it holds.
     """
     try:
         raw = base64.b64decode(data, validate=True)
@@ -97,59 +110,137 @@ def decode_sglang_base64(
     ids = np.frombuffer(raw, dtype=SGLANG_DTYPE)
     per_row = num_layers * topk
     rows, extra = divmod(ids.size, per_row)
-    if extra or (num_tokens is not None and rows not in (max(num_tokens - 1, 0), num_tokens)):
-        want = "whole rows" if num_tokens is None else f"T - 1 = {max(num_tokens - 1, 0)} rows"
+    want_rows = None if num_tokens is None else max(num_tokens - 1 - start, 0)
+    if extra or (want_rows is not None and rows != want_rows):
+        minus = f" - {start}" if start else ""  # the start offset, when there is one
+        want = "whole rows" if want_rows is None else f"T - 1{minus} = {want_rows} rows"
         hint = ""
-        if num_tokens and num_tokens > 1 and ids.size % ((num_tokens - 1) * topk) == 0:
-            layers = ids.size // ((num_tokens - 1) * topk)
+        if want_rows and ids.size % (want_rows * topk) == 0:
+            layers = ids.size // (want_rows * topk)
             hint = (
-                f"; that is {layers} layers x top-{topk} per row (SGLang records every hidden "
-                "layer it routes: --num-layers must be the model's MoE layer count)"
+                f"; that is {layers} layers x top-{topk} per row (SGLang records every decoder "
+                "layer: give --moe-layer-ids or --model-config for a model with dense layers)"
             )
         raise ValueError(
-            f"{name}: {ids.size} int32 ids are not {want} of {num_layers} MoE layers x "
-            f"top-{topk} (--num-layers, --topk){hint}"
+            f"{name}: {ids.size} int32 ids are not {want} of {num_layers} layers x top-{topk}{hint}"
         )
     return ids.reshape(rows, num_layers, topk)
 
 
-def decode_sglang_record(
-    record: Any, *, num_layers: int, topk: int, name: str
-) -> tuple[np.ndarray, int | None]:
-    """One SGLang response or sample -> ``(rows_TLK, T or None)`` for ``repair_document``.
+def _start_len(record: dict, default: int, name: str) -> int:
+    value = record.get(START_KEY, default)
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{name}: {START_KEY} must be a non-negative integer, got {value!r}")
+    return value
 
-    Args:
-        record: A parsed JSONL line: ``{"meta_info": {"routed_experts": ..., "prompt_tokens":
-            P, "completion_tokens": C, ...}, ...}``, optionally with ``tokens``/``token_ids``.
-        num_layers: L (the base64 form has no shape).
-        topk: K.
-        name: Names the record in errors (``file:line``).
 
-    Raises:
-        ValueError: A record without ``meta_info.routed_experts`` (or with it null), or any
-            error of :func:`sglang_num_tokens`, :func:`decode_sglang_base64` or
-            :func:`~megatron_ext.replay.rollout_routes.decode_routed_experts`.
-    """
-    if isinstance(record, list):
-        raise ValueError(
-            f"{name}: a JSON list (a batched /generate answer?); write one response per line"
-        )
-    meta = record.get("meta_info") if isinstance(record, dict) else None
-    if not isinstance(meta, dict) or "routed_experts" not in meta:
-        raise ValueError(
-            f"{name}: a --format sglang record needs meta_info.routed_experts (an SGLang "
-            "/generate response, or a sample with tokens beside meta_info)"
-        )
-    num_tokens = sglang_num_tokens(record, name)
+def _document(
+    meta: dict,
+    record: dict,
+    *,
+    num_layers: int,
+    topk: int,
+    name: str,
+    start_len: int,
+    token_ids: list | None = None,
+) -> RolloutDocument:
+    """One ``meta_info`` (and the sample fields beside it) -> a document; ``token_ids``: the
+    document's ids from an OpenAI-compatible answer (prompt and completion)."""
+    num_tokens = sglang_num_tokens({**record, "meta_info": meta}, name)
     payload, where = meta["routed_experts"], f"{name} meta_info.routed_experts"
     if payload is None:
         raise ValueError(
             f"{where} is null: start the server with --enable-return-routed-experts and send "
             "return_routed_experts with the request"
         )
+    start = start_len if num_tokens is None else min(start_len, max(num_tokens - 1, 0))
+    ids = next((record[k] for k in ("tokens", "token_ids") if k in record), token_ids)
     if isinstance(payload, str):
-        return (
-            decode_sglang_base64(payload, num_tokens, num_layers=num_layers, topk=topk, name=where),
-            num_tokens,
+        rows = decode_sglang_base64(
+            payload, num_tokens, num_layers=num_layers, topk=topk, name=where, start=start
         )
-    return decode_routed_experts(payload, where), num_tokens
+        return RolloutDocument(name, rows, num_tokens, start=start, exact=True, token_ids=ids)
+    rows = decode_routed_experts(payload, where)
+    return RolloutDocument(name, rows, num_tokens, start=start, token_ids=ids)
+
+
+def decode_sglang_record(
+    record: Any, *, num_layers: int, topk: int, name: str, start_len: int = 0
+) -> list[RolloutDocument]:
+    """One SGLang answer or sample -> its documents for ``repair_document``.
+
+    Args:
+        record: A parsed JSONL line: a ``/generate`` response ``{"meta_info": {"routed_experts":
+            ..., "prompt_tokens": P, "completion_tokens": C, ...}, ...}`` (or a sample with
+            ``tokens``/``token_ids`` beside it), or an OpenAI-compatible response.
+        num_layers: N, the layers per row of the payload (the base64 form has no shape).
+        topk: K.
+        name: Names the record in errors (``file:line``).
+        start_len: The requests' ``routed_experts_start_len`` (``--routed-experts-start``); a
+            ``routed_experts_start_len`` key in the record overrides it.
+
+    Raises:
+        ValueError: A record without routes (or with them null), or any error of
+            :func:`sglang_num_tokens`, :func:`decode_sglang_base64` or
+            :func:`~megatron_ext.replay.rollout_routes.decode_routed_experts`.
+    """
+    if not isinstance(record, dict):
+        raise ValueError(f"{name}: expected a JSON object, got {type(record).__name__}")
+    start_len = _start_len(record, start_len, name)
+    shape = {"num_layers": num_layers, "topk": topk, "start_len": start_len}
+    if isinstance(record.get("meta_info"), dict) and "routed_experts" in record["meta_info"]:
+        return [_document(record["meta_info"], record, name=name, **shape)]
+    if isinstance(record.get("choices"), list):
+        return _openai_documents(record, name, shape)
+    raise ValueError(
+        f"{name}: a --format sglang record needs meta_info.routed_experts (an SGLang /generate "
+        "response, or a sample with tokens beside meta_info) or sglext.routed_experts (an "
+        "OpenAI-compatible response)"
+    )
+
+
+def _openai_documents(response: dict, name: str, shape: dict) -> list[RolloutDocument]:
+    """An OpenAI-compatible response: each choice's ``meta_info`` (``return_meta_info``), or
+    ``sglext.routed_experts`` with the first choice's tokens."""
+    choices = response["choices"]
+    metas = [c.get("meta_info") if isinstance(c, dict) else None for c in choices]
+    if metas and all(isinstance(m, dict) and "routed_experts" in m for m in metas):
+        return [
+            _document(meta, {}, name=f"{name} choice {i}", token_ids=_choice_ids(c), **shape)
+            for i, (meta, c) in enumerate(zip(metas, choices, strict=True))
+        ]
+    sglext = response.get("sglext")
+    if not isinstance(sglext, dict) or "routed_experts" not in sglext:
+        raise ValueError(
+            f"{name}: an OpenAI-compatible response without sglext.routed_experts (send "
+            "return_routed_experts: true; the server needs --enable-return-routed-experts)"
+        )
+    if len(choices) != 1:
+        raise ValueError(
+            f"{name}: sglext.routed_experts holds the first of {len(choices)} choices' routes "
+            "only: send n = 1, or return_meta_info: true (each choice's meta_info)"
+        )
+    choice = choices[0] if isinstance(choices[0], dict) else {}
+    prompt = sglext.get("input_ids", choice.get("prompt_token_ids"))
+    outputs = sglext.get("output_ids")
+    completion = outputs[0] if isinstance(outputs, list) and outputs else None
+    if completion is None:
+        completion = choice.get("token_ids", choice.get("response_token_ids"))
+    usage = response.get("usage") if isinstance(response.get("usage"), dict) else {}
+    ids = None
+    if isinstance(prompt, list) and isinstance(completion, list):
+        counts = {"prompt_tokens": len(prompt), "completion_tokens": len(completion)}
+        ids = prompt + completion
+    else:  # one choice: the usage counts are its own
+        counts = {k: usage[k] for k in ("prompt_tokens", "completion_tokens") if k in usage}
+    meta = {"routed_experts": sglext["routed_experts"], **counts}
+    return [_document(meta, {}, name=f"{name} sglext", token_ids=ids, **shape)]
+
+
+def _choice_ids(choice: dict) -> list | None:
+    """A choice's prompt + completion ids (``return_token_ids``), or None."""
+    prompt = choice.get("prompt_token_ids")
+    completion = choice.get("token_ids", choice.get("response_token_ids"))
+    if isinstance(prompt, list) and isinstance(completion, list):
+        return prompt + completion
+    return None

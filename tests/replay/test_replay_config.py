@@ -78,3 +78,53 @@ def test_route_replay_max_missing_parses_as_a_fraction(monkeypatch) -> None:
             )
     with pytest.warns(UserWarning, match="--route-replay-max-missing has no effect without"):
         ReplayConfig(route_replay_max_missing=0.5)
+
+
+def _route_file_for_layers(prefix: str, moe_layer_ids: list[int]) -> None:
+    from megatron_ext.replay.route_dataset import write_route_sidecar
+
+    routes = np.tile(np.array([0, 1], dtype=np.uint8), (4, len(moe_layer_ids), 1))
+    write_route_sidecar(
+        prefix + "_routes",
+        [routes],
+        num_layers=len(moe_layer_ids),
+        topk=2,
+        num_experts=8,
+        moe_layer_ids=moe_layer_ids,
+        overwrite=True,
+    )
+
+
+@pytest.mark.parametrize(
+    "freq, match",
+    [
+        ("[0,1,1]", None),  # decoder layers 1 and 2 (0-based) are the model's MoE layers
+        ("[1,0,1]", r"decoder layers 1-2 \(0-based\), but the model's MoE layers are 0,2"),
+        ("[0,0,1]", r"written for 2 MoE layers x top-2 .* the model has 1 MoE layers"),
+    ],
+)
+def test_route_file_layers_checked_against_moe_layer_freq(monkeypatch, prefix, freq, match):
+    """A sidecar converted from a per-decoder-layer dump records which decoder layers its rows
+    belong to; a model with the same number of MoE layers elsewhere is refused at argument time."""
+    _route_file_for_layers(prefix, [1, 2])
+    argv = ["--data-path", prefix, "--pack-documents", "--route-replay-mode", "replay"]
+    argv += ["--route-data-suffix", "_routes", "--num-layers", "3", "--moe-layer-freq", freq]
+    argv += ["--hidden-size", "8", "--num-attention-heads", "2"]
+    if match is None:
+        assert configs(argv, monkeypatch).route_replay_mode == "replay"
+    else:
+        with pytest.raises(ValueError, match=match):
+            configs(argv, monkeypatch)
+
+
+def test_route_file_layers_checked_against_hybrid_pattern(prefix):
+    """A HybridModel's MoE layers are the E positions of --hybrid-layer-pattern (1-based layer
+    numbers there, 0-based decoder layers in the header)."""
+    from types import SimpleNamespace
+
+    _route_file_for_layers(prefix, [1, 3])
+    args = SimpleNamespace(hybrid_layer_pattern="*E*E", moe_router_topk=2, num_experts=8)
+    ReplayConfig._check_header(prefix + "_routes", args)  # E at positions 2 and 4: layers 1, 3
+    args.hybrid_layer_pattern = "EE**"
+    with pytest.raises(ValueError, match=r"decoder layers 1,3 .* MoE layers are 0-1 \(--moe-layer"):
+        ReplayConfig._check_header(prefix + "_routes", args)

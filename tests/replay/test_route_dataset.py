@@ -297,3 +297,35 @@ def test_routes_beside_rewritten_tokens_of_the_same_lengths_are_refused(
     with pytest.raises(ValueError, match="written for other token data than .*t "):
         build(config, size=5)
     assert len(reads) == 1
+
+
+def test_route_file_without_tokens_digest_warns_once_naming_it(corpus, tmp_path, monkeypatch):
+    """Routes converted without --tokens-prefix cannot be tied to their tokens: one warning per
+    file and launch (the dataset is built once per split and per build), none with a digest."""
+    import warnings
+
+    from megatron_ext.replay import route_dataset
+
+    monkeypatch.setattr(route_dataset, "_WARNED_NO_DIGEST", set())  # a fresh launch
+    prefix = str(tmp_path / "nd")
+    rng = np.random.default_rng(9)
+    docs = [rng.integers(1, 100, size=int(n)) for n in rng.integers(2, 45, size=10)]
+    write_documents(prefix, docs)
+    write_routes(prefix + "_routes", [doc_routes(d) for d in docs])  # no tokens_prefix
+    config = make_config(corpus, blend=([prefix], None), path_to_cache=str(tmp_path / "c"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build(config, size=5)
+        build(config, size=5)
+    digest = [w for w in caught if "records no tokens digest" in str(w.message)]
+    assert len(digest) == 1 and f"{prefix}_routes " in str(digest[0].message)
+    assert "--tokens-prefix" in str(digest[0].message)
+    write_route_sidecar(
+        prefix + "_routes", [doc_routes(d) for d in docs], num_layers=LAYERS, topk=TOPK,
+        num_experts=EXPERTS, tokens_prefix=prefix, overwrite=True,
+    )  # fmt: skip
+    monkeypatch.setattr(route_dataset, "_WARNED_NO_DIGEST", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build(config, size=5)
+    assert not [w for w in caught if "records no tokens digest" in str(w.message)]

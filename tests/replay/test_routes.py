@@ -38,7 +38,9 @@ def _routes(num_tokens: int, num_layers: int, topk: int, num_experts: int, seed:
 def test_pure_module_never_imports_megatron():
     code = (
         "import sys, megatron_ext.replay.routes, megatron_ext.replay.layout, "
-        "megatron_ext.replay.rollout_routes, megatron_ext.replay.unsupported; "
+        "megatron_ext.replay.rollout_routes, megatron_ext.replay.unsupported, "
+        "megatron_ext.replay.moe_layer_map, megatron_ext.replay.vllm_routes, "
+        "megatron_ext.replay.route_records, megatron_ext.replay.safetensors_routes; "
         "bad = [m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')]; "
         "assert not bad, bad"
     )

@@ -151,12 +151,12 @@ def test_bad_jsonl_records_name_file_and_line(tmp_path):
     for fmt, second, match in (
         ("vllm", '{"routes": []}', "needs a 'routed_experts' key"),
         ("vllm", '{"routed_experts": [', "not valid JSON"),
-        ("vllm", "[1, 2]", "needs a 'routed_experts' key"),
+        ("vllm", "[1, 2]", "expected a JSON object, got int"),  # a list: one record per element
         ("megatron", '{"num_tokens": 3}', "needs a 'prompt_moe_topk_indices' or 'moe_topk"),
     ):
         path = tmp_path / "r.jsonl"
         path.write_text(good[fmt] + "\n\n" + second + "\n")  # a blank line still counts as line 2
-        with pytest.raises(ValueError, match=f"r.jsonl:3: .*{match}"):
+        with pytest.raises(ValueError, match=rf"r.jsonl:3(\[0\])?: .*{match}"):
             run(tmp_path, [path], fmt)
 
 
@@ -167,7 +167,20 @@ def test_invalid_rows_fail_or_are_rejected_and_counted(tmp_path, capsys):
     np.save(tmp_path / "bad.npy", bad)
     with pytest.raises(ValueError, match="bad.npy: token 2, MoE layer 1"):
         run(tmp_path, [tmp_path / "bad.npy"], "npy")
-    docs, _ = run(tmp_path, [tmp_path / "bad.npy"], "npy", "--reject-invalid-rows")
+    # 2 of 12 rows rejected: refused under the default limit, nothing written; converted above it.
+    with pytest.raises(ValueError, match=r"2 of 12 \(token, layer\) rows \(16.67%\) .* rejected"):
+        run(tmp_path, [tmp_path / "bad.npy"], "npy", "--reject-invalid-rows")
+    assert not list(tmp_path.glob("routes*"))
+    docs, _ = run(
+        tmp_path,
+        [tmp_path / "bad.npy"],
+        "npy",
+        "--reject-invalid-rows",
+        "--max-rejected-fraction",
+        "0.17",
+        "--max-missing-fraction",
+        "0.17",  # rejected rows are missing too
+    )
     assert missing_mask(docs[0]).sum() == 2 and missing_mask(docs[0])[2, 1]
     assert "rejected: 2 invalid rows" in capsys.readouterr().out
 
@@ -176,7 +189,7 @@ def test_length_mismatches_and_missing_input_are_refused(tmp_path):
     write_documents(str(tmp_path / "tokens"), [np.arange(5)])
     rec = {"routed_experts": random_routes(3, seed=0).tolist(), "num_tokens": 4}
     path = write_jsonl(tmp_path / "x.jsonl", [rec])
-    with pytest.raises(ValueError, match="num_tokens 4 but token document 0 has 5"):
+    with pytest.raises(ValueError, match="4 tokens but token document 0 has 5"):
         run(tmp_path, [path], "vllm", "--tokens-prefix", str(tmp_path / "tokens"))
     with pytest.raises(ValueError, match="3 route rows for 5 tokens"):
         rec["num_tokens"] = 5

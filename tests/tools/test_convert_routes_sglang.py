@@ -91,7 +91,8 @@ def test_negative_int32_ids_fail_or_are_rejected_and_counted(tmp_path, capsys):
     src = write_jsonl(tmp_path / "n.jsonl", [response(np.concatenate([rows, full[-1:]]), 2)])
     with pytest.raises(ValueError, match=r"n\.jsonl:1: token 1, MoE layer 2 has experts \[-1, 3\]"):
         run(tmp_path, [src], "sglang")
-    docs, _ = run(tmp_path, [src], "sglang", "--reject-invalid-rows")
+    limits = ["--max-rejected-fraction", "0.1", "--max-missing-fraction", "0.1"]  # 1 of 12 rows
+    docs, _ = run(tmp_path, [src], "sglang", "--reject-invalid-rows", *limits)
     assert missing_mask(docs[0])[1, 2] and missing_mask(docs[0]).sum() == 1 + L
     assert "rejected: 1 invalid rows" in capsys.readouterr().out
 
@@ -109,8 +110,14 @@ def _with_meta(**changes) -> str:
 BAD_SGLANG = [
     ("no meta_info", json.dumps({"text": "x"}), [], "needs meta_info.routed_experts"),
     ("no routed_experts", _with_meta(routed_experts=...), [], "needs meta_info.routed_experts"),
+    (
+        "T rows, not T - 1",  # a shapeless payload's rows are the format's, never the byte count's
+        _with_meta(routed_experts=b64_int32(np.zeros((3, L, K)))),
+        [],
+        rf"{3 * L * K} int32 ids are not T - 1 = 2 rows",
+    ),
     ("null routed_experts", _with_meta(routed_experts=None), [], "--enable-return-routed-experts"),
-    ("batched answer", json.dumps([GOOD, GOOD]), [], "one response per line"),
+    ("batched answer, bad element", json.dumps([GOOD, {"text": "x"}]), [], r"2\[1\]: a --format"),
     ("bad base64", _with_meta(routed_experts="@@@"), [], "routed_experts: not valid base64"),
     (
         "odd byte count",
@@ -122,7 +129,7 @@ BAD_SGLANG = [
         "every hidden layer",
         _with_meta(routed_experts=b64_int32(np.zeros((2, L + 1, K)))),
         [],
-        rf"are not T - 1 = 2 rows of {L} MoE layers x top-{K} .*that is {L + 1} layers",
+        rf"are not T - 1 = 2 rows of {L} layers x top-{K}; that is {L + 1} layers",
     ),
     (
         "one count only",
@@ -151,10 +158,16 @@ BAD_SGLANG = [
         "non-integer values such as 0.5",
     ),
     (
+        "T rows, T from --tokens-prefix",  # no counts in the record: still exactly T - 1 rows
+        json.dumps({"meta_info": {"routed_experts": b64_int32(np.zeros((4, L, K)))}}),
+        ["--tokens-prefix", "{tmp}/tokens"],
+        r"4 rows of 3 layers x top-2 from token 0 on, but T = 4 tokens need T - 1 = 3",
+    ),
+    (
         "T vs --tokens-prefix",
         _with_meta(),
         ["--tokens-prefix", "{tmp}/tokens"],
-        "num_tokens 3 but token document 1 has 4 tokens",
+        "3 tokens but token document 1 has 4 tokens",
     ),
 ]
 

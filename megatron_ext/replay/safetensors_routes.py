@@ -1,0 +1,141 @@
+"""Route documents in a ``.safetensors`` file: one tensor ``[T, L, K]`` per document, keyed
+``"0" .. "N-1"`` (pure numpy, never imports megatron).
+
+The file is an 8-byte little-endian header size, a JSON header ``{key: {"dtype", "shape",
+"data_offsets"}}`` and the tensors' bytes (the format of huggingface/safetensors). Tensors are
+memory-mapped, not read: converting a file larger than memory holds one document at a time.
+Example::
+
+    write_safetensors("r.safetensors", {"0": routes_a, "1": routes_b})
+    [key for key, _ in safetensors_documents(read_safetensors("r.safetensors"), "r.safetensors")]
+    # -> ["0", "1"]
+
+Legend: T tokens of a document, L MoE layers, K top-k.
+"""
+
+import json
+import os
+import struct
+
+import numpy as np
+
+from megatron_ext.data.jsonl_documents import refuse_duplicate_keys
+
+#: Integer dtypes a route payload may have, by the names JSON payloads and safetensors use.
+DTYPES = {
+    "uint8": np.uint8,
+    "uint16": np.uint16,
+    "int16": np.int16,
+    "int32": np.int32,
+    "int64": np.int64,
+    "U8": np.uint8,
+    "U16": np.uint16,
+    "I16": np.int16,
+    "I32": np.int32,
+    "I64": np.int64,
+}
+
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """Maps every tensor of a ``.safetensors`` file (8-byte header size, JSON header, bytes).
+
+    Raises:
+        ValueError: A truncated or corrupt file, naming the file and the tensor's key.
+    """
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: not a safetensors file (only {len(head)} bytes)")
+        (header_size,) = struct.unpack("<Q", head)
+        if header_size > size - 8:
+            raise ValueError(f"{path}: safetensors header of {header_size} bytes exceeds the file")
+        header_text = f.read(header_size)
+    try:
+        header = json.loads(header_text, object_pairs_hook=refuse_duplicate_keys)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: safetensors header is not valid JSON ({err})") from err
+    except ValueError as err:  # a tensor key twice: one tensor would be lost
+        raise ValueError(f"{path}: safetensors header: {err}") from err
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: safetensors header is not a JSON object")
+    data_bytes = size - 8 - header_size
+    data = (
+        np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_size)
+        if data_bytes
+        else np.zeros(0, dtype=np.uint8)
+    )
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+            raise ValueError(f"{where} lacks dtype/shape/data_offsets")
+        if info["dtype"] not in DTYPES:
+            raise ValueError(f"{where} has unsupported dtype {info['dtype']}")
+        dtype = np.dtype(DTYPES[info["dtype"]])
+        offsets, shape = info["data_offsets"], info["shape"]
+        ints = [*offsets, *shape] if isinstance(offsets, list) and isinstance(shape, list) else []
+        if len(offsets) != 2 or not ints or any(type(v) is not int or v < 0 for v in ints):
+            raise ValueError(f"{where}: data_offsets/shape must be non-negative integers")
+        start, end = offsets
+        if not start <= end <= data_bytes or end - start != int(np.prod(shape)) * dtype.itemsize:
+            raise ValueError(
+                f"{where}: bytes {start}..{end} do not hold shape {shape} of {dtype} in the "
+                f"{data_bytes} data bytes (truncated or corrupt file)"
+            )
+        tensors[name] = data[start:end].view(dtype).reshape(shape)  # mapped, not read
+    return tensors
+
+
+def safetensors_documents(
+    tensors: dict[str, np.ndarray], path: str
+) -> list[tuple[str, np.ndarray]]:
+    """Orders a safetensors file's per-document tensors by document index.
+
+    Keys must be the document indices ``"0" .. "N-1"``; they are sorted as numbers (a lexical sort
+    would put ``"10"`` before ``"2"`` and misalign every document from the tenth on).
+
+    Args:
+        tensors: :func:`read_safetensors` of ``path``.
+        path: For the error message.
+
+    Returns:
+        ``[(key, routes_TLK), ...]`` in document order.
+
+    Raises:
+        ValueError: A non-numeric key, or keys that are not exactly ``0 .. N-1``.
+    """
+    bad = [key for key in tensors if not (key.isascii() and key.isdigit())]
+    if bad:
+        raise ValueError(
+            f"{path}: safetensors keys must be document indices 0..N-1; got non-numeric key(s) "
+            f"{sorted(bad)[:5]}"
+        )
+    ordered = sorted(tensors, key=int)
+    if [int(key) for key in ordered] != list(range(len(ordered))):
+        gaps = sorted(set(range(len(ordered))) - {int(key) for key in ordered})[:5]
+        raise ValueError(
+            f"{path}: safetensors keys must be document indices 0..{len(ordered) - 1} exactly "
+            f"once (missing {gaps}, or duplicates such as '01' and '1')"
+        )
+    return [(key, tensors[key]) for key in ordered]
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
+    """Writes integer arrays as a ``.safetensors`` file (for tests and round trips)."""
+    codes = {np.dtype(v): k for k, v in DTYPES.items() if k.isupper()}
+    header, blobs, offset = {}, [], 0
+    for name, array in tensors.items():
+        blob = np.ascontiguousarray(array).tobytes()
+        header[name] = {
+            "dtype": codes[array.dtype],
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + len(blob)],
+        }
+        blobs.append(blob)
+        offset += len(blob)
+    encoded = json.dumps(header).encode("utf-8")
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)) + encoded + b"".join(blobs))

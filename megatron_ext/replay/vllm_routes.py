@@ -1,0 +1,185 @@
+"""vLLM's routed experts as its OpenAI-compatible server returns them -> route documents (pure
+numpy, never imports megatron).
+
+Read from vLLM's released source (``--enable-return-routed-experts`` on the server):
+
+- **vLLM 0.34** (``entrypoints/openai/{completion,chat_completion}/serving.py``): each choice's
+  ``routed_experts`` is ``numpy2base64(output.routed_experts)``; ``utils/serial_utils.py``
+  ``numpy2base64`` is ``np.save(buffer, array, allow_pickle=False)`` and base64 of the whole
+  buffer, i.e. a complete ``.npy`` file (magic, header with dtype and shape, data), decoded as
+  ``np.load(io.BytesIO(base64.b64decode(s)))`` (the protocol's comment). The array is
+  ``[T - 1 - start, N, K]``: one row per *decoder* layer (``routed_experts_capturer.py``:
+  ``get_total_num_hidden_layers()``; dense layers' rows stay zero), uint8 for up to 256 experts
+  else uint16 (``output_dtype_name``), and ``start = min(routed_experts_prompt_start, P)``
+  (``distributed/aux_output_connector/connector.py``; the request parameter skips prompt rows).
+  The dtype and shape come from the ``.npy`` header, never from the byte count.
+- **vLLM 0.21** (``v1/engine/output_processor.py`` ``split_routed_experts``): the response's
+  ``prompt_routed_experts`` ``[P, L, K]`` (shared by the ``n`` choices) and each choice's
+  ``routed_experts`` ``[C - 1, L, K]`` (C with MTP), nested JSON lists (``.tolist()`` of int16),
+  L the MoE layers only (``_count_moe_layers``).
+
+Tokens: a chat response carries ``prompt_token_ids`` at response level, a completion response
+on each choice; each choice's ``token_ids`` is its completion only (both need the request's
+``return_token_ids: true``). Each choice is one document, in choice order: ``T = P + C``.
+Worked example (0.34, N = 2 decoder layers, K = 1, P = 2, C = 2)::
+
+    {"prompt_token_ids": [5, 6], "choices": [{"token_ids": [7, 8],
+     "routed_experts": b64(np.save([[[0], [3]], [[0], [1]], [[0], [2]]]))}]}
+    -> one document, T = 4, rows for tokens 0..2 (the last token was never fed forward)
+
+Legend: T tokens of a document, P prompt tokens, C completion tokens, N decoder layers, L MoE
+layers, K top-k.
+"""
+
+import base64
+import binascii
+import io
+from typing import Any
+
+import numpy as np
+
+from megatron_ext.replay.rollout_routes import (
+    RolloutDocument,
+    check_route_array,
+    decode_routed_experts,
+)
+
+#: Request parameter (vLLM >= 0.34) whose value a record may carry beside the response.
+PROMPT_START_KEY = "routed_experts_prompt_start"
+
+
+def decode_npy_base64(text: str, name: str) -> np.ndarray:
+    """vLLM 0.34's ``numpy2base64`` string -> the array, dtype and shape from its ``.npy`` header.
+
+    Raises:
+        ValueError: Bad base64, not a ``.npy`` file, or not a 3-D integer array; names ``name``.
+    """
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise ValueError(f"{name}: not valid base64 ({err})") from err
+    if not raw.startswith(b"\x93NUMPY"):
+        raise ValueError(
+            f"{name}: the base64 does not hold a .npy file (vLLM >= 0.34 sends np.save bytes; "
+            "SGLang's raw int32 bytes are --format sglang)"
+        )
+    try:
+        array = np.load(io.BytesIO(raw), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as err:
+        raise ValueError(f"{name}: not a readable .npy payload ({err})") from err
+    check_route_array(array, name)
+    return array
+
+
+def decode_vllm_routes(payload: Any, name: str, may_hold_booleans: bool = True) -> np.ndarray:
+    """A ``routed_experts`` value of any vLLM form: ``.npy`` base64 string (0.34), nested lists
+    (0.21) or the ``{"data", "shape", "dtype"}`` object of prime-rl."""
+    if isinstance(payload, str):
+        return decode_npy_base64(payload, name)
+    return decode_routed_experts(payload, name, may_hold_booleans=may_hold_booleans)
+
+
+def _ids(value: Any, where: str) -> list | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise ValueError(f"{where} must be a list of token ids, got {type(value).__name__}")
+    return value
+
+
+def _prompt_start(record: dict, default: int, name: str) -> int:
+    value = record.get(PROMPT_START_KEY, default)
+    if type(value) is not int or value < 0:
+        raise ValueError(
+            f"{name}: {PROMPT_START_KEY} must be a non-negative integer, got {value!r}"
+        )
+    return value
+
+
+def vllm_response_documents(
+    response: dict, name: str, *, prompt_start: int = 0
+) -> list[RolloutDocument]:
+    """One vLLM ``CompletionResponse`` / ``ChatCompletionResponse`` -> a document per choice.
+
+    Args:
+        response: The parsed response (``choices`` present).
+        name: ``file:line``.
+        prompt_start: The requests' ``routed_experts_prompt_start`` (``--routed-experts-start``);
+            a ``routed_experts_prompt_start`` key in the record overrides it.
+
+    Raises:
+        ValueError: A choice without routes or token ids, or 0.21 prompt rows that do not fit
+            the choice's prompt; names the choice.
+    """
+    choices = response["choices"]
+    if not isinstance(choices, list) or not choices:
+        raise ValueError(f"{name}: 'choices' must be a non-empty list")
+    start = _prompt_start(response, prompt_start, name)
+    shared_prompt = _ids(response.get("prompt_token_ids"), f"{name} prompt_token_ids")
+    prompt_rows = response.get("prompt_routed_experts")  # vLLM 0.21's split form
+    if prompt_rows is not None:
+        prompt_rows = decode_routed_experts(prompt_rows, f"{name} prompt_routed_experts")
+    documents = []
+    for i, choice in enumerate(choices):
+        where = f"{name} choice {i}"
+        if not isinstance(choice, dict):
+            raise ValueError(f"{where}: not a JSON object")
+        prompt = _ids(choice.get("prompt_token_ids"), f"{where} prompt_token_ids") or shared_prompt
+        completion = _ids(choice.get("token_ids"), f"{where} token_ids")
+        if prompt is None or completion is None:
+            raise ValueError(
+                f"{where}: needs prompt_token_ids and the choice's token_ids to count its tokens; "
+                "send the request with return_token_ids: true"
+            )
+        payload = choice.get("routed_experts")
+        num_tokens = len(prompt) + len(completion)
+        if "prompt_routed_experts" in response:  # vLLM 0.21: an empty part is null
+            if payload is not None and not isinstance(payload, list):
+                raise ValueError(
+                    f"{where}: prompt_routed_experts (vLLM 0.21) beside a non-list "
+                    "routed_experts: not one vLLM version's answer"
+                )
+            gen = decode_routed_experts(payload or [], f"{where} routed_experts")
+            if prompt_rows is None and payload is None:
+                raise ValueError(
+                    f"{where}: prompt_routed_experts and routed_experts are null "
+                    "(start vLLM with --enable-return-routed-experts)"
+                )
+            rows = _join_split(prompt_rows, gen, len(prompt), where)
+            documents.append(
+                RolloutDocument(where, rows, num_tokens, token_ids=prompt + completion)
+            )
+            continue
+        if payload is None:
+            raise ValueError(
+                f"{where} has no routed_experts (start vLLM with --enable-return-routed-experts; "
+                "an aborted request has none)"
+            )
+        rows = decode_vllm_routes(payload, f"{where} routed_experts")
+        start_row = min(start, len(prompt))
+        documents.append(
+            RolloutDocument(where, rows, num_tokens, start=start_row, token_ids=prompt + completion)
+        )
+    return documents
+
+
+def _join_split(
+    prompt_PLK: np.ndarray | None, gen_CLK: np.ndarray, num_prompt: int, where: str
+) -> np.ndarray:
+    """vLLM 0.21: the prompt's rows (``None`` for an empty prompt) then the completion's."""
+    if prompt_PLK is None or prompt_PLK.shape == (0, 0, 0):
+        prompt_PLK = np.zeros((0, *gen_CLK.shape[1:]), dtype=np.int64)
+    if gen_CLK.shape == (0, 0, 0):
+        gen_CLK = np.zeros((0, *prompt_PLK.shape[1:]), dtype=np.int64)
+    if prompt_PLK.shape[0] != num_prompt:
+        raise ValueError(
+            f"{where}: prompt_routed_experts has {prompt_PLK.shape[0]} rows for {num_prompt} "
+            "prompt tokens (a completion request with several prompts returns the first "
+            "prompt's rows only: send one prompt per request)"
+        )
+    if prompt_PLK.shape[1:] != gen_CLK.shape[1:]:
+        raise ValueError(
+            f"{where}: prompt_routed_experts [.., {prompt_PLK.shape[1]}, {prompt_PLK.shape[2]}] "
+            f"and routed_experts [.., {gen_CLK.shape[1]}, {gen_CLK.shape[2]}] differ in layers x top-k"
+        )
+    return np.concatenate([prompt_PLK.astype(np.int64), gen_CLK.astype(np.int64)])
