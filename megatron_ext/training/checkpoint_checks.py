@@ -114,10 +114,9 @@ def find_load_checkpoint(args: argparse.Namespace) -> LoadCheck:
     """
     load, pretrained = getattr(args, "load", None), getattr(args, "pretrained_checkpoint", None)
     step = getattr(args, "ckpt_step", None)
-    found = find_checkpoint(load, "--load", step, args) if load else None
-    if found is not None:
-        return LoadCheck(found)
-    if pretrained:  # load_checkpoint: "attempting to finetune with checkpoint in" it
+    if pretrained and not (load and os.path.isfile(os.path.join(load, TRACKER))):
+        # load_checkpoint: "Checkpoint file not found in load directory ... attempting to
+        # finetune with checkpoint in" --pretrained-checkpoint
         found = find_checkpoint(pretrained, "--pretrained-checkpoint", step, args)
         if found is None:
             also = f"; nor does --load {load}" if load else ""
@@ -125,6 +124,9 @@ def find_load_checkpoint(args: argparse.Namespace) -> LoadCheck:
                 f"--pretrained-checkpoint {pretrained} holds no checkpoint (no {TRACKER}{also}): "
                 "Megatron would stop with 'No checkpoint found'; name a directory Megatron saved"
             )
+        return LoadCheck(found)
+    found = find_checkpoint(load, "--load", step, args) if load else None
+    if found is not None:
         return LoadCheck(found)
     if not load or getattr(args, "non_persistent_ckpt_type", None):
         return LoadCheck(None)

@@ -66,6 +66,18 @@ def _on_the_target_only(*args: Any, **kwargs: Any) -> Any:
     raise AssertionError("a dry run computes nothing")
 
 
+#: What each of ``OptimizerParamScheduler.__init__``'s asserts asks of the flags.
+SCHEDULE_HINTS = {
+    "self.lr_warmup_steps < self.lr_decay_steps": "the warmup (--lr-warmup-iters, "
+    "--lr-warmup-fraction or --lr-warmup-samples) must be below the decay (--lr-decay-iters, "
+    "default --train-iters, or --lr-decay-samples)",
+    "self.init_lr <= self.max_lr": "--lr-warmup-init must not exceed --lr",
+    "self.max_lr >= self.min_lr": "--min-lr must not exceed --lr",
+    "self.end_wd >= self.start_wd": "--end-weight-decay must not be below --start-weight-decay",
+    "self.lr_decay_steps > 0": "--lr-decay-iters (default --train-iters) must be positive",
+}
+
+
 def startup_checks(args: argparse.Namespace) -> dict[str, Any]:
     """Megatron's model config (its ``__post_init__`` checks), the LR schedule and the checkpoint
     to load, as the launch builds them. Returns what was found, for the dry run's report.
@@ -91,10 +103,11 @@ def startup_checks(args: argparse.Namespace) -> dict[str, Any]:
         with megatron_args(args) as run_args:
             build_scheduler(run_args)
     except AssertionError as err:
+        failed = one_line(err)
+        hint = next((h for check, h in SCHEDULE_HINTS.items() if check in failed), None)
         raise ValueError(
-            f"Megatron's OptimizerParamScheduler refuses the LR schedule ({one_line(err)}): the "
-            "warmup (--lr-warmup-iters, --lr-warmup-fraction or --lr-warmup-samples) must be "
-            "below the decay (--lr-decay-iters, default --train-iters; or the -samples flags)"
+            f"Megatron's OptimizerParamScheduler refuses the LR schedule ({failed})"
+            + (f": {hint}" if hint else "")
         ) from None
     loading = find_load_checkpoint(args)
     found = loading.checkpoint

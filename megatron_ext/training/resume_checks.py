@@ -141,8 +141,10 @@ def check_resume(args: argparse.Namespace, checkpoint: Checkpoint) -> list[str]:
                 "--override-opt_param-scheduler to follow this run's schedule from here, or "
                 "--use-checkpoint-opt_param-scheduler to keep the checkpoint's"
             )
-    lines = [f"{change} (the checkpoint's -> this run's)" for change in parallel + schedule]
-    return [f"resuming {where}: {line}" for line in lines]
+    # Without the optimizer (--finetune, --no-load-optim, ...) the schedule starts afresh.
+    changes = parallel + (schedule if loads_optimizer else [])
+    verb = "resuming" if loads_optimizer else "loading the weights of"
+    return [f"{verb} {where}: {change} (the checkpoint's -> this run's)" for change in changes]
 
 
 def _scheduler_refusal(
