@@ -153,18 +153,17 @@ def test_a_load_directory_that_is_also_save_starts_from_iteration_0(tmp_path, co
 
 
 def test_a_load_failure_no_startup_check_foresees_exits_1_after_megatrons_message(
-    ckpt, corpus_prefix, tmp_path
+    corpus_prefix, tmp_path
 ) -> None:
-    """One rank's file of a torch-format checkpoint is truncated (the startup check reads rank 0's):
-    Megatron's ``torch.load`` fails on rank 1, prints "could not load the checkpoint" and calls
-    ``sys.exit()``, status 0 before; now 1."""
-    shutil.copytree(ckpt / "torch", tmp_path / "torch")
-    rank1 = tmp_path / "torch" / f"iter_{K:07d}" / "mp_rank_00_001" / "model_optim_rng.pt"
-    rank1.write_bytes(rank1.read_bytes()[:1000])
-    run = launch(
-        [*_base(corpus_prefix), "--ckpt-format", "torch", "--load", str(tmp_path / "torch")]
-    )
+    """A torch-format checkpoint saved with --no-save-rng, loaded without --no-load-rng: on every
+    rank Megatron's ``load_checkpoint`` prints "Unable to load rng state from checkpoint ...
+    Specify --no-load-rng" and calls ``sys.exit()``: the launch trained nothing and exited 0.
+    Now each rank exits 1 after Megatron's message."""
+    common = [*_base(corpus_prefix), "--ckpt-format", "torch"]
+    save = ["--save", str(tmp_path / "c"), "--save-interval", str(K), "--no-save-rng"]
+    launch([*common, *save]).check()
+    run = launch([*common, "--load", str(tmp_path / "c")])
     assert run.returncode == 1, run.output[-3000:]
-    assert "could not load the checkpoint" in run.output
+    assert "Unable to load rng state from checkpoint" in run.output
     assert "megatron_ext: Megatron stopped while loading the checkpoint" in run.output
     assert not run.iterations
