@@ -11,7 +11,7 @@ one. Now the dry run and the launch refuse each in the same one line, exit 2
 
 The checkpoints are Megatron's own: the tiny model trained 2 iterations and saved in ``torch`` and
 ``torch_dist`` format. A ``sys.exit()`` inside Megatron's ``load_checkpoint`` that no startup check
-foresees (one rank's file unreadable) exits 1, after Megatron's message.
+foresees (an RNG state missing from the checkpoint) exits 1, after Megatron's message.
 """
 
 import shutil
