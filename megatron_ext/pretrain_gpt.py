@@ -130,18 +130,6 @@ def resolved_configuration(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _one_line(err: BaseException) -> str:
-    """An argument error as one line: its message, or for a bare ``assert`` the failing line
-    (file:line and source) of Megatron's check. ``--verbose`` shows the whole traceback."""
-    import traceback
-
-    message = " ".join(str(err).split())
-    if message:
-        return message
-    frame = traceback.extract_tb(err.__traceback__)[-1]
-    return f"{type(err).__name__} at {frame.filename}:{frame.lineno}: {frame.line}"
-
-
 def main() -> int:
     """Entry point (``python -m megatron_ext.pretrain_gpt``)."""
     argv = sys.argv[1:]
@@ -154,12 +142,14 @@ def main() -> int:
         enable_cpu_training()
         # validate_args asserts it under TP/CP (a CUDA stream setting; nothing to tune on CPU).
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    from megatron_ext.training.dry_run import one_line
+
     try:
         args = parse_arguments(dry_run, cpu)
     except (AssertionError, ValueError) as err:  # Megatron's validate_args asserts and raises
         if "--verbose" in argv:
             raise
-        print(f"megatron_ext: invalid arguments: {_one_line(err)}", file=sys.stderr)
+        print(f"megatron_ext: invalid arguments: {one_line(err)}", file=sys.stderr)
         return 2
     try:
         from megatron_ext.training.eval_args import check_evaluation_data, check_split
@@ -191,8 +181,21 @@ def main() -> int:
                 "and checked by the grouped-GEMM backend as the quantized kernels would",
                 flush=True,
             )
-    if not dry_run and args.num_experts and os.environ.get("RANK", "0") == "0":
-        print(f"megatron_ext: --moe-pad-routing {resolved['moe_pad_routing']}", flush=True)
+    try:  # what the launch builds before data: Megatron's model config, LR schedule, checkpoint
+        from megatron_ext.training.dry_run import build_on_meta_device, startup_checks, target
+
+        with target(dry_run and not cpu) as assumed:
+            resolved.update(startup_checks(args), **assumed)
+            if dry_run:
+                resolved["built_on_meta_device"] = build_on_meta_device(args)
+    except ValueError as err:
+        print(f"megatron_ext: invalid arguments: {err}", file=sys.stderr)
+        return 2
+    if not dry_run and os.environ.get("RANK", "0") == "0":
+        if args.num_experts:
+            print(f"megatron_ext: --moe-pad-routing {resolved['moe_pad_routing']}", flush=True)
+        for note in resolved["notes"]:  # auto-resume from an empty --save, a resume's changes
+            print(f"megatron_ext: {note}", flush=True)
     if dry_run:
         print("megatron_ext resolved configuration:")
         print(json.dumps(resolved, indent=2, default=str))
@@ -209,6 +212,7 @@ def train(args: argparse.Namespace) -> int:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
     from megatron_ext.training import run_state
+    from megatron_ext.training.checkpoint_checks import exit_nonzero_on_failed_load
     from megatron_ext.training.dataset_provider import train_valid_test_datasets_provider
     from megatron_ext.training.forward_step import forward_step
     from megatron_ext.training.loss_log import install as log_each_interval_own_loss
@@ -218,6 +222,7 @@ def train(args: argparse.Namespace) -> int:
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     log_each_interval_own_loss()
     skip_helpers_build_when_prebuilt()
+    exit_nonzero_on_failed_load()
     cfg = pretrain_cfg_container_from_args(args)
     pretrain(
         cfg,

@@ -90,6 +90,7 @@ def launch(
     module: str = "megatron_ext.pretrain_gpt",
     cwd: str | Path | None = None,
     preload: bool = True,
+    ranks: tuple[int, ...] | None = None,
 ) -> LoopRun:
     """Runs ``python -m module *args`` on ``nproc`` ranks, each with the environment torchrun gives
     its workers, and returns what they printed (one stream, as torchrun's).
@@ -107,6 +108,9 @@ def launch(
     one its imports left (``env`` setting an import-time variable, say), and ``LoopRun.preloaded``
     says which path ran.
 
+    ``ranks`` starts only those ranks of the ``nproc``-rank world (e.g. ``(0,)`` for a ``--dry-run``,
+    which joins no process group).
+
     Raises:
         subprocess.TimeoutExpired: The ranks ran past ``timeout`` seconds (all are killed).
     """
@@ -115,7 +119,8 @@ def launch(
     port = str(free_port())
     argv = [sys.executable, "-m", module, *args]
     base_env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    rank_envs = [{**base_env, **_rank_env(rank, nproc, port)} for rank in range(nproc)]
+    started = range(nproc) if ranks is None else ranks
+    rank_envs = [{**base_env, **_rank_env(rank, nproc, port)} for rank in started]
     forked = preload and not server.import_environment_differs(base_env)
     with tempfile.NamedTemporaryFile("w+", prefix="megatron_ext_launch_") as out:
         if forked:

@@ -179,3 +179,40 @@ def test_record_mode_refuses_to_resume_and_records_from_a_finetune_load(
     ).check()  # fmt: skip
     assert sorted(p.name for p in tmp_path.glob("r2*")) == ["r2.bin", "r2.idx", "r2.routes.json"]
     assert 1 in finetuned.losses
+
+
+@pytest.mark.parametrize(
+    "data",
+    [["--pack-documents", "--pad-to-seq-len"], []],
+    ids=["packed", "self-padded"],
+)
+def test_continue_to_more_iterations_with_this_runs_schedule(data, corpus_prefix, tmp_path) -> None:
+    """ "Train K, then continue to N": the changed --train-iters is refused without a word on the
+    schedule (tests/training/test_startup_refusals.py); with --override-opt_param-scheduler the
+    continued run follows this run's schedule from iteration K. At a constant LR (the schedule up
+    to K is the same either way) it writes the iteration-N checkpoint of an uninterrupted
+    N-iteration run bit for bit: a pack plan does not depend on the sample count, and Megatron's
+    GPTDataset index does not while the samples asked for fit one epoch (N x 8 samples of the
+    corpus's ~2100)."""
+    common = [*TINY_MOE_ARGS, "--data-path", corpus_prefix, *data, "--ckpt-format", "torch"]
+    first = ["--train-iters", str(K), "--save-interval", str(K), "--save", str(tmp_path / "k")]
+    launch([*common, *first]).check()
+    resumed = launch(
+        [*common, "--train-iters", str(N), "--save-interval", str(N), "--load",
+         str(tmp_path / "k"), "--save", str(tmp_path / "b"), "--override-opt_param-scheduler"]
+    ).check()  # fmt: skip
+    reference = ["--train-iters", str(N), "--save-interval", str(N), "--save", str(tmp_path / "a")]
+    launch([*common, *reference]).check()
+    assert f"iteration {K}): --train-iters {K} -> {N} (the checkpoint's -> this run's)" in (
+        resumed.output
+    )
+    assert sorted(resumed.iterations) == list(range(K + 1, N + 1))
+    step = f"iter_{N:07d}"
+    ref = _checkpoint(tmp_path / "a" / step, "torch", tmp_path / "ref.pt")
+    res = _checkpoint(tmp_path / "b" / step, "torch", tmp_path / "res.pt")
+    assert ref.keys() == res.keys()
+    assert [k for k in ref if not _equal(ref[k], res[k])] == []
+    assert any("exp_avg_sq" in k for k in ref)  # Adam moments are compared
+    # Not vacuous: iterations K+1..N changed the weights the comparison covers.
+    at_k = _checkpoint(tmp_path / "k" / f"iter_{K:07d}", "torch", tmp_path / "k.pt")
+    assert sum(not _equal(at_k[k], ref[k]) for k in ref if k.endswith("weight")) > 20

@@ -102,7 +102,15 @@ def dry_runs(example_data: Path, tmp_path_factory) -> dict[str, subprocess.Compl
         return dict(done)
 
 
-@pytest.mark.parametrize("name", EXAMPLES)
+#: The examples that fine-tune a base checkpoint (``--pretrained-checkpoint $CKPT/...``; Megatron
+#: stops without one), and where their default ``CKPT`` puts it: absent here.
+FINE_TUNED = {
+    "rl_route_replay.sh": "/checkpoints/moe_rl/policy",
+    "sft_fp8_moe_packed.sh": "/checkpoints/moe_sft/base",
+}
+
+
+@pytest.mark.parametrize("name", sorted(set(EXAMPLES) - set(FINE_TUNED)))
 def test_example_script_flags_parse_and_validate(name: str, dry_runs) -> None:
     proc = dry_runs[name]
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -111,6 +119,24 @@ def test_example_script_flags_parse_and_validate(name: str, dry_runs) -> None:
     assert '"model": "HybridModel"' in proc.stdout
     # --moe-pad-routing auto resolved, and said why: every example is dropless alltoall.
     assert '"moe_pad_routing": "skip (auto: dropless dispatch' in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.parametrize("name", sorted(FINE_TUNED))
+def test_fine_tuning_examples_without_their_base_checkpoint_are_refused_in_one_line(
+    name: str, dry_runs
+) -> None:
+    """Every flag parses and validates (the checkpoint is checked last, after Megatron's model
+    config); the missing base checkpoint, on which Megatron's launch stops after building the
+    model, is the one error."""
+    proc = dry_runs[name]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "invalid arguments" in line]
+    assert errors == [
+        f"megatron_ext: invalid arguments: --pretrained-checkpoint {FINE_TUNED[name]} holds no "
+        f"checkpoint (no latest_checkpointed_iteration.txt; nor does --load "
+        f"{FINE_TUNED[name].rsplit('/', 1)[0]}): Megatron would stop with 'No checkpoint found'; "
+        "name a directory Megatron saved"
+    ], proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize(("broken", "message"), BROKEN)

@@ -1,0 +1,169 @@
+"""Tier: Megatron's real training loop (2 gloo ranks with torchrun's environment, CPU) and the entry's
+dry run (rank 0 of the same world, no process group).
+
+Each configuration below passes Megatron 0.19.2's ``validate_args``, and its ``pretrain`` stopped at
+startup, before the first iteration: with a traceback on every rank (``TransformerConfig``'s
+``__post_init__``, ``OptimizerParamScheduler``'s asserts, the optimizer's load) or with exit status 0
+(a ``--load`` without a checkpoint trained from random weights; a corrupt tracker, a torch-format
+checkpoint of other parallel sizes: Megatron's bare ``sys.exit()``); the dry run said OK for every
+one. Now the dry run and the launch refuse each in the same one line, exit 2
+(``megatron_ext/training/dry_run.py``, ``checkpoint_checks.py``, ``resume_checks.py``).
+
+The checkpoints are Megatron's own: the tiny model trained 2 iterations and saved in ``torch`` and
+``torch_dist`` format. A ``sys.exit()`` inside Megatron's ``load_checkpoint`` that no startup check
+foresees (an RNG state missing from the checkpoint) exits 1, after Megatron's message.
+"""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.testing.real_loop import TINY_MOE_ARGS, launch
+
+K = 2  # the checkpoints' iteration (and --train-iters of the runs that saved them)
+PREFIX = "megatron_ext: invalid arguments: "
+
+#: (id, flags added to the tiny model's, what the one line says). ``{ckpt}``: the checkpoints' root.
+CASES = [
+    ("topk-1-without-pre-softmax", ["--moe-router-topk", "1"],
+     "Please use --moe-router-pre-softmax when topk is 1."),
+    ("expert-bias-under-softmax", ["--moe-router-enable-expert-bias"],
+     "Expert bias for aux-loss-free routing only supports 'sigmoid'"),
+    ("group-topk-without-groups", ["--moe-router-group-topk", "2"],
+     "moe_router_num_groups must be specified"),
+    ("experts-not-divisible-by-groups", ["--moe-router-group-topk", "1",
+                                         "--moe-router-num-groups", "3"],
+     "num_moe_experts (8) should be divisible by moe_router_num_groups (3)"),
+    ("group-topk-above-groups", ["--moe-router-group-topk", "4", "--moe-router-num-groups", "2"],
+     "moe_router_group_topk (4) should be smaller than moe_router_num_groups (2)"),
+    ("warmup-past-decay", ["--lr-warmup-iters", "10"],
+     "OptimizerParamScheduler refuses the LR schedule (AssertionError at "),
+    ("warmup-equal-to-decay", ["--lr-warmup-iters", str(K)],
+     "assert self.lr_warmup_steps < self.lr_decay_steps): the warmup (--lr-warmup-iters"),
+    ("warmup-fraction-1", ["--lr-warmup-fraction", "1.0"],
+     "assert self.lr_warmup_steps < self.lr_decay_steps"),
+    ("warmup-init-above-lr", ["--lr-warmup-init", "0.01"],
+     "assert self.init_lr <= self.max_lr): --lr-warmup-init must not exceed --lr"),
+    ("weight-decay-falling", ["--start-weight-decay", "0.1", "--end-weight-decay", "0.01",
+                              "--weight-decay-incr-style", "linear"],
+     "assert self.end_wd >= self.start_wd): --end-weight-decay must not be below "
+     "--start-weight-decay"),
+    ("load-typo", ["--load", "{ckpt}/torhc"],
+     "--load {ckpt}/torhc holds no checkpoint (the directory does not exist)"),
+    ("pretrained-missing", ["--pretrained-checkpoint", "{ckpt}/base"],
+     "--pretrained-checkpoint {ckpt}/base holds no checkpoint"),
+    ("exit-on-missing-checkpoint", ["--load", "{ckpt}/fresh", "--save", "{ckpt}/fresh",
+                                    "--save-interval", "1", "--exit-on-missing-checkpoint"],
+     "--exit-on-missing-checkpoint: --load {ckpt}/fresh holds no checkpoint"),
+    ("corrupt-tracker", ["--load", "{ckpt}/corrupt"],
+     "latest_checkpointed_iteration.txt holds '2\\n3', not an iteration number"),
+    ("tracker-ahead-of-the-files", ["--load", "{ckpt}/ahead"],
+     "names iteration 7, but {ckpt}/ahead/iter_0000007 does not exist"),
+    ("ckpt-step-not-saved", ["--load", "{ckpt}/torch", "--ckpt-step", "5"],
+     "--ckpt-step 5 names iteration 5, but {ckpt}/torch/iter_0000005 does not exist"),
+    ("not-a-checkpoint", ["--load", "{ckpt}/notes"],
+     "unknown checkpoint format in {ckpt}/notes/iter_0000002"),
+    ("torch-format-other-ep", ["--load", "{ckpt}/torch", "--ckpt-format", "torch",
+                               "--expert-model-parallel-size", "1"],
+     "torch-format checkpoint, one file per TP/PP/EP rank"),
+    ("train-iters-changed", ["--load", "{ckpt}/torch_dist", "--train-iters", str(2 * K)],
+     "with --train-iters 2 -> 4, --lr-decay-iters 2 -> 4: Megatron's OptimizerParamScheduler "
+     "refuses it"),
+    ("global-batch-changed", ["--load", "{ckpt}/torch_dist", "--global-batch-size", "4"],
+     "with --global-batch-size 8 -> 4: Megatron's OptimizerParamScheduler refuses it"),
+    ("lr-decay-iters-changed", ["--load", "{ckpt}/torch", "--ckpt-format", "torch",
+                                "--lr-decay-iters", "3"],
+     "with --lr-decay-iters 2 -> 3: Megatron's OptimizerParamScheduler refuses it"),
+    ("lr-changed", ["--load", "{ckpt}/torch_dist", "--lr", "2e-3"],
+     "with --lr 0.001 -> 0.002: Megatron's OptimizerParamScheduler refuses it"),
+    ("warmup-changed", ["--load", "{ckpt}/torch_dist", "--lr-warmup-iters", "1"],
+     "with --lr-warmup-iters 0 -> 1: Megatron's OptimizerParamScheduler refuses it"),
+    ("torch-dist-other-ep", ["--load", "{ckpt}/torch_dist", "--expert-model-parallel-size", "1"],
+     "--expert-model-parallel-size 2 -> 1 cannot resume the optimizer state"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ckpt(corpus_prefix, tmp_path_factory) -> Path:
+    """Megatron's checkpoints of the tiny model at iteration K (``torch``, ``torch_dist``), and
+    broken copies: a corrupt tracker, a tracker ahead of the files, an iteration directory
+    holding no checkpoint."""
+    root = tmp_path_factory.mktemp("ckpt")
+    for ckpt_format in ("torch", "torch_dist"):
+        launch(
+            [*_base(corpus_prefix), "--save-interval", str(K), "--ckpt-format", ckpt_format,
+             "--save", str(root / ckpt_format)]
+        ).check()  # fmt: skip
+    tracker = "latest_checkpointed_iteration.txt"
+    assert (root / "torch" / tracker).read_text().strip() == str(K)
+    shutil.copytree(root / "torch", root / "corrupt")
+    (root / "corrupt" / tracker).write_text("2\n3")  # two jobs appended to one tracker
+    shutil.copytree(root / "torch_dist", root / "ahead")
+    (root / "ahead" / tracker).write_text("7")
+    (root / "notes" / f"iter_{K:07d}").mkdir(parents=True)
+    (root / "notes" / f"iter_{K:07d}" / "README.txt").write_text("moved to object storage\n")
+    (root / "notes" / tracker).write_text(str(K))
+    return root
+
+
+def _base(prefix: str) -> list[str]:
+    return [*TINY_MOE_ARGS, "--data-path", prefix, "--train-iters", str(K)]
+
+
+@pytest.mark.parametrize(("flags", "message"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_what_stops_megatron_at_startup_fails_the_dry_run_and_the_launch_in_one_line(
+    flags, message, ckpt, corpus_prefix
+) -> None:
+    argv = _base(corpus_prefix) + [f.format(ckpt=ckpt) for f in flags]
+    expected = message.format(ckpt=ckpt)
+    dry = launch([*argv, "--dry-run"], ranks=(0,))
+    lines = dry.output.splitlines()
+    refusals = [line for line in lines if line.startswith(PREFIX)]
+    assert dry.returncode == 2 and len(refusals) == 1, dry.output[-3000:]
+    assert expected in refusals[0], refusals[0]
+    assert "dry run OK" not in dry.output and "Traceback" not in dry.output
+    run = launch(argv)
+    assert run.returncode == 2, run.output[-3000:]
+    assert not run.iterations  # nothing trained
+    # A rank refuses with the dry run's line, before any process group or model (the first to
+    # exit stops the other, as torchrun's agent does: it may not have printed yet).
+    assert refusals[0] in run.output.splitlines(), run.output[-3000:]
+
+
+def test_there_are_at_least_twenty_distinct_configurations() -> None:
+    assert len({c[0] for c in CASES}) == len(CASES) >= 20
+
+
+def test_a_load_directory_that_is_also_save_starts_from_iteration_0(tmp_path, corpus_prefix):
+    """A job that resumes itself after a restart: the first launch finds nothing, says so in one
+    line, trains and saves; the relaunch resumes from that checkpoint."""
+    argv = [*_base(corpus_prefix), "--load", str(tmp_path / "c"), "--save", str(tmp_path / "c")]
+    argv += ["--save-interval", str(K)]
+    first = launch(argv).check()
+    note = f"megatron_ext: --load {tmp_path / 'c'} holds no checkpoint yet"
+    assert [line for line in first.output.splitlines() if line.startswith(note)] == [
+        f"{note} (the directory does not exist; it is also --save): training starts from "
+        "iteration 0"
+    ]
+    assert sorted(first.iterations) == [1, 2]
+    again = launch(argv).check()
+    assert note not in again.output
+    assert f"checkpoint from {tmp_path / 'c'} at iteration {K}" in again.output
+
+
+def test_a_load_failure_no_startup_check_foresees_exits_1_after_megatrons_message(
+    corpus_prefix, tmp_path
+) -> None:
+    """A torch-format checkpoint saved with --no-save-rng, loaded without --no-load-rng: on every
+    rank Megatron's ``load_checkpoint`` prints "Unable to load rng state from checkpoint ...
+    Specify --no-load-rng" and calls ``sys.exit()``: the launch trained nothing and exited 0.
+    Now each rank exits 1 after Megatron's message."""
+    common = [*_base(corpus_prefix), "--ckpt-format", "torch"]
+    save = ["--save", str(tmp_path / "c"), "--save-interval", str(K), "--no-save-rng"]
+    launch([*common, *save]).check()
+    run = launch([*common, "--load", str(tmp_path / "c")])
+    assert run.returncode == 1, run.output[-3000:]
+    assert "Unable to load rng state from checkpoint" in run.output
+    assert "megatron_ext: Megatron stopped while loading the checkpoint" in run.output
+    assert not run.iterations
