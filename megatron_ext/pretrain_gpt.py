@@ -213,7 +213,11 @@ def train(args: argparse.Namespace) -> int:
 
     from megatron_ext.training import run_state
     from megatron_ext.training.checkpoint_checks import exit_nonzero_on_failed_load
-    from megatron_ext.training.dataset_provider import train_valid_test_datasets_provider
+    from megatron_ext.training.dataset_provider import (
+        DataRefusedError,
+        train_valid_test_datasets_provider,
+    )
+    from megatron_ext.training.dry_run import one_line
     from megatron_ext.training.forward_step import forward_step
     from megatron_ext.training.loss_log import install as log_each_interval_own_loss
     from megatron_ext.training.model_provider import model_provider
@@ -224,13 +228,20 @@ def train(args: argparse.Namespace) -> int:
     skip_helpers_build_when_prebuilt()
     exit_nonzero_on_failed_load()
     cfg = pretrain_cfg_container_from_args(args)
-    pretrain(
-        cfg,
-        train_valid_test_datasets_provider,
-        ModelType.encoder_or_decoder,
-        forward_step,
-        model_provider=model_provider,
-    )
+    try:
+        pretrain(
+            cfg,
+            train_valid_test_datasets_provider,
+            ModelType.encoder_or_decoder,
+            forward_step,
+            model_provider=model_provider,
+        )
+    except DataRefusedError as err:  # bad data only the built datasets show: one line, exit 2
+        if "--verbose" in sys.argv:
+            raise
+        print(f"megatron_ext: invalid data: {one_line(err)}", file=sys.stderr, flush=True)
+        destroy_process_groups()
+        return 2
     from megatron_ext.training.forward_step import flush_logs
 
     flush_logs(args)

@@ -110,10 +110,28 @@ def dataset_config_from_args(args: argparse.Namespace, tokenizer: Any = None) ->
     return dataset_class_and_config(padding, pad_multiple=pad_multiple_from_args(args), **common)
 
 
+class DataRefusedError(Exception):
+    """Bad data found while Megatron's ``pretrain`` builds the datasets (a ``ValueError`` of the
+    dataset checks, naming the file or flag): the entry prints it in one line and exits 2."""
+
+
 def train_valid_test_datasets_provider(
     train_val_test_num_samples: list[int], vp_stage: int | None = None
 ) -> tuple[Any, Any, Any]:
-    """Builds train/valid/test datasets (Megatron's ``train_valid_test_dataset_provider`` signature)."""
+    """Builds train/valid/test datasets (Megatron's ``train_valid_test_dataset_provider`` signature).
+
+    Raises:
+        DataRefusedError: a dataset check refused the data (what only the built datasets show:
+            a split rounding to no document, a replay sidecar covering too few rows, a pack-index
+            cache that cannot be written, ...).
+    """
+    try:
+        return _build_datasets(train_val_test_num_samples)
+    except ValueError as err:
+        raise DataRefusedError(str(err)) from err
+
+
+def _build_datasets(train_val_test_num_samples: list[int]) -> tuple[Any, Any, Any]:
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )

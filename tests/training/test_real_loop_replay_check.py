@@ -165,11 +165,12 @@ def test_a_run_whose_data_has_too_many_missing_routes_is_refused(parity_prefix, 
     run = _checked_run(
         parity_prefix, tmp_path / "refused.jsonl", ["--route-replay-max-missing", "0.4"]
     )
-    assert run.returncode != 0
+    assert run.returncode == 2, run.output[-3000:]
     assert re.search(
-        r"ValueError: --route-replay-max-missing 0.4: \d+ of \d+ \(token, layer\) rows \(50.00%\) "
-        r"of the training data have no recorded route", run.output
+        r"^megatron_ext: invalid data: --route-replay-max-missing 0.4: \d+ of \d+ \(token, layer\) "
+        r"rows \(50.00%\) of the training data have no recorded route", run.output, re.M
     ), run.output[-3000:]  # fmt: skip
+    assert "Traceback" not in run.output  # one line, not a traceback
     assert not re.search(r"iteration\s+1/", run.output)  # refused before training
 
 
