@@ -184,6 +184,10 @@ class StreamingPrefixes:
             builder.add_document(ids[t:end], lens[s : s + n])
             s, t = s + n, end
 
+    def add_index(self, output: int, path_prefix: str) -> None:
+        """Appends a whole IndexedDataset (Megatron's ``IndexedDatasetBuilder.add_index``)."""
+        self.builders[output].add_index(path_prefix)
+
     def commit(self) -> None:
         """Writes the indexes and puts every output in place (see :func:`write_prefixes`)."""
         for builder, idx in zip(self.builders, self.temps[1::2], strict=True):
