@@ -31,9 +31,8 @@ from megatron.core.datasets.indexed_dataset import DType
 from tqdm import tqdm
 
 import megatron_ext.cli_quiet  # noqa: F401  (first: hides inapplicable warnings unless --verbose)
-from megatron_ext.data.encode_workers import encode_file
-from megatron_ext.data.indexed_writer import StreamingPrefixes
 from megatron_ext.data.jsonl_documents import RecordFormat
+from megatron_ext.data.jsonl_indexed import jsonl_to_indexed
 from megatron_ext.data.safe_files import check_output_prefix
 from megatron_ext.data.text_tokenizers import TokenizerSpec, load_tokenizer, special_prefix
 from megatron_ext.data.tool_errors import add_common_flags, run_tool
@@ -192,33 +191,23 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer=f"{flag} {args.tokenizer_file}",
     )
     with_mask = args.prompt_key is not None
-    # The mask first: the tokens' .idx is then the commit's last file, and a kill while
-    # publishing leaves new tokens that do not load rather than beside the old mask.
-    targets = ([(mask_prefix, np.uint8)] if with_mask else []) + [(p, dtype) for p in outputs]
-    first = 1 if with_mask else 0
-    remove = [mask_prefix] if mask_prefix and not with_mask else []
-    documents, tokens = 0, np.zeros(len(outputs), dtype=np.int64)
     progress = tqdm(total=os.path.getsize(args.input), desc="tokenizing", unit="B", unit_scale=True)
-    # One commit (StreamingPrefixes): tokens and mask are both written before any old file goes;
-    # a loss mask of the old data never survives beside the new tokens (replaced by the new
-    # one, or removed when none is written), and a crash leaves no old/new mix that would load.
-    with progress, StreamingPrefixes(targets, remove=remove) as out:
-        for chunk, nbytes in encode_file(args.input, spec, fmt, args.workers, tok):
-            if with_mask:
-                out.add_documents(0, chunk.mask, chunk.seq_lens[0], chunk.doc_seqs[0])
-            for o in range(len(outputs)):
-                out.add_documents(first + o, chunk.ids[o], chunk.seq_lens[o], chunk.doc_seqs[o])
-                tokens[o] += chunk.ids[o].size
-            documents += chunk.doc_seqs[0].size
-            progress.update(nbytes)
-        if not documents:
-            raise ValueError(f"--input {args.input} holds no records: nothing to write")
-        for prefix, count in zip(outputs, tokens, strict=True):
-            if not count:  # an empty .bin: Megatron cannot even mmap it
-                raise ValueError(
-                    f"--input {args.input} holds only empty documents (0 tokens) for {prefix}"
-                )
-        out.commit()
+    # One commit: tokens and mask are both written before any old file goes; a loss mask of the
+    # old data never survives beside the new tokens (replaced by the new one, or removed when
+    # none is written), and a crash leaves no old/new mix that would load.
+    with progress:
+        documents, tokens = jsonl_to_indexed(
+            args.input,
+            spec,
+            fmt,
+            outputs,
+            dtype,
+            mask_prefix=mask_prefix if with_mask else None,
+            remove=[mask_prefix] if mask_prefix and not with_mask else [],
+            workers=args.workers,
+            tok=tok,
+            progress=progress,
+        )
     if args.overwrite and not args.json_keys:
         warn_unrewritten(args.output_prefix, [args.output_prefix, mask_prefix])
     for prefix, count in zip(outputs, tokens, strict=True):

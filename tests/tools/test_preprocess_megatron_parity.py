@@ -3,69 +3,26 @@
 Tier: Megatron on one rank (Megatron-Core 0.19.2's tokenizer builder and IndexedDatasetBuilder;
 the tool in-process, and with --workers 2 its worker processes).
 
-The expected files are built by :func:`megatron_preprocess`, which drives Megatron's installed
-classes as Megatron-LM's script drives them: tools/preprocess_data.py at NVIDIA/Megatron-LM commit
-00736f4c796c3b9b4bc0609320064a0afdcd8edc (``get_args``: ``_add_tokenizer_args`` and the dummy
-``rank``/``make_vocab_size_divisible_by``/``tensor_model_parallel_size``/``vocab_extra_ids``;
-``Encoder.encode``: a text or a list of sentences, sentences with no ids dropped, ``eod`` appended
-to non-empty documents; ``Partition.process_json_file``: one ``IndexedDatasetBuilder`` per key at
-``{prefix}_{key}_document.bin`` with ``DType.optimal_dtype(tokenizer.vocab_size)``, and
-``add_document(doc, sentence_lens)`` per record). The script is not in the megatron-core wheel;
-it was read, not copied. (That commit finalizes only the last key's builder, leaving the other
-keys without an ``.idx``; the reference finalizes each, as its loop clearly intends.)
+The expected files are built by
+:func:`~megatron_ext.bench.megatron_preprocess.megatron_preprocess`, which drives Megatron's
+installed classes (``build_tokenizer``, ``IndexedDatasetBuilder``, ``DType``) as Megatron-LM's
+tools/preprocess_data.py drives them (NVIDIA/Megatron-LM commit
+00736f4c796c3b9b4bc0609320064a0afdcd8edc; the script is not in the megatron-core wheel).
 """
 
-import argparse
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+from megatron_ext.bench.megatron_preprocess import megatron_preprocess, megatron_tokenizer
 from tests.tools.test_preprocess_data import load_tool, run_cli
 from tests.tools.tokenizer_dirs import bpe_dir, corpus_texts, word_dir
 
 #: A vocabulary over Megatron's uint16 limit (65500) whose ids all fit uint16 (< 65536).
 LARGE = 65520
-
-
-def megatron_tokenizer(tokenizer_argv: list[str]):
-    """``build_tokenizer`` with the arguments Megatron-LM's script parses and sets."""
-    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
-    from megatron.training.arguments import _add_tokenizer_args
-
-    args = _add_tokenizer_args(argparse.ArgumentParser()).parse_args(tokenizer_argv)
-    args.rank, args.make_vocab_size_divisible_by = 1, 128
-    args.tensor_model_parallel_size, args.vocab_extra_ids = 1, 0
-    return build_tokenizer(args)
-
-
-def megatron_preprocess(
-    jsonl: Path, prefix: str, tokenizer_argv: list[str], keys: list[str], append_eod: bool
-) -> None:
-    """Megatron-LM's Encoder.encode + Partition.process_json_file, in one process."""
-    tokenizer = megatron_tokenizer(tokenizer_argv)
-    dtype = DType.optimal_dtype(tokenizer.vocab_size)
-    builders = {k: IndexedDatasetBuilder(f"{prefix}_{k}_document.bin", dtype=dtype) for k in keys}
-    with open(jsonl, encoding="utf-8") as fin:
-        for line in fin:
-            data = json.loads(line)
-            for key in keys:
-                text = data[key]
-                sentences = text if isinstance(text, list) else [text]
-                doc_ids, sentence_lens = [], []
-                for sentence in sentences:
-                    sentence_ids = tokenizer.tokenize(sentence)
-                    if len(sentence_ids) > 0:
-                        doc_ids.extend(sentence_ids)
-                        sentence_lens.append(len(sentence_ids))
-                if len(doc_ids) > 0 and append_eod:
-                    doc_ids.append(tokenizer.eod)
-                    sentence_lens[-1] += 1
-                builders[key].add_document(doc_ids, sentence_lens)
-    for key in keys:
-        builders[key].finalize(f"{prefix}_{key}_document.idx")
 
 
 def records(words: bool = False) -> list[dict]:
@@ -117,7 +74,7 @@ def test_output_is_megatrons_byte_for_byte(dirs, tmp_path, name, flags, eod) -> 
     tokenizer = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(dirs[name])]
     keys = ["text", "title"]
     expected = str(tmp_path / "megatron")
-    megatron_preprocess(src, expected, tokenizer + flags, keys, eod)
+    megatron_preprocess(str(src), expected, tokenizer + flags, keys, eod)
     ours = str(tmp_path / "ours")
     argv = ["--input", str(src), "--output-prefix", ours, "--json-keys", *keys, *tokenizer, *flags]
     assert load_tool().main(argv + (["--append-eod"] if eod else [])) == 0
