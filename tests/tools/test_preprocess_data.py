@@ -397,3 +397,17 @@ def test_json_keys_write_one_output_per_key_named_as_megatron_does(tmp_path) -> 
     assert a.sequence_lengths.tolist() == [2] and a.document_indices.tolist() == [0, 1, 1]
     assert b.sequence_lengths.tolist() == [1, 1, 1] and b.document_indices.tolist() == [0, 2, 3]
     assert not os.path.exists(prefix + ".bin")
+
+
+def test_record_and_tokenizer_modules_import_no_megatron() -> None:
+    """The record logic is pure (numpy); Megatron is imported only to build a directory's
+    tokenizer, when one is asked for."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, megatron_ext.data.jsonl_documents, megatron_ext.data.text_tokenizers;"
+        "bad = [m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')];"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
