@@ -139,7 +139,9 @@ def _megatron_hf_tokenizer(spec: TokenizerSpec) -> TextTokenizer:
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 
     try:
-        megatron_tok = build_tokenizer(megatron_tokenizer_args(spec.path, True))
+        megatron_tok = build_tokenizer(
+            megatron_tokenizer_args(spec.path, spec.include_special_tokens)
+        )
     except ValueError as err:  # Megatron's "Unable to instantiate HuggingFace AutoTokenizer"
         raise ValueError(f"{spec.flag} {spec.path}: {' '.join(str(err).split())}") from err
     hf = megatron_tok._tokenizer.tokenizer  # the transformers tokenizer Megatron's tokenize calls
