@@ -27,12 +27,11 @@ import os
 import sys
 
 import numpy as np
-from megatron.core.datasets.indexed_dataset import DType
 from tqdm import tqdm
 
 import megatron_ext.cli_quiet  # noqa: F401  (first: hides inapplicable warnings unless --verbose)
 from megatron_ext.data.jsonl_documents import RecordFormat
-from megatron_ext.data.jsonl_indexed import jsonl_to_indexed
+from megatron_ext.data.jsonl_indexed import jsonl_to_indexed, token_dtype
 from megatron_ext.data.safe_files import check_output_prefix
 from megatron_ext.data.text_tokenizers import TokenizerSpec, load_tokenizer, special_prefix
 from megatron_ext.data.tool_errors import add_common_flags, run_tool
@@ -180,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     # Megatron's choice: DType.optimal_dtype(vocabulary size); a byte-level --eod-id beyond the
     # 257 ids widens the vocabulary.
     vocab = max(tok.vocab_size, eod_id + 1 if args.append_eod else 0)
-    dtype = DType.optimal_dtype(vocab)
+    dtype = token_dtype(vocab)
     fmt = RecordFormat(
         keys=tuple(args.json_keys or [args.text_key or "text"]),
         prompt_key=args.prompt_key,

@@ -12,11 +12,19 @@ The outputs are published together at the end, the mask before the tokens::
 from collections.abc import Sequence
 
 import numpy as np
+from megatron.core.datasets.indexed_dataset import DType
 
 from megatron_ext.data.encode_workers import encode_file
 from megatron_ext.data.indexed_writer import StreamingPrefixes
 from megatron_ext.data.jsonl_documents import RecordFormat
 from megatron_ext.data.text_tokenizers import TextTokenizer, TokenizerSpec
+
+
+def token_dtype(vocab_size: int) -> type[np.number]:
+    """The dtype Megatron-LM's script stores ids in: ``DType.optimal_dtype(vocabulary size)``,
+    uint16 below 65500 ids, else int32 (from the vocabulary, not the ids present: two shards of
+    one tokenizer always share a dtype, which Megatron's merge requires)."""
+    return DType.optimal_dtype(vocab_size)
 
 
 def jsonl_to_indexed(
