@@ -123,6 +123,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--workers must be at least 1, got {args.workers}")
     if args.eod_id is not None and not 0 <= args.eod_id <= MAX_TOKEN_ID:
         raise ValueError(f"--eod-id must be in [0, {MAX_TOKEN_ID}], got {args.eod_id}")
+    if args.tokenizer_hf_no_include_special_tokens and args.tokenizer_file is None:
+        print(
+            "warning: --tokenizer-hf-no-include-special-tokens has no effect on the byte-level "
+            "tokenizer (it adds none)",
+            file=sys.stderr,
+        )
     if args.eod_id is not None and not args.append_eod:
         print("warning: --eod-id has no effect without --append-eod", file=sys.stderr)
     if not args.loss_mask_suffix:  # also without --prompt-key: a stale mask there is removed

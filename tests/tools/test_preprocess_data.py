@@ -387,6 +387,14 @@ def test_a_tokenizer_without_unk_is_a_one_line_error(tmp_path) -> None:
         assert not os.path.exists(tmp_path / "o.bin")
 
 
+def test_special_tokens_flag_without_a_tokenizer_warns(tmp_path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "ab"}])
+    argv = ["--input", src, "--output-prefix", str(tmp_path / "o")]
+    rc, err = run_cli([*argv, "--tokenizer-hf-no-include-special-tokens"])
+    assert rc == 0 and "--tokenizer-hf-no-include-special-tokens has no effect" in err
+    assert IndexedDataset(str(tmp_path / "o")).sequence_lengths.tolist() == [2]
+
+
 def test_json_keys_write_one_output_per_key_named_as_megatron_does(tmp_path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", [{"a": "xy", "b": ["p", "q"]}, {"a": "", "b": "r"}])
     prefix = str(tmp_path / "d")
