@@ -13,8 +13,13 @@ the old pair intact, one killed during it a prefix without its ``.idx`` (refused
 and new files mixed), and a job that has the old ``.bin`` memory-mapped keeps its (old) inode.
 :func:`write_prefixes` commits a token dataset and its sidecars together the same way. Whether an existing prefix
 may be replaced is the caller's decision (the tools refuse it unless ``--overwrite``).
+
+:class:`StreamingPrefixes` writes documents as they come (``tools/preprocess_data.py``: any number
+of sequences per document, none for an empty one, as Megatron's ``add_document`` records them),
+holding no token data in memory, and commits the same way.
 """
 
+import contextlib
 import os
 from collections.abc import Callable, Iterable, Sequence
 
@@ -134,3 +139,63 @@ def _write_temps(
         with open(tmp, "wb") as f:
             f.write(content() if callable(content) else content)
     return count
+
+
+class StreamingPrefixes:
+    """Megatron ``IndexedDatasetBuilder`` s on temporary files, one per output prefix, published
+    together by :meth:`commit` (nothing is published if the ``with`` block raises)::
+
+        with StreamingPrefixes([("/d/x_text_document", np.uint16)]) as out:
+            out.add_documents(0, ids, seq_lens, doc_seqs)
+            out.commit()
+    """
+
+    def __init__(
+        self, outputs: Sequence[tuple[str, type[np.number]]], remove: Sequence[str] = ()
+    ) -> None:
+        self.prefixes = [prefix for prefix, _dtype in outputs]
+        self.dtypes = [np.dtype(dtype).type for _prefix, dtype in outputs]
+        self.remove = list(remove)
+        self.finals = [p + ext for p in self.prefixes for ext in (".bin", ".idx")]
+        self._stack = contextlib.ExitStack()
+        self.builders: list[IndexedDatasetBuilder] = []
+
+    def __enter__(self) -> "StreamingPrefixes":
+        self.temps = self._stack.enter_context(temp_paths(self.finals))
+        for i, dtype in enumerate(self.dtypes):
+            DType.code_from_dtype(dtype)  # raises for a dtype Megatron cannot read back
+            self.builders.append(IndexedDatasetBuilder(self.temps[2 * i], dtype=dtype))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for builder in self.builders:
+            builder.data_file.close()
+        self._stack.close()
+
+    def add_documents(
+        self, output: int, ids: np.ndarray, seq_lens: np.ndarray, doc_seqs: np.ndarray
+    ) -> None:
+        """Appends documents to output ``output``: ``ids`` concatenated, ``seq_lens`` of every
+        sequence, ``doc_seqs`` sequences per document (0: an empty document)."""
+        builder = self.builders[output]
+        seq_ends = np.cumsum(seq_lens).tolist()
+        lens = seq_lens.tolist()
+        s = t = 0
+        for n in doc_seqs.tolist():
+            end = seq_ends[s + n - 1] if n else t
+            builder.add_document(ids[t:end], lens[s : s + n])
+            s, t = s + n, end
+
+    def add_index(self, output: int, path_prefix: str) -> None:
+        """Appends a whole IndexedDataset (Megatron's ``IndexedDatasetBuilder.add_index``)."""
+        self.builders[output].add_index(path_prefix)
+
+    def commit(self) -> None:
+        """Writes the indexes and puts every output in place (see :func:`write_prefixes`)."""
+        for builder, idx in zip(self.builders, self.temps[1::2], strict=True):
+            builder.finalize(idx)
+        for tmp in self.temps:
+            fsync_path(tmp)
+        for stale in self.remove:
+            remove_prefix_files(stale)
+        publish(zip(self.temps, self.finals, strict=True))  # every .idx last

@@ -1,28 +1,37 @@
 """JSONL records -> token documents (+ per-token loss mask), for ``tools/preprocess_data.py``.
 
-Tokenizers run locally: the built-in byte-level one (UTF-8 bytes, ids 0..255, end-of-document
-id 256), or a Hugging Face ``tokenizer.json`` file or tokenizer directory (the layout
-``save_pretrained`` writes, which Megatron's ``--tokenizer-type HuggingFaceTokenizer
---tokenizer-model DIR`` loads; needs the ``tokenizers`` package; no network).
-A record is either ``{"text": ...}`` (every token trained on) or ``{"prompt": ..., "response":
-...}`` (prompt tokens get loss mask 0)::
+A record becomes one document per output as Megatron-LM's ``tools/preprocess_data.py`` makes it
+(its ``Encoder.encode``): the text of each key is a string or a list of strings (sentences); each
+sentence is tokenized on its own, a sentence with no ids is dropped, each kept one is a sequence of
+the document, and the end-of-document id goes after the last one, only if there is one::
+
+    {"text": ["Hi.", "", "Yo."]}  -> document of 2 sequences: [72 105 46] [89 111 46 256]
+    {"text": ""}                  -> document of 0 sequences (no [eod])
+
+A ``{"prompt": ..., "response": ...}`` record (this project's) is one sequence whose prompt tokens
+get loss mask 0::
 
     {"prompt": "Q: 2+2?", "response": " 4"}  -> tokens [81 58 ... 32 52 256]
                                                 mask   [ 0  0 ...  1  1   1]
+
+Lines are encoded a chunk at a time (:func:`encode_chunk`: one tokenizer call per chunk); the
+chunk's documents come back as flat arrays, the form ``--workers`` processes send back.
 """
 
 import dataclasses
 import json
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-BYTE_VOCAB_SIZE = 257
-BYTE_EOD_ID = 256
+from megatron_ext.data.text_tokenizers import (
+    BYTE_EOD_ID,  # noqa: F401  (re-exported for the tools)
+    TextTokenizer,
+    byte_encode,
+)
 
-Tokenize = Callable[[str], np.ndarray]
+byte_tokenizer = byte_encode  # the built-in byte-level tokenizer, one text at a time
 
 
 def refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
@@ -39,129 +48,159 @@ def refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
     return record
 
 
-def byte_tokenizer(text: str) -> np.ndarray:
-    """UTF-8 bytes as ids (int64)."""
-    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
-
-
 @dataclasses.dataclass(frozen=True)
-class HFTokenizer:
-    """A local Hugging Face tokenizer, as :func:`hf_tokenizer` loads it."""
+class RecordFormat:
+    """How records are read: text keys (one output each), or a prompt/response pair."""
 
-    tokenize: Tokenize
-    """Text -> ids (int64), no special tokens added."""
-    vocab_size: int
-    """Ids the tokenizer can produce, added tokens included."""
-    eos_id: int | None
-    """Id of the directory's ``eos_token`` (``tokenizer_config.json``); None for a bare file."""
+    keys: tuple[str, ...] = ("text",)
+    """Keys whose text (a string or a list of sentences) is tokenized, one output per key."""
+    prompt_key: str | None = None
+    """With ``response_key``: one output, prompt tokens loss-masked (``keys`` unused)."""
+    response_key: str | None = None
+    eod_id: int | None = None
+    """Appended to every non-empty document."""
+    dtype: str = "int32"
+    """Stored dtype of the ids."""
+    source: str = "<input>"
+    """The input's name in errors."""
+    tokenizer: str = "the tokenizer"
+    """The tokenizer's flag and file in errors."""
 
 
-def hf_tokenizer(path: str, flag: str = "--tokenizer-file") -> HFTokenizer:
-    """A tokenizer from a local ``tokenizer.json`` or a Hugging Face tokenizer directory.
+@dataclasses.dataclass
+class EncodedChunk:
+    """A chunk's documents, flat, per output: concatenated ids, sequence lengths, sequences per
+    document (0 for an empty one); ``mask`` aligned with ``ids[0]`` for prompt/response records."""
 
-    A directory is read as ``DIR/tokenizer.json`` (the vocabulary and merges) and
-    ``DIR/tokenizer_config.json`` (its ``eos_token``, the end-of-document token), the files
-    ``save_pretrained`` writes and Megatron's ``HuggingFaceTokenizer`` loads.
+    ids: list[np.ndarray]
+    seq_lens: list[np.ndarray]
+    doc_seqs: list[np.ndarray]
+    mask: np.ndarray | None
+
+
+def _texts(record: Any, fmt: RecordFormat, where: str) -> list[list[str]]:
+    """Per output, the texts to tokenize (sentences, or [prompt, response])."""
+    if fmt.prompt_key is not None:
+        for key in (fmt.prompt_key, fmt.response_key):
+            if not isinstance(record, dict) or not isinstance(record.get(key), str):
+                raise ValueError(f"{where} has no string field {key!r}")  # noqa: TRY004
+        return [[record[fmt.prompt_key], record[fmt.response_key]]]
+    out = []
+    for key in fmt.keys:
+        value = record.get(key) if isinstance(record, dict) else None
+        if isinstance(value, str):
+            out.append([value])
+        elif isinstance(value, list) and all(isinstance(s, str) for s in value):
+            out.append(value)
+        else:
+            raise ValueError(f"{where} has no string field {key!r} (nor a list of strings)")
+    return out
+
+
+def _encode(tok: TextTokenizer, texts: list[str], special: bool) -> list[np.ndarray]:
+    return tok.encode_batch(texts, special) if texts else []
+
+
+def _encode_checked(
+    tok: TextTokenizer, texts: list[str], special: bool, where: list[str], fmt: RecordFormat
+) -> list[np.ndarray]:
+    """Encodes a batch; on failure names the record's line (retried one text at a time)."""
+    try:
+        return _encode(tok, texts, special)
+    except Exception:  # the Rust library raises a bare Exception (e.g. a missing [UNK] token)
+        for text, line in zip(texts, where, strict=True):
+            try:
+                tok.encode_batch([text], special)
+            except UnicodeEncodeError as err:  # a lone surrogate: JSON allows it, UTF-8 not
+                raise ValueError(
+                    f"{line} holds {err.object[err.start : err.end]!r}, which is not text "
+                    f"UTF-8 can encode ({err.reason})"
+                ) from err
+            except Exception as err:  # as above
+                raise ValueError(
+                    f"{fmt.tokenizer} cannot tokenize {line}: {' '.join(str(err).split())}"
+                ) from err
+        raise
+
+
+def encode_chunk(
+    lines: Sequence[bytes], first_lineno: int, fmt: RecordFormat, tok: TextTokenizer
+) -> EncodedChunk:
+    """Encodes raw JSONL lines (blank lines skipped) numbered from ``first_lineno``.
 
     Raises:
-        ValueError: A missing/unreadable file, an ``eos_token`` outside the vocabulary, or the
-            ``tokenizers`` package absent; the message names ``flag`` and the file.
+        ValueError: A line that is not UTF-8 or JSON, lacks a key, or cannot be tokenized; the
+            message names the file and line.
     """
-    try:
-        from tokenizers import Tokenizer
-    except ImportError as err:
-        raise ValueError(
-            f"{flag} {path} needs the 'tokenizers' package (pip install -e .[tools])"
-        ) from err
-    file, config = path, None
-    if os.path.isdir(path):
-        file = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(file):
-            raise ValueError(
-                f"{flag} {path} is a directory without tokenizer.json (a Hugging Face tokenizer "
-                "directory as save_pretrained writes it; slow-only tokenizers are not supported)"
-            )
-        config = os.path.join(path, "tokenizer_config.json")
-    try:
-        tok = Tokenizer.from_file(file)
-    except Exception as err:  # the Rust library raises its own exception types
-        raise ValueError(f"{flag} {file} is not a readable tokenizer.json: {err}") from err
-    vocab_size = tok.get_vocab_size(with_added_tokens=True)
-    eos_id = None
-    if config is not None and os.path.isfile(config):
-        eos_id = _eos_id(tok, config, flag)
-
-    def tokenize(text: str) -> np.ndarray:
-        return np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
-
-    return HFTokenizer(tokenize=tokenize, vocab_size=vocab_size, eos_id=eos_id)
-
-
-def _eos_id(tok: Any, config_path: str, flag: str) -> int | None:
-    """The id of ``eos_token`` in ``tokenizer_config.json`` (a string or an AddedToken dict)."""
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{flag} {config_path} is not valid JSON ({err})") from err
-    eos = config.get("eos_token") if isinstance(config, dict) else None
-    if isinstance(eos, dict):
-        eos = eos.get("content")
-    if eos is None:
-        return None
-    eos_id = tok.token_to_id(eos) if isinstance(eos, str) else None
-    if eos_id is None:
-        raise ValueError(f"{flag} {config_path}: eos_token {eos!r} is not in the vocabulary")
-    return int(eos_id)
-
-
-def read_documents(
-    lines: Iterator[str],
-    tokenize: Tokenize,
-    *,
-    text_key: str = "text",
-    prompt_key: str | None = None,
-    response_key: str | None = None,
-    eod_id: int | None = None,
-    source: str = "<input>",
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Yields ``(tokens_N, loss_mask_N)`` per JSONL line (blank lines skipped).
-
-    Raises:
-        ValueError: A line is not JSON or lacks a key; the message names file, line and key.
-    """
-    if (prompt_key is None) != (response_key is None):
-        raise ValueError("--prompt-key and --response-key must be given together")
-    for lineno, line in enumerate(lines, start=1):
+    records: list[tuple[str, list[list[str]]]] = []
+    for lineno, raw in enumerate(lines, start=first_lineno):
+        where = f"{fmt.source} line {lineno}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{where} is not UTF-8 ({err.reason})") from err
         if not line.strip():
             continue
         try:
             record = json.loads(line, object_pairs_hook=refuse_duplicate_keys)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{source} line {lineno} is not valid JSON: {err}") from err
+            raise ValueError(f"{where} is not valid JSON: {err}") from err
         except ValueError as err:  # a key twice: one of its texts would be dropped silently
-            raise ValueError(f"{source} line {lineno}: {err}") from err
-        keys = [prompt_key, response_key] if prompt_key is not None else [text_key]
-        for key in keys:
-            if not isinstance(record, dict) or not isinstance(record.get(key), str):
-                raise ValueError(f"{source} line {lineno} has no string field {key!r}")  # noqa: TRY004
-        try:
-            if prompt_key is not None:
-                prompt, response = (
-                    tokenize(record[prompt_key]),
-                    tokenize(record[response_key]),
-                )
-                tokens = np.concatenate([prompt, response])
-                mask = np.concatenate([np.zeros(prompt.size), np.ones(response.size)])
-            else:
-                tokens = tokenize(record[text_key])
-                mask = np.ones(tokens.size)
-        except UnicodeEncodeError as err:  # a lone surrogate ("\ud800"): JSON allows it, UTF-8 not
-            raise ValueError(
-                f"{source} line {lineno} holds {err.object[err.start : err.end]!r}, which is not "
-                f"text UTF-8 can encode ({err.reason})"
-            ) from err
-        if eod_id is not None:
-            tokens = np.append(tokens, eod_id)
-            mask = np.append(mask, 1)
-        yield tokens.astype(np.int64), mask.astype(np.uint8)
+            raise ValueError(f"{where}: {err}") from err
+        records.append((where, _texts(record, fmt, where)))
+    if fmt.prompt_key is not None:
+        return _prompt_response(records, fmt, tok)
+    n_out = len(fmt.keys)
+    flat = [(where, text) for where, per in records for texts in per for text in texts]
+    encoded = iter(_encode_checked(tok, [t for _, t in flat], True, [w for w, _ in flat], fmt))
+    ids: list[list[np.ndarray]] = [[] for _ in range(n_out)]
+    lens: list[list[int]] = [[] for _ in range(n_out)]
+    seqs: list[list[int]] = [[] for _ in range(n_out)]
+    for _where, per in records:
+        for o, texts in enumerate(per):
+            kept = [s for s in (next(encoded) for _ in texts) if s.size]
+            if kept and fmt.eod_id is not None:
+                kept[-1] = np.append(kept[-1], fmt.eod_id)
+            ids[o] += kept
+            lens[o] += [s.size for s in kept]
+            seqs[o].append(len(kept))
+    return EncodedChunk(
+        ids=[_concat(i, fmt.dtype) for i in ids],
+        seq_lens=[np.asarray(x, dtype=np.int64) for x in lens],
+        doc_seqs=[np.asarray(x, dtype=np.int64) for x in seqs],
+        mask=None,
+    )
+
+
+def _prompt_response(
+    records: list[tuple[str, list[list[str]]]], fmt: RecordFormat, tok: TextTokenizer
+) -> EncodedChunk:
+    wheres = [where for where, _ in records]
+    prompts = _encode_checked(tok, [per[0][0] for _, per in records], True, wheres, fmt)
+    responses = _encode_checked(tok, [per[0][1] for _, per in records], False, wheres, fmt)
+    ids, masks, lens, seqs = [], [], [], []
+    for prompt, response in zip(prompts, responses, strict=True):
+        tokens = np.concatenate([prompt, response])
+        mask = np.concatenate([np.zeros(prompt.size), np.ones(response.size)])
+        if tokens.size and fmt.eod_id is not None:  # the prompt's BOS, if any, is mask 0
+            tokens, mask = np.append(tokens, fmt.eod_id), np.append(mask, 1)
+        if tokens.size:
+            ids.append(tokens)
+            masks.append(mask)
+            lens.append(tokens.size)
+        seqs.append(1 if tokens.size else 0)
+    return EncodedChunk(
+        ids=[_concat(ids, fmt.dtype)],
+        seq_lens=[np.asarray(lens, dtype=np.int64)],
+        doc_seqs=[np.asarray(seqs, dtype=np.int64)],
+        mask=_concat(masks, "uint8"),
+    )
+
+
+def _concat(arrays: list[np.ndarray], dtype: str) -> np.ndarray:
+    if not arrays:
+        return np.zeros(0, dtype=dtype)
+    flat = np.concatenate(arrays)
+    if flat.size and (flat.min() < 0 or flat.max() > np.iinfo(dtype).max):
+        raise ValueError(f"token id {int(flat.max())} does not fit the stored dtype {dtype}")
+    return flat.astype(dtype)

@@ -10,11 +10,8 @@ import numpy as np
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron_ext.data.jsonl_documents import (
-    BYTE_EOD_ID,
-    byte_tokenizer,
-    read_documents,
-)
+from megatron_ext.data.jsonl_documents import BYTE_EOD_ID, RecordFormat, encode_chunk
+from megatron_ext.data.text_tokenizers import TokenizerSpec, load_tokenizer
 
 TOOL = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "preprocess_data.py")
 
@@ -68,9 +65,15 @@ def test_prompt_response_round_trip_with_loss_mask_and_eod(tmp_path) -> None:
     assert mask[1].tolist() == [1, 1, 1]
 
 
-def test_read_documents_directly() -> None:
-    docs = list(read_documents(iter(['{"t": "ab"}']), byte_tokenizer, text_key="t", eod_id=9))
-    assert docs[0][0].tolist() == [97, 98, 9] and docs[0][1].tolist() == [1, 1, 1]
+def test_encode_chunk_directly() -> None:
+    """Sentences with no ids are dropped, eod ends the last kept one; an empty text is a
+    document of no sequences, without eod; blank lines are no records."""
+    lines = [b'{"t": "ab"}\n', b"\n", b'{"t": ["c", "", "de"]}\n', b'{"t": ""}\n', b'{"t": []}']
+    fmt = RecordFormat(keys=("t",), eod_id=9)
+    chunk = encode_chunk(lines, 1, fmt, load_tokenizer(TokenizerSpec(None)))
+    assert chunk.ids[0].tolist() == [97, 98, 9, 99, 100, 101, 9]
+    assert chunk.seq_lens[0].tolist() == [3, 1, 3]
+    assert chunk.doc_seqs[0].tolist() == [1, 2, 0, 0]
 
 
 @pytest.mark.parametrize(
@@ -185,6 +188,23 @@ BAD_INPUTS = [
     ("lone surrogate", '{"text": "ok"}\n{"text": "bad \\ud800"}', [], r"line 2 holds '\\ud800'"),
     ("key twice", '{"text": "a", "text": "b"}', [], r"line 1: key 'text' appears twice"),
     ("only empty texts", '{"text": ""}\n{"text": ""}', [], "holds only empty documents"),
+    ("sentence not a string", '{"text": ["a", 3]}', [], r"line 1 has no string field 'text'"),
+    ("keys twice", '{"text": "a"}', ["--json-keys", "text", "text"], "names a key twice"),
+    ("both key flags", '{"text": "a"}', ["--json-keys", "a", "--text-key", "b"], "alternatives"),
+    ("keys and prompt", '{"text": "a"}', [*SFT, "--json-keys", "a"], "replace --json-keys"),
+    ("no workers", '{"text": "a"}', ["--workers", "0"], "--workers must be at least 1"),
+    (
+        "type, no model",
+        '{"text": "a"}',
+        ["--tokenizer-type", "HuggingFaceTokenizer"],
+        "needs --tok",
+    ),
+    (
+        "one key empty",
+        '{"text": "a", "t": ""}',
+        ["--json-keys", "text", "t"],
+        r"only empty documents \(0 tokens\) for .*o_t_document",
+    ),
 ]
 
 
@@ -236,16 +256,16 @@ def test_a_failed_overwrite_keeps_the_old_data_and_its_loss_mask(tmp_path, monke
     tool.main(["--input", src, "--output-prefix", prefix, *SFT])
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("d")}
     assert "d_loss_mask.idx" in before
-    real = indexed_writer._write_temps
+    real = indexed_writer.StreamingPrefixes.add_documents
     written = []
 
-    def fills_up(temps, documents, dtype, companions):
-        if written:  # the second prefix: the tokens (the mask is written first)
+    def fills_up(self, output, *arrays):
+        if written:  # the second output: the tokens (the mask is written first)
             raise OSError("disk full")
-        written.append(temps)
-        return real(temps, documents, dtype, companions)
+        written.append(output)
+        return real(self, output, *arrays)
 
-    monkeypatch.setattr(indexed_writer, "_write_temps", fills_up)
+    monkeypatch.setattr(indexed_writer.StreamingPrefixes, "add_documents", fills_up)
     again = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "xy", "response": "z"}])
     with pytest.raises(OSError, match="disk full"):
         tool.main(["--input", again, "--output-prefix", prefix, *SFT, "--overwrite"])
@@ -342,3 +362,60 @@ def test_an_output_prefix_named_like_the_input_file_can_be_rewritten(tmp_path) -
     ds = IndexedDataset(src)
     assert ds.sequence_lengths.tolist() == [2]
     assert (tmp_path / "in.jsonl").read_text().startswith('{"text"')  # the input untouched
+
+
+def test_a_tokenizer_without_unk_is_a_one_line_error(tmp_path) -> None:
+    """A word-level tokenizer.json without [UNK] meets an unknown word: the Rust library raises a
+    bare Exception (Megatron's script dies with its traceback); here one line names the
+    tokenizer, the input line and the library's reason, with exit status 2 and no output."""
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+
+    tok = tokenizers.Tokenizer(models.WordLevel({"a": 0, "b": 1}))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "a b"}, {"text": "a c"}])
+    argv = ["--input", src, "--output-prefix", str(tmp_path / "o")]
+    for flag in ("--tokenizer-file", "--tokenizer-model"):
+        rc, err = run_cli([*argv, flag, str(tmp_path / "tokenizer.json")])
+        errors = [line for line in err.splitlines() if "error" in line]
+        assert rc == 2 and len(errors) == 1 and "Traceback" not in err, err
+        assert re.search(
+            rf"{flag} .*tokenizer\.json cannot tokenize .*in\.jsonl line 2: .*Missing \[UNK\]",
+            errors[0],
+        ), err
+        assert not os.path.exists(tmp_path / "o.bin")
+
+
+def test_special_tokens_flag_without_a_tokenizer_warns(tmp_path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "ab"}])
+    argv = ["--input", src, "--output-prefix", str(tmp_path / "o")]
+    rc, err = run_cli([*argv, "--tokenizer-hf-no-include-special-tokens"])
+    assert rc == 0 and "--tokenizer-hf-no-include-special-tokens has no effect" in err
+    assert IndexedDataset(str(tmp_path / "o")).sequence_lengths.tolist() == [2]
+
+
+def test_json_keys_write_one_output_per_key_named_as_megatron_does(tmp_path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", [{"a": "xy", "b": ["p", "q"]}, {"a": "", "b": "r"}])
+    prefix = str(tmp_path / "d")
+    assert (
+        load_tool().main(["--input", src, "--output-prefix", prefix, "--json-keys", "a", "b"]) == 0
+    )
+    a, b = IndexedDataset(prefix + "_a_document"), IndexedDataset(prefix + "_b_document")
+    assert a.sequence_lengths.tolist() == [2] and a.document_indices.tolist() == [0, 1, 1]
+    assert b.sequence_lengths.tolist() == [1, 1, 1] and b.document_indices.tolist() == [0, 2, 3]
+    assert not os.path.exists(prefix + ".bin")
+
+
+def test_record_and_tokenizer_modules_import_no_megatron() -> None:
+    """The record logic is pure (numpy); Megatron is imported only to build a directory's
+    tokenizer, when one is asked for."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, megatron_ext.data.jsonl_documents, megatron_ext.data.text_tokenizers;"
+        "bad = [m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')];"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
