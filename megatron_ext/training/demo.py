@@ -1,6 +1,7 @@
 """The CPU main job (``make demo`` / ``megatron-ext demo``): megatron_ext inside Megatron's real training loop.
 
 It preprocesses the embedded corpus with ``tools/preprocess_data.py`` and runs ``examples/cpu_demo.sh``
+(the checkout's, or the copies an installed wheel ships: :mod:`megatron_ext.shipped_files`)
 (``torchrun --nproc-per-node 2 -m megatron_ext.pretrain_gpt --cpu ...``: ``megatron.training.pretrain``
 on 2 gloo processes, a tiny MoE HybridModel, EP=2, rollout-style rows that are mostly padding) four times:
 
@@ -34,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
+from megatron_ext.shipped_files import PACKAGE, shipped_file
 from megatron_ext.testing.real_loop import LoopRun, free_port
 
-ROOT = Path(__file__).resolve().parents[2]
 EP = 2
 #: The loop logs lm loss to 7 significant digits. Pads never reach a real token's loss (masked, own
 #: attention segment, out of the aux loss), but they change how many rows each expert's grouped GEMM
@@ -60,10 +61,10 @@ def _launch(flags: list[str], data: str, log_name: str, workdir: Path) -> LoopRu
         "TORCHDYNAMO_DISABLE": "1",
         "OMP_NUM_THREADS": "1",
     }
-    script = ROOT / "examples" / "cpu_demo.sh"
+    script = shipped_file("examples", "cpu_demo.sh")
     proc = subprocess.run(
         ["bash", str(script), *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env=env, cwd=ROOT,
+        text=True, env=env, cwd=workdir,
     )  # fmt: skip
     (workdir / f"{log_name}.log").write_text(proc.stdout)
     run = LoopRun(argv=[str(script), *flags], returncode=proc.returncode, output=proc.stdout)
@@ -256,10 +257,8 @@ def plot_load(summary: dict[str, Any], path: str) -> None:
 def run_demo(steps: int, workdir: Path) -> tuple[dict[str, LoopRun], dict[str, Any]]:
     """Preprocesses the corpus and runs the four launches in ``workdir``; returns runs and loads."""
     prefix = str(workdir / "corpus_text_document")
-    corpus = ROOT / "megatron_ext" / "assets" / "corpus.jsonl"
-    tool = ROOT / "tools" / "preprocess_data.py"
-    if not tool.exists():
-        raise RuntimeError(f"{tool} not found: run the demo from a checkout of megatron_ext")
+    corpus = PACKAGE / "assets" / "corpus.jsonl"
+    tool = shipped_file("tools", "preprocess_data.py")
     subprocess.run(
         [sys.executable, str(tool), "--input", str(corpus), "--output-prefix", prefix,
          "--append-eod"],
