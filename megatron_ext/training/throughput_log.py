@@ -57,7 +57,8 @@ def log_token_throughput(args: Any, iteration: int) -> dict[str, Any] | None:
             tokens=counts.tokens * data_parallel, real_tokens=counts.real_tokens * data_parallel
         )
     record = {**rates(counts, seconds), "token_counts_exact": exact}
-    run.last_throughput = record
+    # A middle pipeline stage reads no batch: it has no counts to give (its JSON line carries none).
+    run.last_throughput = record if counts.tokens else None
     first = (
         parallel_state.get_data_parallel_rank() == 0
         and parallel_state.get_tensor_model_parallel_rank() == 0
