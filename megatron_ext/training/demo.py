@@ -84,6 +84,8 @@ def _load_counts(path: Path) -> dict[str, np.ndarray]:
             [np.sum([line[f"{layer}/{key}"] for line in lines], axis=0) for layer in layers]
         )
     out["iterations"] = np.array([line["iteration"] for line in lines])
+    for key in ("tokens_per_s", "real_tokens_per_s", "pad_fraction"):  # the loop's throughput line
+        out[key] = np.array([line[key] for line in lines])
     return out
 
 
@@ -109,6 +111,15 @@ def summarize(runs: dict[str, LoopRun], loads: dict[str, dict[str, np.ndarray]])
             )
         )
         for name, run in (("self", self_pad), ("skip", skip))
+    }
+    # Real (non-pad) tokens per second as the loop logged them, same median as step_ms.
+    throughput = {
+        name: {
+            key: float(np.median(loads[name][key][1:]))
+            for key in ("tokens_per_s", "real_tokens_per_s")
+        }
+        | {"pad_fraction": float(loads[name]["pad_fraction"].mean())}
+        for name in ("constant", "self", "skip")
     }
     experts = load_s["all"].shape[1]
     matched = [tuple(map(int, m)) for m in _REPLAY.findall(replay.output)]
@@ -147,6 +158,7 @@ def summarize(runs: dict[str, LoopRun], loads: dict[str, dict[str, np.ndarray]])
         "self_expert_rows": int(load_s["all"].sum()),
         "skip_step_time_vs_self": step_ms["skip"] / step_ms["self"],
         "skip_loss_max_abs_diff": float(np.max(np.abs(np.subtract(losses_k, losses_s)))),
+        "throughput": throughput,
         "tokens_per_expert": {
             "constant": load_c["all"].tolist(),
             "self": load_s["all"].tolist(),
@@ -210,6 +222,12 @@ def report(summary: dict[str, Any], seconds: float) -> str:
         f"({summary['skip_expert_rows'] / summary['self_expert_rows'] - 1:+.0%}), step time "
         f"{summary['skip_step_time_vs_self']:.2f}x self pads (median of iterations 2-"
         f"{summary['iterations']}, whole step)",
+        "tokens/s as logged (median of iterations 2-"
+        f"{summary['iterations']}): "
+        + ", ".join(
+            f"{name} pads {t['tokens_per_s']:.0f} ({t['real_tokens_per_s']:.0f} real)"
+            for name, t in summary["throughput"].items()
+        ),
         f"route replay: {summary['replay_match_rate']:.1%} of {summary['replay_rows']} (token, layer) "
         "routes used exactly as recorded; the replaying model's own router would have chosen "
         f"differently on {summary['natural_routing_changed']:.1%}",
