@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 setup: $(STAMP)
 
 # Re-runs only when the pins or the package metadata change: a second `make setup` takes seconds.
-$(STAMP): requirements/lock.txt setup.py
+$(STAMP): requirements/lock.txt pyproject.toml setup.py
 	@set -euo pipefail; \
 	if [ ! -x $(PY) ]; then \
 	  PY312=""; \

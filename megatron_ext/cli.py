@@ -1,4 +1,5 @@
-"""The ``megatron-ext`` command: ``bench`` (writes docs/BENCHMARKS.md) and ``demo`` (the CPU main job)."""
+"""The ``megatron-ext`` command: ``bench`` (writes docs/BENCHMARKS.md), ``demo`` (the CPU main job),
+``flags`` (the flag reference) and the tools (``preprocess-data``, ``convert-routes``, ...)."""
 
 import argparse
 import os
@@ -37,6 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--png", metavar="PATH", default="out/demo_load.png", help="per-expert load plot"
     )
+    # Packaging: the flag reference and the tools as subcommands.
+    from megatron_ext.tool_commands import add_tool_commands
+
+    flags = sub.add_parser("flags", help="print every megatron_ext flag with its help")
+    flags.add_argument(
+        "--markdown", action="store_true", help="as Markdown (docs/flags.md is this output)"
+    )
+    add_tool_commands(sub)
     return parser
 
 
@@ -45,9 +54,18 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_ext.data.tool_errors import run_tool
 
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    from megatron_ext.tool_commands import tool_command
+
+    status = tool_command(sys.argv[1:] if argv is None else argv)
+    if status is not None:
+        return status
     args = build_parser().parse_args(argv)
 
     def run(_: list[str] | None) -> int:
+        if args.command == "flags":
+            from megatron_ext.flag_reference import main as flags_main
+
+            return flags_main(args)
         if args.command == "bench":
             from megatron_ext.bench.report import main as bench_main
 

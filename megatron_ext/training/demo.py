@@ -1,6 +1,7 @@
 """The CPU main job (``make demo`` / ``megatron-ext demo``): megatron_ext inside Megatron's real training loop.
 
 It preprocesses the embedded corpus with ``tools/preprocess_data.py`` and runs ``examples/cpu_demo.sh``
+(the checkout's, or the copies an installed wheel ships: :mod:`megatron_ext.shipped_files`)
 (``torchrun --nproc-per-node 2 -m megatron_ext.pretrain_gpt --cpu ...``: ``megatron.training.pretrain``
 on 2 gloo processes, a tiny MoE HybridModel, EP=2, rollout-style rows that are mostly padding) four times:
 
@@ -34,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
+from megatron_ext.shipped_files import PACKAGE, shipped_file
 from megatron_ext.testing.real_loop import LoopRun, free_port
 
-ROOT = Path(__file__).resolve().parents[2]
 EP = 2
 #: The loop logs lm loss to 7 significant digits. Pads never reach a real token's loss (masked, own
 #: attention segment, out of the aux loss), but they change how many rows each expert's grouped GEMM
@@ -63,10 +64,10 @@ def _launch(flags: list[str], data: str, log_name: str, workdir: Path) -> LoopRu
         "TORCHDYNAMO_DISABLE": "1",
         "OMP_NUM_THREADS": "1",
     }
-    script = ROOT / "examples" / "cpu_demo.sh"
+    script = shipped_file("examples", "cpu_demo.sh")
     proc = subprocess.run(
         ["bash", str(script), *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env=env, cwd=ROOT,
+        text=True, env=env, cwd=workdir,
     )  # fmt: skip
     (workdir / f"{log_name}.log").write_text(proc.stdout)
     run = LoopRun(argv=[str(script), *flags], returncode=proc.returncode, output=proc.stdout)
@@ -87,6 +88,8 @@ def _load_counts(path: Path) -> dict[str, np.ndarray]:
             [np.sum([line[f"{layer}/{key}"] for line in lines], axis=0) for layer in layers]
         )
     out["iterations"] = np.array([line["iteration"] for line in lines])
+    for key in ("tokens_per_s", "real_tokens_per_s", "pad_fraction"):  # the loop's throughput line
+        out[key] = np.array([line[key] for line in lines])
     return out
 
 
@@ -112,6 +115,15 @@ def summarize(runs: dict[str, LoopRun], loads: dict[str, dict[str, np.ndarray]])
             )
         )
         for name, run in (("self", self_pad), ("skip", skip))
+    }
+    # Real (non-pad) tokens per second as the loop logged them, same median as step_ms.
+    throughput = {
+        name: {
+            key: float(np.median(loads[name][key][1:]))
+            for key in ("tokens_per_s", "real_tokens_per_s")
+        }
+        | {"pad_fraction": float(loads[name]["pad_fraction"].mean())}
+        for name in ("constant", "self", "skip")
     }
     experts = load_s["all"].shape[1]
     # Per logged iteration: (rows with a recorded route, used exactly, the router would differ).
@@ -151,6 +163,7 @@ def summarize(runs: dict[str, LoopRun], loads: dict[str, dict[str, np.ndarray]])
         "self_expert_rows": int(load_s["all"].sum()),
         "skip_step_time_vs_self": step_ms["skip"] / step_ms["self"],
         "skip_loss_max_abs_diff": float(np.max(np.abs(np.subtract(losses_k, losses_s)))),
+        "throughput": throughput,
         "tokens_per_expert": {
             "constant": load_c["all"].tolist(),
             "self": load_s["all"].tolist(),
@@ -214,6 +227,12 @@ def report(summary: dict[str, Any], seconds: float) -> str:
         f"({summary['skip_expert_rows'] / summary['self_expert_rows'] - 1:+.0%}), step time "
         f"{summary['skip_step_time_vs_self']:.2f}x self pads (median of iterations 2-"
         f"{summary['iterations']}, whole step)",
+        "tokens/s as logged (median of iterations 2-"
+        f"{summary['iterations']}): "
+        + ", ".join(
+            f"{name} pads {t['tokens_per_s']:.0f} ({t['real_tokens_per_s']:.0f} real)"
+            for name, t in summary["throughput"].items()
+        ),
         f"route replay: {summary['replay_match_rate']:.1%} of {summary['replay_rows']} (token, layer) "
         "routes used exactly as recorded; the replaying model's own router would have chosen "
         f"differently on {summary['natural_routing_changed']:.1%}",
@@ -261,10 +280,8 @@ def plot_load(summary: dict[str, Any], path: str) -> None:
 def run_demo(steps: int, workdir: Path) -> tuple[dict[str, LoopRun], dict[str, Any]]:
     """Preprocesses the corpus and runs the four launches in ``workdir``; returns runs and loads."""
     prefix = str(workdir / "corpus_text_document")
-    corpus = ROOT / "megatron_ext" / "assets" / "corpus.jsonl"
-    tool = ROOT / "tools" / "preprocess_data.py"
-    if not tool.exists():
-        raise RuntimeError(f"{tool} not found: run the demo from a checkout of megatron_ext")
+    corpus = PACKAGE / "assets" / "corpus.jsonl"
+    tool = shipped_file("tools", "preprocess_data.py")
     subprocess.run(
         [sys.executable, str(tool), "--input", str(corpus), "--output-prefix", prefix,
          "--append-eod"],

@@ -28,6 +28,7 @@ import torch
 
 from megatron_ext.config import MoEAlignmentConfig
 from megatron_ext.training import run_state
+from megatron_ext.training.throughput_log import count_micro_batch, log_token_throughput
 
 
 def batch_to_device(batch: dict[str, Any]) -> dict[str, Any]:
@@ -71,6 +72,7 @@ def begin_micro_batch(args: Any) -> tuple[Hashable, bool]:
     if first:
         finished, run.iteration, run.position = run.iteration, iteration, 0
         if finished is not None:
+            log_token_throughput(args, finished)
             log_expert_load(args, finished)
             log_replay_check(args, finished)
     key = (iteration, run.position)
@@ -110,6 +112,8 @@ def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tens
     batch = batch_to_device(host_batch)
     key, starts_step = begin_micro_batch(args)
     training = key[0] != "eval"
+    if training:
+        count_micro_batch(args, host_batch)  # host counts: tokens/s, real tokens/s, pad fraction
     kwargs = model_inputs(batch, args, model)
     # The model's [batch, seq] layout: THD flattens the micro-batch to one row of B*S tokens, so routes
     # are installed (and recorded) in that layout too; router rows then follow the model's token order.
@@ -210,7 +214,11 @@ def log_expert_load(args: Any, iteration: int) -> dict[str, Any] | None:
     scalars = {k: v for k, v in summary.items() if isinstance(v, float)}
     worst = max((v for k, v in scalars.items() if k.endswith("rank_max_vio")), default=0.0)
     line = f"megatron_ext expert load: worst EP-rank max_vio {worst:.3f}"
-    record = {"iteration": iteration + 1, **summary}
+    record = {
+        "iteration": iteration + 1,
+        **summary,
+        **(run_state.state(args).last_throughput or {}),
+    }
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         # Each pipeline stage holds its own MoE layers, and a collective here, inside Megatron's
         # schedule, would deadlock against the stages' point-to-point waits: every stage's first
@@ -299,6 +307,7 @@ def flush_logs(args: Any) -> None:
     next step starts to trigger them)."""
     run = run_state.state(args)
     if run.iteration is not None:
+        log_token_throughput(args, run.iteration)
         log_expert_load(args, run.iteration)
         log_replay_check(args, run.iteration)
         run.iteration = None

@@ -41,6 +41,10 @@ class RunState:
     replay_check: Any = None
     #: ``--moe-pad-routing`` resolved for this run, with the per-micro-batch real-token counts.
     pad_routing: Any = None
+    #: This rank's host token counts since the last log, the interval's start, the last record.
+    token_counts: Any = None
+    token_clock: float = 0.0
+    last_throughput: dict[str, Any] | None = None
 
 
 _STATE: RunState | None = None

@@ -38,6 +38,13 @@ def test_demo_runs_the_real_loop_and_its_checks_hold(tmp_path, capsys) -> None:
     assert summary["replay_rows"] > 0 and summary["replay_match_rate"] == 1.0
     assert summary["natural_routing_changed"] > 0.2
     assert summary["alignment_ok"] and summary["alignment_multiple"] == [16]
+    # Real-token throughput as the loop logged it: its pad fraction (host counts of the rows) is the
+    # one the routers' real/all token counts give, and pads count as tokens but not as real ones.
+    assert sorted(summary["throughput"]) == ["constant", "self", "skip"]
+    for logged in summary["throughput"].values():
+        assert abs(logged["pad_fraction"] - summary["pad_fraction"]) < 1e-9
+        assert 0 < logged["real_tokens_per_s"] < logged["tokens_per_s"]
+    assert "tokens/s as logged" in printed
     assert all(g % 16 == 0 for rank in summary["alignment_groups"] for g in rank)
     assert all(summary["checks"].values())
     assert png.stat().st_size > 10_000  # a real plot, not an empty file
