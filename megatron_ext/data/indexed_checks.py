@@ -99,15 +99,17 @@ def open_indexed(path_prefix: str, what: str) -> IndexedDataset:
 
 
 def _size_diagnosis(actual: int, expected: int, itemsize: int) -> str:
-    """Why a ``.bin`` is not the size its ``.idx`` indexes: a value width of its own that holds
-    exactly the indexed tokens (a ``.bin`` written with another dtype than the ``.idx``
-    records: uint16 tokens beside an int32 index), else truncated or corrupt."""
+    """Why a ``.bin`` is not the size its ``.idx`` indexes: truncated or corrupt, and where its
+    size holds exactly the indexed tokens at another width, possibly written with another dtype
+    than the ``.idx`` records (uint16 tokens beside an int32 index). The size alone cannot tell
+    a copy cut at exactly that length from such a pair, so both are named."""
     tokens = expected // itemsize
     for width in (1, 2, 4, 8):
         if width != itemsize and tokens and tokens * width == actual:
             return (
-                f"it holds exactly those {tokens} tokens as {width}-byte values, so the .bin "
-                f"and .idx were written with different dtypes (the .idx says {itemsize}-byte)"
+                f"the file is truncated, or the .bin and .idx were written with different dtypes "
+                f"(it holds exactly those {tokens} tokens as {width}-byte values; the .idx says "
+                f"{itemsize}-byte)"
             )
     return "the file is truncated or corrupt"
 
