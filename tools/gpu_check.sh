@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of megatron_ext's MoE grouped-GEMM alignment (issue 4) on one GPU (H200 class).
+# GPU check of megatron_ext's MoE grouped-GEMM alignment on one GPU (H200 class).
 # Hardware/software: 1 GPU, torch 2.11 + CUDA 13 preinstalled, NO network, NO Transformer Engine.
 # Command: bash tools/gpu_check.sh        (well under 8 minutes; prints one JSON line, exit 1 on
 # a failed check). It installs megatron-core from the wheel kept in tools/gpu/ (no network, so
@@ -8,7 +8,7 @@
 # forward/backward under torch.cuda.set_sync_debug_mode("error"), fp8 vs bf16 within an
 # e4m3-derived bound, time vs router padding; then route replay on the GPU (install() under the
 # same sync guard, exact replay, replay vs native and Megatron's RouterReplay timed) and the
-# alignment benchmark's EP=1 rows (issue 13: ours/unaligned dispatch + combine at 48 and 8192
+# alignment benchmark's EP=1 rows (ours/unaligned dispatch + combine at 48 and 8192
 # tokens, both dispatchers).
 set -euo pipefail
 cd "$(dirname "$0")/.."

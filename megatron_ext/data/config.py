@@ -9,7 +9,7 @@ from megatron_ext.config_registry import feature_config, flag
 from megatron_ext.data.padding import derive_pad_multiple
 
 
-@feature_config("data: self-token padding and document packing (issue 3)")
+@feature_config("data: self-token padding and document packing")
 @dataclass(frozen=True, kw_only=True)
 class PaddingConfig:
     """How packs are padded and how documents are packed (megatron_ext.data)."""

@@ -10,7 +10,7 @@ from megatron_ext.moe.alignment import align_size_for as _align_size_for
 from megatron_ext.moe.alignment import precision_of as _precision_of
 
 
-@feature_config("moe: grouped-GEMM alignment after dispatch and expert load metrics (issue 4)")
+@feature_config("moe: grouped-GEMM alignment after dispatch and expert load metrics")
 @_moe_dataclass(frozen=True, kw_only=True)
 class MoEAlignmentConfig:
     """Sync-free fp8/mxfp8/nvfp4 group alignment in the token dispatcher (megatron_ext.moe)."""
@@ -89,7 +89,7 @@ class MoEAlignmentConfig:
         quantized = self.refuse_unalignable(args)
         override = self.moe_dispatch_align_size
         if not quantized:
-            # A setting with no effect on the current path warns once (STYLE).
+            # A setting with no effect on the current path warns once.
             if override:
                 _moe_warn_once(
                     f"--moe-dispatch-align-size {override} has no effect without --fp8-format / "
@@ -186,7 +186,7 @@ def _moe_warn_once(message: str) -> None:
         _moe_warnings.warn(message, stacklevel=3)
 
 
-@feature_config("moe: pad tokens in the MoE layer, skipped or dropped first (issue 12)")
+@feature_config("moe: pad tokens in the MoE layer, skipped or dropped first")
 @_moe_dataclass(frozen=True, kw_only=True)
 class MoEPadRoutingConfig:
     """What pad tokens cost in the MoE layer (megatron_ext.moe.pad_routing)."""

@@ -10,7 +10,7 @@ from megatron_ext.config_registry import feature_config, flag
 from megatron_ext.replay.unsupported import check_replay_supported
 
 
-@feature_config("replay: route record/replay bound to Megatron's RouterReplay (issue 5)")
+@feature_config("replay: route record/replay bound to Megatron's RouterReplay")
 @_dataclass(frozen=True, kw_only=True)
 class ReplayConfig:
     """Route replay (R3): train on the experts the rollout engine chose (megatron_ext.replay)."""

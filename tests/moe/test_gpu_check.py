@@ -50,7 +50,7 @@ def test_cpu_smoke_runs_the_guarded_layer_and_reports():
     assert result["rounds"] == 2 and "router_padding_error" not in result, result
     lo, hi = result["ours_over_router_padding_min_max"]
     assert lo <= result["ours_over_router_padding"] <= hi, result
-    # The alignment benchmark's EP=1 rows (issue 13's figures on a GPU) ran on this device: both
+    # The alignment benchmark's EP=1 rows (the dispatcher's cost figures on a GPU) ran on this device: both
     # dispatchers, every precision, paired ratios inside their range, pads really added.
     assert "alignment_error" not in result, result.get("alignment_error")
     # The checks were printed on their own line first (a table outrunning the timeout keeps them).

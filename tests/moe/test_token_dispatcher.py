@@ -149,7 +149,7 @@ def _bitwise(a, b) -> bool:
 
 
 class _SkipPads:
-    """Stand-in for the lead's skip-pads mixin: Megatron's preprocess through super(), then
+    """Stand-in for a skip-pads mixin: Megatron's preprocess through super(), then
     ``num_out_tokens`` lowered to the rows actually routed (pad tokens are routed nowhere)."""
 
     def preprocess(self, routing_map):
@@ -501,7 +501,7 @@ def test_tp2_ep2_aligned_alltoall_equals_stock():
 
 
 def test_skip_pads_stand_in_routes_nowhere_and_lowers_num_out_tokens(results):
-    """The lead's skip-pads mode (a subclass lowering ``num_out_tokens`` after our preprocess,
+    """A skip-pads mode (a subclass lowering ``num_out_tokens`` after our preprocess,
     routing pad tokens nowhere) keeps ours equal to Megatron's under the same subclass: fp32
     outputs and input grads bitwise, pad tokens' outputs zero, groups aligned."""
     ws, per_rank = results

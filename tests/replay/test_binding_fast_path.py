@@ -1,6 +1,6 @@
 """Tier: gloo ranks (real Megatron GPTModel on CPU, one rank) and Megatron on one rank (datasets).
 
-The replay fast path (issue 13): a micro-batch whose host-side count says it has no missing route
+The replay fast path: a micro-batch whose host-side count says it has no missing route
 row is installed with ``has_missing=False``; its routers then skip the missing mask, the native
 top-k and the ``where`` (counted: one ``torch.topk`` call fewer per router) and produce bitwise the same outputs
 and gradients as the masked path. A micro-batch with missing rows still takes the router's choice

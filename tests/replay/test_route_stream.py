@@ -1,7 +1,7 @@
 """Tier: pure (numpy + files; one subprocess measures RSS and checks the module never imports
 megatron).
 
-Recording at scale (issue 13): per-rank streams assembled into a route sidecar are byte-identical
+Recording at scale: per-rank streams assembled into a route sidecar are byte-identical
 to what the in-memory recorder wrote (naive reference below: per-document arrays, later packs and
 later ranks overwrite, then ``write_route_sidecar``), pad rows are written as missing, peak memory
 stays bounded while the recording is several times larger than the limit, and the read-side

@@ -2,7 +2,7 @@
 
 - :func:`replay_checks`: route replay (no sync in ``install()``, exact replay of a perturbed
   model, the ``replay`` benchmark's ratios);
-- :func:`alignment_table`: the ``alignment`` benchmark's EP=1 rows (issue 13's dispatcher
+- :func:`alignment_table`: the ``alignment`` benchmark's EP=1 rows (the dispatcher's cost
   figures).
 
 Both run Megatron's real classes and megatron_ext's benchmark code; on CPU (``--cpu-smoke``) at
@@ -16,7 +16,7 @@ import torch
 
 def replay_checks(device: str, smoke: bool) -> dict:
     """Route replay on this device: ``install()`` under the sync detector, routes replayed
-    exactly, and the ``replay`` benchmark's forward times (issue 13: replay at native speed).
+    exactly, and the ``replay`` benchmark's forward times (replay at native speed).
 
     A tiny MoE GPTModel (local spec, 8 experts, top-2) records Megatron's routes (RECORD), its
     weights are perturbed so that it routes otherwise (checked), our binding installs the routes
@@ -69,7 +69,7 @@ def replay_checks(device: str, smoke: bool) -> dict:
 
 
 def alignment_table(device: str, smoke: bool) -> list[dict]:
-    """Issue 13's dispatcher figures on this device: the ``alignment`` benchmark's EP=1 rows.
+    """The dispatcher's cost figures on this device: the ``alignment`` benchmark's EP=1 rows.
 
     Megatron's unaligned all-to-all and all-gather dispatchers beside megatron_ext's aligned ones
     (fp8, mxfp8, nvfp4), dispatch + combine, interleaved rounds, median paired ratios, the same
