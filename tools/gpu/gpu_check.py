@@ -33,8 +33,8 @@ Prints one JSON line with the results and exits non-zero when a check fails:
   paired ratios (median, min, max) to native routing and to Megatron's RouterReplay, timed on
   this device. ``replay_ok`` joins ``ok`` in the exit code; an error is ``replay_error``.
 - ``alignment``: the ``alignment`` benchmark's EP=1 rows measured on this device (the
-  dispatcher's cost figures: ours/unaligned dispatch + combine for fp8/mxfp8/nvfp4 at 48 and 8192 tokens, both
-  dispatchers, with the control, floor and no-pad columns), one dict per row; an error there is
+  dispatcher's cost figures: ours/unaligned dispatch + combine for fp8/mxfp8/nvfp4 at 48 and
+  8192 tokens, both dispatchers, with the control, floor and no-pad columns), one dict per row; an error there is
   reported as ``alignment_error``. Not part of ``ok``. The checks are printed on a line of their
   own before the table is measured; the last line is always the whole result.
 """
