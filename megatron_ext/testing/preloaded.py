@@ -49,8 +49,8 @@ from typing import Any
 
 from megatron_ext.testing.real_loop import _rank_env
 
-#: Modules the server imports: what every launch of ``megatron_ext.pretrain_gpt`` imports (the
-#: tokenizer module brings in ``transformers``, a third of the time). Not the entry module itself:
+#: Modules the server imports: what every launch of ``megatron_ext.pretrain_gpt`` imports (its
+#: tokenizer libraries deferred, as a ``--cpu`` launch has them). Not the entry module itself:
 #: ``runpy`` runs it as ``__main__``.
 PRELOAD = (
     "megatron.training.training",
@@ -88,6 +88,9 @@ def serve(requests_fd: int, replies_fd: int) -> None:
     """The server's loop: preload, then fork one rank per request until the request pipe closes."""
     import importlib
 
+    from megatron_ext.training.startup import defer_tokenizer_libraries
+
+    defer_tokenizer_libraries()  # as a --cpu launch does: no transformers unless a rank asks
     for name in PRELOAD:
         importlib.import_module(name)
     gc.freeze()  # the ranks' garbage collector then leaves the preloaded objects' pages shared
