@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--png", metavar="PATH", default="out/demo_load.png", help="per-expert load plot"
     )
+    from megatron_ext.training.rehearse import add_parser as add_rehearse
+
+    add_rehearse(sub)
     return parser
 
 
@@ -52,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_ext.bench.report import main as bench_main
 
             return bench_main(args)
+        if args.command == "rehearse":
+            from megatron_ext.training.rehearse import main as rehearse_main
+
+            return rehearse_main(args)
         from megatron_ext.training.demo import main as demo_main
 
         return demo_main(args)
