@@ -20,8 +20,8 @@ value a fresh rank would have seen. The rank's environment is the server's after
 variables. Also reset in the rank, as a fresh one has them: Megatron's start clocks (set at its
 import) and numpy's global random state. Left as they are, and documented: warnings raised while
 importing go to the server's log, and every forked rank shares the server's string-hash seed
-(fresh ranks each draw one), so set iteration order agrees across ranks; the examples and the demo,
-which always run fresh interpreters, keep that case covered. Importing megatron_ext patches
+(fresh ranks each draw one), so set iteration order agrees across ranks; the examples' tests, which
+run them under torchrun's fresh interpreters, keep that case covered. Importing megatron_ext patches
 nothing (tests/test_cpu.py), so every rank starts unpatched.
 
 Protocol (on two pipes of their own, so nothing printed can corrupt it): the launcher writes one

@@ -1,8 +1,10 @@
 """The CPU main job (``make demo`` / ``megatron-ext demo``): megatron_ext inside Megatron's real training loop.
 
-It preprocesses the embedded corpus with ``tools/preprocess_data.py`` and runs ``examples/cpu_demo.sh``
-(``torchrun --nproc-per-node 2 -m megatron_ext.pretrain_gpt --cpu ...``: ``megatron.training.pretrain``
-on 2 gloo processes, a tiny MoE HybridModel, EP=2, rollout-style rows that are mostly padding) four times:
+It preprocesses the embedded corpus with ``tools/preprocess_data.py`` and runs the launch of
+``examples/cpu_demo.sh`` (``megatron_ext.pretrain_gpt --cpu ...``: ``megatron.training.pretrain`` on 2 gloo
+ranks, a tiny MoE HybridModel, EP=2, rollout-style rows that are mostly padding) four times, as
+``megatron-ext rehearse`` runs configurations (the example's flags, ranks forked from one server that
+imported Megatron once):
 
 1. ``--pad-policy constant --moe-pad-routing dispatch``: pads are one id (0), as most packers do, and are
    routed like text;
@@ -34,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from megatron_ext.testing.real_loop import LoopRun, free_port
+from megatron_ext.testing.real_loop import LoopRun, launch
+from megatron_ext.training.rehearse import example_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 EP = 2
@@ -52,23 +55,14 @@ _REHEARSAL = re.compile(
 
 
 def _launch(flags: list[str], data: str, log_name: str, workdir: Path) -> LoopRun:
-    env = {
-        **os.environ,
-        "DATA": str(Path(data).parent),
-        "PYTHON": sys.executable,
-        "MASTER_PORT": str(free_port()),
-        "TORCHDYNAMO_DISABLE": "1",
-        "OMP_NUM_THREADS": "1",
-    }
-    script = ROOT / "examples" / "cpu_demo.sh"
-    proc = subprocess.run(
-        ["bash", str(script), *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env=env, cwd=ROOT,
-    )  # fmt: skip
-    (workdir / f"{log_name}.log").write_text(proc.stdout)
-    run = LoopRun(argv=[str(script), *flags], returncode=proc.returncode, output=proc.stdout)
+    """The example's launch with ``flags`` last, as ``megatron-ext rehearse`` runs a configuration:
+    the flags ``examples/cpu_demo.sh`` passes, on ranks forked from one preloaded server."""
+    env = {**os.environ, "DATA": str(Path(data).parent), "NPROC": str(EP)}
+    args = example_flags(ROOT / "examples" / "cpu_demo.sh", env, flags)
+    run = launch(args, nproc=EP, timeout=1800, cwd=ROOT)
+    (workdir / f"{log_name}.log").write_text(run.output)
     if run.returncode != 0:
-        tail = "\n".join(proc.stdout.splitlines()[-40:])
+        tail = "\n".join(run.output.splitlines()[-40:])
         raise RuntimeError(f"demo run '{log_name}' failed ({run.returncode}):\n{tail}")
     return run
 

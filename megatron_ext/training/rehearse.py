@@ -26,6 +26,8 @@ import re
 import shlex
 import statistics
 import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +110,43 @@ def outcome_of(name: str, run: LoopRun, seconds: float) -> Outcome:
     if error is None:
         error = next((line.strip() for line in reversed(lines) if line.strip()), "no output")
     return Outcome(name, "crashed", f"exit {run.returncode}: {error}", seconds=seconds)
+
+
+_FLAGS_SHIM = """#!/usr/bin/env bash
+if [ "$1" = "-c" ]; then exec "$MEGATRON_EXT_PYTHON" "$@"; fi
+printf '%s\\0' "$@" > "$MEGATRON_EXT_FLAGS"
+"""
+
+
+def example_flags(script: Path, env: dict[str, str], extra: list[str] = ()) -> list[str]:
+    """The ``megatron_ext.pretrain_gpt`` flags a launch script passes, read off its ``DRY_RUN=1`` path.
+
+    The script runs as written, with ``DRY_RUN=1`` and ``PYTHON`` a shim that records the arguments
+    of the ``python -m megatron_ext.pretrain_gpt ... --dry-run`` it execs (and runs the real Python
+    for the script's own ``-c`` checks): the flags, ``extra`` last, as the script would launch them.
+
+    Raises:
+        RuntimeError: The script failed or launched no ``-m megatron_ext.pretrain_gpt``.
+    """
+    with tempfile.TemporaryDirectory(prefix="megatron_ext_flags_") as tmp:
+        shim, out = Path(tmp) / "python", Path(tmp) / "flags"
+        shim.write_text(_FLAGS_SHIM)
+        shim.chmod(0o755)
+        shim_env = {
+            **env, "DRY_RUN": "1", "PYTHON": str(shim), "MEGATRON_EXT_PYTHON": sys.executable,
+            "MEGATRON_EXT_FLAGS": str(out),
+        }  # fmt: skip
+        proc = subprocess.run(
+            ["bash", str(script), *extra], env=shim_env, capture_output=True, text=True
+        )
+        argv = out.read_text().split("\0")[:-1] if out.exists() else []
+    if proc.returncode != 0 or argv[:2] != ["-m", "megatron_ext.pretrain_gpt"]:
+        raise RuntimeError(
+            f"{script}: no launch read off DRY_RUN=1 ({proc.returncode}): "
+            f"{proc.stderr.strip()[-500:]}"
+        )
+    assert argv[-1] == "--dry-run", argv
+    return argv[2:-1]
 
 
 def rehearse(

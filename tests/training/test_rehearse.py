@@ -100,3 +100,20 @@ def test_rehearse_options_after_the_file_are_refused(tmp_path):
         capture_output=True, text=True, cwd=ROOT, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2 and "--nproc after FILE" in proc.stderr, proc.stderr
+
+
+def test_example_flags_are_what_the_script_launches(tmp_path):
+    import os
+    from pathlib import Path
+
+    env = {**os.environ, "DATA": "/data dir"}
+    flags = rehearse.example_flags(ROOT / "examples" / "cpu_demo.sh", env, ["--train-iters", "2"])
+    assert flags[0] == "--cpu" and flags[-2:] == ["--train-iters", "2"]
+    at = flags.index("--data-path")
+    assert flags[at + 1] == "/data dir/corpus_text_document"  # quoting kept
+    script = tmp_path / "launch.sh"
+    script.write_text('exec "$PYTHON" -m megatron_ext.pretrain_gpt --a "b c" "$@" --dry-run\n')
+    assert rehearse.example_flags(Path(script), env, ["--d"]) == ["--a", "b c", "--d"]
+    script.write_text('echo "DATA is not set" >&2; exit 2\n')
+    with pytest.raises(RuntimeError, match="DATA is not set"):
+        rehearse.example_flags(Path(script), env)
