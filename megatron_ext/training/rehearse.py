@@ -8,7 +8,8 @@ path the real-loop tests take), running the same ``python -m megatron_ext.pretra
 
 A configurations file holds one configuration per line, ``NAME: FLAGS`` (shell quoting; ``#``
 comments and blank lines skipped); flags given after ``--`` on the command line go before every
-line's, so a line's own flags win::
+line's, so a line's own flags win, and ``--example SCRIPT`` puts the flags a launch script passes
+(read off its ``DRY_RUN=1`` path, :func:`example_flags`) before those::
 
     # sweep.txt
     alltoall: --moe-token-dispatcher-type alltoall
@@ -22,6 +23,7 @@ line's, so a line's own flags win::
 """
 
 import argparse
+import os
 import re
 import shlex
 import statistics
@@ -37,7 +39,7 @@ from megatron_ext.testing.real_loop import LoopRun, launch
 _REFUSAL = re.compile(r"megatron_ext: invalid arguments: .*")
 _ERROR = re.compile(r"^(?:[A-Za-z_][\w.]*)?(?:Error|Exception|Interrupt)\b(?::.*)?$")
 _STEP_FIELD = "elapsed time per iteration (ms)"
-_OWN_OPTIONS = ("--nproc", "--timeout", "--log-dir")
+_OWN_OPTIONS = ("--nproc", "--timeout", "--log-dir", "--example")
 
 
 @dataclass(frozen=True)
@@ -209,6 +211,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--timeout", type=float, default=600, help="seconds per configuration before it is stopped"
     )
     parser.add_argument("--log-dir", metavar="DIR", help="write each configuration's log here")
+    parser.add_argument(
+        "--example",
+        metavar="SCRIPT",
+        help="start every configuration from the flags this launch script passes (e.g. "
+        "examples/cpu_demo.sh, read off its DRY_RUN=1 path with this environment)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -225,6 +233,8 @@ def main(args: argparse.Namespace) -> int:
             f"rehearse: {', '.join(misplaced)} after FILE would go to every launch: "
             "put rehearse's options before FILE"
         )
+    if args.example:
+        common = example_flags(Path(args.example), dict(os.environ)) + common
     log_dir = Path(args.log_dir) if args.log_dir else None
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
