@@ -125,3 +125,14 @@ def test_a_cpu_launch_imports_no_hugging_face_for_a_null_tokenizer(corpus_prefix
     expected = f"imported: transformers=False {hf_module}=False"
     assert reports == [expected] * 2, run.output[-3000:]
     assert run.output.count("runs Megatron's jit_fuser functions eagerly") == 1  # rank 0's line
+
+
+def test_a_plain_cpu_launch_trains_as_the_tests_do(corpus_prefix):
+    from megatron_ext.testing.real_loop import TINY_MOE_ARGS, launch
+
+    args = [*TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", "2"]
+    # A user's shell: Dynamo enabled (fresh interpreters), against the tests' TORCHDYNAMO_DISABLE=1.
+    plain = launch(args, env={"TORCHDYNAMO_DISABLE": "0"}, preload=False).check()
+    tested = launch(args).check()
+    assert not plain.preloaded and sorted(plain.losses) == [1, 2]
+    assert plain.losses == tested.losses  # bitwise: the logged digits are equal
