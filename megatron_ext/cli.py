@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--markdown", action="store_true", help="as Markdown (docs/flags.md is this output)"
     )
     add_tool_commands(sub)
+    from megatron_ext.training.rehearse import add_parser as add_rehearse
+
+    add_rehearse(sub)
     return parser
 
 
@@ -70,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
             from megatron_ext.bench.report import main as bench_main
 
             return bench_main(args)
+        if args.command == "rehearse":
+            from megatron_ext.training.rehearse import main as rehearse_main
+
+            return rehearse_main(args)
         from megatron_ext.training.demo import main as demo_main
 
         return demo_main(args)

@@ -138,7 +138,11 @@ def main() -> int:
         quiet_warnings()
     if cpu:
         from megatron_ext.cpu_loop import enable_cpu_training
+        from megatron_ext.training.startup import prepare_cpu_launch
 
+        prepared = prepare_cpu_launch()  # before Megatron's import: it compiles at import
+        if os.environ.get("RANK", "0") == "0":
+            print(prepared, flush=True)
         enable_cpu_training()
         # validate_args asserts it under TP/CP (a CUDA stream setting; nothing to tune on CPU).
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")

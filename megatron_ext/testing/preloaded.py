@@ -20,8 +20,8 @@ value a fresh rank would have seen. The rank's environment is the server's after
 variables. Also reset in the rank, as a fresh one has them: Megatron's start clocks (set at its
 import) and numpy's global random state. Left as they are, and documented: warnings raised while
 importing go to the server's log, and every forked rank shares the server's string-hash seed
-(fresh ranks each draw one), so set iteration order agrees across ranks; the examples and the demo,
-which always run fresh interpreters, keep that case covered. Importing megatron_ext patches
+(fresh ranks each draw one), so set iteration order agrees across ranks; the examples' tests, which
+run them under torchrun's fresh interpreters, keep that case covered. Importing megatron_ext patches
 nothing (tests/test_cpu.py), so every rank starts unpatched.
 
 Protocol (on two pipes of their own, so nothing printed can corrupt it): the launcher writes one
@@ -49,8 +49,8 @@ from typing import Any
 
 from megatron_ext.testing.real_loop import _rank_env
 
-#: Modules the server imports: what every launch of ``megatron_ext.pretrain_gpt`` imports (the
-#: tokenizer module brings in ``transformers``, a third of the time). Not the entry module itself:
+#: Modules the server imports: what every launch of ``megatron_ext.pretrain_gpt`` imports (its
+#: tokenizer libraries deferred, as a ``--cpu`` launch has them). Not the entry module itself:
 #: ``runpy`` runs it as ``__main__``.
 PRELOAD = (
     "megatron.training.training",
@@ -88,6 +88,9 @@ def serve(requests_fd: int, replies_fd: int) -> None:
     """The server's loop: preload, then fork one rank per request until the request pipe closes."""
     import importlib
 
+    from megatron_ext.training.startup import defer_tokenizer_libraries
+
+    defer_tokenizer_libraries()  # as a --cpu launch does: no transformers unless a rank asks
     for name in PRELOAD:
         importlib.import_module(name)
     gc.freeze()  # the ranks' garbage collector then leaves the preloaded objects' pages shared

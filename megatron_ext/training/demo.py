@@ -1,9 +1,11 @@
 """The CPU main job (``make demo`` / ``megatron-ext demo``): megatron_ext inside Megatron's real training loop.
 
-It preprocesses the embedded corpus with ``tools/preprocess_data.py`` and runs ``examples/cpu_demo.sh``
-(the checkout's, or the copies an installed wheel ships: :mod:`megatron_ext.shipped_files`)
-(``torchrun --nproc-per-node 2 -m megatron_ext.pretrain_gpt --cpu ...``: ``megatron.training.pretrain``
-on 2 gloo processes, a tiny MoE HybridModel, EP=2, rollout-style rows that are mostly padding) four times:
+It preprocesses the embedded corpus with ``tools/preprocess_data.py`` and runs the launch of
+``examples/cpu_demo.sh`` (the checkout's, or the copies an installed wheel ships:
+:mod:`megatron_ext.shipped_files`; ``megatron_ext.pretrain_gpt --cpu ...``: ``megatron.training.pretrain``
+on 2 gloo ranks, a tiny MoE HybridModel, EP=2, rollout-style rows that are mostly padding) four times, as
+``megatron-ext rehearse`` runs configurations (the example's flags, ranks forked from one server that
+imported Megatron once):
 
 1. ``--pad-policy constant --moe-pad-routing dispatch``: pads are one id (0), as most packers do, and are
    routed like text;
@@ -36,7 +38,8 @@ from typing import Any
 import numpy as np
 
 from megatron_ext.shipped_files import PACKAGE, shipped_file
-from megatron_ext.testing.real_loop import LoopRun, free_port
+from megatron_ext.testing.real_loop import LoopRun, launch
+from megatron_ext.training.rehearse import example_flags
 
 EP = 2
 #: The loop logs lm loss to 7 significant digits. Pads never reach a real token's loss (masked, own
@@ -56,23 +59,14 @@ _REHEARSAL = re.compile(
 
 
 def _launch(flags: list[str], data: str, log_name: str, workdir: Path) -> LoopRun:
-    env = {
-        **os.environ,
-        "DATA": str(Path(data).parent),
-        "PYTHON": sys.executable,
-        "MASTER_PORT": str(free_port()),
-        "TORCHDYNAMO_DISABLE": "1",
-        "OMP_NUM_THREADS": "1",
-    }
-    script = shipped_file("examples", "cpu_demo.sh")
-    proc = subprocess.run(
-        ["bash", str(script), *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env=env, cwd=workdir,
-    )  # fmt: skip
-    (workdir / f"{log_name}.log").write_text(proc.stdout)
-    run = LoopRun(argv=[str(script), *flags], returncode=proc.returncode, output=proc.stdout)
+    """The example's launch with ``flags`` last, as ``megatron-ext rehearse`` runs a configuration:
+    the flags ``examples/cpu_demo.sh`` passes, on ranks forked from one preloaded server."""
+    env = {**os.environ, "DATA": str(Path(data).parent), "NPROC": str(EP)}
+    args = example_flags(shipped_file("examples", "cpu_demo.sh"), env, flags)
+    run = launch(args, nproc=EP, timeout=1800, cwd=workdir)
+    (workdir / f"{log_name}.log").write_text(run.output)
     if run.returncode != 0:
-        tail = "\n".join(proc.stdout.splitlines()[-40:])
+        tail = "\n".join(run.output.splitlines()[-40:])
         raise RuntimeError(f"demo run '{log_name}' failed ({run.returncode}):\n{tail}")
     return run
 

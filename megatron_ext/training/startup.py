@@ -1,4 +1,5 @@
-"""Startup of ``megatron_ext.pretrain_gpt`` on the megatron-core wheel: no ``make`` when the helpers exist.
+"""Startup of ``megatron_ext.pretrain_gpt``: no ``make`` when the helpers exist; a ``--cpu`` launch that
+imports only what it uses and compiles nothing.
 
 ``initialize_megatron`` -> ``_compile_dependencies`` calls ``megatron.core.datasets.utils.compile_helpers``,
 which runs ``make -C .../megatron/core/datasets``. The megatron-core 0.19.2 wheel ships the compiled
@@ -7,14 +8,25 @@ C++ dataset helper functions") on every machine, GPU included. :func:`skip_helpe
 replaces that one function: when ``megatron.core.datasets.helpers_cpp`` imports, there is nothing to
 build; otherwise Megatron's own ``compile_helpers`` runs exactly as before (a source checkout).
 
+A ``--cpu`` launch is a rehearsal whose cost is its startup: :func:`prepare_cpu_launch` (before
+Megatron is imported) runs Megatron's ``jit_fuser`` functions eagerly instead of compiling them
+(:func:`run_jit_fuser_eagerly`) and defers the import of each tokenizer library to its first use
+(:func:`defer_tokenizer_libraries`: no ``transformers`` for a ``NullTokenizer`` run).
+
 Example::
 
+    print(prepare_cpu_launch())            # --cpu, before anything imports Megatron
     skip_helpers_build_when_prebuilt()     # before megatron.training.pretrain
 """
 
+import ast
 import functools
 import importlib
+import importlib.util
+import os
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -42,3 +54,94 @@ def skip_helpers_build_when_prebuilt() -> None:
 
     compile_helpers._megatron_ext = True  # type: ignore[attr-defined]
     utils.compile_helpers = compile_helpers
+
+
+#: Megatron's package of tokenizer libraries; its ``__init__`` imports every library eagerly, the
+#: Hugging Face one (and with it ``transformers``, seconds on a small machine) included.
+TOKENIZER_LIBRARIES = "megatron.core.tokenizers.text.libraries"
+
+
+def _library_exports(init: Path) -> dict[str, str]:
+    """``{name: submodule}`` of a package ``__init__`` made only of ``from SUBMODULE import NAME``.
+
+    Raises:
+        RuntimeError: The ``__init__`` holds anything else (Megatron changed it: deferring it could
+            leave something undone).
+    """
+    exports: dict[str, str] = {}
+    for node in ast.parse(init.read_text()).body:
+        if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+            raise RuntimeError(
+                f"megatron_ext: {init} is no longer a list of 'from MODULE import NAME'; "
+                "deferring its imports needs a new look (see megatron_ext/training/startup.py)"
+            )
+        for alias in node.names:
+            exports[alias.asname or alias.name] = node.module
+    return exports
+
+
+def defer_tokenizer_libraries() -> bool:
+    """Registers Megatron's tokenizer-library package so each library is imported when first named.
+
+    ``megatron/core/tokenizers/text/libraries/__init__.py`` is nothing but seven
+    ``from .X import Tokenizer`` lines; every launch reaches it (``text_tokenizer`` imports its
+    ``abstract_tokenizer``), so a ``NullTokenizer`` run imports ``transformers`` for the Hugging Face
+    wrapper it never builds. Here the package is put in ``sys.modules`` with its real ``__path__``
+    (its submodules import as before) and a module ``__getattr__`` that imports the submodule a name
+    comes from, so ``MegatronTokenizerText._restore_model``'s ``getattr(libraries, class_name)``
+    imports ``huggingface_tokenizer`` (and ``transformers``) exactly when a Hugging Face tokenizer is
+    asked for. Nothing else changes; a no-op once the package is imported.
+
+    Returns:
+        True if the package was registered deferred, False if it was already imported.
+    """
+    if TOKENIZER_LIBRARIES in sys.modules:
+        return False
+    megatron_spec = importlib.util.find_spec("megatron")
+    assert megatron_spec is not None and megatron_spec.submodule_search_locations
+    root = Path(next(iter(megatron_spec.submodule_search_locations)))
+    package_dir = root.joinpath(*TOKENIZER_LIBRARIES.split(".")[1:])
+    init = package_dir / "__init__.py"
+    exports = _library_exports(init)
+    spec = importlib.util.spec_from_file_location(
+        TOKENIZER_LIBRARIES, init, submodule_search_locations=[str(package_dir)]
+    )
+    assert spec is not None
+    package = importlib.util.module_from_spec(spec)  # not executed: that is the point
+
+    def __getattr__(name: str) -> Any:
+        if name not in exports:
+            raise AttributeError(f"module {TOKENIZER_LIBRARIES!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(exports[name]), name)
+        setattr(package, name, value)
+        return value
+
+    package.__getattr__ = __getattr__  # type: ignore[method-assign]
+    package.__all__ = list(exports)  # type: ignore[attr-defined]
+    sys.modules[TOKENIZER_LIBRARIES] = package
+    return True
+
+
+def run_jit_fuser_eagerly() -> None:
+    """Runs Megatron's ``jit_fuser`` functions as plain Python, as the tests and the demo always have.
+
+    ``megatron.core.jit.jit_fuser`` is ``torch.compile`` on torch >= 2.2, applied when each fusion
+    module is imported; ``torch.compile`` returns the function unchanged when ``TORCHDYNAMO_DISABLE``
+    is ``1`` at that moment, so it is set here, before Megatron is imported. Were a fusion module
+    imported already, Dynamo's ``config.disable`` makes its compiled wrapper run the function eagerly
+    too. Same math, no compile time, and one behaviour (and one set of losses) for every ``--cpu``
+    launch.
+    """
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].config.disable = True
+
+
+def prepare_cpu_launch() -> str:
+    """What a ``--cpu`` launch does before Megatron is imported; returns the line that says so."""
+    run_jit_fuser_eagerly()
+    defer_tokenizer_libraries()
+    return (
+        "megatron_ext: --cpu runs Megatron's jit_fuser functions eagerly (TORCHDYNAMO_DISABLE=1, "
+        "as the tests and the demo) and imports tokenizer libraries only when one is used"
+    )

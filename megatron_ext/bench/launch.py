@@ -1,0 +1,93 @@
+"""Benchmark: what a ``--cpu`` rehearsal costs beyond importing Megatron, as a user launches it.
+
+Two commands, each a fresh process tree, in interleaved rounds (:mod:`.rounds`), wall time:
+
+- ``launch``: ``python -m torch.distributed.run --nproc-per-node 2 -m megatron_ext.pretrain_gpt``
+  with the tiny MoE GPT of :data:`~megatron_ext.testing.real_loop.TINY_MOE_ARGS` (8 experts, EP=2,
+  local modules, ``--cpu``) for 3 iterations on the embedded corpus: torchrun's agent, two ranks,
+  Megatron's initialization, training, exit.
+- ``import``: ``python -c "import megatron.training.training"``, the floor any launch pays.
+
+The figure is the median over rounds of ``launch / import`` within each round (min, max): a
+launch that imported and did nothing else would be near 1. ``TORCHDYNAMO_DISABLE`` is removed from
+both commands' environment, as a user's shell has it.
+"""
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from megatron_ext.bench.registry import BenchResult, register_benchmark
+from megatron_ext.bench.round_timing import paired_ratio
+from megatron_ext.bench.rounds import round_order
+from megatron_ext.testing.real_loop import TINY_MOE_ARGS, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+ITERATIONS = 3
+VARIANTS = ("launch", "import")
+
+
+def _commands(prefix: str) -> dict[str, list[str]]:
+    launch = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--master-port", "{port}", "-m", "megatron_ext.pretrain_gpt", *TINY_MOE_ARGS,
+        "--data-path", prefix, "--train-iters", str(ITERATIONS),
+    ]  # fmt: skip
+    return {"launch": launch, "import": [sys.executable, "-c", "import megatron.training.training"]}
+
+
+def _timed(argv: list[str], env: dict[str, str]) -> float:
+    """Wall seconds of one command; raises with its output's tail if it fails."""
+    argv = [a.replace("{port}", str(free_port())) for a in argv]
+    start = time.perf_counter()
+    proc = subprocess.run(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT
+    )
+    seconds = time.perf_counter() - start
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.splitlines()[-30:])
+        raise RuntimeError(f"launch benchmark: {argv[:4]}... failed ({proc.returncode}):\n{tail}")
+    return seconds
+
+
+@register_benchmark("launch")
+def launch_overhead(quick: bool) -> BenchResult:
+    """A tiny 2-rank ``--cpu`` launch of 3 iterations vs a bare Megatron import."""
+    # Full runs: an even number of rounds, so each command runs first equally often; a quick one
+    # (CI) times one pair.
+    rounds = 1 if quick else 6
+    env = {k: v for k, v in os.environ.items() if k != "TORCHDYNAMO_DISABLE"}
+    with tempfile.TemporaryDirectory(prefix="megatron_ext_launch_bench_") as tmp:
+        prefix = str(Path(tmp) / "corpus_text_document")
+        subprocess.run(
+            [sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input",
+             str(ROOT / "megatron_ext" / "assets" / "corpus.jsonl"), "--output-prefix", prefix,
+             "--append-eod"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        commands = _commands(prefix)
+        _timed(commands["import"], env)  # warm-up: the files both read are in the page cache
+        times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+        for r in range(rounds):
+            for name in round_order(list(VARIANTS), r):
+                times[name].append(_timed(commands[name], env))
+    ratio = paired_ratio(times, "launch", "import")
+    rows = [[name, min(times[name]), statistics.median(times[name])] for name in VARIANTS]
+    rows[0] += [ratio["median"], ratio["min"], ratio["max"]]
+    rows[1] += [1.0, 1.0, 1.0]
+    return BenchResult(
+        title="Launch overhead: a tiny 2-rank --cpu launch vs importing Megatron",
+        columns=["command", "min s", "median s", "ratio (median)", "ratio min", "ratio max"],
+        rows=rows,
+        notes=(
+            f"{rounds} interleaved rounds, wall time of fresh processes. `launch`: torchrun, 2 "
+            f"ranks, the tiny MoE GPT (EP=2, local modules) with `--cpu`, {ITERATIONS} iterations "
+            'on the embedded corpus. `import`: `python -c "import megatron.training.training"`. '
+            "Ratio: launch / import within each round; median (min, max) over rounds."
+        ),
+        extra={"seconds": times, "rounds": rounds},
+    )

@@ -1,0 +1,57 @@
+"""The ``launch`` benchmark: what it launches, and its rounds and ratios on stand-in commands.
+
+Tier: pure + subprocesses (the real launch is timed by ``megatron-ext bench --only launch``).
+"""
+
+import sys
+
+import pytest
+
+from megatron_ext.bench import launch
+from megatron_ext.bench.registry import discover
+
+
+def test_registered_and_times_a_tiny_cpu_launch_against_the_import():
+    assert discover()["launch"] is launch.launch_overhead
+    commands = launch._commands("/data/prefix")
+    run = commands["launch"]
+    assert run[1:5] == ["-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    at = run.index("-m", 2)
+    assert run[at + 1] == "megatron_ext.pretrain_gpt" and "--cpu" in run
+    assert run[-4:] == ["--data-path", "/data/prefix", "--train-iters", "3"]
+    assert commands["import"][1:] == ["-c", "import megatron.training.training"]
+
+
+def test_rounds_pair_each_launch_with_its_import(monkeypatch):
+    sleeps = {"launch": 0.3, "import": 0.1}
+    monkeypatch.setattr(
+        launch,
+        "_commands",
+        lambda prefix: {
+            k: [sys.executable, "-c", f"import time; time.sleep({s})"] for k, s in sleeps.items()
+        },
+    )
+    result = launch.launch_overhead(quick=True)
+    seconds = result.extra["seconds"]
+    assert result.extra["rounds"] == 1 and {k: len(v) for k, v in seconds.items()} == {
+        "launch": 1,
+        "import": 1,
+    }
+    name, low, median, ratio, ratio_min, ratio_max = result.rows[0]
+    assert name == "launch" and ratio_min <= ratio <= ratio_max
+    assert ratio == pytest.approx(seconds["launch"][0] / seconds["import"][0])  # one round's pair
+    assert low == median == seconds["launch"][0]
+    assert ratio > 1.2  # a 0.3 s command plus start-up over a 0.1 s one
+
+
+def test_a_failing_command_raises_with_its_output(monkeypatch):
+    monkeypatch.setattr(
+        launch,
+        "_commands",
+        lambda prefix: {
+            "launch": [sys.executable, "-c", "print('why it failed'); raise SystemExit(3)"],
+            "import": [sys.executable, "-c", "pass"],
+        },
+    )
+    with pytest.raises(RuntimeError, match=r"failed \(3\):\nwhy it failed"):
+        launch.launch_overhead(quick=True)
