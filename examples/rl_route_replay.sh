@@ -8,7 +8,9 @@
 #   sidecar is the same for both (one top-k row per MoE layer).
 # Hardware: 1 node x 8 H100/H200 (TP 2 with sequence parallelism, EP 4).
 # Command: bash examples/rl_route_replay.sh
-#   Routes: python tools/convert_routes.py --format vllm --input rollouts.jsonl --out "$DATA/rollouts_text_document_routes" ...
+#   Routes: megatron-ext convert-routes --format vllm --input rollouts.jsonl --num-layers 16 --topk 6 \
+#     --num-experts 64 --tokens-prefix "$DATA/rollouts_text_document" \
+#     --output-prefix "$DATA/rollouts_text_document_routes"
 #   (DRY_RUN=1 validates every flag, and the files under DATA, on any machine and exits.)
 set -euo pipefail
 source "$(dirname "$0")/_launch.sh"
