@@ -14,6 +14,7 @@ TOOL_SCRIPTS = {
     "convert-routes": "convert_routes.py",
     "pack-stats": "pack_stats.py",
     "make-corpus": "make_corpus.py",
+    "merge-datasets": "merge_datasets.py",
 }
 
 

@@ -9,6 +9,7 @@ so that environment's editable megatron_ext is never activated). Every command r
 example scripts, the corpus) must therefore be inside the wheel.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -17,6 +18,8 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+
+from megatron_ext.shipped_files import TOOL_SCRIPTS
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -72,11 +75,14 @@ def _run(installed: dict, *argv: str, timeout: int = 600) -> subprocess.Complete
 
 def test_the_package_is_the_installed_wheel_not_the_checkout(installed) -> None:
     done = _run(installed, installed["python"], "-c",
-                "import megatron_ext, sys; print(megatron_ext.__file__); print(sys.path)")  # fmt: skip
+                "import json, megatron_ext, sys; print(megatron_ext.__file__); "
+                "print(json.dumps(sys.path))")  # fmt: skip
     assert done.returncode == 0, done.stderr
     location, path = done.stdout.splitlines()
     assert Path(location).is_relative_to(installed["purelib"])
-    assert str(ROOT) not in path
+    # No entry is the checkout (the project venv's site-packages may lie inside it: .venv/).
+    entries = [Path(entry or installed["cwd"]).resolve() for entry in json.loads(path)]
+    assert ROOT.resolve() not in entries, entries
     shipped = installed["purelib"] / "megatron_ext"
     for name in ("_tools/preprocess_data.py", "_examples/cpu_demo.sh", "assets/corpus.jsonl"):
         assert (shipped / name).is_file(), name
@@ -87,7 +93,7 @@ def test_help_flags_and_a_tool_run_from_the_wheel(installed, tmp_path) -> None:
     command = installed["venv"] / "bin" / "megatron-ext"
     done = _run(installed, command, "--help")
     assert done.returncode == 0, done.stderr
-    for sub in ("demo", "flags", "preprocess-data", "convert-routes", "pack-stats", "make-corpus"):
+    for sub in ("demo", "flags", "rehearse", *TOOL_SCRIPTS):
         assert sub in done.stdout
     done = _run(installed, command, "flags", "--markdown")
     assert done.returncode == 0, done.stderr

@@ -176,13 +176,17 @@ def build_scheduler(args: argparse.Namespace) -> Any:
 @contextlib.contextmanager
 def megatron_args(args: argparse.Namespace) -> Iterator[argparse.Namespace]:
     """Within the block, Megatron's ``get_args()`` returns a copy of ``args`` (what Megatron's code
-    sets on it stays there); the previous global arguments are restored after."""
+    sets on it stays there); the previous global arguments, and the run's state (which the copy's
+    would replace: it is kept per arguments object), are restored after."""
     from megatron.training import global_vars
+
+    from megatron_ext.training import run_state
 
     previous = global_vars._GLOBAL_ARGS
     run_args = copy.copy(args)
     global_vars._GLOBAL_ARGS = run_args
     try:
-        yield run_args
+        with run_state.kept():
+            yield run_args
     finally:
         global_vars._GLOBAL_ARGS = previous

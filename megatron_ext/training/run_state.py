@@ -12,6 +12,8 @@ Example::
 """
 
 import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,3 +250,15 @@ def reset() -> None:
     """Forgets the run's state (between runs in one process, e.g. tests)."""
     global _STATE
     _STATE = None
+
+
+@contextmanager
+def kept() -> Iterator[None]:
+    """Within the block, a state made for other arguments (a copy of the run's, say) replaces the
+    run's only until the block ends: the run's state, and what it holds, is back after."""
+    global _STATE
+    saved = _STATE
+    try:
+        yield
+    finally:
+        _STATE = saved

@@ -320,7 +320,10 @@ def _datasets_or_error(argv: list[str], asks: list[list[int]]) -> list[list[int 
 
     from megatron_ext.arguments import add_megatron_ext_args
     from megatron_ext.training import run_state
-    from megatron_ext.training.dataset_provider import train_valid_test_datasets_provider
+    from megatron_ext.training.dataset_provider import (
+        DataRefusedError,
+        train_valid_test_datasets_provider,
+    )
 
     unset_global_variables()
     run_state.reset()
@@ -330,7 +333,7 @@ def _datasets_or_error(argv: list[str], asks: list[list[int]]) -> list[list[int 
     for sizes in asks:
         try:
             datasets = train_valid_test_datasets_provider(sizes)
-        except ValueError as err:
+        except DataRefusedError as err:  # printed in one line by the entry, exit 2
             results.append(str(err))
         else:
             results.append([None if d is None else len(d) for d in datasets])

@@ -141,7 +141,14 @@ def test_shared_expert_overlap_trains_as_without_overlap(corpus_prefix, ep) -> N
     ]  # fmt: skip
     reference = assert_trains(launch(common))
     overlapped = launch([*common, "--moe-shared-expert-overlap"])
-    assert assert_trains(overlapped) == reference
+    losses = assert_trains(overlapped)
+    # The first step's loss is bitwise the same. Later steps within one fp32 rounding of the logged
+    # 6 decimals: on one 2-core AMD EPYC machine (2026-12-03) step 3 at EP=2 logged 5.677712 for
+    # 5.677711, at this test's own earlier commit too (it had passed CI elsewhere bitwise); the
+    # overlapped path hands the shared experts their input by another route, whose sums the CPU's
+    # kernels may order differently.
+    assert losses[1] == reference[1], (losses, reference)
+    assert losses == pytest.approx(reference, rel=1e-6, abs=0), (losses, reference)
     assert re.search(r"moe_shared_expert_overlap \.+ True", overlapped.output)
 
 
