@@ -30,22 +30,9 @@ from megatron_ext.data.text_tokenizers import (
     TextTokenizer,
     byte_encode,
 )
+from megatron_ext.jsonl_lines import decode_line, refuse_duplicate_keys
 
 byte_tokenizer = byte_encode  # the built-in byte-level tokenizer, one text at a time
-
-
-def refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
-    """``json.loads`` object hook: a key given twice would silently keep only its last value.
-
-    Raises:
-        ValueError: Naming the key.
-    """
-    record = dict(pairs)
-    if len(record) != len(pairs):
-        keys = [key for key, _ in pairs]
-        dup = next(key for i, key in enumerate(keys) if key in keys[:i])
-        raise ValueError(f"key {dup!r} appears twice (only one of its values would be kept)")
-    return record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,11 +122,8 @@ def encode_chunk(
     records: list[tuple[str, list[list[str]]]] = []
     for lineno, raw in enumerate(lines, start=first_lineno):
         where = f"{fmt.source} line {lineno}"
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise ValueError(f"{where} is not UTF-8 ({err.reason})") from err
-        if not line.strip():
+        line = decode_line(raw, where)
+        if line is None:
             continue
         try:
             record = json.loads(line, object_pairs_hook=refuse_duplicate_keys)

@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from megatron_ext.data.jsonl_documents import refuse_duplicate_keys as refuse_duplicate_keys
 from megatron_ext.replay.routes import (
     apply_missing_policy,
     missing_mask,

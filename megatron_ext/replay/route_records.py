@@ -25,12 +25,12 @@ from typing import Any
 
 import numpy as np
 
+from megatron_ext.jsonl_lines import decode_line, refuse_duplicate_keys
 from megatron_ext.replay.rollout_routes import (
     RolloutDocument,
     check_route_array,
     decode_routed_experts,
     read_safetensors,
-    refuse_duplicate_keys,
     safetensors_documents,
 )
 from megatron_ext.replay.sglang_routes import decode_sglang_record
@@ -98,11 +98,8 @@ def read_documents(
             with open(path, "rb") as f:
                 for line_no, raw in enumerate(f, start=1):
                     name = f"{path}:{line_no}"
-                    try:
-                        line = raw.decode("utf-8")
-                    except UnicodeDecodeError as err:
-                        raise ValueError(f"{name}: not UTF-8 ({err.reason})") from err
-                    if not line.strip():
+                    line = decode_line(raw, name)
+                    if line is None:
                         continue
                     yield from documents_of_line(line, fmt, name, wire_layers, topk, start)
 

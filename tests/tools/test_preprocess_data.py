@@ -145,7 +145,7 @@ BAD_INPUTS = [
     ("eod 2**32", '{"text": "a"}', ["--append-eod", "--eod-id", str(2**32)], "--eod-id must be"),
     ("empty JSONL", "", [], r"in\.jsonl holds no records"),
     ("blank lines only", "\n\n", [], "holds no records"),
-    ("non-UTF-8", b'{"text": "a"}\n\xff\xfe\n', [], r"in\.jsonl line 2 is not UTF-8"),
+    ("non-UTF-8", b'{"text": "a"}\n\xff\xfe\n', [], r"in\.jsonl line 2: not UTF-8"),
     (
         "empty --loss-mask-suffix",
         '{"prompt": "a", "response": "b"}',
