@@ -195,6 +195,11 @@ def data_identity(dataset: IndexedDataset) -> str:
 
 def default_cache_dir(config: GPTDatasetConfig, path_prefix: str) -> str:
     """``path_to_cache`` (``--data-cache-path``), else ``<data dir>/cache/PackedDataset_indices``."""
-    if config.path_to_cache is not None:
-        return config.path_to_cache
+    return cache_dir_for(config.path_to_cache, path_prefix)
+
+
+def cache_dir_for(path_to_cache: str | None, path_prefix: str) -> str:
+    """``path_to_cache`` when given, else ``<data dir>/cache/PackedDataset_indices``."""
+    if path_to_cache is not None:
+        return path_to_cache
     return os.path.join(os.path.dirname(path_prefix), "cache", "PackedDataset_indices")

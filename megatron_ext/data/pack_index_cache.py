@@ -14,7 +14,9 @@ only a stray ``.tmp`` file, and concurrent writers (all ranks build the same pla
 seed) each publish a complete, identical file.
 
 Checks that read a whole file once (route ids, loss-mask values) leave a small marker keyed by the
-file's identity (:func:`validated` / :func:`mark_validated`), so a restart does not re-read it.
+file's identity (:func:`validated` / :func:`mark_validated`), so a restart does not re-read it;
+scans whose result is a value (the largest token id) keep it the same way (:func:`recall` /
+:func:`remember`).
 
 Example::
 
@@ -141,9 +143,9 @@ def load_or_build(
     return arrays, False
 
 
-def _marker_path(cache_dir: str, key: str) -> str:
+def _marker_path(cache_dir: str, key: str, suffix: str = "validated") -> str:
     digest = hashlib.blake2b(key.encode("utf-8"), digest_size=16).hexdigest()
-    return os.path.join(cache_dir, f"{digest}-validated.txt")
+    return os.path.join(cache_dir, f"{digest}-{suffix}.txt")
 
 
 def validated(cache_dir: str | None, key: str) -> bool:
@@ -167,3 +169,30 @@ def mark_validated(cache_dir: str | None, key: str) -> None:
         atomic_write_bytes(path, key.encode("utf-8"))
     except OSError as err:
         logger.warning("could not record validation in %s (%s)", path, err.strerror)
+
+
+def recall(cache_dir: str | None, key: str) -> str | None:
+    """The value :func:`remember` stored under ``key`` (a scan's name plus file identities), or
+    None when there is none (or it was stored under another key that hashes alike)."""
+    if cache_dir is None:
+        return None
+    try:
+        with open(_marker_path(cache_dir, key, "value"), encoding="utf-8") as f:
+            stored_key, _, value = f.read().partition("\n")
+    except (OSError, UnicodeDecodeError):
+        return None
+    return value if stored_key == key else None
+
+
+def remember(cache_dir: str | None, key: str, value: str) -> None:
+    """Stores a scan's result under ``key`` (best effort, like :func:`mark_validated`)."""
+    if cache_dir is None:
+        return
+    if "\n" in key:
+        raise ValueError(f"a cache key holds no newline: {key!r}")
+    path = _marker_path(cache_dir, key, "value")
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        atomic_write_bytes(path, f"{key}\n{value}".encode())
+    except OSError as err:
+        logger.warning("could not record a scan's result in %s (%s)", path, err.strerror)

@@ -8,8 +8,9 @@ padded to 256 rows) would train silently on one of the dummy rows Megatron adds 
 sizes: data written with another tokenizer than the run's. Both are refused.
 :func:`check_vocabulary` first checks that each prefix's ``.bin`` is exactly what its ``.idx``
 indexes (a ``.bin`` read with another dtype than it was written with shows ids it never held), then
-reads its largest token id (a vectorised scan of the memory-mapped ``.bin``, once per launch) and
-compares it with the tokenizer's vocabulary and Megatron's padded size.
+reads its largest token id (a vectorised scan of the memory-mapped ``.bin``, kept in the data cache
+under the file's identity, so an unchanged corpus is read once, not at every launch) and compares
+it with the tokenizer's vocabulary and Megatron's padded size.
 
 Example::
 
@@ -39,22 +40,37 @@ def _token_dtype(idx_path: str) -> np.dtype:
     return np.dtype(DType.dtype_from_code(code))
 
 
-def max_token_id(prefix: str, what: str = "--data-path") -> int:
+def max_token_id(prefix: str, what: str = "--data-path", cache_dir: str | None = None) -> int:
     """The largest token id in ``prefix.bin`` (-1 when it holds no tokens).
+
+    With ``cache_dir``, the result is kept there under the identity of both files (inode, size,
+    modification and status-change times) and the prefix's real path: an unchanged file is read
+    once, whichever launch or rank asks; a rewritten one is read again.
 
     Raises:
         ValueError: The ``.bin`` is not the size its ``.idx`` indexes (truncated, or written
             with another dtype than the ``.idx`` records), naming ``what`` and both files.
     """
+    from megatron_ext.data import pack_index_cache
     from megatron_ext.data.indexed_checks import open_indexed
+    from megatron_ext.data.safe_files import file_identity
 
+    key = (
+        f"max-token-id {os.path.realpath(prefix)} {file_identity(prefix + '.idx')} "
+        f"{file_identity(prefix + '.bin')}"
+    )
+    cached = pack_index_cache.recall(cache_dir, key)
+    if cached is not None and cached.lstrip("-").isdigit():
+        return int(cached)
     open_indexed(prefix, what)  # sizes before values: a misread .bin shows ids it never held
     dtype = _token_dtype(prefix + ".idx")
     size = os.path.getsize(prefix + ".bin") // dtype.itemsize
-    if size == 0:
-        return -1
-    tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r", shape=(size,))
-    return int(max(tokens[i : i + _CHUNK].max() for i in range(0, size, _CHUNK)))
+    largest = -1
+    if size:
+        tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r", shape=(size,))
+        largest = int(max(tokens[i : i + _CHUNK].max() for i in range(0, size, _CHUNK)))
+    pack_index_cache.remember(cache_dir, key, str(largest))
+    return largest
 
 
 def padded_vocab_size(args: argparse.Namespace) -> int | None:
@@ -130,10 +146,16 @@ def check_vocabulary(args: argparse.Namespace) -> None:
     padded = _padded(args, vocab) if prefixes else None
     if padded is None:
         return
+    from megatron_ext.data.indexed_checks import cache_dir_for
+
     for prefix, flag in prefixes.items():
         if not (os.path.exists(prefix + ".idx") and os.path.exists(prefix + ".bin")):
             continue  # a missing file is reported by the data checks, naming it
-        largest = max_token_id(prefix, f"{flag} prefix {prefix}: data")
+        largest = max_token_id(
+            prefix,
+            f"{flag} prefix {prefix}: data",
+            cache_dir_for(getattr(args, "data_cache_path", None), prefix),
+        )
         if largest >= padded:
             held = f"but the model's embedding has {padded} rows"
         elif vocab is not None and largest >= vocab:

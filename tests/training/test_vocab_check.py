@@ -153,3 +153,34 @@ def test_a_tokenizer_megatron_cannot_load_here_is_left_to_megatron(tmp_path):
     args.tokenizer_type = "HuggingFaceTokenizer"
     assert padded_vocab_size(args) is None
     check_vocabulary(args)  # no refusal, no traceback
+
+
+def test_the_scan_is_kept_by_file_identity_and_redone_for_a_rewritten_file(tmp_path, monkeypatch):
+    """A second launch reads the cached largest id, not the .bin; rewriting the data (same prefix,
+    same sizes) gets a fresh scan, so a cached answer can never pass data it was not built from."""
+    prefix, cache = str(tmp_path / "docs"), str(tmp_path / "cache")
+    write_documents(prefix, [np.array([1, 2, 200], dtype=np.int64)], np.uint16)
+    assert max_token_id(prefix, cache_dir=cache) == 200
+    real_memmap = np.memmap
+    reads = []
+    monkeypatch.setattr(np, "memmap", lambda *a, **k: reads.append(a) or real_memmap(*a, **k))
+    assert max_token_id(prefix, cache_dir=cache) == 200
+    assert reads == [], "an unchanged .bin was read again"
+    with open(prefix + ".bin", "r+b") as f:  # the .bin alone rewritten in place, same size
+        f.seek(4)
+        f.write(np.uint16(300).tobytes())
+    assert max_token_id(prefix, cache_dir=cache) == 300
+    assert reads, "the rewritten .bin was not read"
+
+
+def test_check_vocabulary_caches_beside_the_data_unless_a_cache_path_is_given(
+    byte_prefix, tmp_path
+):
+    cache = tmp_path / "elsewhere"
+    check_vocabulary(_args(byte_prefix, 257, data_cache_path=str(cache)))
+    assert [p.name.endswith("-value.txt") for p in cache.iterdir()] == [True]
+    check_vocabulary(_args(byte_prefix, 257))
+    beside = tmp_path / "cache" / "PackedDataset_indices"
+    assert [p.name.endswith("-value.txt") for p in beside.iterdir()] == [True]
+    with pytest.raises(ValueError, match="holds token id 256"):  # the cached id still refuses
+        check_vocabulary(_args(byte_prefix, 256))
