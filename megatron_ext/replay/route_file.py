@@ -12,7 +12,8 @@ header ``P.routes.json`` beside it says what the ids mean::
 ``tokens_digest`` (optional; written when the writer knows the token data: ``RouteRecorder``, and
 ``tools/convert_routes.py --tokens-prefix``) is the content digest of the token ``.idx``/``.bin``
 the routes belong to: routes left beside rewritten tokens of the same lengths are refused.
-``moe_layer_ids`` (optional; written by ``tools/convert_routes.py --moe-layer-ids/--model-config``)
+``moe_layer_ids`` (optional; written by ``tools/convert_routes.py --moe-layer-ids/--model-config``
+and by route recording)
 are the 0-based decoder layers the L rows belong to, e.g. ``[1, 2]`` for a model whose layer 0 is
 dense: a training model whose MoE layers are other ones is refused at argument time
 (:func:`check_layer_ids`).

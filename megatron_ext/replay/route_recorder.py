@@ -13,6 +13,7 @@ Legend: S positions of a pack, L MoE layers, K top-k.
 
 import os
 import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,9 @@ class RouteRecorder(RouteStream):
         offset_unit: Divides ``doc_offsets`` (the token dtype's size for byte pointers).
         tokens_prefix: The token data recorded on; its content digest goes into the header (the
             dataset then refuses the routes beside rewritten tokens). None: not recorded.
+        moe_layer_ids: The 0-based decoder layers of the L rows (the recording model's MoE
+            layers), written into the header so a replay on another layer layout is refused.
+            None: not recorded.
     """
 
     def __init__(
@@ -60,12 +64,19 @@ class RouteRecorder(RouteStream):
         doc_offsets: np.ndarray | None = None,
         offset_unit: int = 1,
         tokens_prefix: str | None = None,
+        moe_layer_ids: Sequence[int] | None = None,
     ):
         route_dtype(num_experts, topk)  # refuses E / K before a temporary directory exists
         self.docs_shape = (num_layers, topk)
         self.num_experts = num_experts
         self.doc_lengths, self.doc_offsets, self.offset_unit = doc_lengths, doc_offsets, offset_unit
         self.tokens_prefix = tokens_prefix
+        if moe_layer_ids is not None and len(moe_layer_ids) != num_layers:
+            raise ValueError(
+                f"{len(moe_layer_ids)} MoE layer ids {list(moe_layer_ids)} for {num_layers} "
+                "recorded layers"
+            )
+        self.moe_layer_ids = None if moe_layer_ids is None else [int(i) for i in moe_layer_ids]
         # The token files' state when recording starts: the header's digest must describe the
         # tokens the routes were recorded on, so a rewrite before write() is refused there.
         self._tokens_state = None if tokens_prefix is None else _files_state(tokens_prefix)
@@ -74,9 +85,15 @@ class RouteRecorder(RouteStream):
         super().__init__(base, num_layers, topk, num_experts)
 
     @classmethod
-    def for_dataset(cls, dataset: Any, stream: str | None = None) -> "RouteRecorder":
+    def for_dataset(
+        cls,
+        dataset: Any,
+        stream: str | None = None,
+        moe_layer_ids: Sequence[int] | None = None,
+    ) -> "RouteRecorder":
         """A recorder sized for the documents under ``dataset`` (a ``RoutedPackedDataset``;
-        lengths and offsets are read from its token index, memory-mapped)."""
+        lengths and offsets are read from its token index, memory-mapped); ``moe_layer_ids`` as
+        in the constructor."""
         cfg = dataset.config
         tokens = dataset.dataset.tokens
         offsets, unit = _token_offsets(tokens)
@@ -89,6 +106,7 @@ class RouteRecorder(RouteStream):
             doc_offsets=offsets,
             offset_unit=unit,
             tokens_prefix=tokens.path_prefix,
+            moe_layer_ids=moe_layer_ids,
         )
 
     def write(
@@ -128,6 +146,7 @@ class RouteRecorder(RouteStream):
             num_experts=self.num_experts,
             overwrite=overwrite,
             tokens_prefix=self.tokens_prefix,
+            moe_layer_ids=self.moe_layer_ids,
         )
 
     def close(self) -> None:

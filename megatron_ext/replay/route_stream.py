@@ -132,6 +132,7 @@ def assemble_route_sidecar(
     overwrite: bool = False,
     flag: str = "--route-record-path",
     tokens_prefix: str | None = None,
+    moe_layer_ids: Sequence[int] | None = None,
 ) -> int:
     """Writes the route sidecar of the documents from closed streams (later streams win).
 
@@ -151,6 +152,8 @@ def assemble_route_sidecar(
         tokens_prefix: The token data the routes were recorded on: its
             :func:`~megatron_ext.replay.route_file.tokens_digest` goes into the header (read
             after the output check passes); None: not recorded.
+        moe_layer_ids: The 0-based decoder layers of the L rows, recorded in the header (a
+            replay checks the model's MoE layers against them); None: not recorded.
 
     Returns:
         The number of documents written.
@@ -192,6 +195,7 @@ def assemble_route_sidecar(
             dtype=dtype,
             lengths_D=doc_lengths_D,
             tokens=tokens,
+            moe_layer_ids=moe_layer_ids,
         )
         with open(temps[2], "wb") as f:
             f.write(header)

@@ -165,7 +165,13 @@ def _record_stream(args: argparse.Namespace) -> Any:
     dp_rank, _, streams = record_streams(run.configs[ReplayConfig].route_record_path)
     if dp_rank is None:
         return None
-    run.route_recorder = RouteRecorder.for_dataset(run.record_dataset, stream=streams[dp_rank])
+    from megatron_ext.replay.layout import moe_layer_numbers_for_args
+
+    run.route_recorder = RouteRecorder.for_dataset(
+        run.record_dataset,
+        stream=streams[dp_rank],
+        moe_layer_ids=[n - 1 for n in moe_layer_numbers_for_args(args)],  # 1-based -> 0-based
+    )
     return run.route_recorder
 
 

@@ -40,7 +40,7 @@ def _routes(seed: int) -> np.ndarray:
     return np.stack([first, second], axis=-1).astype(np.uint8)
 
 
-def _reference(ds, prefix: str, recorded) -> None:
+def _reference(ds, prefix: str, recorded, moe_layer_ids=None) -> None:
     """Today's recorder: every rank's micro-batches, in rank order, scattered to documents."""
     from megatron_ext.replay.route_dataset import write_route_sidecar
     from megatron_ext.replay.routes import missing_routes
@@ -59,6 +59,7 @@ def _reference(ds, prefix: str, recorded) -> None:
     write_route_sidecar(
         prefix, docs, num_layers=LAYERS, topk=TOPK, num_experts=EXPERTS,
         tokens_prefix=ds.dataset.tokens.path_prefix,  # the recorder names the tokens it recorded on
+        moe_layer_ids=moe_layer_ids,
     )  # fmt: skip
 
 
@@ -83,7 +84,7 @@ def _record_on_ranks(root: str) -> dict:
 
     rank = torch.distributed.get_rank()
     ds = _dataset(root)
-    args = argparse.Namespace()
+    args = argparse.Namespace(num_layers=LAYERS, moe_layer_freq=1, num_experts=EXPERTS)
     run_state.reset()
     config = ReplayConfig(route_replay_mode="record", route_record_path=f"{root}/rec")
     run_state._STATE = run_state.RunState(args_id=id(args), configs={ReplayConfig: config})
@@ -126,7 +127,8 @@ def test_data_parallel_recording_is_byte_identical_to_the_gathered_one(tmp_path)
         assert {f"rec.dp{r}.pieces", f"rec.dp{r}.rows"} <= set(results[r]["streams"])
     assert not any(".dp" in f for f in os.listdir(tmp_path))  # streams removed after assembly
     assert "rec.bin already exists" in results[0]["refused"]
-    _reference(ds, str(tmp_path / "ref"), results[0]["recorded"] + results[1]["recorded"])
+    recorded = results[0]["recorded"] + results[1]["recorded"]
+    _reference(ds, str(tmp_path / "ref"), recorded, moe_layer_ids=list(range(LAYERS)))
     for ext in (".bin", ".idx", ".routes.json"):
         assert (tmp_path / f"rec{ext}").read_bytes() == (tmp_path / f"ref{ext}").read_bytes()
     # The interesting cases occurred: pads inside real tokens written missing, a token recorded
@@ -194,3 +196,25 @@ def test_tokens_rewritten_while_recording_are_refused_at_write(tmp_path):
         recorder.write(str(tmp_path / "rec"))
     assert not os.path.exists(tmp_path / "rec.idx")
     recorder.close()
+
+
+def test_recorded_header_names_the_moe_layers_and_a_mismatched_list_is_refused(tmp_path):
+    """The recording model's MoE layers go into the header, so a replay on a model whose MoE layers
+    sit elsewhere is refused at argument time (``check_layer_ids``) instead of misrouting."""
+    from megatron_ext.data.indexed_writer import write_documents
+    from megatron_ext.replay.route_file import check_layer_ids, read_header
+    from megatron_ext.replay.route_recorder import RouteRecorder
+
+    write_documents(str(tmp_path / "docs"), [np.arange(1, 9), np.arange(1, 30)])
+    ds = _dataset(str(tmp_path))
+    with pytest.raises(ValueError, match=r"3 MoE layer ids \[0, 1, 2\] for 2 recorded layers"):
+        RouteRecorder.for_dataset(ds, moe_layer_ids=[0, 1, 2])
+    recorder = RouteRecorder.for_dataset(ds, moe_layer_ids=[1, 3])
+    recorder.add_pack(ds.pack_pieces(0), _routes(0)[0])
+    recorder.write(str(tmp_path / "rec"))
+    recorder.close()
+    header = read_header(str(tmp_path / "rec.routes.json"))
+    assert header["moe_layer_ids"] == [1, 3]
+    check_layer_ids(header, "rec.routes.json", [1, 3])
+    with pytest.raises(ValueError, match="rec.routes.json"):
+        check_layer_ids(header, "rec.routes.json", [0, 1])

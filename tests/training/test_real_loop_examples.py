@@ -255,6 +255,7 @@ def test_route_record_writes_a_sidecar_for_every_document(corpus_prefix, rl_reco
     assert (meta["num_documents"], meta["num_layers"], meta["topk"], meta["num_experts"]) == (
         len(tokens), MOE_LAYERS, TOPK, EXPERTS,
     )  # fmt: skip
+    assert meta["moe_layer_ids"] == [1, 3]  # the E positions of the CPU pattern "*E*E", 0-based
     routes = IndexedDataset(str(prefix))
     np.testing.assert_array_equal(
         routes.sequence_lengths, tokens.sequence_lengths * MOE_LAYERS * TOPK
