@@ -184,3 +184,30 @@ def test_launcher_exits_with_the_first_failed_rank_status(tmp_path) -> None:
     assert proc.stderr.count("worker: refused") == 1
     assert "ChildFailedError" not in proc.stderr and "Traceback" not in proc.stderr
     assert "launcher: " in proc.stderr.splitlines()[-1] and "rank 0 (exit status 2)" in proc.stderr
+
+
+def test_expert_load_metrics_reach_the_tensorboard_writer(corpus_prefix, tmp_path) -> None:
+    """``--tensorboard-dir``: Megatron's writer (on the last rank) gets megatron_ext's expert-load
+    scalars at every log interval; read back from the event file with TensorBoard's own
+    ``EventAccumulator`` (tensorboard 2.21.0, the version requirements/lock.txt pins)."""
+    pytest.importorskip("tensorboard", reason="the tensorboard extra: pip install .[tensorboard]")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = tmp_path / "tb"
+    run = launch([
+        *TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", "2",
+        "--moe-expert-load-metrics", "--tensorboard-dir", str(board),
+    ]).check()  # fmt: skip
+    assert "TensorBoard writing requested but is not available" not in run.output
+    events = EventAccumulator(str(board))
+    events.Reload()
+    tags = [t for t in events.Tags()["scalars"] if t.startswith("expert_load/")]
+    assert any(t.endswith("rank_max_vio") for t in tags), events.Tags()["scalars"]
+    assert "lm loss" in events.Tags()["scalars"]  # Megatron's own scalars beside them
+    logged = run.output.split("megatron_ext expert load: worst EP-rank max_vio ")[1:]
+    worst = [float(text.split()[0]) for text in logged]
+    steps = {t: [(s.step, s.value) for s in events.Scalars(t)] for t in tags}
+    for tag, points in steps.items():
+        assert [step for step, _ in points] == [1, 2], (tag, points)
+    per_step = [max(steps[t][i][1] for t in tags if t.endswith("rank_max_vio")) for i in (0, 1)]
+    assert per_step == pytest.approx(worst, abs=5e-4)  # the printed line rounds to 3 digits
