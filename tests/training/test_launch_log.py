@@ -166,6 +166,23 @@ def test_a_refusal_prints_once_and_exits_2(corpus_prefix) -> None:
     ], run.output[-2000:]
 
 
+@pytest.mark.parametrize("rank", ["0", "1", None])
+def test_only_the_first_rank_refuses_at_once(rank, monkeypatch, capsys) -> None:
+    """Every rank checks the same arguments; the others wait for the launcher to stop them (a
+    refusal only they see still prints, after the wait, naming the rank)."""
+    waits = []
+    monkeypatch.setattr(launch_log.time, "sleep", waits.append)
+    if rank is None:
+        monkeypatch.delenv("RANK", raising=False)
+    else:
+        monkeypatch.setenv("RANK", rank)
+    assert launch_log.refuse("invalid arguments: --x") == 2
+    first = rank in ("0", None)
+    assert waits == ([] if first else [launch_log.REFUSAL_GRACE_S])
+    suffix = "" if first else f" (rank {rank})"
+    assert capsys.readouterr().err == f"megatron_ext: invalid arguments: --x{suffix}\n"
+
+
 def test_launcher_exits_with_the_first_failed_rank_status(tmp_path) -> None:
     """torchrun exits 1 after a ChildFailedError report; the launcher with the worker's status."""
     script = tmp_path / "worker.py"
