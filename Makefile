@@ -22,7 +22,7 @@ $(STAMP): requirements/lock.txt pyproject.toml setup.py
 	fi; \
 	$(PY) -m pip install -q --upgrade pip; \
 	$(PY) -m pip install -q -r requirements/lock.txt; \
-	$(PY) -m pip install -q --no-deps -e '.[test,tools]'; \
+	$(PY) -m pip install -q --no-deps -e '.[test,tools,tensorboard]'; \
 	if $(PY) -c 'import importlib.util,sys; sys.exit(importlib.util.find_spec("transformer_engine") is None)'; then \
 	  echo "make setup: transformer_engine is installed in $(VENV); it breaks megatron.core on CPU" >&2; exit 1; fi; \
 	touch $(STAMP)

@@ -1,5 +1,6 @@
 # Shared launcher for the example scripts (sourced, not run). Reads the multi-node environment,
-# then runs megatron_ext.pretrain_gpt under torchrun, or validates the flags only when DRY_RUN=1.
+# then runs megatron_ext.pretrain_gpt under torchrun (megatron_ext.launcher: torchrun that exits with
+# the failed rank's status, 2 for a refused flag), or validates the flags only when DRY_RUN=1.
 #   NNODES (1)  NODE_RANK (0)  MASTER_ADDR (localhost)  MASTER_PORT (6000); under Slurm from
 #     SLURM_NNODES, SLURM_NODEID and the first host of SLURM_JOB_NODELIST (explicit values win)
 #   GPUS_PER_NODE (8; 2 with CPU=1): processes per node
@@ -121,7 +122,7 @@ launch() {
     WORLD_SIZE=$((NNODES * GPUS_PER_NODE)) RANK=0 exec "$PYTHON" -m megatron_ext.pretrain_gpt \
       "$@" "${extra[@]}" --dry-run
   fi
-  exec "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" \
+  exec "$PYTHON" -m megatron_ext.launcher --nnodes "$NNODES" --node-rank "$NODE_RANK" \
     --nproc-per-node "$GPUS_PER_NODE" --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
     -m megatron_ext.pretrain_gpt "$@" "${extra[@]}"
 }

@@ -45,5 +45,5 @@ ARGS=(
 if [ "${DRY_RUN:-0}" = "1" ]; then
   WORLD_SIZE=$NPROC RANK=0 exec "$PYTHON" -m megatron_ext.pretrain_gpt "${ARGS[@]}" "$@" --dry-run
 fi
-exec "$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC" --master-port "$MASTER_PORT" \
+exec "$PYTHON" -m megatron_ext.launcher --nproc-per-node "$NPROC" --master-port "$MASTER_PORT" \
   -m megatron_ext.pretrain_gpt "${ARGS[@]}" "$@"

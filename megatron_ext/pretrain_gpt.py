@@ -43,17 +43,31 @@ def parse_arguments(dry_run: bool, cpu: bool = False) -> argparse.Namespace:
     from megatron.training.arguments import parse_and_validate_args, parse_args, validate_args
 
     from megatron_ext.cpu import assume_device_capability
+    from megatron_ext.training.launch_log import argument_dump_when_asked
 
     if cpu:
         sys.argv[1:1] = list(CPU_IMPLIED_FLAGS)
     rehearsal = _fp4_rehearsal_validation() if cpu else contextlib.nullcontext()
     if not dry_run:
         with assume_device_capability() if cpu else contextlib.nullcontext(), rehearsal:
-            return parse_and_validate_args(extra_args_provider=add_megatron_ext_args)
-    args = parse_args(extra_args_provider=add_megatron_ext_args)
-    with assume_device_capability(), rehearsal:
+            with argument_dump_when_asked():
+                return parse_and_validate_args(extra_args_provider=_one_line_parser_errors)
+    args = parse_args(extra_args_provider=_one_line_parser_errors)
+    with assume_device_capability(), rehearsal, argument_dump_when_asked():
         validate_args(args)
     return args
+
+
+def _one_line_parser_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """megatron_ext's flags, and a parser error raised as ``ValueError`` (one line, exit 2 in
+    :func:`main`) instead of argparse's usage of every flag (about 1,300 lines) on every rank."""
+    add_megatron_ext_args(parser)
+
+    def error(message: str) -> None:
+        raise ValueError(f"{message} (--help lists every flag)")
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser
 
 
 @contextlib.contextmanager
@@ -134,8 +148,11 @@ def main() -> int:
     """Entry point (``python -m megatron_ext.pretrain_gpt``)."""
     argv = sys.argv[1:]
     dry_run, cpu = "--dry-run" in argv, "--cpu" in argv
+    from megatron_ext.training.launch_log import configuration_lines, quiet_megatron_info, refuse
+
     if "--verbose" not in argv:
         quiet_warnings()
+    quiet_megatron_info(argv, os.environ)  # before Megatron's import: it logs at import time
     if cpu:
         from megatron_ext.cpu_loop import enable_cpu_training
         from megatron_ext.training.startup import prepare_cpu_launch
@@ -153,8 +170,7 @@ def main() -> int:
     except (AssertionError, ValueError) as err:  # Megatron's validate_args asserts and raises
         if "--verbose" in argv:
             raise
-        print(f"megatron_ext: invalid arguments: {one_line(err)}", file=sys.stderr)
-        return 2
+        return refuse(f"invalid arguments: {one_line(err)}")
     try:
         from megatron_ext.training.eval_args import check_evaluation_data, check_split
         from megatron_ext.training.launch_args import check_launch_args
@@ -168,8 +184,7 @@ def main() -> int:
         check_evaluation_data(args)  # Megatron's pretrain would crash in its first evaluation
         resolved = resolved_configuration(args)
     except ValueError as err:
-        print(f"megatron_ext: invalid arguments: {err}", file=sys.stderr)
-        return 2
+        return refuse(f"invalid arguments: {err}")
     if cpu:
         from megatron_ext.training import run_state
         from megatron_ext.training.cpu_rehearsal import describe, take_quantization
@@ -193,9 +208,10 @@ def main() -> int:
             if dry_run:
                 resolved["built_on_meta_device"] = build_on_meta_device(args)
     except ValueError as err:
-        print(f"megatron_ext: invalid arguments: {err}", file=sys.stderr)
-        return 2
+        return refuse(f"invalid arguments: {err}")
     if not dry_run and os.environ.get("RANK", "0") == "0":
+        for line in configuration_lines(args, resolved):
+            print(line, flush=True)
         if args.num_experts:
             print(f"megatron_ext: --moe-pad-routing {resolved['moe_pad_routing']}", flush=True)
         for note in resolved["notes"]:  # auto-resume from an empty --save, a resume's changes
@@ -223,12 +239,15 @@ def train(args: argparse.Namespace) -> int:
     )
     from megatron_ext.training.dry_run import one_line
     from megatron_ext.training.forward_step import forward_step
+    from megatron_ext.training.launch_log import install as leave_out_lines_that_do_not_apply
+    from megatron_ext.training.launch_log import refuse
     from megatron_ext.training.loss_log import install as log_each_interval_own_loss
     from megatron_ext.training.model_provider import model_provider
     from megatron_ext.training.startup import skip_helpers_build_when_prebuilt
 
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     log_each_interval_own_loss()
+    leave_out_lines_that_do_not_apply(args)
     skip_helpers_build_when_prebuilt()
     exit_nonzero_on_failed_load()
     cfg = pretrain_cfg_container_from_args(args)
@@ -243,9 +262,9 @@ def train(args: argparse.Namespace) -> int:
     except DataRefusedError as err:  # bad data only the built datasets show: one line, exit 2
         if "--verbose" in sys.argv:
             raise
-        print(f"megatron_ext: invalid data: {one_line(err)}", file=sys.stderr, flush=True)
+        status = refuse(f"invalid data: {one_line(err)}")
         destroy_process_groups()
-        return 2
+        return status
     from megatron_ext.training.forward_step import flush_logs
 
     flush_logs(args)

@@ -88,7 +88,9 @@ class MoEAlignmentConfig:
             return
         quantized = self.refuse_unalignable(args)
         override = self.moe_dispatch_align_size
-        if not quantized:
+        # A --cpu rehearsal (megatron_ext.training.cpu_rehearsal) took fp8/fp4 out of the
+        # arguments after checking them; its expert groups are still aligned.
+        if not quantized and not getattr(args, "rehearsed_precision", None):
             # A setting with no effect on the current path warns once.
             if override:
                 _moe_warn_once(

@@ -25,9 +25,17 @@ class EntryConfig:
     fp32 while expert groups are aligned and checked exactly as the fp8/fp4 run's."""
 
     verbose: bool = False
-    """Show every warning (missing Apex/Transformer Engine on CPU, CUDA_HOME, deprecations of
-    what was chosen on purpose) and an argument error's whole traceback; by default megatron_ext
-    hides warnings that do not apply and reports an argument error in one line."""
+    """Show everything Megatron prints: every warning (missing Apex/Transformer Engine on CPU,
+    CUDA_HOME, deprecations of what was chosen on purpose), its INFO logs, its argument dump, the
+    lines that do not apply to the run (memory on CPU, estimates it cannot make) and an argument
+    error's whole traceback. By default megatron_ext hides what does not apply, keeps Megatron's
+    logs at WARNING unless --logging-level or MEGATRON_LOGGING_LEVEL sets a level, prints a short
+    configuration instead of the dump, and reports a refusal in one line."""
+
+    log_arguments: bool = False
+    """Print Megatron's full argument dump (every argument, about 840 lines) after validation, as
+    Megatron does by default; without it a launch prints a four-line configuration (model,
+    parallelism, data, the megatron_ext flags set)."""
 
     def check_megatron_args(self, args: _argparse.Namespace) -> None:
         """Refuses what Megatron's data loader cannot run with megatron_ext's datasets."""

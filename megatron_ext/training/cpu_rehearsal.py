@@ -31,6 +31,8 @@ def take_quantization(args: argparse.Namespace) -> dict[str, Any] | None:
     precision = {name: getattr(args, name, None) for name in _PRECISION_FIELDS}
     args.fp8 = None
     args.fp4 = None
+    # Later checks of the same arguments see the rehearsal (--moe-dispatch-align still applies).
+    args.rehearsed_precision = precision
     return precision
 
 

@@ -375,7 +375,7 @@ def test_cpu_overrides_reach_the_command_line(tmp_path) -> None:
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     argv = proc.stdout.splitlines()
-    assert argv[:2] == ["-m", "torch.distributed.run"]
+    assert argv[:2] == ["-m", "megatron_ext.launcher"]
     assert argv[argv.index("--nproc-per-node") + 1] == "2"
     for dropped in ("--bf16", "--fp8-format", "--fp8-recipe", "tensorwise", "e4m3"):
         assert dropped not in argv

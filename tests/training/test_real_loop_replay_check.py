@@ -90,7 +90,8 @@ def test_replay_check_counts_what_the_data_says_with_and_without_recompute(
         ("plain", []),
         ("full", ["--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", "1"]),
-        ("selective", ["--recompute-granularity", "selective", "--recompute-modules", "moe"]),
+        ("selective", ["--recompute-granularity", "selective", "--recompute-modules", "moe",
+                       "--log-arguments"]),
     ):  # fmt: skip
         log = tmp_path / f"{name}.jsonl"
         runs[name] = _checked_run(parity_prefix, log, ["--route-replay-max-missing", "0.5", *extra])
