@@ -157,7 +157,9 @@ def main() -> int:
         from megatron_ext.cpu_loop import enable_cpu_training
         from megatron_ext.training.startup import prepare_cpu_launch
 
-        prepared = prepare_cpu_launch()  # before Megatron's import: it compiles at import
+        # Before Megatron's import: it compiles at import (the flag is read before parsing too).
+        caching = not {"--no-cpu-caching-malloc", "--disable-cpu-caching-malloc"} & set(argv)
+        prepared = prepare_cpu_launch(caching)
         if os.environ.get("RANK", "0") == "0":
             print(prepared, flush=True)
         enable_cpu_training()

@@ -28,7 +28,7 @@ worker processes of its own:
   for the unaligned path and 41156 for ours, and another 40963 for both): at 8192 tokens that
   alone moves a ratio by 10 %.
 - ``caching``: malloc told to keep freed memory (no mmap'd chunks, no trimming of the heap:
-  :mod:`.caching_malloc`), so a freed tensor's pages are reused like a GPU caching allocator's
+  :mod:`megatron_ext.caching_malloc`), so a freed tensor's pages are reused like a GPU caching allocator's
   blocks and 'faults/trip' stays near 0. The setting cannot be undone in a process, so those
   workers are shut down after.
 
@@ -41,9 +41,11 @@ dispatcher's own work (dispatch + combine); the experts' cost of the pad rows is
 
 This module is the registered table: it runs :func:`.alignment_rows.measure_rows` (one rank's
 rows, the variants of :mod:`.dispatcher_variant`) at each EP size under each allocator setting,
-and writes the notes.
+and writes the notes; its second table (:mod:`.alignment_layer`) times the whole MoE layer,
+forward + backward, under both allocator settings paired round by round.
 """
 
+from megatron_ext.bench import alignment_layer
 from megatron_ext.bench.alignment_rows import COLUMNS, FEW_TOKEN_DESIGNS, FEW_TOKENS, measure_rows
 from megatron_ext.bench.registry import BenchResult, register_benchmark
 from megatron_ext.testing import run_distributed
@@ -85,6 +87,18 @@ def alignment(quick: bool) -> BenchResult:
             )
             rows += per_rank[0]  # rank 0's timings; the exchanges keep the ranks in step
     shutdown_pools()  # the 'caching' workers keep their setting: none serves anything else
+    layer_tokens = [256] if quick else [1024, 8192]
+    layer_rounds = 3 if quick else 9
+    whole = run_distributed(
+        alignment_layer.measure_layers, 2, layer_tokens, hidden, layer_rounds, ep=1, timeout=1800
+    )[0]
+    shutdown_pools()
+    layer_table = BenchResult(
+        title="Whole MoE layer forward + backward: glibc's malloc defaults vs the caching setting",
+        columns=alignment_layer.COLUMNS,
+        rows=whole["rows"],
+        notes=alignment_layer.notes(hidden, whole["peak_rss_mib"]),
+    )
     return BenchResult(
         title="MoE grouped-GEMM alignment: megatron_ext dispatcher vs unaligned and router padding",
         columns=COLUMNS,
@@ -128,4 +142,5 @@ def alignment(quick: bool) -> BenchResult:
             "CPU tensor to the host is no op here and one copy on a GPU, for both (Megatron's "
             ".cpu() of the counts, kept by ours)."
         ),
+        tables=[layer_table],
     )

@@ -7,6 +7,11 @@ interleaved round by round (each following every other equally often: :mod:`.rou
 round's time is divided by that round's no-padding time: the reported figure is the median of those
 paired ratios (min, max). Rows are counted where they happen: all-to-all rows from the dispatcher's
 input splits, expert rows from the rows the experts received.
+
+Each variant also runs under the caching malloc setting every ``--cpu`` launch applies
+(:mod:`megatron_ext.caching_malloc`), paired with glibc's defaults round by round in the two halves
+of a 4-rank world (:mod:`.allocator_pair`): the time it saves is page faults a GPU caching
+allocator never pays, and each half's peak RSS shows what keeping freed memory costs.
 """
 
 import statistics
@@ -15,9 +20,10 @@ import time
 import numpy as np
 import torch
 
+from megatron_ext.bench.allocator_pair import enter_half, paired_rounds
 from megatron_ext.bench.registry import BenchResult, register_benchmark
-from megatron_ext.bench.rounds import round_order
 from megatron_ext.testing import run_distributed
+from megatron_ext.testing.distributed import shutdown_pools
 
 VARIANTS = ("constant", "self", "skip", "no padding")
 
@@ -66,6 +72,8 @@ def _worker(seq_len: int, num_packs: int, hidden: int, rounds: int) -> dict:
     from megatron_ext.testing.tiny_model import local_layer_spec
     from megatron_ext.training.corpus import VOCAB_SIZE
 
+    allocator = enter_half(ep=2)  # before anything is built
+    group = parallel_state.get_expert_model_parallel_group()
     config = tiny_moe_config(
         hidden_size=hidden, ffn_hidden_size=2 * hidden, moe_ffn_hidden_size=2 * hidden
     )
@@ -87,7 +95,7 @@ def _worker(seq_len: int, num_packs: int, hidden: int, rounds: int) -> dict:
         rows: list[torch.Tensor] = []
         hook = moe.experts.register_forward_pre_hook(lambda m, a: rows.append(a[1].clone()))
         routing.set_micro_batch(*count_router_tokens(pad_BS, tuple(pad_BS.shape)))
-        torch.distributed.barrier()
+        torch.distributed.barrier(group)
         start = time.perf_counter()
         out, _ = moe(x, padding_mask=pad_BS)
         out.sum().backward()
@@ -96,16 +104,18 @@ def _worker(seq_len: int, num_packs: int, hidden: int, rounds: int) -> dict:
         splits = moe.token_dispatcher.input_splits
         return seconds, {"a2a": int(np.sum(splits)), "expert": int(rows[0].sum())}
 
-    for variant in VARIANTS:  # warm-up round (first-call allocations), not timed
-        step(variant)
-    times = {v: [] for v in VARIANTS}
     counts = {}
-    for r in range(rounds):
-        for variant in round_order(VARIANTS, r):
+
+    def timed(variant: str):
+        def run() -> float:
             seconds, counts[variant] = step(variant)
-            times[variant].append(seconds)
-    group = parallel_state.get_expert_model_parallel_group()
-    out = {}
+            return seconds
+
+        return run
+
+    paired = paired_rounds({v: timed(v) for v in VARIANTS}, rounds, ep=2)
+    times = {v: [t / 1e3 for t in paired["ms"]["glibc"][v]] for v in VARIANTS}
+    out = {"allocator": allocator, "peak_rss_mib": paired["peak_rss_mib"]}
     for variant in VARIANTS:
         per_rank = torch.tensor([counts[variant]["expert"]], dtype=torch.float64)
         gathered = [
@@ -114,7 +124,7 @@ def _worker(seq_len: int, num_packs: int, hidden: int, rounds: int) -> dict:
         torch.distributed.all_gather(gathered, per_rank, group=group)
         received = torch.cat(gathered)
         totals = torch.tensor([counts[variant]["a2a"], counts[variant]["expert"]], dtype=torch.long)
-        torch.distributed.all_reduce(totals)
+        torch.distributed.all_reduce(totals, group=group)
         ratios = [t / b for t, b in zip(times[variant], times["no padding"], strict=True)]
         out[variant] = {
             "a2a_rows": int(totals[0]),
@@ -124,6 +134,10 @@ def _worker(seq_len: int, num_packs: int, hidden: int, rounds: int) -> dict:
             "time_ratio_min": min(ratios),
             "time_ratio_max": max(ratios),
             "ms_median": 1e3 * statistics.median(times[variant]),
+            "caching_ms_median": statistics.median(paired["ms"]["caching"][variant]),
+            "caching_ratio": paired["ratio"][variant],
+            "faults_glibc": int(statistics.median(paired["faults"]["glibc"][variant])),
+            "faults_caching": int(statistics.median(paired["faults"]["caching"][variant])),
         }
     return out
 
@@ -132,7 +146,12 @@ def _worker(seq_len: int, num_packs: int, hidden: int, rounds: int) -> dict:
 def pad_routing(quick: bool) -> BenchResult:
     """MoE-layer rows and time at 50 % padding: constant, self, skip, no padding (EP=2, alltoall)."""
     seq_len, num_packs, hidden, rounds = (128, 4, 128, 5) if quick else (512, 8, 256, 31)
-    result = run_distributed(_worker, 2, seq_len, num_packs, hidden, rounds, ep=2)[0]
+    shutdown_pools()  # fresh workers: the caching half keeps its setting, shut down after
+    args = (seq_len, num_packs, hidden, rounds)
+    result = run_distributed(_worker, 4, *args, ep=2, timeout=1800)[0]
+    shutdown_pools()
+    assert result["allocator"] == "glibc"  # rank 0: the default half, whose rows the table shows
+    rss = result["peak_rss_mib"]
     skip, nopad = result["skip"], result["no padding"]
     for key in ("a2a_rows", "expert_rows", "rank_peak_over_mean"):  # the claim, checked every run
         assert skip[key] == nopad[key], f"skip {key} {skip[key]} != no padding {nopad[key]}"
@@ -146,6 +165,10 @@ def pad_routing(quick: bool) -> BenchResult:
             f"({result[variant]['time_ratio_min']:.3f}-{result[variant]['time_ratio_max']:.3f})",
             result[variant]["ms_median"],
             result[variant]["rank_peak_over_mean"],
+            result[variant]["caching_ms_median"],
+            "{:.3f} ({:.3f}-{:.3f})".format(*result[variant]["caching_ratio"]),
+            result[variant]["faults_glibc"],
+            result[variant]["faults_caching"],
         ]
         for variant in VARIANTS
     ]
@@ -158,6 +181,10 @@ def pad_routing(quick: bool) -> BenchResult:
             "time vs no padding (median, min-max)",
             "ms median",
             "EP-rank peak/mean",
+            "ms median, caching malloc",
+            "caching/glibc (median, min-max)",
+            "faults/step glibc",
+            "faults/step caching",
         ],
         rows=rows,
         notes=(
@@ -172,7 +199,18 @@ def pad_routing(quick: bool) -> BenchResult:
             "The router here is randomly initialised, and with 2 EP ranks whether constant pads, "
             "which crowd onto few experts, also overload one rank depends on where those experts "
             "sit: this column is not the pad hot-spot measurement (benchmarks hot_spot and "
-            "router_hot_spot are, per expert and at EP=8/64 with a router fitted to text)."
+            "router_hot_spot are, per expert and at EP=8/64 with a router fitted to text). "
+            "Allocator columns: every variant also ran under the caching malloc setting every "
+            "--cpu launch applies (glibc malloc keeping freed memory: mallopt M_MMAP_MAX 0, "
+            "M_TRIM_THRESHOLD max; --no-cpu-caching-malloc turns it off), in the other half of a "
+            "4-rank world (ranks 0-1 glibc's defaults, 2-3 caching, each half one EP=2 group), "
+            "each (variant, allocator) pair once per round in a balanced order, one half at a "
+            "time; 'caching/glibc' is the median of the per-round paired ratios of the whole MoE "
+            "layer's forward + backward (min-max). What it saves is CPU page-fault cost (a fresh "
+            "tensor above glibc's mmap threshold faults in every page on every step), which a "
+            "GPU caching allocator never pays: it is no speed-up a GPU run would see. Peak RSS "
+            f"per rank (ru_maxrss, whole process): glibc {rss['glibc']:.0f} MiB, caching "
+            f"{rss['caching']:.0f} MiB."
         ),
         extra=result,
     )

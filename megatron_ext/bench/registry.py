@@ -27,6 +27,9 @@ class BenchResult:
         columns: Column names.
         rows: Measured values, one list per row, same length as ``columns``.
         notes: What was measured and how to read it (setup, sizes, what the ratio means).
+        extra: Raw figures for the JSON report.
+        tables: Further tables of the same benchmark (a second measurement with columns of its
+            own), each rendered under this one with its title and notes.
     """
 
     title: str
@@ -34,6 +37,7 @@ class BenchResult:
     rows: list[list[Any]]
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    tables: list["BenchResult"] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for row in self.rows:

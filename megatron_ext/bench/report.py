@@ -71,14 +71,20 @@ def to_markdown(results: list[tuple[str, BenchResult, float]], command: str) -> 
     ]
     for name, result, seconds in results:
         lines += [f"## {result.title}", "", f"benchmark `{name}`, {seconds:.1f} s", ""]
-        lines.append("| " + " | ".join(result.columns) + " |")
-        lines.append("|" + "---|" * len(result.columns))
-        for row in result.rows:
-            lines.append("| " + " | ".join(_cell(v) for v in row) + " |")
-        if result.notes:
-            lines += ["", result.notes]
-        lines.append("")
+        lines += _table(result)
+        for table in result.tables:
+            lines += [f"### {table.title}", "", *_table(table)]
     return "\n".join(lines)
+
+
+def _table(result: BenchResult) -> list[str]:
+    """One table's markdown lines: header, rows, notes, a blank line."""
+    lines = ["| " + " | ".join(result.columns) + " |", "|" + "---|" * len(result.columns)]
+    for row in result.rows:
+        lines.append("| " + " | ".join(_cell(v) for v in row) + " |")
+    if result.notes:
+        lines += ["", result.notes]
+    return [*lines, ""]
 
 
 def to_json(results: list[tuple[str, BenchResult, float]], command: str) -> dict[str, Any]:
@@ -94,6 +100,10 @@ def to_json(results: list[tuple[str, BenchResult, float]], command: str) -> dict
                 "rows": r.rows,
                 "notes": r.notes,
                 "extra": r.extra,
+                "tables": [
+                    {"title": t.title, "columns": t.columns, "rows": t.rows, "notes": t.notes}
+                    for t in r.tables
+                ],
                 "seconds": s,
             }
             for name, r, s in results

@@ -298,10 +298,38 @@ def unpermute_from_layout(y_PD: torch.Tensor, layout: PermuteLayout) -> torch.Te
     Megatron's choice until it is measured there.
     """
     assert y_PD.shape[0] == layout.num_rows, "y_PD rows differ from the planned layout"
-    out = y_PD.new_zeros((layout.num_tokens + 1, *y_PD.shape[1:]))
-    if y_PD.is_cpu or torch.are_deterministic_algorithms_enabled():
-        out.index_add_(0, layout.token_idx_P, y_PD)
-    else:
-        index = layout.token_idx_P.view(-1, *([1] * (y_PD.dim() - 1))).expand_as(y_PD)
-        out.scatter_add_(0, index, y_PD)
-    return out[: layout.num_tokens]
+    if not (y_PD.requires_grad and torch.is_grad_enabled()):  # no graph: skip the Function
+        return _ScatterAddWithTrash.forward(None, y_PD, layout)
+    return _ScatterAddWithTrash.apply(y_PD, layout)
+
+
+class _ScatterAddWithTrash(torch.autograd.Function):
+    """Rows added onto their tokens, pads onto a dropped trash row; the backward gathers.
+
+    Its own backward, not autograd's of ``index_add_`` then ``[:T]``: the slice's backward fills
+    a ``[T + 1, D]`` zero buffer and copies the gradient into it before the gather, a full
+    buffer written for one trash row. Here the gradient is gathered straight from ``[T, D]``
+    and only the Q pad rows are zeroed (the same values: pad rows read the trash row's zeros).
+    """
+
+    @staticmethod
+    def forward(ctx, y_PD, layout):
+        if ctx is not None:  # None: called without autograd (see unpermute_from_layout)
+            ctx.layout = layout
+        # The scatter-add's zeros are its identity (Megatron's unpermute starts from zeros too).
+        out = y_PD.new_zeros((layout.num_tokens + 1, *y_PD.shape[1:]))
+        if y_PD.is_cpu or torch.are_deterministic_algorithms_enabled():
+            out.index_add_(0, layout.token_idx_P, y_PD)
+        else:
+            index = layout.token_idx_P.view(-1, *([1] * (y_PD.dim() - 1))).expand_as(y_PD)
+            out.scatter_add_(0, index, y_PD)
+        return out[: layout.num_tokens]
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        layout = ctx.layout
+        if layout.num_pads == 0:
+            return grad_TD.index_select(0, layout.token_idx_P), None
+        # Pad rows index the trash row T; any real row serves for the gather before zeroing.
+        idx_P = layout.token_idx_P.clamp(max=max(layout.num_tokens - 1, 0))
+        return gather_and_zero_pads(grad_TD, idx_P, layout.pad_idx_Q), None

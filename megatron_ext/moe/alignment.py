@@ -249,3 +249,29 @@ def gather_and_zero_pads(
         return src_M.new_zeros((gather_idx_P.shape[0], *src_M.shape[1:]))
     out_P = src_M.index_select(0, gather_idx_P)
     return out_P.index_fill_(0, pad_idx_Q, 0)
+
+
+def leading_rows(buffer_P: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The first ``num_rows`` rows of a buffer (a view), whose gradient writes each row once.
+
+    A static-bound buffer cut to its exact length once host counts arrive: autograd's own slice
+    backward fills a zero buffer of the whole length and copies the gradient into its prefix
+    (the kept rows written twice); here the kept rows are copied and only the cut rows zeroed.
+    """
+    if num_rows == buffer_P.shape[0] or not (buffer_P.requires_grad and torch.is_grad_enabled()):
+        return buffer_P[:num_rows]
+    return _LeadingRows.apply(buffer_P, num_rows)
+
+
+class _LeadingRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, buffer_P, num_rows):
+        ctx.num_rows_all = buffer_P.shape[0]
+        return buffer_P[:num_rows]
+
+    @staticmethod
+    def backward(ctx, grad_N):
+        grad_P = grad_N.new_empty((ctx.num_rows_all, *grad_N.shape[1:]))
+        grad_P[: grad_N.shape[0]].copy_(grad_N)
+        grad_P[grad_N.shape[0] :].zero_()
+        return grad_P, None

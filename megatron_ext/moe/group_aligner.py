@@ -216,7 +216,7 @@ class GroupAligner:
         # a token nowhere must lower num_out_tokens to match, as Megatron's permute requires).
         assert num_real == self.layout.num_rows - self.layout.num_pads, num_real
         self.layout = self.layout.narrow(num_rows, host_sizes)
-        return x_P[:num_rows], aligned_E, probs_P[:num_rows]
+        return al.leading_rows(x_P, num_rows), aligned_E, al.leading_rows(probs_P, num_rows)
 
     def strip(self, y_P: torch.Tensor) -> torch.Tensor:
         """Drops pad rows: back in received order, or (permute-folded) unpermuted to tokens."""

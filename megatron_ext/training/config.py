@@ -24,6 +24,12 @@ class EntryConfig:
     NCCL are refused. With --fp8-format/--fp4-format it is a rehearsal: the model computes in
     fp32 while expert groups are aligned and checked exactly as the fp8/fp4 run's."""
 
+    cpu_caching_malloc: bool = True
+    """Under --cpu, make glibc malloc keep freed memory for reuse (no mmap'd chunks, no trimming
+    of the heap), as a GPU caching allocator keeps its blocks: a fresh CPU tensor otherwise faults
+    in every page on every step. It changes no result. --no-cpu-caching-malloc keeps glibc's
+    defaults; a launch without --cpu never changes them."""
+
     verbose: bool = False
     """Show everything Megatron prints: every warning (missing Apex/Transformer Engine on CPU,
     CUDA_HOME, deprecations of what was chosen on purpose), its INFO logs, its argument dump, the

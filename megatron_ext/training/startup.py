@@ -11,7 +11,8 @@ build; otherwise Megatron's own ``compile_helpers`` runs exactly as before (a so
 A ``--cpu`` launch is a rehearsal whose cost is its startup: :func:`prepare_cpu_launch` (before
 Megatron is imported) runs Megatron's ``jit_fuser`` functions eagerly instead of compiling them
 (:func:`run_jit_fuser_eagerly`) and defers the import of each tokenizer library to its first use
-(:func:`defer_tokenizer_libraries`: no ``transformers`` for a ``NullTokenizer`` run).
+(:func:`defer_tokenizer_libraries`: no ``transformers`` for a ``NullTokenizer`` run), and makes
+malloc keep freed memory (:mod:`megatron_ext.caching_malloc`) unless ``--no-cpu-caching-malloc``.
 
 Example::
 
@@ -137,11 +138,20 @@ def run_jit_fuser_eagerly() -> None:
         sys.modules["torch._dynamo"].config.disable = True
 
 
-def prepare_cpu_launch() -> str:
-    """What a ``--cpu`` launch does before Megatron is imported; returns the line that says so."""
+def prepare_cpu_launch(caching_malloc: bool = True) -> str:
+    """What a ``--cpu`` launch does before Megatron is imported; returns the line that says so.
+
+    ``caching_malloc``: glibc malloc keeps freed memory for reuse
+    (:func:`megatron_ext.caching_malloc.keep_freed_memory`; ``--no-cpu-caching-malloc`` is False).
+    """
     run_jit_fuser_eagerly()
     defer_tokenizer_libraries()
+    if caching_malloc:
+        from megatron_ext.caching_malloc import keep_freed_memory
+
+        keep_freed_memory()
     return (
         "megatron_ext: --cpu runs Megatron's jit_fuser functions eagerly (TORCHDYNAMO_DISABLE=1, "
         "as the tests and the demo) and imports tokenizer libraries only when one is used"
+        + ("; malloc keeps freed memory for reuse" if caching_malloc else "")
     )

@@ -9,6 +9,7 @@ full, and that the table is rank 0's rows in that order under the measurement's 
 import pytest
 
 from megatron_ext.bench import alignment as bench
+from megatron_ext.bench import alignment_layer
 from megatron_ext.bench.alignment_rows import COLUMNS, measure_rows
 
 
@@ -23,6 +24,9 @@ def test_runs_each_allocator_and_ep_size_and_keeps_rank_zeros_rows(
     def fake_run_distributed(fn, world_size, *args, ep, timeout):
         calls.append((fn, world_size, args, ep, timeout))
         events.append("run")
+        if fn is alignment_layer.measure_layers:  # the whole-layer table: both allocators at once
+            rss = {"glibc": 1.0, "caching": 2.0}
+            return [{"rows": [[f"layer rank{r}"] * 10], "peak_rss_mib": rss} for r in range(2)]
         allocator = args[3]
         # One row per rank, each cell naming where it came from.
         return [[[f"{allocator} ep{ep} rank{r}"] * len(COLUMNS)] for r in range(world_size)]
@@ -31,6 +35,15 @@ def test_runs_each_allocator_and_ep_size_and_keeps_rank_zeros_rows(
     monkeypatch.setattr(bench, "shutdown_pools", lambda: events.append("shutdown"))
     result = bench.alignment(quick)
     tokens = tokens or [48, 1024, 8192]
+    layer_call = calls.pop()
+    layer_tokens, layer_rounds = ([256], 3) if quick else ([1024, 8192], 9)
+    assert layer_call == (
+        alignment_layer.measure_layers,
+        2,
+        (layer_tokens, hidden, layer_rounds),
+        1,
+        1800,
+    )
     assert [(fn, n, ep, timeout) for fn, n, _, ep, timeout in calls] == [
         (measure_rows, ep, ep, 1800) for _ in bench.ALLOCATORS for ep in (1, 2)
     ]
@@ -40,7 +53,14 @@ def test_runs_each_allocator_and_ep_size_and_keeps_rank_zeros_rows(
         for _ in (1, 2)
     ]
     # Fresh workers before each allocator setting, and none kept after the 'caching' ones.
-    assert events == ["shutdown", "run", "run", "shutdown", "run", "run", "shutdown"]
+    assert events == ["shutdown", "run", "run", "shutdown", "run", "run", "shutdown"] + [
+        "run",  # the whole-layer table's own 2-rank world, shut down after (one caching rank)
+        "shutdown",
+    ]
+    (layer_table,) = result.tables
+    assert layer_table.columns == alignment_layer.COLUMNS
+    assert layer_table.rows == [["layer rank0"] * 10]
+    assert "glibc 1 MiB, caching 2 MiB" in layer_table.notes
     assert result.columns == COLUMNS
     assert [row[0] for row in result.rows] == [
         "glibc ep1 rank0",

@@ -24,7 +24,10 @@ def test_duplicate_registration_is_refused() -> None:
 def test_markdown_and_json_carry_date_machine_command_and_values(tmp_path, monkeypatch) -> None:
     @register_benchmark("_toy_for_report_test")
     def toy(quick: bool) -> BenchResult:
-        return BenchResult(title="Toy", columns=["case", "ratio"], rows=[["x", 1.25]], notes="n")
+        second = BenchResult(title="Second", columns=["layer", "ms"], rows=[["y", 7.5]], notes="m")
+        return BenchResult(
+            title="Toy", columns=["case", "ratio"], rows=[["x", 1.25]], notes="n", tables=[second]
+        )
 
     try:
         monkeypatch.setattr("sys.argv", ["megatron-ext", "bench", "--only", "_toy_for_report_test"])
@@ -41,8 +44,12 @@ def test_markdown_and_json_carry_date_machine_command_and_values(tmp_path, monke
             "| x | 1.25 |",
         ):
             assert needle in text
+        # A second table renders under the first, with its own heading, rows and notes.
+        assert text.index("| x | 1.25 |") < text.index("### Second") < text.index("| y | 7.5 |")
+        assert "\nm\n" in text
         data = json.loads(js.read_text())
         assert data["benchmarks"]["_toy_for_report_test"]["rows"] == [["x", 1.25]]
+        assert data["benchmarks"]["_toy_for_report_test"]["tables"][0]["rows"] == [["y", 7.5]]
         # A second run refuses to replace them unless told (before running anything).
         ran = []
         BENCHMARKS["_toy_for_report_test"] = lambda quick: ran.append(1) or toy(quick)

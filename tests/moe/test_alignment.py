@@ -97,3 +97,33 @@ def test_host_pad_rows_equal_the_device_pad_rows(align):
             host = al.host_pad_rows(counts, sizes)
             assert host.dtype == np.int64 and host.tolist() == device.tolist()
     assert any(sum(al.round_up_host(c, align)) > sum(c) for c in cases)  # pads occurred
+
+
+def test_leading_rows_gradient_is_the_slices_without_filling_kept_rows():
+    """A static-bound buffer cut to its exact length: the same values and gradient as a slice
+    (bitwise), the cut rows' gradient zero, and no zero fill of the whole buffer."""
+    from megatron_ext.moe.alignment import leading_rows
+
+    g = torch.Generator().manual_seed(0)
+    buf = torch.randn(10, 3, generator=g, requires_grad=True)
+    ref = buf.detach().clone().requires_grad_(True)
+    w = torch.randn(7, 3, generator=g)
+    got = leading_rows(buf, 7)
+    assert torch.equal(got, ref[:7]) and got.data_ptr() == buf.data_ptr()  # a view
+    (got * w).sum().backward()
+    (ref[:7] * w).sum().backward()
+    assert torch.equal(buf.grad, ref.grad) and buf.grad[:7].abs().sum() > 0
+    assert not buf.grad[7:].any()
+    fills = []
+
+    class Fills(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("zero_", "fill_", "zeros", "new_zeros"):
+                fills.append(args[0].shape if args else kwargs)
+            return func(*args, **(kwargs or {}))
+
+    buf.grad = None
+    with Fills():
+        (leading_rows(buf, 7) * w).sum().backward()
+    assert fills == [torch.Size([3, 3])]  # only the 3 cut rows are zeroed
+    assert leading_rows(buf, 10) is not buf and torch.equal(leading_rows(buf, 10), buf)

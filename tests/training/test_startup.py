@@ -136,3 +136,57 @@ def test_a_plain_cpu_launch_trains_as_the_tests_do(corpus_prefix):
     tested = launch(args).check()
     assert not plain.preloaded and sorted(plain.losses) == [1, 2]
     assert plain.losses == tested.losses  # bitwise: the logged digits are equal
+
+
+_FAULTS_AFTER_STARTUP = """
+import resource, torch
+from megatron_ext.training.startup import prepare_cpu_launch
+prepare_cpu_launch({caching})
+
+def faults_per_trip():
+    # 64 MiB: above glibc's largest dynamic mmap threshold (32 MiB): a fresh mmap by default.
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(5):
+        x = torch.ones(16 * 2**20)
+        del x
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 5
+
+faults_per_trip()  # the heap grows to its working size first
+print(min(faults_per_trip() for _ in range(3)))
+"""
+
+
+def test_cpu_startup_keeps_freed_memory_unless_turned_off():
+    faults = {}
+    for caching in (True, False):
+        code = _FAULTS_AFTER_STARTUP.format(caching=caching)
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        faults[caching] = int(proc.stdout.split()[-1])
+    # 4 KiB pages: 16384 faults a trip under glibc's defaults (32 under transparent huge pages);
+    # with freed memory kept, none once warm (a stray fault or two is allowed).
+    assert faults[False] >= 32, faults
+    assert 8 * faults[True] <= faults[False], faults
+
+
+def test_cpu_caching_malloc_changes_no_loss(corpus_prefix):
+    from megatron_ext.testing.real_loop import TINY_MOE_ARGS, launch
+
+    args = [*TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", "3"]
+    runs = {
+        flags: launch([*args, *flags], module="tests.training.loss_probe").check()
+        for flags in ((), ("--no-cpu-caching-malloc",))
+    }
+    kept, default = runs[()], runs[("--no-cpu-caching-malloc",)]
+    assert kept.output.count("malloc keeps freed memory for reuse") == 1  # rank 0's startup line
+    assert "malloc keeps freed memory" not in default.output
+    probes = {
+        flags: sorted(line for line in run.output.splitlines() if line.startswith("loss probe:"))
+        for flags, run in runs.items()
+    }
+    # Each rank's micro-batch loss sums as repr() printed them (every bit), 3 iterations.
+    assert len(probes[()]) >= 2 * 3, kept.output[-3000:]
+    assert probes[()] == probes[("--no-cpu-caching-malloc",)]
+    assert sorted(kept.losses) == [1, 2, 3] and kept.losses == default.losses

@@ -11,7 +11,7 @@ import sys
 
 SCRIPT = """
 import resource, torch
-from megatron_ext.bench.caching_malloc import keep_freed_memory
+from megatron_ext.caching_malloc import keep_freed_memory
 
 def faults_per_trip():
     # 64 MiB: above glibc's largest dynamic mmap threshold (32 MiB), so by default every

@@ -1,4 +1,4 @@
-"""glibc malloc turned into a caching allocator, for benchmarks that must not measure page faults.
+"""glibc malloc turned into a caching allocator: no page fault for a tensor that reuses freed memory.
 
 A fresh CPU tensor beyond glibc's mmap threshold is its own mmap, so every page of it faults in on
 first touch, every time; a GPU caching allocator reuses its freed blocks and never pays that. The
@@ -10,8 +10,10 @@ chunks, no trimming of the heap), so a freed tensor's pages are reused. Minor fa
     glibc's defaults                          16384   (every page, every time)
     after keep_freed_memory(), warmed up          0   (the heap's pages reused)
 
-The setting cannot be undone in a process: the ``alignment`` benchmark applies it in worker
-processes of their own (its ``caching`` rows) and shuts them down after.
+The setting cannot be undone in a process: the benchmarks apply it in worker processes of their
+own (the ``caching`` rows) and shut them down after. Every ``--cpu`` launch applies it at startup
+(``--no-cpu-caching-malloc`` turns it off); a GPU launch never does (its tensors live in PyTorch's CUDA
+caching allocator, which reuses its blocks already).
 """
 
 import ctypes
