@@ -29,6 +29,11 @@ class EntryConfig:
     what was chosen on purpose) and an argument error's whole traceback; by default megatron_ext
     hides warnings that do not apply and reports an argument error in one line."""
 
+    allow_untested_megatron: bool = False
+    """Run even though the installed megatron-core is not a version megatron_ext was tested on, or
+    a Megatron function megatron_ext patches or copies changed since (a launch refuses both, naming
+    the version and the functions; docs/compat.md says how to check a new version)."""
+
     def check_megatron_args(self, args: _argparse.Namespace) -> None:
         """Refuses what Megatron's data loader cannot run with megatron_ext's datasets."""
         if self.cpu:
