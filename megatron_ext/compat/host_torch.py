@@ -141,10 +141,6 @@ class HostTorch:
         top = {name: _host_factory(getattr(torch, name)) for name in FACTORIES}
         return TorchProxy({n: CUDA_ON_HOST[n] for n in self.cuda}, top if self.factories else {})
 
-    def __str__(self) -> str:
-        names = [f"torch.cuda.{n}" for n in self.cuda]
-        return "host " + ", ".join(names + (['device="cuda" factories'] if self.factories else []))
-
 
 def innermost_function(obj: Any, filename: str) -> types.FunctionType:
     """The plain function behind ``obj`` (a staticmethod, classmethod or decorator chain): the

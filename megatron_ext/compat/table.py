@@ -55,6 +55,14 @@ OTHER_ROWS: list[Patch] = [
           None, "route replay swaps KeyedRouterReplay into RouterReplay.global_router_replay_instances "
           "(megatron_ext.replay.keyed_router_replay.swap_in; RouteReplayBinding.remove undoes it)",
           "66dce7a4db535981"),
+    Patch("owned", T + "global_vars", "get_args", None,
+          "the resume checks set _GLOBAL_ARGS, which get_args returns, to a copy of the run's "
+          "arguments for the length of a check (megatron_ext.training.resume_checks.megatron_args)",
+          "6d17a5a434280b25"),
+    Patch("owned", T + "training", "_TRAIN_START_TIME", None,
+          "a rank forked from the tests' preloaded server sets Megatron's start clocks "
+          "(_TRAIN_START_TIME, _LEGACY_TRAIN_START_TIME) to its own start "
+          "(megatron_ext.testing.preloaded)", "76a7e234dc54e9c6"),
     Patch("copied", M + "transformer.moe.token_dispatcher",
           "MoEAlltoAllTokenDispatcher.dispatch_preprocess", None,
           "copied and edited in megatron_ext.moe.token_dispatcher (the pad folded into the permute)",
