@@ -89,3 +89,13 @@ def test_the_entry_refuses_with_exit_2_unless_allowed(allow, monkeypatch, capsys
         assert status == 2
         assert out.err.count("\n") == 1 and "megatron-core 0.20.0 is untested" in out.err, out.err
         assert "--allow-untested-megatron" in out.err
+
+
+def test_the_package_metadata_allows_exactly_the_tested_versions() -> None:
+    import tomllib
+    from pathlib import Path
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    dependencies = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    pins = [d.replace(" ", "") for d in dependencies if d.startswith("megatron-core")]
+    assert pins == [f"megatron-core=={version}" for version in TESTED_MEGATRON]
