@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from megatron_ext.arguments import add_megatron_ext_args
@@ -70,24 +71,23 @@ def _one_line_parser_errors(parser: argparse.ArgumentParser) -> argparse.Argumen
     return parser
 
 
-@contextlib.contextmanager
 def _fp4_rehearsal_validation() -> Any:
     """``--cpu`` with ``--fp4-format``: Megatron's validation requires Transformer Engine >= 2.7
     for NVFP4 kernels, which a rehearsal never runs (the model is built unquantized; only the
     expert groups are aligned and checked, :mod:`megatron_ext.training.cpu_rehearsal`). Within
     the block that one version check (2.7.0.dev0) passes; every other asks TE as before."""
-    from megatron.training import arguments
+    from megatron_ext import compat
 
-    original = arguments.is_te_min_version
+    return compat.patched("fp4_rehearsal")
+
+
+def passing_nvfp4_te_check(original: Callable[..., bool]) -> Callable[..., bool]:
+    """``is_te_min_version`` answering True for the NVFP4 kernels' 2.7.0.dev0 only."""
 
     def te_min_version(version: str, *rest: Any, **kw: Any) -> bool:
         return True if version == "2.7.0.dev0" else original(version, *rest, **kw)
 
-    arguments.is_te_min_version = te_min_version
-    try:
-        yield
-    finally:
-        arguments.is_te_min_version = original
+    return te_min_version
 
 
 def resolved_configuration(args: argparse.Namespace) -> dict[str, Any]:
@@ -162,6 +162,13 @@ def main() -> int:
         prepared = prepare_cpu_launch(caching)
         if os.environ.get("RANK", "0") == "0":
             print(prepared, flush=True)
+    from megatron_ext.compat.check import check_megatron
+
+    untested = check_megatron()  # before anything is patched: Megatron's own sources are hashed
+    if untested and "--allow-untested-megatron" not in argv:
+        print(untested, file=sys.stderr)
+        return 2
+    if cpu:
         enable_cpu_training()
         # validate_args asserts it under TP/CP (a CUDA stream setting; nothing to tune on CPU).
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
@@ -233,8 +240,8 @@ def train(args: argparse.Namespace) -> int:
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
+    from megatron_ext import compat
     from megatron_ext.training import run_state
-    from megatron_ext.training.checkpoint_checks import exit_nonzero_on_failed_load
     from megatron_ext.training.dataset_provider import (
         DataRefusedError,
         train_valid_test_datasets_provider,
@@ -243,15 +250,13 @@ def train(args: argparse.Namespace) -> int:
     from megatron_ext.training.forward_step import forward_step
     from megatron_ext.training.launch_log import install as leave_out_lines_that_do_not_apply
     from megatron_ext.training.launch_log import refuse
-    from megatron_ext.training.loss_log import install as log_each_interval_own_loss
     from megatron_ext.training.model_provider import model_provider
-    from megatron_ext.training.startup import skip_helpers_build_when_prebuilt
 
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    log_each_interval_own_loss()
+    compat.apply(
+        "launch"
+    )  # the loss log's reset, no make for prebuilt helpers, a failed load exits 1
     leave_out_lines_that_do_not_apply(args)
-    skip_helpers_build_when_prebuilt()
-    exit_nonzero_on_failed_load()
     cfg = pretrain_cfg_container_from_args(args)
     try:
         pretrain(

@@ -3,6 +3,7 @@
 python -m tests.cpu_loop_probe PATCH_NAME <pretrain_gpt flags>
 """
 
+import functools
 import sys
 
 from megatron_ext import cpu_loop
@@ -12,8 +13,8 @@ def main() -> int:
     skipped = sys.argv.pop(1)
     if skipped not in cpu_loop.PATCHES:
         raise SystemExit(f"unknown patch {skipped!r}; known: {sorted(cpu_loop.PATCHES)}")
-    cpu_loop.enable_cpu_training(skip=(skipped,))
-    cpu_loop._ENABLED.add(skipped)  # main()'s own enable_cpu_training() must not apply it either
+    # main()'s own enable_cpu_training() must leave it out too.
+    cpu_loop.enable_cpu_training = functools.partial(cpu_loop.enable_cpu_training, skip=(skipped,))
     from megatron_ext.pretrain_gpt import main as pretrain_main
 
     return pretrain_main()

@@ -8,7 +8,6 @@ Removing a patch fails symmetrically on both ranks before any collective, so not
 """
 
 import datetime
-import importlib
 import inspect
 import json
 import os
@@ -29,44 +28,25 @@ def _probe(rank: int, port: str) -> None:
         "gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30)
     )
     from megatron.core import parallel_state
-    from megatron.core.fusions import fused_softmax
     from megatron.core.pipeline_parallel import schedules
-    from megatron.core.tensor_parallel import random as mrandom
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from megatron.core.transformer.moe import token_dispatcher
     from megatron.core.utils import GlobalMemoryBuffer
 
     import megatron_ext.cpu as cpu
+    from megatron_ext import compat
 
-    # Every (module, attribute) a patch replaces, so a check can put the original back.
-    touched = [
-        (mrandom, "_get_cuda_rng_state"),
-        (mrandom, "_set_cuda_rng_state"),
-        (mrandom, "torch"),
-        (token_dispatcher, "torch"),
-        (token_dispatcher, "maybe_move_tensor_to_cpu"),
-        (moe_utils, "maybe_move_tensor_to_cpu"),
-        (fused_softmax, "get_default_causal_mask"),
-        (schedules, "torch"),
-        (mrandom.CheckpointWithoutOutput, "__init__"),
-    ] + [
-        (importlib.import_module(name), "torch")
-        for name in {**cpu._CURRENT_DEVICE_USERS, **cpu._STREAM_USERS}
-    ]
-    original = {(m.__name__, a): getattr(m, a) for m, a in touched}
-    stream_names = ("Stream", "Event", "current_stream", "stream", "synchronize")
-
-    def apply(skip: str = "", unpatch: tuple[str, tuple[str, ...]] = ("", ())) -> None:
-        """All patches except ``skip``; then ``unpatch = (module, cuda names)`` restored in one module."""
-        for module, attr in touched:
-            setattr(module, attr, original[(module.__name__, attr)])
+    def apply(skip: str = "", unpatch: tuple[str, str] = ("", "")) -> None:
+        """Every CPU-mode row except group ``skip``; then ``unpatch = (module, group)``: that group's
+        rows in that one module put back to Megatron's own (its other modules keep theirs)."""
+        compat.restore(compat.rows("cpu"))
         token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None
         parallel_state._GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()  # else a CPU buffer is cached
-        for name, patch in cpu.PATCHES.items():
-            if name != skip:
-                patch()
-        module_name, cuda_names = unpatch
-        for cuda_name in cuda_names:  # falls through to the real torch.cuda again
-            delattr(sys.modules[module_name].torch.cuda, cuda_name)
+        compat.apply(*(f"cpu.{name}" for name in cpu.PATCHES if name != skip))
+        module_name, group = unpatch
+        if module_name:
+            rows = [r for r in compat.rows(f"cpu.{group}") if r.module == module_name]
+            assert rows, unpatch
+            compat.restore(rows)
 
     def train_step(
         sequence_parallel: bool = False,
@@ -122,13 +102,13 @@ def _probe(rank: int, port: str) -> None:
             results[name] = train_step(recompute_layernorm=name == "checkpoint_without_output")
     for module_name in cpu._STREAM_USERS:
         if module_name != PP_ONLY:
-            apply(unpatch=(module_name, stream_names))
+            apply(unpatch=(module_name, "null_streams"))
             results[f"null_streams:{module_name}"] = train_step(
                 ddp=module_name == DDP_ONLY, shared_overlap=module_name == SHARED_ONLY
             )
     for module_name in cpu._CURRENT_DEVICE_USERS:
         if module_name not in (SP_ONLY, PP_ONLY):
-            apply(unpatch=(module_name, ("current_device",)))
+            apply(unpatch=(module_name, "current_device"))
             results[f"current_device:{module_name}"] = train_step(ddp=module_name == DDP_ONLY)
     # Pipeline parallelism: unpatched, a pipeline step fails on one stage only and its peer then waits in
     # a send/recv until the gloo timeout, so these three are checked on Megatron's source: the CUDA call
@@ -153,7 +133,7 @@ def _probe(rank: int, port: str) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     apply()
     results["all_patches_sequence_parallel"] = train_step(sequence_parallel=True)
-    apply(unpatch=(SP_ONLY, ("current_device",)))
+    apply(unpatch=(SP_ONLY, "current_device"))
     results[f"current_device:{SP_ONLY}"] = train_step(sequence_parallel=True)
     if rank == 0:
         print("PROBE " + json.dumps(results), flush=True)

@@ -84,7 +84,8 @@ class AlignedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         """Megatron's dispatch_preprocess; at EP=1 its permute writes the aligned buffer."""
         if not self._folds_into_permute():
             return super().dispatch_preprocess(hidden_states, routing_map, probs)
-        # Megatron's steps, in its order, with the permute replaced (no router padding here).
+        # Megatron's steps, in its order, with the permute replaced (no router padding here);
+        # the upstream source is fingerprinted in megatron_ext/compat/table.py (group copied).
         self.hidden_shape = hidden_states.shape
         self.probs = probs
         self.routing_map = routing_map

@@ -20,6 +20,7 @@ Example::
 import argparse
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,11 +154,13 @@ def exit_nonzero_on_failed_load() -> None:
     ``sys.exit()`` inside it would exit 0 (a checkpoint file it cannot read, a missing RNG state,
     ...), after Megatron's own message. Idempotent; wraps the name ``megatron.training.training``
     calls, failing loudly if it has moved."""
-    from megatron.training import training
+    from megatron_ext import compat
 
-    original = training.load_checkpoint
-    if getattr(original, "_megatron_ext", False):
-        return
+    compat.apply_rows([compat.row("megatron.training.training.load_checkpoint")])
+
+
+def exiting_nonzero(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``load_checkpoint`` whose bare ``sys.exit()`` exits with status 1 (see above)."""
 
     @functools.wraps(original)
     def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
@@ -171,5 +174,4 @@ def exit_nonzero_on_failed_load() -> None:
                 "above), before training: exit status 1"
             ) from None
 
-    load_checkpoint._megatron_ext = True  # type: ignore[attr-defined]
-    training.load_checkpoint = load_checkpoint
+    return load_checkpoint

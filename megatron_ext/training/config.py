@@ -43,6 +43,11 @@ class EntryConfig:
     Megatron does by default; without it a launch prints a four-line configuration (model,
     parallelism, data, the megatron_ext flags set)."""
 
+    allow_untested_megatron: bool = False
+    """Run even though the installed megatron-core is not a version megatron_ext was tested on, or
+    a Megatron function megatron_ext patches or copies changed since (a launch refuses both, naming
+    the version and the functions; docs/compat.md says how to check a new version)."""
+
     def check_megatron_args(self, args: _argparse.Namespace) -> None:
         """Refuses what Megatron's data loader cannot run with megatron_ext's datasets."""
         if self.cpu:

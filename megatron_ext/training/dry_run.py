@@ -20,7 +20,7 @@ Example::
 import argparse
 import contextlib
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -46,19 +46,22 @@ def target(dry_run: bool) -> Iterator[dict[str, str]]:
     if not dry_run or importlib.util.find_spec("transformer_engine"):
         yield {}
         return
-    from megatron_ext.cpu import _module_with
+    from megatron_ext import compat
 
-    config = _module_with("megatron.core.transformer.transformer_config", "is_te_min_version")
-    rope = _module_with(
-        "megatron.core.models.common.embeddings.rope_utils", "fused_apply_rotary_pos_emb"
-    )
-    previous = config.is_te_min_version, rope.fused_apply_rotary_pos_emb
-    config.is_te_min_version = lambda *args, **kwargs: True
-    rope.fused_apply_rotary_pos_emb = _on_the_target_only
-    try:
+    with compat.patched("dry_run_target"):
         yield {"transformer_engine": "not installed here: assumed current on the target"}
-    finally:
-        config.is_te_min_version, rope.fused_apply_rotary_pos_emb = previous
+
+
+def current_te(original: Callable[..., bool]) -> Callable[..., bool]:
+    """``TransformerConfig``'s ``is_te_min_version``: every version is there (the target's TE)."""
+    del original
+    return lambda *args, **kwargs: True
+
+
+def on_the_target_only(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Stands in for a Transformer Engine kernel during a dry run's checks; never runs."""
+    del original
+    return _on_the_target_only
 
 
 def _on_the_target_only(*args: Any, **kwargs: Any) -> Any:

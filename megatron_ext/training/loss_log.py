@@ -28,7 +28,6 @@ is enough; nothing of Megatron's body is copied. Example::
 """
 
 import functools
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -54,12 +53,13 @@ def install() -> None:
             takes ``iteration`` and ``is_first_iteration`` (a Megatron upgrade: check whether it
             fixed the reset itself, then update or drop this module).
     """
-    training = importlib.import_module(_MODULE)
-    original = getattr(training, "training_log", None)
-    if original is None:
-        raise RuntimeError(f"megatron_ext.training.loss_log: {_MODULE}.training_log is gone")
-    if getattr(original, "_megatron_ext_loss_log", False):
-        return
+    from megatron_ext import compat
+
+    compat.apply_rows([compat.row(f"{_MODULE}.training_log")])
+
+
+def resetting_after_regular_first_line(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``training_log`` that logs a first iteration on the schedule as a regular line."""
     signature = inspect.signature(original)
     missing = [name for name in _PARAMETERS if name not in signature.parameters]
     if missing:
@@ -67,7 +67,7 @@ def install() -> None:
             f"megatron_ext.training.loss_log: {_MODULE}.training_log no longer takes {missing}; "
             "this megatron-core version needs the loss-log fix revisited"
         )
-    training.training_log = _wrap(original, signature)
+    return _wrap(original, signature)
 
 
 def _wrap(original: Callable[..., Any], signature: inspect.Signature) -> Callable[..., Any]:
@@ -81,5 +81,4 @@ def _wrap(original: Callable[..., Any], signature: inspect.Signature) -> Callabl
                 bound.arguments["is_first_iteration"] = False
         return original(*bound.args, **bound.kwargs)
 
-    training_log._megatron_ext_loss_log = True  # type: ignore[attr-defined]
     return training_log

@@ -40,12 +40,8 @@ def prebuilt_helpers_available() -> bool:
     return True
 
 
-def skip_helpers_build_when_prebuilt() -> None:
-    """Makes ``compile_helpers`` a no-op when the prebuilt extension imports. Idempotent."""
-    utils = importlib.import_module("megatron.core.datasets.utils")
-    original: Callable[[], Any] = utils.compile_helpers
-    if getattr(original, "_megatron_ext", False):
-        return
+def compile_only_without_prebuilt(original: Callable[[], Any]) -> Callable[[], Any]:
+    """``compile_helpers`` that builds nothing when the prebuilt extension imports."""
 
     @functools.wraps(original)
     def compile_helpers() -> Any:
@@ -53,8 +49,14 @@ def skip_helpers_build_when_prebuilt() -> None:
             return None
         return original()
 
-    compile_helpers._megatron_ext = True  # type: ignore[attr-defined]
-    utils.compile_helpers = compile_helpers
+    return compile_helpers
+
+
+def skip_helpers_build_when_prebuilt() -> None:
+    """Makes ``compile_helpers`` a no-op when the prebuilt extension imports. Idempotent."""
+    from megatron_ext import compat
+
+    compat.apply_rows([compat.row("megatron.core.datasets.utils.compile_helpers")])
 
 
 #: Megatron's package of tokenizer libraries; its ``__init__`` imports every library eagerly, the

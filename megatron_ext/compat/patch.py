@@ -1,0 +1,188 @@
+"""One row of the compatibility table (:class:`Patch`), its fingerprint, and applying rows reversibly.
+
+A row names a Megatron attribute (``module`` + dotted ``attribute``), what replaces it and why, the
+megatron-core versions it was checked on and a fingerprint of the source it replaces: the sha256 of
+the attribute's source lines without indentation, blank or comment-only lines, so a change of code
+or docstring (not of layout) changes the fingerprint. :func:`patched` applies rows for the length of a block and
+puts every original back; :func:`apply` keeps them (a launch). Applying is idempotent per row.
+
+Example::
+
+    with patched("cpu_model"):        # Megatron's model stack runs on CPU inside the block
+        ...
+    # outside it, every attribute is Megatron's own again
+"""
+
+import contextlib
+import hashlib
+import importlib
+import inspect
+import linecache
+import types
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_ext.compat.host_torch import HostTorch, innermost_function, rebind
+
+#: The megatron-core versions every row of the table was checked on.
+TESTED_MEGATRON = ("0.19.2",)
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One change megatron_ext makes to Megatron's behaviour.
+
+    Attributes:
+        group: What applies it (``cpu_model``, ``cpu_training``, ``launch``, ...); see table.py.
+        module: The Megatron module holding the attribute.
+        attribute: Dotted path inside ``module`` (``"Router.gating"``).
+        replacement: A :class:`HostTorch` (the function's own ``torch`` calls those names on the
+            host), ``"package.module:factory"`` (``factory(original)`` returns the new value), or
+            ``None`` for a row applied by its owner (named in ``reason``) or a body copied from it.
+        reason: Why Megatron's own behaviour does not do.
+        fingerprint: :func:`fingerprint` of the original on the versions in ``checked_on``.
+        checked_on: megatron-core versions the row was checked on.
+    """
+
+    group: str
+    module: str
+    attribute: str
+    replacement: HostTorch | str | None
+    reason: str
+    fingerprint: str
+    checked_on: tuple[str, ...] = TESTED_MEGATRON
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.attribute}"
+
+
+def _owner_and_name(row: Patch) -> tuple[Any, str]:
+    """The object holding the row's attribute (module or class) and the attribute's name."""
+    owner: Any = importlib.import_module(row.module)
+    *path, name = row.attribute.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    if not hasattr(owner, name):
+        raise RuntimeError(
+            f"megatron_ext.compat: {row.name} is gone; this megatron-core version needs the "
+            "compatibility table revisited (megatron_ext/compat/table.py)"
+        )
+    return owner, name
+
+
+#: ``id(row)`` -> how to undo it, for every row applied in this process, in order of applying.
+_APPLIED: dict[int, tuple[Any, ...]] = {}
+
+
+def original(row: Patch) -> Any:
+    """Megatron's own object for ``row``, whether or not the row is applied now."""
+    if applied(row) and _APPLIED[id(row)][0] == "attr":
+        return _APPLIED[id(row)][2]
+    owner, name = _owner_and_name(row)
+    return owner.__dict__.get(name, getattr(owner, name))
+
+
+def _last_line(code: types.CodeType) -> int:
+    """The last source line of ``code`` and the code nested in it (closing brackets included)."""
+    ends = [end for _, end, _, _ in code.co_positions() if end is not None]
+    nested = [_last_line(c) for c in code.co_consts if isinstance(c, types.CodeType)]
+    return max([code.co_firstlineno, *ends, *nested])
+
+
+def fingerprint(obj: Any) -> str:
+    """sha256 (16 hex digits) of ``obj``'s source lines, each stripped, blank and comment-only lines
+    dropped: a change of code or docstring changes it, a change of indentation or comments does not.
+
+    A function's lines are read off its code object (no tokenizing: a launch hashes ~100 of them in
+    milliseconds); a class's from :func:`inspect.getsource`.
+    """
+    obj = getattr(obj, "__func__", obj)
+    obj = inspect.unwrap(obj) if callable(obj) and not isinstance(obj, type) else obj
+    if isinstance(obj, types.FunctionType):
+        code = obj.__code__
+        linecache.checkcache(code.co_filename)  # one stat: a file edited since it was read
+        lines = linecache.getlines(code.co_filename)[code.co_firstlineno - 1 : _last_line(code)]
+    elif isinstance(obj, type):
+        lines = inspect.getsource(obj).splitlines()
+    else:  # a value with no source (None where an optional kernel is not installed)
+        lines = [type(obj).__qualname__]
+    kept = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+    return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
+
+
+def _alias(row: Patch) -> str:
+    return "_megatron_ext_torch__" + row.attribute.replace(".", "__")
+
+
+def _apply_one(row: Patch) -> tuple[Any, ...]:
+    """Applies ``row``; returns how to undo it."""
+    owner, name = _owner_and_name(row)
+    if isinstance(row.replacement, HostTorch):
+        module = importlib.import_module(row.module)
+        function = innermost_function(owner.__dict__.get(name), module.__file__)
+        alias = _alias(row)
+        setattr(module, alias, row.replacement.proxy())
+        previous = rebind(function, alias)
+        return ("code", function, previous, function.__code__, module, alias)
+    assert isinstance(row.replacement, str), f"{row.name} is applied by its owner"
+    factory_module, factory_name = row.replacement.split(":")
+    factory = getattr(importlib.import_module(factory_module), factory_name)
+    previous = owner.__dict__.get(name, getattr(owner, name))
+    new = factory(previous)
+    setattr(owner, name, new)
+    return ("attr", owner, previous, new, name)
+
+
+def _in_place(undo: tuple[Any, ...]) -> bool:
+    """Whether what ``undo`` installed is still there (a test may have replaced it since)."""
+    if undo[0] == "code":
+        return undo[1].__code__ is undo[3]
+    _, owner, _, new, name = undo
+    return owner.__dict__.get(name, getattr(owner, name, None)) is new
+
+
+def _undo(undo: tuple[Any, ...]) -> None:
+    if not _in_place(undo):
+        return
+    if undo[0] == "code":
+        _, function, previous, _, module, alias = undo
+        function.__code__ = previous
+        delattr(module, alias)
+    else:
+        _, owner, previous, _, name = undo
+        setattr(owner, name, previous)
+
+
+def applied(row: Patch) -> bool:
+    """Whether ``row`` is applied in this process now (and nothing replaced it since)."""
+    return id(row) in _APPLIED and _in_place(_APPLIED[id(row)])
+
+
+def apply(rows: Iterable[Patch]) -> list[Patch]:
+    """Applies each row not applied now, in order; returns the rows it applied."""
+    done = []
+    for row in rows:
+        if not applied(row):
+            _APPLIED.pop(id(row), None)
+            _APPLIED[id(row)] = _apply_one(row)
+            done.append(row)
+    return done
+
+
+def restore(rows: Iterable[Patch]) -> None:
+    """Puts Megatron's own attribute back for each applied row (in reverse order of applying)."""
+    wanted = {id(row) for row in rows}
+    for key in reversed([k for k in _APPLIED if k in wanted]):
+        _undo(_APPLIED.pop(key))
+
+
+@contextlib.contextmanager
+def patched_rows(rows: Iterable[Patch]) -> Iterator[list[Patch]]:
+    """Within the block the rows are applied; on exit the ones this block applied are undone."""
+    done = apply(rows)
+    try:
+        yield done
+    finally:
+        restore(done)
