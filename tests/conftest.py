@@ -1,6 +1,42 @@
-"""Shared pytest setup: keep Megatron's jit fusers from compiling on CPU and fix thread counts."""
+"""Shared pytest setup: keep Megatron's jit fusers from compiling on CPU and fix thread counts; give
+each test the session's environment back; the wheel installed in a fresh venv and the demo run once
+from it (tests/installed_wheel.py), for every test that reads them."""
 
 import os
 
+import pytest
+
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(autouse=True)
+def session_environment():
+    """Undoes what a test left in ``os.environ``. Entries run in this process set variables:
+    Megatron's ``validate_args`` the ``NVTE_*_ATTN`` ones, ``--cpu`` ``CUDA_DEVICE_MAX_CONNECTIONS``,
+    a tokenizer directory ``HF_HUB_OFFLINE``. ``launch`` forks ranks only under the environment its
+    preloaded server started under (megatron_ext/testing/preloaded.py); one such leftover made
+    every later launch of the session start fresh interpreters (seconds of imports per rank)."""
+    saved = dict(os.environ)
+    yield
+    for name in set(os.environ) - set(saved) - {"PYTEST_CURRENT_TEST"}:
+        del os.environ[name]
+    for name, value in saved.items():
+        if name != "PYTEST_CURRENT_TEST" and os.environ.get(name) != value:
+            os.environ[name] = value
+
+
+@pytest.fixture(scope="session")
+def installed(tmp_path_factory):
+    """This checkout's wheel in a fresh venv (:func:`tests.installed_wheel.install_wheel`)."""
+    from tests.installed_wheel import install_wheel
+
+    return install_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture(scope="session")
+def wheel_demo(installed, tmp_path_factory):
+    """The demo as ``megatron-ext demo`` runs it from the installed wheel (one run per session)."""
+    from tests.installed_wheel import run_demo
+
+    return run_demo(installed, tmp_path_factory.mktemp("demo"))

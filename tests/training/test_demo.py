@@ -1,25 +1,23 @@
 """Tier: subprocesses (Megatron's real training loop, 2 gloo ranks, four launches of examples/cpu_demo.sh).
 
-The CPU main job: its JSON summary carries the promised fields, comes from the real loop, and its checks
-hold; the interesting cases occurred (rows mostly padding, constant pads skew per-expert load, the
-replaying model would have routed differently).
+The CPU main job, as ``megatron-ext demo`` runs it from the installed wheel (the session's one demo
+run, shared with tests/test_wheel.py: tests/installed_wheel.py): its JSON summary carries the
+promised fields, comes from the real loop, and its checks hold; the interesting cases occurred (rows
+mostly padding, constant pads skew per-expert load, the replaying model would have routed
+differently).
 """
 
 import argparse
-import json
 
 import pytest
 
 from megatron_ext.training.demo import LOSS_TOLERANCE, TRAINING_LOOP, main
+from tests.installed_wheel import DEMO_STEPS
 
 
-def test_demo_runs_the_real_loop_and_its_checks_hold(tmp_path, capsys) -> None:
-    out, png = tmp_path / "demo.json", tmp_path / "load.png"
-    args = argparse.Namespace(steps=3, json=str(out), png=str(png), workdir=str(tmp_path / "work"))
-    status = main(args)
-    printed = capsys.readouterr().out
-    summary = json.loads(out.read_text())
-    assert status == 0, printed
+def test_demo_runs_the_real_loop_and_its_checks_hold(wheel_demo) -> None:
+    printed, summary, png = wheel_demo.stdout, wheel_demo.summary, wheel_demo.png
+    assert wheel_demo.returncode == 0, printed[-3000:] + wheel_demo.stderr[-3000:]
     for key in (
         "loss_equal",
         "peak_over_mean_constant",
@@ -29,7 +27,7 @@ def test_demo_runs_the_real_loop_and_its_checks_hold(tmp_path, capsys) -> None:
     ):
         assert key in summary
     assert summary["training_loop"] == TRAINING_LOOP == "megatron.training.pretrain"
-    assert summary["iterations"] == 3 and len(summary["losses_self"]) == 3
+    assert summary["iterations"] == DEMO_STEPS == 3 and len(summary["losses_self"]) == 3
     assert summary["loss_equal"] and summary["loss_max_abs_diff"] <= LOSS_TOLERANCE
     assert summary["losses_self"][-1] < summary["losses_self"][0]
     # The interesting case occurred: rows are largely padding and constant pads pile onto experts.
@@ -50,7 +48,7 @@ def test_demo_runs_the_real_loop_and_its_checks_hold(tmp_path, capsys) -> None:
     assert png.stat().st_size > 10_000  # a real plot, not an empty file
     assert "[ok] loss equal under both pad policies" in printed
     # The three launches' logs were kept in --workdir, with the recorded route sidecar.
-    work = tmp_path / "work"
+    work = wheel_demo.workdir
     assert {"constant.log", "self.log", "skip.log", "replay.log"} <= {
         p.name for p in work.iterdir()
     }

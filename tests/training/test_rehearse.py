@@ -66,23 +66,27 @@ def test_a_crash_is_reported_by_its_first_error():
     assert (outcome.status, outcome.message) == ("crashed", "exit 2: usage: x")
 
 
-def test_a_sweep_reports_trained_and_refused_configurations(corpus_prefix, tmp_path):
+def test_a_sweep_reports_trained_and_refused_configurations(
+    corpus_prefix, tmp_path, capsys, monkeypatch
+):
+    """``megatron-ext rehearse``'s ``main`` in this process (its ranks fork from the tests' server;
+    the command's own interpreter runs in the test below)."""
+    from megatron_ext.cli import main
+
     path = _write(
         tmp_path,
         "tiny: --train-iters 2\nbad ep: --expert-model-parallel-size 3 --train-iters 2\n",
     )
     common = [*TINY_MOE_ARGS, "--data-path", corpus_prefix]
-    proc = subprocess.run(
-        [sys.executable, "-m", "megatron_ext.cli", "rehearse", "--log-dir", str(tmp_path / "logs"),
-         path, "--", *common],
-        capture_output=True, text=True, cwd=ROOT, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]  # one did not train
-    lines = proc.stdout.splitlines()
+    monkeypatch.chdir(ROOT)
+    status = main(["rehearse", "--log-dir", str(tmp_path / "logs"), path, "--", *common])
+    printed = capsys.readouterr()
+    assert status == 1, printed.out + printed.err[-3000:]  # one did not train
+    lines = printed.out.splitlines()
     trained = re.fullmatch(
         r"trained  tiny    losses (\S+) (\S+)  step \d+ ms  \(\d+\.\d s\)", lines[0]
     )
-    assert trained, proc.stdout
+    assert trained, printed.out
     # The losses are the ones the loop logged (its whole output is kept in the log directory).
     log = (tmp_path / "logs" / "tiny.log").read_text()
     assert LoopRun(argv=[], returncode=0, output=log).losses == {

@@ -45,13 +45,21 @@ def test_without_prebuilt_helpers_megatron_builds_them(datasets_utils, monkeypat
 
 # ----------------------------------------------------------------------------- the --cpu launch
 
-_LIBRARIES_IN_A_FRESH_PROCESS = """
+# A fresh interpreter with the user's Dynamo (enabled), with or without what a --cpu launch does
+# before Megatron's import (``prepare_cpu_launch``): the jit fuser run eagerly, the tokenizer
+# libraries deferred. One interpreter per side checks both: each is decided at import.
+_IMPORTS_IN_A_FRESH_PROCESS = """
+import os
 import sys
+os.environ.pop("TORCHDYNAMO_DISABLE", None)
 from megatron_ext.training import startup
-deferred = {defer}
-if deferred:
+cpu = {cpu}
+if cpu:
+    startup.run_jit_fuser_eagerly()
     assert startup.defer_tokenizer_libraries()
     assert not startup.defer_tokenizer_libraries()  # idempotent
+from megatron.core.fusions import fused_bias_swiglu
+print(hasattr(fused_bias_swiglu.swiglu, "_torchdynamo_orig_callable"))
 from megatron.core.tokenizers.text.text_tokenizer import MegatronTokenizerText
 import megatron.core.tokenizers.text.libraries as libraries
 before = "transformers" in sys.modules
@@ -60,24 +68,34 @@ after_null = "transformers" in sys.modules
 hf = libraries.HuggingFaceTokenizer
 from megatron.core.tokenizers.text.libraries.huggingface_tokenizer import HuggingFaceTokenizer
 assert hf is HuggingFaceTokenizer and null.vocab_size == 257
-print(before, after_null, "transformers" in sys.modules, sorted(libraries.__all__ if deferred else
+print(before, after_null, "transformers" in sys.modules, sorted(libraries.__all__ if cpu else
       [n for n in vars(libraries) if n.endswith("Tokenizer")]))
 """
 
 
-def _libraries_run(defer: bool) -> list[str]:
-    code = _LIBRARIES_IN_A_FRESH_PROCESS.format(defer=defer)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout.split(maxsplit=3)
+@pytest.fixture(scope="module")
+def fresh_imports() -> dict[bool, tuple[str, list[str]]]:
+    """Per side (True: as a --cpu launch prepares it): whether Megatron's swiglu is compiled, and
+    the tokenizer libraries' report (transformers imported before/after a NullTokenizer/after
+    naming the Hugging Face class, the library names)."""
+    reports = {}
+    for cpu in (False, True):
+        code = _IMPORTS_IN_A_FRESH_PROCESS.format(cpu=cpu)
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        compiled, libraries = proc.stdout.split("\n", 1)
+        reports[cpu] = (compiled, libraries.split(maxsplit=3))
+    return reports
 
 
-def test_deferred_tokenizer_libraries_import_transformers_only_when_named():
+def test_deferred_tokenizer_libraries_import_transformers_only_when_named(fresh_imports):
     # Megatron's own package __init__ (megatron-core 0.19.2) imports transformers for every launch ...
-    eager = _libraries_run(defer=False)
+    eager = fresh_imports[False][1]
     assert eager[:3] == ["True", "True", "True"]
     # ... deferred, a NullTokenizer is built without it, and naming the Hugging Face class imports it.
-    deferred = _libraries_run(defer=True)
+    deferred = fresh_imports[True][1]
     assert deferred[:3] == ["False", "False", "True"]
     assert deferred[3] == eager[3]  # the same seven names, from the same submodules
 
@@ -91,50 +109,30 @@ def test_a_changed_libraries_init_is_refused(tmp_path):
         startup._library_exports(init)
 
 
-_FUSER_IN_A_FRESH_PROCESS = """
-import os
-os.environ.pop("TORCHDYNAMO_DISABLE", None)
-if {eager}:
-    from megatron_ext.training.startup import run_jit_fuser_eagerly
-    run_jit_fuser_eagerly()
-from megatron.core.fusions import fused_bias_swiglu
-print(hasattr(fused_bias_swiglu.swiglu, "_torchdynamo_orig_callable"))
-"""
-
-
 @pytest.mark.parametrize("eager", [False, True])
-def test_cpu_launch_runs_jit_fuser_functions_eagerly(eager):
-    code = _FUSER_IN_A_FRESH_PROCESS.format(eager=eager)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_cpu_launch_runs_jit_fuser_functions_eagerly(eager, fresh_imports):
     # Megatron's jit_fuser is torch.compile: the function is wrapped unless Dynamo is disabled.
-    assert proc.stdout.split() == [str(not eager)]
+    assert fresh_imports[eager][0] == str(not eager)
 
 
-def test_a_cpu_launch_imports_no_hugging_face_for_a_null_tokenizer(corpus_prefix):
+def test_a_users_cpu_launch_imports_no_hugging_face_and_trains_as_the_tests_do(corpus_prefix):
     from megatron_ext.testing.real_loop import TINY_MOE_ARGS, launch
     from tests.training.entry_args import ROOT
 
-    # Fresh interpreters (not forked from the preloaded server): what a user's torchrun ranks import.
+    # Fresh interpreters (not forked from the preloaded server) in a user's shell (Dynamo enabled,
+    # against the tests' TORCHDYNAMO_DISABLE=1): what a user's torchrun ranks import and train.
     # A Hugging Face tokenizer still works: tests/tools/test_hf_tokenizer.py trains with one.
-    args = [*TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", "1"]
-    run = launch(args, module="tests.training.imports_probe", preload=False, cwd=ROOT).check()
-    assert not run.preloaded and sorted(run.losses) == [1]
-    reports = [line for line in run.output.splitlines() if line.startswith("imported:")]
+    args = [*TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", "2"]
+    plain = launch(args, module="tests.training.imports_probe", env={"TORCHDYNAMO_DISABLE": "0"},
+                   preload=False, cwd=ROOT).check()  # fmt: skip
+    assert not plain.preloaded and sorted(plain.losses) == [1, 2]
+    reports = [line for line in plain.output.splitlines() if line.startswith("imported:")]
     hf_module = "megatron.core.tokenizers.text.libraries.huggingface_tokenizer"
     expected = f"imported: transformers=False {hf_module}=False"
-    assert reports == [expected] * 2, run.output[-3000:]
-    assert run.output.count("runs Megatron's jit_fuser functions eagerly") == 1  # rank 0's line
-
-
-def test_a_plain_cpu_launch_trains_as_the_tests_do(corpus_prefix):
-    from megatron_ext.testing.real_loop import TINY_MOE_ARGS, launch
-
-    args = [*TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", "2"]
-    # A user's shell: Dynamo enabled (fresh interpreters), against the tests' TORCHDYNAMO_DISABLE=1.
-    plain = launch(args, env={"TORCHDYNAMO_DISABLE": "0"}, preload=False).check()
+    assert reports == [expected] * 2, plain.output[-3000:]
+    assert plain.output.count("runs Megatron's jit_fuser functions eagerly") == 1  # rank 0's line
     tested = launch(args).check()
-    assert not plain.preloaded and sorted(plain.losses) == [1, 2]
+    assert tested.preloaded
     assert plain.losses == tested.losses  # bitwise: the logged digits are equal
 
 

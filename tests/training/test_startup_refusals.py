@@ -9,8 +9,8 @@ checkpoint of other parallel sizes: Megatron's bare ``sys.exit()``); the dry run
 one. Now the dry run and the launch refuse each in the same one line, exit 2
 (``megatron_ext/training/dry_run.py``, ``checkpoint_checks.py``, ``resume_checks.py``).
 
-The checkpoints are Megatron's own: the tiny model trained 2 iterations and saved in ``torch`` and
-``torch_dist`` format. A ``sys.exit()`` inside Megatron's ``load_checkpoint`` that no startup check
+The checkpoints are Megatron's own: the tiny model trained 2 iterations and saved in ``torch``
+(without its RNG state) and ``torch_dist`` format. A ``sys.exit()`` inside Megatron's ``load_checkpoint`` that no startup check
 foresees (an RNG state missing from the checkpoint) exits 1, after Megatron's message.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.testing.real_loop import TINY_MOE_ARGS, launch
+from megatron_ext.testing.real_loop import TINY_MOE_ARGS, LoopRun, launch
 
 K = 2  # the checkpoints' iteration (and --train-iters of the runs that saved them)
 PREFIX = "megatron_ext: invalid arguments: "
@@ -85,16 +85,17 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def ckpt(corpus_prefix, tmp_path_factory) -> Path:
-    """Megatron's checkpoints of the tiny model at iteration K (``torch``, ``torch_dist``), and
-    broken copies: a corrupt tracker, a tracker ahead of the files, an iteration directory
-    holding no checkpoint."""
+def saved(corpus_prefix, tmp_path_factory) -> tuple[Path, LoopRun]:
+    """Megatron's checkpoints of the tiny model at iteration K (``torch`` saved with
+    ``--no-save-rng``; ``torch_dist`` by a job whose ``--load`` is also its ``--save``, still
+    empty: returned with the root), and broken copies: a corrupt tracker, a tracker ahead of the
+    files, an iteration directory holding no checkpoint."""
     root = tmp_path_factory.mktemp("ckpt")
-    for ckpt_format in ("torch", "torch_dist"):
-        launch(
-            [*_base(corpus_prefix), "--save-interval", str(K), "--ckpt-format", ckpt_format,
-             "--save", str(root / ckpt_format)]
-        ).check()  # fmt: skip
+    launch(
+        [*_base(corpus_prefix), "--save-interval", str(K), "--ckpt-format", "torch",
+         "--save", str(root / "torch"), "--no-save-rng"]
+    ).check()  # fmt: skip
+    torch_dist = launch(_load_and_save(corpus_prefix, root / "torch_dist")).check()
     tracker = "latest_checkpointed_iteration.txt"
     assert (root / "torch" / tracker).read_text().strip() == str(K)
     shutil.copytree(root / "torch", root / "corrupt")
@@ -104,7 +105,19 @@ def ckpt(corpus_prefix, tmp_path_factory) -> Path:
     (root / "notes" / f"iter_{K:07d}").mkdir(parents=True)
     (root / "notes" / f"iter_{K:07d}" / "README.txt").write_text("moved to object storage\n")
     (root / "notes" / tracker).write_text(str(K))
-    return root
+    return root, torch_dist
+
+
+@pytest.fixture(scope="module")
+def ckpt(saved) -> Path:
+    """The checkpoints' root (:func:`saved`)."""
+    return saved[0]
+
+
+def _load_and_save(prefix: str, directory: Path) -> list[str]:
+    """A job whose ``--load`` is its ``--save``, saving a torch_dist checkpoint at iteration K."""
+    return [*_base(prefix), "--save-interval", str(K), "--ckpt-format", "torch_dist",
+            "--load", str(directory), "--save", str(directory)]  # fmt: skip
 
 
 def _base(prefix: str) -> list[str]:
@@ -125,6 +138,7 @@ def test_what_stops_megatron_at_startup_fails_the_dry_run_and_the_launch_in_one_
     assert "dry run OK" not in dry.output and "Traceback" not in dry.output
     run = launch(argv)
     assert run.returncode == 2, run.output[-3000:]
+    assert dry.preloaded and run.preloaded  # forked: no test before left its environment behind
     assert not run.iterations  # nothing trained
     # A rank refuses with the dry run's line, before any process group or model (the first to
     # exit stops the other, as torchrun's agent does: it may not have printed yet).
@@ -135,34 +149,33 @@ def test_there_are_at_least_twenty_distinct_configurations() -> None:
     assert len({c[0] for c in CASES}) == len(CASES) >= 20
 
 
-def test_a_load_directory_that_is_also_save_starts_from_iteration_0(tmp_path, corpus_prefix):
-    """A job that resumes itself after a restart: the first launch finds nothing, says so in one
-    line, trains and saves; the relaunch resumes from that checkpoint."""
-    argv = [*_base(corpus_prefix), "--load", str(tmp_path / "c"), "--save", str(tmp_path / "c")]
-    argv += ["--save-interval", str(K)]
-    first = launch(argv).check()
-    note = f"megatron_ext: --load {tmp_path / 'c'} holds no checkpoint yet"
+def test_a_load_directory_that_is_also_save_starts_from_iteration_0(
+    saved, corpus_prefix, tmp_path
+) -> None:
+    """A job that resumes itself after a restart: the first launch (the fixture's torch_dist save)
+    finds nothing, says so in one line, trains and saves; the relaunch (the same flags, on a copy
+    of that directory) resumes from that checkpoint."""
+    root, first = saved
+    note = f"megatron_ext: --load {root / 'torch_dist'} holds no checkpoint yet"
     assert [line for line in first.output.splitlines() if line.startswith(note)] == [
         f"{note} (the directory does not exist; it is also --save): training starts from "
         "iteration 0"
     ]
     assert sorted(first.iterations) == [1, 2]
-    again = launch(argv).check()
-    assert note not in again.output
+    shutil.copytree(root / "torch_dist", tmp_path / "c")
+    again = launch(_load_and_save(corpus_prefix, tmp_path / "c")).check()
+    assert "holds no checkpoint yet" not in again.output
     assert f"checkpoint from {tmp_path / 'c'} at iteration {K}" in again.output
 
 
 def test_a_load_failure_no_startup_check_foresees_exits_1_after_megatrons_message(
-    corpus_prefix, tmp_path
+    ckpt, corpus_prefix
 ) -> None:
-    """A torch-format checkpoint saved with --no-save-rng, loaded without --no-load-rng: on every
-    rank Megatron's ``load_checkpoint`` prints "Unable to load rng state from checkpoint ...
-    Specify --no-load-rng" and calls ``sys.exit()``: the launch trained nothing and exited 0.
-    Now each rank exits 1 after Megatron's message."""
-    common = [*_base(corpus_prefix), "--ckpt-format", "torch"]
-    save = ["--save", str(tmp_path / "c"), "--save-interval", str(K), "--no-save-rng"]
-    launch([*common, *save]).check()
-    run = launch([*common, "--load", str(tmp_path / "c")])
+    """A torch-format checkpoint saved with --no-save-rng (the fixture's), loaded without
+    --no-load-rng: on every rank Megatron's ``load_checkpoint`` prints "Unable to load rng state
+    from checkpoint ... Specify --no-load-rng" and calls ``sys.exit()``: the launch trained nothing
+    and exited 0. Now each rank exits 1 after Megatron's message."""
+    run = launch([*_base(corpus_prefix), "--ckpt-format", "torch", "--load", str(ckpt / "torch")])
     assert run.returncode == 1, run.output[-3000:]
     assert "Unable to load rng state from checkpoint" in run.output
     assert "megatron_ext: Megatron stopped while loading the checkpoint" in run.output
