@@ -19,13 +19,17 @@
 #   CPU_SIZES: with CPU=1, the tiny sizes appended after the script's flags (default below; Megatron
 #     takes the last value of a repeated flag, so they replace the script's sizes), after
 #     CPU_LAYERS (2) transformer layers of MODEL's class.
-#   CPU_DROP: with CPU=1, flags of the script left out with their values (e.g. "--bf16" while the
-#     CPU loop cannot run Megatron's bf16 optimizer); default none.
-#   OVERRIDES: flags appended last of all, e.g. the parallel sizes that fit GPUS_PER_NODE:
-#     CPU=1 CPU_DROP=--bf16 OVERRIDES="--tensor-model-parallel-size 1 --expert-model-parallel-size 2" \
-#       bash examples/pretrain_moe_blended.sh   (its --bf16 left out: --cpu refuses it; TP 2 x EP 2
-#       experts would need 4 processes). OVERRIDES is split on spaces: a path with spaces goes
-#       after the script name instead (flags given to the script).
+#     With CPU=1 the flags the CPU loop cannot run are dropped or translated, one line each on
+#     stderr (cpu_translate below): --bf16/--fp16 dropped (the CPU loop trains in fp32),
+#     --transformer-impl transformer_engine -> local, parallel sizes larger than the CPU world
+#     shrunk to it (experts not split over TP, so EP fits), and a --pretrained-checkpoint that holds
+#     no checkpoint dropped (the tiny CPU model starts from random weights: the script's base
+#     checkpoint, of the full-size model, could not load into it anyway).
+#   CPU_DROP: with CPU=1, more flags of the script to leave out with their values; default none.
+#   OVERRIDES: flags appended last of all, e.g. other parallel sizes:
+#     CPU=1 OVERRIDES="--tensor-model-parallel-size 1" bash examples/pretrain_moe_blended.sh
+#     OVERRIDES is split on spaces: a path with spaces goes after the script name instead (flags
+#     given to the script).
 # Flags given to the script itself are appended after the script's own (before CPU_SIZES).
 # Under Slurm (sbatch/srun: one task per node), the nodes come from Slurm unless set explicitly:
 #   NNODES <- SLURM_NNODES, NODE_RANK <- SLURM_NODEID, MASTER_ADDR <- first host of SLURM_JOB_NODELIST.
@@ -91,6 +95,49 @@ model_layers() {
   esac
 }
 
+# cpu_translate ARGS...: CPU_ARGS = ARGS with what the CPU loop cannot run dropped or translated,
+# one "CPU=1: ..." line each on stderr. Megatron takes the last value of a repeated flag.
+cpu_translate() {
+  local world=$((NNODES * GPUS_PER_NODE)) args=("$@") i=0 flag value tp=1 ep=1 etp=""
+  CPU_ARGS=()
+  while [ "$i" -lt "${#args[@]}" ]; do
+    flag=${args[i]} value=${args[i + 1]:-}
+    case "$flag" in
+      --bf16 | --fp16)
+        echo "CPU=1: $flag dropped (the CPU loop trains in fp32)" >&2
+        i=$((i + 1)); continue ;;
+      --transformer-impl)
+        if [ "$value" = transformer_engine ]; then
+          echo "CPU=1: --transformer-impl transformer_engine -> local (Megatron's own modules)" >&2
+          value=local
+        fi ;;
+      --tensor-model-parallel-size | --expert-model-parallel-size)
+        if [ "$value" -gt "$world" ]; then
+          echo "CPU=1: $flag $value -> $world ($world processes)" >&2
+          value=$world
+        fi
+        if [ "$flag" = --tensor-model-parallel-size ]; then tp=$value; else ep=$value; fi ;;
+      --expert-tensor-parallel-size) etp=$value ;;
+      --pretrained-checkpoint)
+        if [ ! -f "$value/latest_checkpointed_iteration.txt" ]; then
+          echo "CPU=1: --pretrained-checkpoint $value dropped: it holds no checkpoint, so the tiny" \
+            "CPU model starts from random weights (a base checkpoint of the full-size model would" \
+            "not load into it; put one of the CPU model there to fine-tune it)" >&2
+          i=$((i + 2)); continue
+        fi ;;
+      *) CPU_ARGS+=("$flag"); i=$((i + 1)); continue ;;
+    esac
+    CPU_ARGS+=("$flag" "$value")
+    i=$((i + 2))
+  done
+  # The experts' grid (expert TP x EP, expert TP defaulting to TP) must fit the world as well.
+  if [ "$((${etp:-$tp} * ep))" -gt "$world" ]; then
+    echo "CPU=1: --expert-tensor-parallel-size 1 (EP $ep x expert TP ${etp:-$tp} would need" \
+      "$((${etp:-$tp} * ep)) processes)" >&2
+    CPU_ARGS+=(--expert-tensor-parallel-size 1)
+  fi
+}
+
 launch() {
   check_python
   local extra=()
@@ -104,6 +151,8 @@ launch() {
       done
       set -- "${kept[@]}"
     fi
+    cpu_translate "$@"
+    set -- "${CPU_ARGS[@]}"
     local sizes=()
     # Word splitting only (read -a does no glob expansion: "*E*E" patterns stay as written).
     read -r -d '' -a sizes <<<"$CPU_SIZES" || true

@@ -7,8 +7,10 @@
 #   constant pads, self pads + route recording, self pads skipped (--moe-pad-routing skip), replay of
 #   the recorded routes.
 # Hardware: any machine, CPU only, 2 processes over gloo (--cpu). Copy it to try a launch before a cluster.
-# Command: DATA=<dir> bash examples/cpu_demo.sh [more flags, last wins]   (DATA/corpus_text_document is
-#   tools/preprocess_data.py --append-eod output; DRY_RUN=1 validates every flag and exits)
+# Command: DATA=out/data bash examples/cpu_demo.sh
+#   (more flags after the script name win; DATA/corpus_text_document is made as the README says:
+#   megatron-ext make-corpus, then megatron-ext preprocess-data --append-eod; DRY_RUN=1 validates every
+#   flag and exits)
 set -euo pipefail
 DATA=${DATA:?set DATA to the directory holding corpus_text_document.bin/.idx}
 NPROC=${NPROC:-2}

@@ -4,8 +4,9 @@
 #   (short samples padded with their own tokens, not token 0) and per-expert / per-EP-rank load metrics
 #   in TensorBoard. MODEL=gpt trains the same layers as a GPTModel (deprecated in Megatron 0.19).
 # Hardware: 4 nodes x 8 H100/H200 (TP 2, EP 8, PP 1, DP 16).
-# Command: NNODES=4 NODE_RANK=<0..3> MASTER_ADDR=<node0> bash examples/pretrain_moe_blended.sh
-#   (DRY_RUN=1 validates every flag, and the files under DATA, on any machine and exits.)
+# Command: NNODES=4 NODE_RANK=0 MASTER_ADDR=node0 bash examples/pretrain_moe_blended.sh
+#   (NODE_RANK=1, 2, 3 on the other nodes; DRY_RUN=1 validates every flag, and the files under DATA,
+#   on any machine and exits; CPU=1 runs it on this machine's CPUs: docs/examples.md.)
 set -euo pipefail
 source "$(dirname "$0")/_launch.sh"
 DATA=${DATA:-/data/corpora}

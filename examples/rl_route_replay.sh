@@ -8,10 +8,11 @@
 #   sidecar is the same for both (one top-k row per MoE layer).
 # Hardware: 1 node x 8 H100/H200 (TP 2 with sequence parallelism, EP 4).
 # Command: bash examples/rl_route_replay.sh
-#   Routes: megatron-ext convert-routes --format vllm --input rollouts.jsonl --num-layers 16 --topk 6 \
-#     --num-experts 64 --tokens-prefix "$DATA/rollouts_text_document" \
-#     --output-prefix "$DATA/rollouts_text_document_routes"
-#   (DRY_RUN=1 validates every flag, and the files under DATA, on any machine and exits.)
+#   Routes: megatron-ext convert-routes --format vllm --input rollouts.jsonl --model-config config.json \
+#     --tokens-prefix "$DATA/rollouts_text_document" --output-prefix "$DATA/rollouts_text_document_routes"
+#   (config.json: the model's Hugging Face config, for its MoE layers, top-k and experts; the records
+#   in the order of the token file's documents; DRY_RUN=1 validates every flag, and the files under
+#   DATA, on any machine and exits.)
 set -euo pipefail
 source "$(dirname "$0")/_launch.sh"
 DATA=${DATA:-/data/rl}

@@ -6,9 +6,12 @@
 #   RECIPE=mxfp8), with no extra host sync and no extra all-to-all traffic. The base checkpoint must
 #   be of the same class: MODEL=gpt for a GPTModel one (deprecated in Megatron 0.19).
 # Hardware: 2 nodes x 8 H100/H200 (fp8 needs Hopper or newer; mxfp8 needs Blackwell). TP 1, EP 8, DP 16.
-# Command: NNODES=2 NODE_RANK=<0|1> MASTER_ADDR=<node0> RECIPE=tensorwise bash examples/sft_fp8_moe_packed.sh
-#   Data: python tools/preprocess_data.py --input sft.jsonl --prompt-key prompt --response-key response ...
-#   (DRY_RUN=1 validates every flag, and the files under DATA, on any machine and exits.)
+# Command: NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 RECIPE=tensorwise bash examples/sft_fp8_moe_packed.sh
+#   Data: megatron-ext preprocess-data --input sft.jsonl --prompt-key prompt --response-key response \
+#     --append-eod --output-prefix "$DATA/chat_text_document"
+#   (NODE_RANK=1 on the other node; the data command also writes the prompt mask,
+#   chat_text_document_loss_mask, and takes --tokenizer-model "$DATA/tokenizer"; DRY_RUN=1 validates
+#   every flag, and the files under DATA, on any machine and exits.)
 set -euo pipefail
 source "$(dirname "$0")/_launch.sh"
 DATA=${DATA:-/data/sft}

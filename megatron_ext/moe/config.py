@@ -182,7 +182,7 @@ _MOE_WARNED: set[str] = set()
 
 
 def _moe_warn_once(message: str) -> None:
-    """Warns the first time ``message`` is seen in this process (STYLE: warn once)."""
+    """Warns the first time ``message`` is seen in this process."""
     if message not in _MOE_WARNED:
         _MOE_WARNED.add(message)
         _moe_warnings.warn(message, stacklevel=3)

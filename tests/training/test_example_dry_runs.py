@@ -7,7 +7,6 @@ in one clear line.
 """
 
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -17,18 +16,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.training.doc_blocks import header_commands, launch_env
 from tests.training.entry_args import ROOT
 
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.sh") if not p.name.startswith("_"))
 
 
 def _dry_run(script: Path, data_dir: Path) -> subprocess.CompletedProcess:
-    """The script's documented command (its header's ``NNODES=N``, else one node) as a dry run:
-    the world it validates is the one its parallel sizes are written for."""
-    env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, DATA=str(data_dir))
-    env.pop("WORLD_SIZE", None)
-    nodes = re.search(r"^# Command: NNODES=(\d+)", script.read_text(), re.MULTILINE)
-    env["NNODES"] = nodes.group(1) if nodes else "1"
+    """The script's documented command (its header's ``# Command:``, with its variables) as a dry
+    run: the world it validates is the one its parallel sizes are written for. These are the
+    header launches of tests/training/test_doc_commands.py, which runs the other documented
+    commands."""
+    env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable)
+    for key in ("WORLD_SIZE", "NNODES", "NODE_RANK", "MASTER_ADDR", "CPU"):
+        env.pop(key, None)
+    launches = [launch_env(c) for c in header_commands(script)]
+    documented = [variables for variables, _ in filter(None, launches)]
+    assert documented, f"{script}: no '# Command: ... bash examples/...' in its header"
+    env.update(documented[0])
+    env["DATA"] = str(data_dir)
     return subprocess.run(
         ["bash", str(script)], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT
     )

@@ -1,6 +1,7 @@
 """Tier: subprocesses (Megatron's real ``pretrain``, 2 gloo ranks, CPU: the examples under their own torchrun).
 
-Every ``examples/*.sh`` runs for real with ``CPU=1`` (``examples/_launch.sh``: ``--cpu --transformer-impl
+Every ``examples/*.sh`` runs for real with ``CPU=1`` (pretrain_moe_blended.sh as the README's command, in
+tests/training/test_doc_commands.py) (``examples/_launch.sh``: ``--cpu --transformer-impl
 local`` and tiny sizes appended; the parallel sizes that fit 2 ranks in ``OVERRIDES``); the matrix of
 model/router/parallel features on the tiny model is tests/training/test_real_loop_features.py. The
 examples build a HybridModel (``*E*E`` on CPU) unless ``MODEL=gpt``; GPTModel (deprecated in Megatron
@@ -10,7 +11,6 @@ the demo, tests/training/test_demo.py), replay in tests/training/test_checkpoint
 
 | launch                     | proves                                                                 |
 |----------------------------|------------------------------------------------------------------------|
-| pretrain_moe_blended       | HybridModel, alltoall, aux_loss, EP=2, a weighted blend, load metrics, save |
 | sft_fp8_moe_packed, gpt    | GPTModel: fp8 rehearsal (groups aligned to 16), best-fit packing, loss mask |
 | rl_route_replay record     | HybridModel at the script's TP 2 + SP: route record -> sidecar of every doc |
 | rl_route_replay            | replay of that sidecar reproduces the recording run exactly            |
@@ -18,7 +18,7 @@ the demo, tests/training/test_demo.py), replay in tests/training/test_checkpoint
 Each launch: exit 0, 4 iterations of finite, falling ``lm loss`` (fixed seed, constant lr 1e-3), the
 model class the loop built (:func:`built_model`; both in tests/training/loop_checks.py), and the effect
 of each feature in what the loop logged or wrote. What the CPU loop cannot run yet (the examples' own
-``--bf16``) is refused at argument time, naming the flag.
+``--bf16``) the launcher drops, saying so; given to ``--cpu`` directly, it is refused at argument time.
 """
 
 import json
@@ -51,30 +51,22 @@ ROOT = Path(__file__).resolve().parents[2]
 #: byte-level (tools/preprocess_data.py, end-of-document id 256). The HF path is tested on its own
 #: (tests/tools/test_hf_tokenizer.py trains a real-loop run with a tokenizer directory).
 BYTE_TOKENIZER = ("--tokenizer-type", "NullTokenizer", "--vocab-size", "257")
-#: Flags of the examples the CPU loop cannot run yet (see test_examples_own_bf16_is_refused_...).
-CPU_GAPS_DROPPED = "--bf16"
-#: The SFT and RL scripts fine-tune $CKPT/base or $CKPT/policy (--pretrained-checkpoint: Megatron
-#: fails without one); the tests train from the tiny model's random weights instead.
-NO_BASE_CHECKPOINT = "--pretrained-checkpoint"
 
 
 def run_example(
-    name: str,
-    data: Path,
-    ckpt: Path,
-    overrides: list[str],
-    drop: str = f"{CPU_GAPS_DROPPED} {NO_BASE_CHECKPOINT}",
-    model: str = "hybrid",
+    name: str, data: Path, ckpt: Path, overrides: list[str], model: str = "hybrid"
 ) -> LoopRun:
     """``MODEL=<model> CPU=1 bash examples/<name>`` with ``DATA``/``CKPT`` and ``OVERRIDES`` appended
-    last (``--verbose`` among them, for :func:`built_model`)."""
+    last (``--verbose`` among them, for :func:`built_model`). No ``CPU_DROP``: the launcher drops or
+    translates what the CPU cannot run (the scripts' --bf16, their base checkpoint, which ``CKPT``
+    here does not hold: the tiny model trains from random weights)."""
     env = {
         **os.environ, "CPU": "1", "GPUS_PER_NODE": "2", "PYTHON": sys.executable, "MODEL": model,
         "MASTER_PORT": str(free_port()), "DATA": str(data), "CKPT": str(ckpt),
-        "OVERRIDES": " ".join([*BYTE_TOKENIZER, *overrides, VERBOSE]), "CPU_DROP": drop,
+        "OVERRIDES": " ".join([*BYTE_TOKENIZER, *overrides, VERBOSE]),
         "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1",
     }  # fmt: skip
-    for key in ("DRY_RUN", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+    for key in ("DRY_RUN", "WORLD_SIZE", "RANK", "LOCAL_RANK", "CPU_DROP"):
         env.pop(key, None)
     argv = ["bash", str(ROOT / "examples" / name)]
     proc = subprocess.run(
@@ -93,46 +85,8 @@ def link_prefix(source: str, target: Path) -> None:
 # examples/pretrain_moe_blended.sh
 # ------------------------------------------------------------------------------------------------
 
-
-def test_blended_pretraining_example_trains(corpus_prefix, tmp_path) -> None:
-    data, ckpt = tmp_path / "data", tmp_path / "ckpt"
-    data.mkdir()
-    link_prefix(corpus_prefix, data / "web_text_document")
-    link_prefix(corpus_prefix, data / "code_text_document")
-    # TP 2 -> 1 (TP 2 + SP runs in the RL example's launch; Megatron turns SP off at TP=1), EP 8 -> 2.
-    run = run_example(
-        "pretrain_moe_blended.sh",
-        data,
-        ckpt,
-        ["--tensor-model-parallel-size", "1", "--expert-model-parallel-size", "2",
-         "--eval-iters", "1"],
-    )  # fmt: skip
-    assert_trains(run)
-    assert built_model(run) == "HybridModel"  # the script's default (MODEL unset: hybrid)
-    field_per_iteration(run, "load_balancing_loss")  # --moe-router-load-balancing-type aux_loss
-    expert_load_lines(run)  # --moe-expert-load-metrics
-    assert (
-        "building SelfPaddedGPTDataset" in run.output
-    )  # --pad-policy self on Megatron's GPTDataset
-    blend = re.search(r"blend=\(\['([^']+)', '([^']+)'\], \[0\.7, 0\.3\]\)", run.output)
-    assert blend and blend.groups() == (
-        str(data / "web_text_document"),
-        str(data / "code_text_document"),
-    )
-    # --split 98,1,1: the loop evaluated on the validation and test splits at the end.
-    assert re.search(
-        r"validation loss at iteration 4 on validation set \| lm loss value: \d", run.output
-    )
-    # --save: Megatron saved the final iteration.
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERATIONS)
-    # torch_dist holds every EP rank's experts: the grouped experts' weights span all 8 experts
-    # (before GroupedMMLinear mapped its EP offset, one rank's 4 were kept and the others lost).
-    from megatron.core import dist_checkpointing
-
-    metadata = dist_checkpointing.load_tensors_metadata(str(ckpt / f"iter_{ITERATIONS:07d}"))
-    expert_shapes = {k: tuple(v.global_shape) for k, v in metadata.items() if ".experts." in k}
-    assert expert_shapes and all(8 in shape for shape in expert_shapes.values()), expert_shapes
-
+# Its real-loop run is the README's CPU command, in tests/training/test_doc_commands.py
+# (test_the_readmes_cpu_launch_of_the_blended_example_trains): one launch for both.
 
 # ------------------------------------------------------------------------------------------------
 # examples/sft_fp8_moe_packed.sh
@@ -202,11 +156,10 @@ def test_sft_example_trains_on_packed_loss_masked_data(sft_data, tmp_path) -> No
 # ------------------------------------------------------------------------------------------------
 
 #: The RL example on 2 ranks: its own TP 2 + sequence parallelism, EP 4 -> 2 on the same 2 ranks
-#: (expert TP 1); micro-batches of 2 (DP is 1: 4 micro-batches a step, as at TP 1 and DP 2). Its
+#: (expert TP 1; both by the launcher under CPU=1); micro-batches of 2 (DP is 1: 4 micro-batches a step, as at TP 1 and DP 2). Its
 #: final save in ``torch`` format: ``torch_dist`` refuses the CPU grouped-GEMM experts (megatron_ext's
 #: ``GroupedMMLinear``) at EP 2 x TP 2, their sharded tensors carrying no expert-parallel offset.
-RL_PARALLEL = ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
-               "--micro-batch-size", "2", "--ckpt-format", "torch"]  # fmt: skip
+RL_PARALLEL = ["--micro-batch-size", "2", "--ckpt-format", "torch"]
 #: Group-limited routing (4 groups of 2 experts, 1 group per token): a router with these flags can
 #: only choose both experts of a token inside one group {2g, 2g+1}.
 ONE_GROUP_ROUTING = ["--moe-router-num-groups", "4", "--moe-router-group-topk", "1"]
@@ -327,17 +280,34 @@ def test_replay_under_activation_recompute_repeats_the_recording_run(
 # ------------------------------------------------------------------------------------------------
 
 
-def test_examples_own_bf16_is_refused_at_argument_time(sft_data, tmp_path) -> None:
-    """What the CPU loop cannot run yet (the SFT example's own --bf16) is refused before anything
-    starts, naming the flag: a dry run of the script, no launch."""
+def test_what_the_cpu_cannot_run_is_dropped_or_translated_one_line_each(sft_data, tmp_path) -> None:
+    """``CPU=1`` with no ``CPU_DROP``: the SFT example's --bf16, Transformer Engine, EP 8 and its
+    base checkpoint (absent under ``CKPT``) are each dropped or translated with one line saying so,
+    and the launch validates (a dry run of the script, no launch). The same --bf16 given to
+    ``--cpu`` directly (in ``OVERRIDES``, which the launcher passes as given) is refused at
+    argument time, naming the flag."""
     env = {
         **os.environ, "CPU": "1", "GPUS_PER_NODE": "2", "PYTHON": sys.executable,
         "DATA": str(sft_data), "CKPT": str(tmp_path / "ckpt"), "DRY_RUN": "1",
-        "OVERRIDES": " ".join(BYTE_TOKENIZER), "CPU_DROP": "",
+        "OVERRIDES": " ".join(BYTE_TOKENIZER),
     }  # fmt: skip
+    env.pop("CPU_DROP", None)
+    script = str(ROOT / "examples" / "sft_fp8_moe_packed.sh")
+    proc = subprocess.run(["bash", script], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "megatron_ext: dry run OK" in proc.stdout
+    notes = [line for line in proc.stderr.splitlines() if line.startswith("CPU=1: ")]
+    assert notes == [
+        "CPU=1: --transformer-impl transformer_engine -> local (Megatron's own modules)",
+        "CPU=1: --bf16 dropped (the CPU loop trains in fp32)",
+        "CPU=1: --expert-model-parallel-size 8 -> 2 (2 processes)",
+        f"CPU=1: --pretrained-checkpoint {tmp_path}/ckpt/base dropped: it holds no checkpoint, so "
+        "the tiny CPU model starts from random weights (a base checkpoint of the full-size model "
+        "would not load into it; put one of the CPU model there to fine-tune it)",
+    ], proc.stderr[-2000:]
     proc = subprocess.run(
-        ["bash", str(ROOT / "examples" / "sft_fp8_moe_packed.sh")],
-        capture_output=True, text=True, env=env, timeout=300,
+        ["bash", script], capture_output=True, text=True, timeout=300,
+        env={**env, "CPU_DROP": "", "OVERRIDES": " ".join([*BYTE_TOKENIZER, "--bf16"])},
     )  # fmt: skip
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "invalid arguments: --cpu cannot run --bf16" in proc.stderr, proc.stderr[-2000:]
