@@ -10,20 +10,30 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-@pytest.fixture(autouse=True)
-def session_environment():
-    """Undoes what a test left in ``os.environ``. Entries run in this process set variables:
-    Megatron's ``validate_args`` the ``NVTE_*_ATTN`` ones, ``--cpu`` ``CUDA_DEVICE_MAX_CONNECTIONS``,
-    a tokenizer directory ``HF_HUB_OFFLINE``. ``launch`` forks ranks only under the environment its
-    preloaded server started under (megatron_ext/testing/preloaded.py); one such leftover made
-    every later launch of the session start fresh interpreters (seconds of imports per rank)."""
-    saved = dict(os.environ)
-    yield
-    for name in set(os.environ) - set(saved) - {"PYTEST_CURRENT_TEST"}:
+#: The environment the session started under (after the two defaults above).
+SESSION_ENVIRONMENT = dict(os.environ)
+
+
+def _restore_session_environment() -> None:
+    for name in set(os.environ) - set(SESSION_ENVIRONMENT) - {"PYTEST_CURRENT_TEST"}:
         del os.environ[name]
-    for name, value in saved.items():
+    for name, value in SESSION_ENVIRONMENT.items():
         if name != "PYTEST_CURRENT_TEST" and os.environ.get(name) != value:
             os.environ[name] = value
+
+
+@pytest.fixture(autouse=True)
+def session_environment():
+    """Each test starts and ends under the session's environment. Entries run in this process set
+    variables: Megatron's ``validate_args`` the ``NVTE_*_ATTN`` ones, ``--cpu``
+    ``CUDA_DEVICE_MAX_CONNECTIONS``, a tokenizer directory ``HF_HUB_OFFLINE``; a module- or
+    session-scoped fixture sets them before this fixture runs, so the session's own snapshot is put
+    back, not the test's. ``launch`` forks ranks only under the environment its preloaded server
+    started under (megatron_ext/testing/preloaded.py); one such leftover made every later launch
+    of the session start fresh interpreters (seconds of imports per rank)."""
+    _restore_session_environment()
+    yield
+    _restore_session_environment()
 
 
 @pytest.fixture(scope="session")

@@ -161,7 +161,9 @@ class AlignedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         output = self.aligner.strip(permutated_local_input_tokens)
         output = output.view(self.hidden_shape)  # the unpermute adds in the rows' own dtype
         if self.shared_experts is not None:
-            output += self.shared_experts.get_output()
+            # Out of place: the strip's output is a view its own autograd Function returns (the
+            # [T, D] rows of a [T + 1, D] buffer), which autograd forbids modifying in place.
+            output = output + self.shared_experts.get_output()
         return output
 
 

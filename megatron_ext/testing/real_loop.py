@@ -59,6 +59,8 @@ class LoopRun:
     output: str
     #: The ranks were forked from the preloaded server, not started as fresh interpreters.
     preloaded: bool = False
+    #: Why they were not: the variables whose value differs from the server's environment.
+    not_forked_because: list[str] = field(default_factory=list)
     iterations: dict[int, dict[str, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -121,7 +123,8 @@ def launch(
     base_env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     started = range(nproc) if ranks is None else ranks
     rank_envs = [{**base_env, **_rank_env(rank, nproc, port)} for rank in started]
-    forked = preload and not server.import_environment_differs(base_env)
+    differs = server.import_environment_differs(base_env) if preload else []
+    forked = preload and not differs
     with tempfile.NamedTemporaryFile("w+", prefix="megatron_ext_launch_") as out:
         if forked:
             workdir = str(Path(cwd or os.getcwd()).resolve())
@@ -135,7 +138,13 @@ def launch(
             ]
         returncode = _wait_first_failure(procs, argv, timeout)
         out.seek(0)
-        return LoopRun(argv=argv, returncode=returncode, output=out.read(), preloaded=forked)
+        return LoopRun(
+            argv=argv,
+            returncode=returncode,
+            output=out.read(),
+            preloaded=forked,
+            not_forked_because=differs,
+        )
 
 
 def _rank_env(rank: int, world_size: int, port: str) -> dict[str, str]:

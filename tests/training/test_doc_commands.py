@@ -168,6 +168,7 @@ def doc_runs(doc_work: Path) -> list[tuple[str, str, subprocess.CompletedProcess
         **os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": sys.executable,
         "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
         "MASTER_PORT": str(free_port()),  # the launchers' documented knob (others may hold 6000)
+        "MEGATRON_LOGGING_LEVEL": "20",  # Megatron's INFO lines (model layout, blend) are read below
     }  # fmt: skip
     for key in (
         "DRY_RUN",

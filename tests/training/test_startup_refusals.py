@@ -138,7 +138,10 @@ def test_what_stops_megatron_at_startup_fails_the_dry_run_and_the_launch_in_one_
     assert "dry run OK" not in dry.output and "Traceback" not in dry.output
     run = launch(argv)
     assert run.returncode == 2, run.output[-3000:]
-    assert dry.preloaded and run.preloaded  # forked: no test before left its environment behind
+    assert dry.preloaded and run.preloaded, (
+        dry.not_forked_because,
+        run.not_forked_because,
+    )  # forked: no test before left its environment behind
     assert not run.iterations  # nothing trained
     # A rank refuses with the dry run's line, before any process group or model (the first to
     # exit stops the other, as torchrun's agent does: it may not have printed yet).
