@@ -73,6 +73,13 @@ print(before, after_null, "transformers" in sys.modules, sorted(libraries.__all_
 """
 
 
+def _fresh_stdout(code: str) -> str:
+    """What ``code`` prints in a fresh interpreter (which must exit 0)."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
 @pytest.fixture(scope="module")
 def fresh_imports() -> dict[bool, tuple[str, list[str]]]:
     """Per side (True: as a --cpu launch prepares it): whether Megatron's swiglu is compiled, and
@@ -80,12 +87,9 @@ def fresh_imports() -> dict[bool, tuple[str, list[str]]]:
     naming the Hugging Face class, the library names)."""
     reports = {}
     for cpu in (False, True):
-        code = _IMPORTS_IN_A_FRESH_PROCESS.format(cpu=cpu)
-        proc = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+        compiled, libraries = _fresh_stdout(_IMPORTS_IN_A_FRESH_PROCESS.format(cpu=cpu)).split(
+            "\n", 1
         )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        compiled, libraries = proc.stdout.split("\n", 1)
         reports[cpu] = (compiled, libraries.split(maxsplit=3))
     return reports
 
@@ -157,12 +161,9 @@ print(min(faults_per_trip() for _ in range(3)))
 def test_cpu_startup_keeps_freed_memory_unless_turned_off():
     faults = {}
     for caching in (True, False):
-        code = _FAULTS_AFTER_STARTUP.format(caching=caching)
-        proc = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+        faults[caching] = int(
+            _fresh_stdout(_FAULTS_AFTER_STARTUP.format(caching=caching)).split()[-1]
         )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        faults[caching] = int(proc.stdout.split()[-1])
     # 4 KiB pages: 16384 faults a trip under glibc's defaults (32 under transparent huge pages);
     # with freed memory kept, none once warm (a stray fault or two is allowed).
     assert faults[False] >= 32, faults
