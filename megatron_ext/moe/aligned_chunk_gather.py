@@ -33,6 +33,7 @@ from megatron_ext.moe.alignment import (
     gather_and_zero_pads,
     give_slack_to_last,
     is_identity,
+    pad_rows_of_groups,
     round_up,
 )
 
@@ -58,25 +59,6 @@ class AlignedLayout:
     tokens_per_expert_E: torch.Tensor
     num_rows: int
     align: int
-
-
-def pad_rows_of_groups(
-    first_pad_E: torch.Tensor, pads_E: torch.Tensor, num_pads: int
-) -> torch.Tensor:
-    """Lists the pad rows of an aligned buffer, sync-free, from per-group pad ranges.
-
-    Args:
-        first_pad_E: First pad row of each group (its start plus its real rows), device int64.
-        pads_E: Pad rows of each group (device int64), summing to ``num_pads``.
-        num_pads: Q, a host int (buffer length minus real rows).
-
-    Returns:
-        ``pad_idx_Q``: ascending buffer rows of every pad, shape [Q].
-    """
-    pad_end_E = pads_E.cumsum(0)
-    q_Q = torch.arange(num_pads, device=pads_E.device)
-    group_Q = torch.searchsorted(pad_end_E, q_Q, right=True)
-    return (first_pad_E - (pad_end_E - pads_E)).gather(0, group_Q) + q_Q
 
 
 def plan_aligned_layout(

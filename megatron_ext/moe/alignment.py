@@ -203,7 +203,7 @@ def host_pad_rows(counts: Sequence[int], aligned: Sequence[int]) -> np.ndarray:
 
     Host work only (numpy, a few microseconds): group ``e`` holds its ``counts[e]`` real rows
     and then ``aligned[e] - counts[e]`` pads (the last group may also hold a static bound's
-    slack). :func:`~megatron_ext.moe.aligned_chunk_gather.pad_rows_of_groups` is the device
+    slack). :func:`pad_rows_of_groups` is the device
     version, for counts that stay on the device.
 
     Returns:
@@ -217,6 +217,25 @@ def host_pad_rows(counts: Sequence[int], aligned: Sequence[int]) -> np.ndarray:
     first_pad_E = aligned_E.cumsum() - aligned_E + counts_E
     shift_Q = np.repeat(first_pad_E - (pad_end_E - pads_E), pads_E)
     return shift_Q + np.arange(shift_Q.shape[0], dtype=np.int64)
+
+
+def pad_rows_of_groups(
+    first_pad_E: torch.Tensor, pads_E: torch.Tensor, num_pads: int
+) -> torch.Tensor:
+    """Lists the pad rows of an aligned buffer, sync-free, from per-group pad ranges.
+
+    Args:
+        first_pad_E: First pad row of each group (its start plus its real rows), device int64.
+        pads_E: Pad rows of each group (device int64), summing to ``num_pads``.
+        num_pads: Q, a host int (buffer length minus real rows).
+
+    Returns:
+        ``pad_idx_Q``: ascending buffer rows of every pad, shape [Q].
+    """
+    pad_end_E = pads_E.cumsum(0)
+    q_Q = torch.arange(num_pads, device=pads_E.device)
+    group_Q = torch.searchsorted(pad_end_E, q_Q, right=True)
+    return (first_pad_E - (pad_end_E - pads_E)).gather(0, group_Q) + q_Q
 
 
 def static_aligned_rows(num_rows: int, num_experts: int, align: int) -> int:

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ext.moe import aligned_chunk_gather as cg
 from megatron_ext.moe import alignment as al
 
 
@@ -93,7 +92,7 @@ def test_host_pad_rows_equal_the_device_pad_rows(align):
             counts_E, sizes_E = torch.tensor(counts), torch.tensor(sizes)
             first_pad_E = sizes_E.cumsum(0) - sizes_E + counts_E
             num_pads = sum(sizes) - sum(counts)
-            device = cg.pad_rows_of_groups(first_pad_E, sizes_E - counts_E, num_pads)
+            device = al.pad_rows_of_groups(first_pad_E, sizes_E - counts_E, num_pads)
             host = al.host_pad_rows(counts, sizes)
             assert host.dtype == np.int64 and host.tolist() == device.tolist()
     assert any(sum(al.round_up_host(c, align)) > sum(c) for c in cases)  # pads occurred
