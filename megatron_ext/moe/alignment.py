@@ -5,8 +5,10 @@ Low-precision grouped GEMMs need every expert's group of rows to start and end o
 the quantization block: 16 rows for fp8, 32 for mxfp8 (the 1x32 scale blocks run along M in the
 weight-gradient GEMM ``dW = dO^T @ X``), 128 for nvfp4. bf16/fp16 need nothing, and padding them
 only costs time, so their alignment is 0 and every function here is then the identity (no copy).
+The multiple itself is Megatron's rule, decided once per layer outside this module
+(:func:`megatron_ext.moe.group_aligner.align_size_for_config`); here it is a plain int.
 
-This module holds what every aligned layout shares: the multiple per precision, rounding counts
+This module holds what every aligned layout shares: rounding counts
 up (on the device and on the host), the buffer length (exact from host counts, or the static
 bound ``static_aligned_rows`` when no count has reached the host), the pad rows of a layout, the
 shared zero rows pads are copied from, and the gather that zeroes pads. The layouts themselves:
@@ -27,71 +29,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-
-#: Alignment multiple per precision. 0 means no alignment (identity, no copy).
-ALIGN_BY_PRECISION: dict[str, int] = {
-    "fp32": 0,
-    "bf16": 0,
-    "fp16": 0,
-    "fp8": 16,
-    "mxfp8": 32,
-    "nvfp4": 128,
-}
-
-
-def align_size_for(precision: str, override: int | None = None) -> int:
-    """Returns the row multiple each expert group must be padded to.
-
-    Args:
-        precision: One of ``ALIGN_BY_PRECISION`` (``"bf16"``, ``"fp8"``, ``"mxfp8"``, ...).
-        override: A user-chosen multiple that wins over a quantized precision's default; 0 or 1
-            disables. Ignored for bf16/fp16/fp32, which stay untouched (no padding, no copy).
-
-    Returns:
-        The alignment multiple; 0 means no alignment.
-
-    Raises:
-        ValueError: Unknown precision or a negative override.
-    """
-    if precision not in ALIGN_BY_PRECISION:
-        raise ValueError(
-            f"unknown precision {precision!r} for MoE alignment; "
-            f"expected one of {sorted(ALIGN_BY_PRECISION)}"
-        )
-    if override is not None:
-        if override < 0:
-            raise ValueError(f"--moe-dispatch-align-size must be >= 0, got {override}")
-        if ALIGN_BY_PRECISION[precision] == 0:
-            return 0  # unquantized GEMMs need no alignment: padding would only cost time
-        return 0 if override <= 1 else override
-    return ALIGN_BY_PRECISION[precision]
-
-
-def precision_of(
-    fp8: str | None, fp8_recipe: object = None, fp4: str | None = None, fp4_recipe: object = None
-) -> str:
-    """Names the GEMM precision of a run from Megatron's fp8/fp4 settings.
-
-    Args:
-        fp8: Megatron's ``fp8`` (a format such as ``"e4m3"``/``"hybrid"``, or None when off).
-        fp8_recipe: ``fp8_recipe`` (``"delayed"``, ``"tensorwise"``, ``"blockwise"``, ``"mxfp8"``,
-            or Megatron's ``Fp8Recipe`` enum).
-        fp4: Megatron's ``fp4`` format, or None when off.
-        fp4_recipe: ``fp4_recipe``; every fp4 recipe aligns to 128 in Megatron 0.19.
-
-    Returns:
-        ``"nvfp4"``, ``"mxfp8"``, ``"fp8"`` or ``"bf16"`` (no quantized GEMM).
-    """
-
-    def name(recipe: object) -> str:
-        return str(getattr(recipe, "value", recipe))
-
-    del fp4_recipe  # every fp4 recipe of Megatron 0.19 aligns like nvfp4 (128)
-    if fp4:
-        return "nvfp4"
-    if fp8:
-        return "mxfp8" if name(fp8_recipe) == "mxfp8" else "fp8"
-    return "bf16"
 
 
 def is_identity(align: int) -> bool:

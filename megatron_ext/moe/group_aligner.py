@@ -1,8 +1,8 @@
 """The alignment state a token dispatcher carries from dispatch to combine (Megatron glue).
 
 Both aligned dispatchers (:mod:`megatron_ext.moe.token_dispatcher`) own one
-:class:`GroupAligner`. It reads the group multiple from Megatron's config (so it always matches
-the precision the experts' GEMMs run in), picks the layout for what the dispatcher holds, pads
+:class:`GroupAligner`. Its group multiple is decided once per layer, from Megatron's rules for the
+config's precision (:func:`align_size_for_config`); it picks the layout for what the dispatcher holds, pads
 on the way to the experts and strips on the way back:
 
 - a routing map (EP=1, or the all-gather dispatcher): :mod:`~megatron_ext.moe.aligned_permute`,
@@ -26,6 +26,7 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.config import MoEAlignmentConfig
+from megatron_ext.data.quantization_align import megatron_align_size
 from megatron_ext.moe import aligned_chunk_gather as cg
 from megatron_ext.moe import aligned_chunk_sort as cs
 from megatron_ext.moe import aligned_permute as ap
@@ -33,50 +34,43 @@ from megatron_ext.moe import alignment as al
 
 
 def align_size_for_config(config: TransformerConfig, alignment: MoEAlignmentConfig) -> int:
-    """The group multiple for a Megatron config (0: no alignment).
+    """The group multiple for a Megatron config (0: no alignment): the one place it is decided.
 
-    Follows Megatron's ``get_align_size_for_quantization`` for quantized GEMMs: fp8 16, mxfp8 32,
-    fp4 128, and 256 under ``use_transformer_engine_op_fuser`` (CUTLASS grouped GEMM); a
-    ``--moe-dispatch-align-size`` override wins (``check_megatron_args`` keeps it a multiple of
-    Megatron's value). Without fp8/fp4 it is 0, unlike Megatron's function, which returns 256
-    under the op fuser even for bf16: Megatron only *uses* that value when fp8/fp4 is on
-    (``TEGroupedMLP`` builds and calls its ``Fp8Padding`` only then), and bf16 must stay
-    Megatron's path, untouched.
+    Megatron's ``get_align_size_for_quantization`` (read through
+    :func:`megatron_ext.data.quantization_align.megatron_align_size`) gives it for quantized GEMMs:
+    fp8 16, mxfp8 32, fp4 128, and 256 under ``use_transformer_engine_op_fuser`` (CUTLASS grouped
+    GEMM). Two rules are ours, where Megatron has none: a ``--moe-dispatch-align-size`` override
+    wins (``check_megatron_args`` keeps it a multiple of Megatron's value; 0 or 1 disables), and
+    without fp8/fp4 it is 0, unlike Megatron's function, which returns 256 under the op fuser even
+    for bf16: Megatron only *uses* that value when fp8/fp4 is on (``TEGroupedMLP`` builds and calls
+    its ``Fp8Padding`` only then), and bf16 must stay Megatron's path, untouched.
     """
     if not alignment.moe_dispatch_align or not (config.fp8 or config.fp4):
         return 0
-    if alignment.moe_dispatch_align_size is None and config.use_transformer_engine_op_fuser:
-        return 256
-    return alignment.align_size(
-        fp8=config.fp8, fp8_recipe=config.fp8_recipe, fp4=config.fp4, fp4_recipe=config.fp4_recipe
-    )
+    override = alignment.moe_dispatch_align_size
+    if override is not None:
+        return override if override > 1 else 0
+    return megatron_align_size(config)
 
 
 class GroupAligner:
     """The alignment state one dispatcher carries between dispatch and combine.
 
-    The multiple is read from the config at every dispatch (a few attribute reads), so it always
-    matches the precision the experts' GEMMs run in. ``pad`` and ``strip`` are the only entry
-    points that touch rows (tools/gpu/gpu_check.py guards exactly these two). The zero rows the
-    chunk sort splices in are slices of :func:`~megatron_ext.moe.alignment.shared_zero_rows`.
+    The multiple is given once, by the MoE layer that owns the dispatcher
+    (:func:`align_size_for_config` of its config at construction; ``AlignedMoELayer.realign``
+    passes a new one down when a caller changes the precision). ``pad`` and ``strip`` are the only
+    entry points that touch rows (tools/gpu/gpu_check.py guards exactly these two). The zero rows
+    the chunk sort splices in are slices of :func:`~megatron_ext.moe.alignment.shared_zero_rows`.
+
+    Args:
+        align: The group multiple (0 or 1: no alignment; the dispatchers defer to Megatron's).
+        buffer_sizing: ``--moe-dispatch-align-buffer`` (``host_counts`` or ``static_bound``).
     """
 
-    def __init__(self, config: TransformerConfig, alignment: MoEAlignmentConfig) -> None:
-        self.config = config
-        self.alignment = alignment
-        self.buffer_sizing = alignment.moe_dispatch_align_buffer
+    def __init__(self, align: int, buffer_sizing: str) -> None:
+        self.align = align
+        self.buffer_sizing = buffer_sizing
         self.layout: cg.AlignedLayout | cs.ChunkLayout | ap.PermuteLayout | None = None
-        self._aligns: dict[tuple, int] = {}
-
-    @property
-    def align(self) -> int:
-        """The multiple for the config's precision now (memoised per precision setting)."""
-        c = self.config
-        key = (c.fp8, c.fp8_recipe, c.fp4, c.fp4_recipe, c.use_transformer_engine_op_fuser)
-        align = self._aligns.get(key)
-        if align is None:
-            align = self._aligns[key] = align_size_for_config(c, self.alignment)
-        return align
 
     @property
     def active(self) -> bool:
@@ -95,7 +89,6 @@ class GroupAligner:
         host_tokens_per_expert_E: torch.Tensor | None,
         num_out_tokens: int | None = None,
         rank_TE: torch.Tensor | None = None,
-        align: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Builds the aligned buffer with one copy of the rows.
 
@@ -119,14 +112,13 @@ class GroupAligner:
                 without host counts only.
             rank_TE: The routing map's ``rank_within_expert`` when the caller took its counts
                 from it (permute only).
-            align: :attr:`align` when the caller has just read it (saves reading it again).
 
         Returns:
             ``(x_P, aligned tokens_per_expert_E, probs_P)``; the counts are a host tensor, or
             None for a permute without host counts (its caller gets them from
             ``exact_host_sizes`` once Megatron's host counts arrive).
         """
-        align = align or self.align
+        align = self.align
         if isinstance(routing, list):
             layout = cs.plan_chunk_layout(
                 routing, align, self._static_rows(x.shape[0], routing, align)

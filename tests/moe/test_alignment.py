@@ -11,21 +11,6 @@ import torch
 from megatron_ext.moe import alignment as al
 
 
-# ---------------------------------------------------------------- align size
-def test_align_size_by_precision_and_override():
-    assert [al.align_size_for(p) for p in ("fp32", "bf16", "fp16")] == [0, 0, 0]
-    assert al.align_size_for("fp8") == 16
-    assert al.align_size_for("mxfp8") == 32
-    assert al.align_size_for("nvfp4") == 128
-    assert al.align_size_for("bf16", override=64) == 0  # bf16 stays untouched
-    assert al.align_size_for("fp8", override=64) == 64
-    assert al.align_size_for("nvfp4", override=1) == 0  # 1 means "no alignment"
-    with pytest.raises(ValueError, match="--moe-dispatch-align-size"):
-        al.align_size_for("fp8", override=-16)
-    with pytest.raises(ValueError, match="'int4'"):
-        al.align_size_for("int4")
-
-
 def test_identity_alignment_is_no_op():
     n = torch.tensor([0, 3, 17])
     assert al.round_up(n, 0) is n and al.round_up(n, 1) is n
