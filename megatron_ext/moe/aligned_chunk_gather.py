@@ -167,6 +167,27 @@ def pad_to_layout(x_N: torch.Tensor, layout: AlignedLayout) -> torch.Tensor:
     return _PadRows.apply(x_N, layout.dest_idx_N, layout.gather_idx_P, layout.pad_idx_Q)
 
 
+def pad_received_rows(
+    x_N: torch.Tensor,
+    probs_N: torch.Tensor,
+    counts_RE: torch.Tensor,
+    align: int,
+    num_rows: int,
+    host_tokens_per_expert_E: torch.Tensor,
+) -> tuple[AlignedLayout, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plans the layout on the device and gathers the rows and their probs into it.
+
+    Args: as :func:`plan_aligned_layout`; ``host_tokens_per_expert_E``: the per-expert counts
+    Megatron already copied to the host (the aligned group sizes are rounded from them).
+
+    Returns:
+        ``(layout, x_P, aligned group sizes, probs_P)``.
+    """
+    layout = plan_aligned_layout(counts_RE, align, x_N.shape[0], num_rows)
+    aligned_E = give_slack_to_last(round_up(host_tokens_per_expert_E.long(), align), num_rows)
+    return layout, pad_to_layout(x_N, layout), aligned_E, pad_to_layout(probs_N, layout)
+
+
 def strip_layout(y_P: torch.Tensor, layout: AlignedLayout) -> torch.Tensor:
     """Drops pad rows and restores the received row order (undoing the sort by expert too).
 

@@ -25,6 +25,7 @@ Shape legend: N rows (unaligned), P rows of the aligned buffer, E experts, D hid
 Q = P - N pad rows.
 """
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -133,6 +134,35 @@ def round_up_host(counts: Sequence[int], align: int) -> list[int]:
     Python ints, for counts already on the host; :func:`round_up` is the device version.
     """
     return [-(-int(c) // align) * align for c in counts]
+
+
+def host_group_sizes(
+    counts: list[int], align: int, static: bool
+) -> tuple[int, int, torch.Tensor, torch.Tensor, tuple[list[int], list[int]]]:
+    """A permute's group sizes from per-expert counts already on the host (Python ints).
+
+    Args:
+        counts: Routed rows per local expert.
+        align: Alignment multiple (> 1).
+        static: Size by the static bound (the last group takes the slack) instead of exactly.
+
+    Returns:
+        ``(real rows N, buffer rows P, aligned sizes [E], group starts [E], (counts, aligned
+        sizes))``; the two tensors are host int64 tensors.
+    """
+    aligned = round_up_host(counts, align)
+    num_real, num_rows = sum(counts), sum(aligned)
+    if static:
+        # The slack rows join the last group, as in the device layout.
+        static_rows = static_aligned_rows(num_real, len(counts), align)
+        aligned[-1] += static_rows - num_rows
+        num_rows = static_rows
+    # One host array, cut by numpy: torch's own indexing would add two dispatched ops.
+    sizes = np.array([*aligned, *itertools.accumulate(aligned[:-1], initial=0)], np.int64)
+    num_experts = len(aligned)
+    aligned_E = torch.from_numpy(sizes[:num_experts])
+    start_E = torch.from_numpy(sizes[num_experts:])
+    return num_real, num_rows, aligned_E, start_E, (counts, aligned)
 
 
 def host_pad_rows(counts: Sequence[int], aligned: Sequence[int]) -> np.ndarray:

@@ -19,9 +19,6 @@ Example (fp8, 2 experts with 3 and 1 rows): ``pad`` returns 32 rows ``[a b c _*1
 sizes ``[16, 16]``; ``strip`` of the experts' output returns the 4 real rows in their order.
 """
 
-import itertools
-
-import numpy as np
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -119,47 +116,33 @@ class GroupAligner:
             ``exact_host_sizes`` once Megatron's host counts arrive).
         """
         align = self.align
-        if isinstance(routing, list):
-            layout = cs.plan_chunk_layout(
-                routing, align, self._static_rows(x.shape[0], routing, align)
+        if isinstance(routing, list):  # host chunk counts
+            static_rows = self._static_rows(x.shape[0], routing, align)
+            self.layout, x_P, aligned_E, probs_P = cs.pad_received_chunks(
+                x, probs, routing, align, static_rows
             )
-            self.layout = layout
-            x_P = cs.pad_chunks(x, layout, al.shared_zero_rows(x, layout.max_pad))
-            probs_P = cs.pad_chunks(probs, layout, al.shared_zero_rows(probs, layout.max_pad))
-            return x_P, torch.tensor(layout.tokens_per_expert_E), probs_P
-        num_experts = routing.shape[1]
-        if routing.dtype != torch.bool:  # device chunk counts
+        elif routing.dtype != torch.bool:  # device chunk counts
             num_rows = self._static_rows(x.shape[0], routing, align)
             if num_rows is None:
                 num_rows = _host_rows(host_tokens_per_expert_E, align)[1]
-            layout = cg.plan_aligned_layout(routing, align, x.shape[0], num_rows)
-            self.layout = layout
-            aligned_E = al.give_slack_to_last(
-                al.round_up(host_tokens_per_expert_E.long(), align), num_rows
+            self.layout, x_P, aligned_E, probs_P = cg.pad_received_rows(
+                x, probs, routing, align, num_rows, host_tokens_per_expert_E
             )
-            return cg.pad_to_layout(x, layout), aligned_E, cg.pad_to_layout(probs, layout)
-        if host_tokens_per_expert_E is None:  # static bound now, the sizes with exact_host_sizes
-            num_rows = al.static_aligned_rows(num_out_tokens, num_experts, align)
-            layout = ap.plan_aligned_permute(
-                routing, align, num_out_tokens, num_rows, rank_TE=rank_TE
-            )
-            aligned_E = None
-        else:  # the groups' starts are known on the host: the plan skips computing them
-            num_real, num_rows, aligned_E, start_E, host_sizes = self._host_sizes(
-                host_tokens_per_expert_E, align
-            )
-            layout = ap.plan_aligned_permute(
+        else:  # a routing map: the permute, sized now from host counts or by the static bound
+            counts = None
+            if host_tokens_per_expert_E is not None:
+                counts = read_host_counts(host_tokens_per_expert_E)
+            self.layout, x_P, aligned_E, probs_P = ap.pad_by_permute(
+                x,
+                probs,
                 routing,
                 align,
-                num_real,
-                num_rows,
-                exact=self.buffer_sizing == "host_counts",
-                start_E=al.host_to_device(start_E, routing),
+                num_out_tokens,
+                counts=counts,
+                static=self.buffer_sizing != "host_counts",
                 rank_TE=rank_TE,
-                host_sizes=host_sizes,
             )
-        self.layout = layout
-        return ap.permute_to_layout(x, layout), aligned_E, ap.permute_probs(probs, layout)
+        return x_P, aligned_E, probs_P
 
     def _static_rows(
         self, num_received: int, counts: torch.Tensor | list, align: int
@@ -168,26 +151,6 @@ class GroupAligner:
         if self.buffer_sizing == "host_counts":
             return None
         return al.static_aligned_rows(num_received, len(counts[0]), align)
-
-    def _host_sizes(
-        self, host_tokens_per_expert_E: torch.Tensor, align: int
-    ) -> tuple[int, int, torch.Tensor, torch.Tensor, tuple[list[int], list[int]]]:
-        """``(real rows N, buffer rows P, aligned host counts, host group starts, (counts,
-        aligned sizes) as Python ints)`` from host counts, one read."""
-        counts = read_host_counts(host_tokens_per_expert_E)
-        aligned = al.round_up_host(counts, align)
-        num_real, num_rows = sum(counts), sum(aligned)
-        if self.buffer_sizing != "host_counts":
-            # The slack rows join the last group, as in the device layout.
-            static_rows = al.static_aligned_rows(num_real, len(counts), align)
-            aligned[-1] += static_rows - num_rows
-            num_rows = static_rows
-        # One host array, cut by numpy: torch's own indexing would add two dispatched ops.
-        sizes = np.array([*aligned, *itertools.accumulate(aligned[:-1], initial=0)], np.int64)
-        num_experts = len(aligned)
-        aligned_E = torch.from_numpy(sizes[:num_experts])
-        start_E = torch.from_numpy(sizes[num_experts:])
-        return num_real, num_rows, aligned_E, start_E, (counts, aligned)
 
     def exact_host_sizes(
         self, x_P: torch.Tensor, probs_P: torch.Tensor, host_tokens_per_expert_E: torch.Tensor
@@ -201,8 +164,8 @@ class GroupAligner:
         if self.buffer_sizing != "host_counts":
             aligned_E = al.round_up(host_tokens_per_expert_E.long(), self.align)
             return x_P, al.give_slack_to_last(aligned_E, self.layout.num_rows), probs_P
-        num_real, num_rows, aligned_E, _, host_sizes = self._host_sizes(
-            host_tokens_per_expert_E, self.align
+        num_real, num_rows, aligned_E, _, host_sizes = al.host_group_sizes(
+            read_host_counts(host_tokens_per_expert_E), self.align, static=False
         )
         # Host ints, free: the rows laid out are the rows Megatron counted (a caller that routes
         # a token nowhere must lower num_out_tokens to match, as Megatron's permute requires).
