@@ -38,7 +38,7 @@ def measure_layers(token_counts: list[int], hidden: int, rounds: int) -> dict:
     layers = {}
     for name, (aligned, precision) in LAYERS.items():
         layers[name] = build_layer("alltoall", hidden, aligned)
-        set_precision(layers[name].config, precision)
+        set_precision(layers[name].config, precision, layers[name])
     steps = {}
     for num_tokens in token_counts:
         g = torch.Generator().manual_seed(num_tokens)

@@ -191,7 +191,7 @@ def _check_same_layer(stock, copy, x, probs, routing_map) -> None:
     outputs = []
     with torch.no_grad():
         for layer in (stock, copy):
-            set_precision(layer.config, None)
+            set_precision(layer.config, None, layer)
             _, tokens_per_expert, _, out = round_trip(layer, x, probs, routing_map.clone())
             outputs.append((tokens_per_expert.tolist(), out))
     assert outputs[0][0] == outputs[1][0] and torch.equal(outputs[0][1], outputs[1][1])
@@ -271,5 +271,5 @@ def _floor_cell(floor, base, rows_ours: int):
 
 
 def _align_of(layer, precision: str) -> int:
-    set_precision(layer.config, precision)
+    set_precision(layer.config, precision, layer)
     return layer.align

@@ -28,11 +28,15 @@ PRECISIONS["nvfp4"] = (None, None, "nvfp4")
 DISPATCHERS = ("alltoall", "allgather")
 
 
-def set_precision(cfg, precision: str | None) -> None:
-    """Sets Megatron's fp8 / fp4 fields of ``cfg`` for ``precision`` (None: neither)."""
+def set_precision(cfg, precision: str | None, layer=None) -> None:
+    """Sets Megatron's fp8 / fp4 fields of ``cfg`` for ``precision`` (None: neither); with
+    ``layer`` (an ``AlignedMoELayer`` built on ``cfg``), passes the new multiple down to it (its
+    multiple is otherwise decided once, at construction)."""
     fp8, recipe, fp4 = PRECISIONS.get(precision, (None, None, None))
     cfg.fp8, cfg.fp8_recipe = fp8, recipe
     cfg.fp4, cfg.fp4_recipe = ("e2m1", "nvfp4") if fp4 else (None, None)
+    if hasattr(layer, "realign"):
+        layer.realign()
 
 
 def round_trip(layer, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, span=None):
@@ -91,7 +95,7 @@ class Variant:
         """This variant's precision and router padding on its layer, no_grad; yields its inputs
         (its own, or the round's)."""
         cfg = self.layer.config
-        set_precision(cfg, self.precision)
+        set_precision(cfg, self.precision, self.layer)
         cfg.moe_router_padding_for_quantization = self.router_padding
         try:
             with torch.no_grad():

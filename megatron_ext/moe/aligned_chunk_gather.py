@@ -33,6 +33,7 @@ from megatron_ext.moe.alignment import (
     gather_and_zero_pads,
     give_slack_to_last,
     is_identity,
+    pad_rows_of_groups,
     round_up,
 )
 
@@ -58,25 +59,6 @@ class AlignedLayout:
     tokens_per_expert_E: torch.Tensor
     num_rows: int
     align: int
-
-
-def pad_rows_of_groups(
-    first_pad_E: torch.Tensor, pads_E: torch.Tensor, num_pads: int
-) -> torch.Tensor:
-    """Lists the pad rows of an aligned buffer, sync-free, from per-group pad ranges.
-
-    Args:
-        first_pad_E: First pad row of each group (its start plus its real rows), device int64.
-        pads_E: Pad rows of each group (device int64), summing to ``num_pads``.
-        num_pads: Q, a host int (buffer length minus real rows).
-
-    Returns:
-        ``pad_idx_Q``: ascending buffer rows of every pad, shape [Q].
-    """
-    pad_end_E = pads_E.cumsum(0)
-    q_Q = torch.arange(num_pads, device=pads_E.device)
-    group_Q = torch.searchsorted(pad_end_E, q_Q, right=True)
-    return (first_pad_E - (pad_end_E - pads_E)).gather(0, group_Q) + q_Q
 
 
 def plan_aligned_layout(
@@ -183,6 +165,27 @@ def pad_to_layout(x_N: torch.Tensor, layout: AlignedLayout) -> torch.Tensor:
     """
     assert x_N.shape[0] == layout.dest_idx_N.shape[0], "x_N rows differ from the planned layout"
     return _PadRows.apply(x_N, layout.dest_idx_N, layout.gather_idx_P, layout.pad_idx_Q)
+
+
+def pad_received_rows(
+    x_N: torch.Tensor,
+    probs_N: torch.Tensor,
+    counts_RE: torch.Tensor,
+    align: int,
+    num_rows: int,
+    host_tokens_per_expert_E: torch.Tensor,
+) -> tuple[AlignedLayout, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plans the layout on the device and gathers the rows and their probs into it.
+
+    Args: as :func:`plan_aligned_layout`; ``host_tokens_per_expert_E``: the per-expert counts
+    Megatron already copied to the host (the aligned group sizes are rounded from them).
+
+    Returns:
+        ``(layout, x_P, aligned group sizes, probs_P)``.
+    """
+    layout = plan_aligned_layout(counts_RE, align, x_N.shape[0], num_rows)
+    aligned_E = give_slack_to_last(round_up(host_tokens_per_expert_E.long(), align), num_rows)
+    return layout, pad_to_layout(x_N, layout), aligned_E, pad_to_layout(probs_N, layout)
 
 
 def strip_layout(y_P: torch.Tensor, layout: AlignedLayout) -> torch.Tensor:

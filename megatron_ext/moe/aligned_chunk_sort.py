@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_ext.moe.alignment import is_identity
+from megatron_ext.moe.alignment import is_identity, shared_zero_rows
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,27 @@ def pad_chunks(x_N: torch.Tensor, layout: ChunkLayout, zeros: torch.Tensor) -> t
         if n
     ]
     return torch.cat(pieces) if pieces else x_N[:0]
+
+
+def pad_received_chunks(
+    x_N: torch.Tensor,
+    probs_N: torch.Tensor,
+    counts_RE: Sequence[Sequence[int]],
+    align: int,
+    num_rows: int | None = None,
+) -> tuple[ChunkLayout, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plans the padded chunk sort and sorts the rows and their probs into it.
+
+    Args: as :func:`plan_chunk_layout`; ``x_N``/``probs_N`` are the received rows and probs.
+
+    Returns:
+        ``(layout, x_P, aligned group sizes (a host tensor), probs_P)``; the pads are slices of
+        :func:`~megatron_ext.moe.alignment.shared_zero_rows`.
+    """
+    layout = plan_chunk_layout(counts_RE, align, num_rows)
+    x_P = pad_chunks(x_N, layout, shared_zero_rows(x_N, layout.max_pad))
+    probs_P = pad_chunks(probs_N, layout, shared_zero_rows(probs_N, layout.max_pad))
+    return layout, x_P, torch.tensor(layout.tokens_per_expert_E), probs_P
 
 
 def strip_chunks(y_P: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:

@@ -37,10 +37,12 @@ import torch
 from megatron_ext.moe.alignment import (
     gather_and_zero_pads,
     give_slack_to_last,
+    host_group_sizes,
     host_pad_rows,
     host_to_device,
     round_up,
     shared_zero_row,
+    static_aligned_rows,
 )
 
 
@@ -201,6 +203,53 @@ def plan_aligned_permute(
         exact=exact,
         host_sizes=host_sizes,
     )
+
+
+def pad_by_permute(
+    x_TD: torch.Tensor,
+    probs_TE: torch.Tensor,
+    routing_map_TE: torch.Tensor,
+    align: int,
+    num_out_tokens: int | None,
+    *,
+    counts: list[int] | None = None,
+    static: bool = False,
+    rank_TE: torch.Tensor | None = None,
+) -> tuple[PermuteLayout, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Plans the aligned permute and builds the buffer of the tokens and of their probs.
+
+    Args:
+        x_TD, probs_TE, routing_map_TE: The tokens, their probs and their routing map.
+        align: Alignment multiple (> 1).
+        num_out_tokens: N, for a plan sized by the static bound before host counts arrive.
+        counts: Per-expert counts already on the host (Python ints): the groups' starts come
+            from them, and P is exact unless ``static``; None: the static bound of
+            ``num_out_tokens`` now, cut by :meth:`PermuteLayout.narrow` later.
+        static: With ``counts``: size by the static bound.
+        rank_TE: As :func:`plan_aligned_permute`.
+
+    Returns:
+        ``(layout, x_P, aligned host counts or None, probs_P)``.
+    """
+    if counts is None:
+        num_rows = static_aligned_rows(num_out_tokens, routing_map_TE.shape[1], align)
+        layout = plan_aligned_permute(
+            routing_map_TE, align, num_out_tokens, num_rows, rank_TE=rank_TE
+        )
+        aligned_E = None
+    else:  # the groups' starts are known on the host: the plan skips computing them
+        num_real, num_rows, aligned_E, start_E, host_sizes = host_group_sizes(counts, align, static)
+        layout = plan_aligned_permute(
+            routing_map_TE,
+            align,
+            num_real,
+            num_rows,
+            exact=not static,
+            start_E=host_to_device(start_E, routing_map_TE),
+            rank_TE=rank_TE,
+            host_sizes=host_sizes,
+        )
+    return layout, permute_to_layout(x_TD, layout), aligned_E, permute_probs(probs_TE, layout)
 
 
 #: One int64 ``arange`` per device, as long as the largest plan asked for.

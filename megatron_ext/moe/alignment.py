@@ -5,8 +5,10 @@ Low-precision grouped GEMMs need every expert's group of rows to start and end o
 the quantization block: 16 rows for fp8, 32 for mxfp8 (the 1x32 scale blocks run along M in the
 weight-gradient GEMM ``dW = dO^T @ X``), 128 for nvfp4. bf16/fp16 need nothing, and padding them
 only costs time, so their alignment is 0 and every function here is then the identity (no copy).
+The multiple itself is Megatron's rule, decided once per layer outside this module
+(:func:`megatron_ext.moe.group_aligner.align_size_for_config`); here it is a plain int.
 
-This module holds what every aligned layout shares: the multiple per precision, rounding counts
+This module holds what every aligned layout shares: rounding counts
 up (on the device and on the host), the buffer length (exact from host counts, or the static
 bound ``static_aligned_rows`` when no count has reached the host), the pad rows of a layout, the
 shared zero rows pads are copied from, and the gather that zeroes pads. The layouts themselves:
@@ -23,75 +25,11 @@ Shape legend: N rows (unaligned), P rows of the aligned buffer, E experts, D hid
 Q = P - N pad rows.
 """
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
 import torch
-
-#: Alignment multiple per precision. 0 means no alignment (identity, no copy).
-ALIGN_BY_PRECISION: dict[str, int] = {
-    "fp32": 0,
-    "bf16": 0,
-    "fp16": 0,
-    "fp8": 16,
-    "mxfp8": 32,
-    "nvfp4": 128,
-}
-
-
-def align_size_for(precision: str, override: int | None = None) -> int:
-    """Returns the row multiple each expert group must be padded to.
-
-    Args:
-        precision: One of ``ALIGN_BY_PRECISION`` (``"bf16"``, ``"fp8"``, ``"mxfp8"``, ...).
-        override: A user-chosen multiple that wins over a quantized precision's default; 0 or 1
-            disables. Ignored for bf16/fp16/fp32, which stay untouched (no padding, no copy).
-
-    Returns:
-        The alignment multiple; 0 means no alignment.
-
-    Raises:
-        ValueError: Unknown precision or a negative override.
-    """
-    if precision not in ALIGN_BY_PRECISION:
-        raise ValueError(
-            f"unknown precision {precision!r} for MoE alignment; "
-            f"expected one of {sorted(ALIGN_BY_PRECISION)}"
-        )
-    if override is not None:
-        if override < 0:
-            raise ValueError(f"--moe-dispatch-align-size must be >= 0, got {override}")
-        if ALIGN_BY_PRECISION[precision] == 0:
-            return 0  # unquantized GEMMs need no alignment: padding would only cost time
-        return 0 if override <= 1 else override
-    return ALIGN_BY_PRECISION[precision]
-
-
-def precision_of(
-    fp8: str | None, fp8_recipe: object = None, fp4: str | None = None, fp4_recipe: object = None
-) -> str:
-    """Names the GEMM precision of a run from Megatron's fp8/fp4 settings.
-
-    Args:
-        fp8: Megatron's ``fp8`` (a format such as ``"e4m3"``/``"hybrid"``, or None when off).
-        fp8_recipe: ``fp8_recipe`` (``"delayed"``, ``"tensorwise"``, ``"blockwise"``, ``"mxfp8"``,
-            or Megatron's ``Fp8Recipe`` enum).
-        fp4: Megatron's ``fp4`` format, or None when off.
-        fp4_recipe: ``fp4_recipe``; every fp4 recipe aligns to 128 in Megatron 0.19.
-
-    Returns:
-        ``"nvfp4"``, ``"mxfp8"``, ``"fp8"`` or ``"bf16"`` (no quantized GEMM).
-    """
-
-    def name(recipe: object) -> str:
-        return str(getattr(recipe, "value", recipe))
-
-    del fp4_recipe  # every fp4 recipe of Megatron 0.19 aligns like nvfp4 (128)
-    if fp4:
-        return "nvfp4"
-    if fp8:
-        return "mxfp8" if name(fp8_recipe) == "mxfp8" else "fp8"
-    return "bf16"
 
 
 def is_identity(align: int) -> bool:
@@ -198,12 +136,41 @@ def round_up_host(counts: Sequence[int], align: int) -> list[int]:
     return [-(-int(c) // align) * align for c in counts]
 
 
+def host_group_sizes(
+    counts: list[int], align: int, static: bool
+) -> tuple[int, int, torch.Tensor, torch.Tensor, tuple[list[int], list[int]]]:
+    """A permute's group sizes from per-expert counts already on the host (Python ints).
+
+    Args:
+        counts: Routed rows per local expert.
+        align: Alignment multiple (> 1).
+        static: Size by the static bound (the last group takes the slack) instead of exactly.
+
+    Returns:
+        ``(real rows N, buffer rows P, aligned sizes [E], group starts [E], (counts, aligned
+        sizes))``; the two tensors are host int64 tensors.
+    """
+    aligned = round_up_host(counts, align)
+    num_real, num_rows = sum(counts), sum(aligned)
+    if static:
+        # The slack rows join the last group, as in the device layout.
+        static_rows = static_aligned_rows(num_real, len(counts), align)
+        aligned[-1] += static_rows - num_rows
+        num_rows = static_rows
+    # One host array, cut by numpy: torch's own indexing would add two dispatched ops.
+    sizes = np.array([*aligned, *itertools.accumulate(aligned[:-1], initial=0)], np.int64)
+    num_experts = len(aligned)
+    aligned_E = torch.from_numpy(sizes[:num_experts])
+    start_E = torch.from_numpy(sizes[num_experts:])
+    return num_real, num_rows, aligned_E, start_E, (counts, aligned)
+
+
 def host_pad_rows(counts: Sequence[int], aligned: Sequence[int]) -> np.ndarray:
     """The buffer rows of every pad, ascending, from host counts and their aligned group sizes.
 
     Host work only (numpy, a few microseconds): group ``e`` holds its ``counts[e]`` real rows
     and then ``aligned[e] - counts[e]`` pads (the last group may also hold a static bound's
-    slack). :func:`~megatron_ext.moe.aligned_chunk_gather.pad_rows_of_groups` is the device
+    slack). :func:`pad_rows_of_groups` is the device
     version, for counts that stay on the device.
 
     Returns:
@@ -217,6 +184,25 @@ def host_pad_rows(counts: Sequence[int], aligned: Sequence[int]) -> np.ndarray:
     first_pad_E = aligned_E.cumsum() - aligned_E + counts_E
     shift_Q = np.repeat(first_pad_E - (pad_end_E - pads_E), pads_E)
     return shift_Q + np.arange(shift_Q.shape[0], dtype=np.int64)
+
+
+def pad_rows_of_groups(
+    first_pad_E: torch.Tensor, pads_E: torch.Tensor, num_pads: int
+) -> torch.Tensor:
+    """Lists the pad rows of an aligned buffer, sync-free, from per-group pad ranges.
+
+    Args:
+        first_pad_E: First pad row of each group (its start plus its real rows), device int64.
+        pads_E: Pad rows of each group (device int64), summing to ``num_pads``.
+        num_pads: Q, a host int (buffer length minus real rows).
+
+    Returns:
+        ``pad_idx_Q``: ascending buffer rows of every pad, shape [Q].
+    """
+    pad_end_E = pads_E.cumsum(0)
+    q_Q = torch.arange(num_pads, device=pads_E.device)
+    group_Q = torch.searchsorted(pad_end_E, q_Q, right=True)
+    return (first_pad_E - (pad_end_E - pads_E)).gather(0, group_Q) + q_Q
 
 
 def static_aligned_rows(num_rows: int, num_experts: int, align: int) -> int:

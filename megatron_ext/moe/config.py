@@ -6,8 +6,6 @@ from dataclasses import dataclass as _moe_dataclass
 from typing import Literal as _MoeLiteral
 
 from megatron_ext.config_registry import feature_config
-from megatron_ext.moe.alignment import align_size_for as _align_size_for
-from megatron_ext.moe.alignment import precision_of as _precision_of
 
 
 @feature_config("moe: grouped-GEMM alignment after dispatch and expert load metrics")
@@ -65,11 +63,14 @@ class MoEAlignmentConfig:
     def align_size(
         self, *, fp8: object, fp8_recipe: object, fp4: object, fp4_recipe: object
     ) -> int:
-        """The multiple groups are padded to for these precision settings (0: no alignment)."""
-        if not self.moe_dispatch_align:
-            return 0
-        precision = _precision_of(fp8, fp8_recipe, fp4, fp4_recipe)
-        return _align_size_for(precision, self.moe_dispatch_align_size)
+        """The multiple groups are padded to for these precision settings (0: no alignment):
+        :func:`~megatron_ext.moe.group_aligner.align_size_for_config` of them."""
+        from megatron_ext.moe.group_aligner import align_size_for_config
+
+        precision = _moe_argparse.Namespace(
+            fp8=fp8, fp8_recipe=fp8_recipe, fp4=fp4, fp4_recipe=fp4_recipe
+        )
+        return align_size_for_config(precision, self)
 
     def check_megatron_args(self, args: _moe_argparse.Namespace) -> None:
         """Refuses combinations with Megatron's flags that would double-pad, cannot align or crash.
@@ -163,19 +164,9 @@ def _moe_recipe_name(precision: dict) -> str:
 
 def _moe_required_align(args: _moe_argparse.Namespace) -> int:
     """The group multiple Megatron's own ``get_align_size_for_quantization`` asks of these args."""
-    from megatron.core.enums import Fp4Recipe, Fp8Recipe
-    from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+    from megatron_ext.data.quantization_align import megatron_align_size
 
-    fp8_recipe = getattr(args, "fp8_recipe", None) or "delayed"
-    fp4_recipe = getattr(args, "fp4_recipe", None) or "nvfp4"
-    view = _moe_argparse.Namespace(
-        use_transformer_engine_op_fuser=getattr(args, "use_transformer_engine_op_fuser", False),
-        fp8=getattr(args, "fp8", None),
-        fp8_recipe=Fp8Recipe(getattr(fp8_recipe, "value", fp8_recipe)),
-        fp4=getattr(args, "fp4", None),
-        fp4_recipe=Fp4Recipe(getattr(fp4_recipe, "value", fp4_recipe)),
-    )
-    return get_align_size_for_quantization(view)
+    return megatron_align_size(args)
 
 
 _MOE_WARNED: set[str] = set()

@@ -1,8 +1,8 @@
 """The alignment state a token dispatcher carries from dispatch to combine (Megatron glue).
 
 Both aligned dispatchers (:mod:`megatron_ext.moe.token_dispatcher`) own one
-:class:`GroupAligner`. It reads the group multiple from Megatron's config (so it always matches
-the precision the experts' GEMMs run in), picks the layout for what the dispatcher holds, pads
+:class:`GroupAligner`. Its group multiple is decided once per layer, from Megatron's rules for the
+config's precision (:func:`align_size_for_config`); it picks the layout for what the dispatcher holds, pads
 on the way to the experts and strips on the way back:
 
 - a routing map (EP=1, or the all-gather dispatcher): :mod:`~megatron_ext.moe.aligned_permute`,
@@ -19,13 +19,11 @@ Example (fp8, 2 experts with 3 and 1 rows): ``pad`` returns 32 rows ``[a b c _*1
 sizes ``[16, 16]``; ``strip`` of the experts' output returns the 4 real rows in their order.
 """
 
-import itertools
-
-import numpy as np
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.config import MoEAlignmentConfig
+from megatron_ext.data.quantization_align import megatron_align_size
 from megatron_ext.moe import aligned_chunk_gather as cg
 from megatron_ext.moe import aligned_chunk_sort as cs
 from megatron_ext.moe import aligned_permute as ap
@@ -33,50 +31,43 @@ from megatron_ext.moe import alignment as al
 
 
 def align_size_for_config(config: TransformerConfig, alignment: MoEAlignmentConfig) -> int:
-    """The group multiple for a Megatron config (0: no alignment).
+    """The group multiple for a Megatron config (0: no alignment): the one place it is decided.
 
-    Follows Megatron's ``get_align_size_for_quantization`` for quantized GEMMs: fp8 16, mxfp8 32,
-    fp4 128, and 256 under ``use_transformer_engine_op_fuser`` (CUTLASS grouped GEMM); a
-    ``--moe-dispatch-align-size`` override wins (``check_megatron_args`` keeps it a multiple of
-    Megatron's value). Without fp8/fp4 it is 0, unlike Megatron's function, which returns 256
-    under the op fuser even for bf16: Megatron only *uses* that value when fp8/fp4 is on
-    (``TEGroupedMLP`` builds and calls its ``Fp8Padding`` only then), and bf16 must stay
-    Megatron's path, untouched.
+    Megatron's ``get_align_size_for_quantization`` (read through
+    :func:`megatron_ext.data.quantization_align.megatron_align_size`) gives it for quantized GEMMs:
+    fp8 16, mxfp8 32, fp4 128, and 256 under ``use_transformer_engine_op_fuser`` (CUTLASS grouped
+    GEMM). Two rules are ours, where Megatron has none: a ``--moe-dispatch-align-size`` override
+    wins (``check_megatron_args`` keeps it a multiple of Megatron's value; 0 or 1 disables), and
+    without fp8/fp4 it is 0, unlike Megatron's function, which returns 256 under the op fuser even
+    for bf16: Megatron only *uses* that value when fp8/fp4 is on (``TEGroupedMLP`` builds and calls
+    its ``Fp8Padding`` only then), and bf16 must stay Megatron's path, untouched.
     """
     if not alignment.moe_dispatch_align or not (config.fp8 or config.fp4):
         return 0
-    if alignment.moe_dispatch_align_size is None and config.use_transformer_engine_op_fuser:
-        return 256
-    return alignment.align_size(
-        fp8=config.fp8, fp8_recipe=config.fp8_recipe, fp4=config.fp4, fp4_recipe=config.fp4_recipe
-    )
+    override = alignment.moe_dispatch_align_size
+    if override is not None:
+        return override if override > 1 else 0
+    return megatron_align_size(config)
 
 
 class GroupAligner:
     """The alignment state one dispatcher carries between dispatch and combine.
 
-    The multiple is read from the config at every dispatch (a few attribute reads), so it always
-    matches the precision the experts' GEMMs run in. ``pad`` and ``strip`` are the only entry
-    points that touch rows (tools/gpu/gpu_check.py guards exactly these two). The zero rows the
-    chunk sort splices in are slices of :func:`~megatron_ext.moe.alignment.shared_zero_rows`.
+    The multiple is given once, by the MoE layer that owns the dispatcher
+    (:func:`align_size_for_config` of its config at construction; ``AlignedMoELayer.realign``
+    passes a new one down when a caller changes the precision). ``pad`` and ``strip`` are the only
+    entry points that touch rows (tools/gpu/gpu_check.py guards exactly these two). The zero rows
+    the chunk sort splices in are slices of :func:`~megatron_ext.moe.alignment.shared_zero_rows`.
+
+    Args:
+        align: The group multiple (0 or 1: no alignment; the dispatchers defer to Megatron's).
+        buffer_sizing: ``--moe-dispatch-align-buffer`` (``host_counts`` or ``static_bound``).
     """
 
-    def __init__(self, config: TransformerConfig, alignment: MoEAlignmentConfig) -> None:
-        self.config = config
-        self.alignment = alignment
-        self.buffer_sizing = alignment.moe_dispatch_align_buffer
+    def __init__(self, align: int, buffer_sizing: str) -> None:
+        self.align = align
+        self.buffer_sizing = buffer_sizing
         self.layout: cg.AlignedLayout | cs.ChunkLayout | ap.PermuteLayout | None = None
-        self._aligns: dict[tuple, int] = {}
-
-    @property
-    def align(self) -> int:
-        """The multiple for the config's precision now (memoised per precision setting)."""
-        c = self.config
-        key = (c.fp8, c.fp8_recipe, c.fp4, c.fp4_recipe, c.use_transformer_engine_op_fuser)
-        align = self._aligns.get(key)
-        if align is None:
-            align = self._aligns[key] = align_size_for_config(c, self.alignment)
-        return align
 
     @property
     def active(self) -> bool:
@@ -95,7 +86,6 @@ class GroupAligner:
         host_tokens_per_expert_E: torch.Tensor | None,
         num_out_tokens: int | None = None,
         rank_TE: torch.Tensor | None = None,
-        align: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Builds the aligned buffer with one copy of the rows.
 
@@ -119,55 +109,40 @@ class GroupAligner:
                 without host counts only.
             rank_TE: The routing map's ``rank_within_expert`` when the caller took its counts
                 from it (permute only).
-            align: :attr:`align` when the caller has just read it (saves reading it again).
 
         Returns:
             ``(x_P, aligned tokens_per_expert_E, probs_P)``; the counts are a host tensor, or
             None for a permute without host counts (its caller gets them from
             ``exact_host_sizes`` once Megatron's host counts arrive).
         """
-        align = align or self.align
-        if isinstance(routing, list):
-            layout = cs.plan_chunk_layout(
-                routing, align, self._static_rows(x.shape[0], routing, align)
+        align = self.align
+        if isinstance(routing, list):  # host chunk counts
+            static_rows = self._static_rows(x.shape[0], routing, align)
+            self.layout, x_P, aligned_E, probs_P = cs.pad_received_chunks(
+                x, probs, routing, align, static_rows
             )
-            self.layout = layout
-            x_P = cs.pad_chunks(x, layout, al.shared_zero_rows(x, layout.max_pad))
-            probs_P = cs.pad_chunks(probs, layout, al.shared_zero_rows(probs, layout.max_pad))
-            return x_P, torch.tensor(layout.tokens_per_expert_E), probs_P
-        num_experts = routing.shape[1]
-        if routing.dtype != torch.bool:  # device chunk counts
+        elif routing.dtype != torch.bool:  # device chunk counts
             num_rows = self._static_rows(x.shape[0], routing, align)
             if num_rows is None:
                 num_rows = _host_rows(host_tokens_per_expert_E, align)[1]
-            layout = cg.plan_aligned_layout(routing, align, x.shape[0], num_rows)
-            self.layout = layout
-            aligned_E = al.give_slack_to_last(
-                al.round_up(host_tokens_per_expert_E.long(), align), num_rows
+            self.layout, x_P, aligned_E, probs_P = cg.pad_received_rows(
+                x, probs, routing, align, num_rows, host_tokens_per_expert_E
             )
-            return cg.pad_to_layout(x, layout), aligned_E, cg.pad_to_layout(probs, layout)
-        if host_tokens_per_expert_E is None:  # static bound now, the sizes with exact_host_sizes
-            num_rows = al.static_aligned_rows(num_out_tokens, num_experts, align)
-            layout = ap.plan_aligned_permute(
-                routing, align, num_out_tokens, num_rows, rank_TE=rank_TE
-            )
-            aligned_E = None
-        else:  # the groups' starts are known on the host: the plan skips computing them
-            num_real, num_rows, aligned_E, start_E, host_sizes = self._host_sizes(
-                host_tokens_per_expert_E, align
-            )
-            layout = ap.plan_aligned_permute(
+        else:  # a routing map: the permute, sized now from host counts or by the static bound
+            counts = None
+            if host_tokens_per_expert_E is not None:
+                counts = read_host_counts(host_tokens_per_expert_E)
+            self.layout, x_P, aligned_E, probs_P = ap.pad_by_permute(
+                x,
+                probs,
                 routing,
                 align,
-                num_real,
-                num_rows,
-                exact=self.buffer_sizing == "host_counts",
-                start_E=al.host_to_device(start_E, routing),
+                num_out_tokens,
+                counts=counts,
+                static=self.buffer_sizing != "host_counts",
                 rank_TE=rank_TE,
-                host_sizes=host_sizes,
             )
-        self.layout = layout
-        return ap.permute_to_layout(x, layout), aligned_E, ap.permute_probs(probs, layout)
+        return x_P, aligned_E, probs_P
 
     def _static_rows(
         self, num_received: int, counts: torch.Tensor | list, align: int
@@ -176,26 +151,6 @@ class GroupAligner:
         if self.buffer_sizing == "host_counts":
             return None
         return al.static_aligned_rows(num_received, len(counts[0]), align)
-
-    def _host_sizes(
-        self, host_tokens_per_expert_E: torch.Tensor, align: int
-    ) -> tuple[int, int, torch.Tensor, torch.Tensor, tuple[list[int], list[int]]]:
-        """``(real rows N, buffer rows P, aligned host counts, host group starts, (counts,
-        aligned sizes) as Python ints)`` from host counts, one read."""
-        counts = read_host_counts(host_tokens_per_expert_E)
-        aligned = al.round_up_host(counts, align)
-        num_real, num_rows = sum(counts), sum(aligned)
-        if self.buffer_sizing != "host_counts":
-            # The slack rows join the last group, as in the device layout.
-            static_rows = al.static_aligned_rows(num_real, len(counts), align)
-            aligned[-1] += static_rows - num_rows
-            num_rows = static_rows
-        # One host array, cut by numpy: torch's own indexing would add two dispatched ops.
-        sizes = np.array([*aligned, *itertools.accumulate(aligned[:-1], initial=0)], np.int64)
-        num_experts = len(aligned)
-        aligned_E = torch.from_numpy(sizes[:num_experts])
-        start_E = torch.from_numpy(sizes[num_experts:])
-        return num_real, num_rows, aligned_E, start_E, (counts, aligned)
 
     def exact_host_sizes(
         self, x_P: torch.Tensor, probs_P: torch.Tensor, host_tokens_per_expert_E: torch.Tensor
@@ -209,8 +164,8 @@ class GroupAligner:
         if self.buffer_sizing != "host_counts":
             aligned_E = al.round_up(host_tokens_per_expert_E.long(), self.align)
             return x_P, al.give_slack_to_last(aligned_E, self.layout.num_rows), probs_P
-        num_real, num_rows, aligned_E, _, host_sizes = self._host_sizes(
-            host_tokens_per_expert_E, self.align
+        num_real, num_rows, aligned_E, _, host_sizes = al.host_group_sizes(
+            read_host_counts(host_tokens_per_expert_E), self.align, static=False
         )
         # Host ints, free: the rows laid out are the rows Megatron counted (a caller that routes
         # a token nowhere must lower num_out_tokens to match, as Megatron's permute requires).

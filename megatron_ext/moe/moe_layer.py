@@ -25,14 +25,12 @@ from typing import Any
 import torch
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.moe_utils import (
-    get_align_size_for_quantization,
-    get_default_pg_collection,
-)
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.config import MoEAlignmentConfig
+from megatron_ext.data.quantization_align import megatron_align_size
 from megatron_ext.moe.group_aligner import align_size_for_config
 from megatron_ext.moe.load_metrics import ExpertLoadMetrics
 from megatron_ext.moe.pad_routing import PadRouting, clear_pad_routes
@@ -60,9 +58,12 @@ class AlreadyAlignedPadding(torch.nn.Module):
     refuses when there is none, rather than let unaligned groups reach a quantized GEMM.
     """
 
-    def __init__(self, aligner: Any, fallback: torch.nn.Module | None = None) -> None:
+    def __init__(
+        self, aligner: Any, config: TransformerConfig, fallback: torch.nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.aligner = aligner
+        self.config = config  # the experts' config: the precision their GEMMs run in now
         self.fallback = fallback
 
     def forward(self, x: torch.Tensor, m_splits: list[int]) -> tuple[torch.Tensor, list[int]]:
@@ -73,8 +74,8 @@ class AlreadyAlignedPadding(torch.nn.Module):
                     "is inactive for this precision and no expert padding exists to fall back to"
                 )
             return self.fallback(x, m_splits)
-        config = self.aligner.config
-        required = get_align_size_for_quantization(config) if (config.fp8 or config.fp4) else 0
+        config = self.config
+        required = megatron_align_size(config) if (config.fp8 or config.fp4) else 0
         for align in (self.aligner.align, required):
             bad = [(i, n) for i, n in enumerate(m_splits) if n % max(align, 1)]
             assert not bad, f"unaligned groups for multiple {align} (expert, rows): {bad}"
@@ -114,7 +115,7 @@ def tell_experts_groups_are_aligned(experts: torch.nn.Module, aligner: Any) -> N
     unpadding = getattr(experts, "quantization_unpadding", None)
     if padding is not None and not aligner.active:
         return
-    experts.quantization_padding = AlreadyAlignedPadding(aligner, padding)
+    experts.quantization_padding = AlreadyAlignedPadding(aligner, experts.config, padding)
     experts.quantization_unpadding = AlreadyAlignedUnpadding(aligner, unpadding)
 
 
@@ -166,6 +167,8 @@ class AlignedMoELayer(MoELayer):
         self._check(config, alignment, pad_routing)
         super().__init__(config, submodules, layer_number, pg_collection, is_mtp_layer, name)
         self.alignment = alignment
+        # The group multiple, decided once here and passed down (realign() for a new precision).
+        self.align = align_size_for_config(config, alignment)
         self.load_metrics = load_metrics
         self.pad_routing = pad_routing
         dispatcher_type = config.moe_token_dispatcher_type
@@ -178,7 +181,8 @@ class AlignedMoELayer(MoELayer):
         if not (aligned or skip_rows):
             return
         if aligned:
-            cls, extra = _ALIGNED_DISPATCHERS[dispatcher_type], {"alignment": alignment}
+            cls = _ALIGNED_DISPATCHERS[dispatcher_type]
+            extra = {"alignment": alignment, "align": self.align}
         else:
             cls, extra = MoEAlltoAllTokenDispatcher, {}
         if skip_rows:
@@ -203,10 +207,19 @@ class AlignedMoELayer(MoELayer):
         """Whether pads' routes are cleared before dispatch (``--moe-pad-routing skip``)."""
         return self.pad_routing is not None and self.pad_routing.skip
 
-    @property
-    def align(self) -> int:
-        """The group multiple for the config's current precision (0: none)."""
-        return align_size_for_config(self.config, self.alignment)
+    def realign(self, config: TransformerConfig | None = None) -> int:
+        """Re-decides the group multiple after a caller changed the precision, and passes it down.
+
+        The multiple is decided once, at construction; a caller that changes the fp8/fp4 settings
+        of a built layer (a benchmark timing several precisions on one layer, the CPU rehearsal of
+        a quantized run) calls this with the changed config (default: the layer's own). Returns
+        the new multiple.
+        """
+        self.align = align_size_for_config(config or self.config, self.alignment)
+        aligner = getattr(self.token_dispatcher, "aligner", None)
+        if aligner is not None:
+            aligner.align = self.align
+        return self.align
 
     @staticmethod
     def _check(

@@ -35,7 +35,6 @@ from megatron.core.transformer.moe.token_dispatcher import (
 
 from megatron_ext.config import MoEAlignmentConfig
 from megatron_ext.moe import aligned_permute as ap
-from megatron_ext.moe import alignment as al
 from megatron_ext.moe.group_aligner import GroupAligner, read_host_counts
 
 
@@ -51,8 +50,10 @@ class AlignedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         local_expert_indices: Their global indices.
         config: Megatron's transformer config.
         pg_collection: Process groups (Megatron's default when None).
-        alignment: megatron_ext's MoE config; the multiple follows ``config``'s precision (0 under
-            bf16/fp16: Megatron's behaviour, untouched).
+        alignment: megatron_ext's MoE config (``--moe-dispatch-align-buffer``).
+        align: The group multiple, decided once by the MoE layer
+            (:func:`~megatron_ext.moe.group_aligner.align_size_for_config`; 0 under bf16/fp16:
+            Megatron's behaviour, untouched).
     """
 
     def __init__(
@@ -63,13 +64,14 @@ class AlignedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         pg_collection=None,
         *,
         alignment: MoEAlignmentConfig,
+        align: int,
     ) -> None:
         super().__init__(num_local_experts, local_expert_indices, config, pg_collection)
         if self.drop_and_pad and alignment.moe_dispatch_align:
             raise ValueError(
                 "--moe-dispatch-align cannot be combined with --moe-pad-expert-input-to-capacity"
             )
-        self.aligner = GroupAligner(config, alignment)
+        self.aligner = GroupAligner(align, alignment.moe_dispatch_align_buffer)
 
     def _folds_into_permute(self) -> bool:
         """EP=1 and TP=1: no exchange between the permute and the experts (it is the identity)."""
@@ -189,14 +191,14 @@ class AlignedAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
         pg_collection=None,
         *,
         alignment: MoEAlignmentConfig,
+        align: int,
     ) -> None:
         super().__init__(num_local_experts, local_expert_indices, config, pg_collection)
-        self.aligner = GroupAligner(config, alignment)
+        self.aligner = GroupAligner(align, alignment.moe_dispatch_align_buffer)
 
     def dispatch_postprocess(self, hidden_states, probs):
         """Megatron's permute by local expert, writing the aligned buffer directly."""
-        align = self.aligner.align
-        if al.is_identity(align):
+        if not self.aligner.active:
             return super().dispatch_postprocess(hidden_states, probs)
         self.hidden_shape_before_permute = hidden_states.shape
         if self.num_local_experts == self.routing_map.shape[1]:  # every expert is local (EP=1)
@@ -215,7 +217,6 @@ class AlignedAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
             self.local_map,
             tokens_per_expert,
             rank_TE=rank_TE,
-            align=align,
         )
         self.local_probs = probs_P
         self.routing_map = None

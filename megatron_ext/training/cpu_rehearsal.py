@@ -74,7 +74,6 @@ def rehearse_quantized_moe(
 
     With ``log``, every grouped-GEMM expert linear records the group sizes it is handed.
     """
-    from megatron_ext.moe.group_aligner import align_size_for_config
     from megatron_ext.moe.grouped_mm_linear import GroupedMMLinear
     from megatron_ext.moe.moe_layer import AlignedMoELayer
 
@@ -93,7 +92,7 @@ def rehearse_quantized_moe(
             for owner in owners:
                 if owner is not None and getattr(owner, "config", None) is original:
                     owner.config = view
-            align = align_size_for_config(view, layer.alignment)
+            align = layer.realign(view)  # decided at construction: pass the new one down
             aligns.append(align)
             if log is not None:
                 log.align = align

@@ -47,6 +47,35 @@ def test_recipes_differ_where_megatron_says_so() -> None:
     assert quantization_align() == 1  # bf16/fp16: no constraint
 
 
+@pytest.mark.parametrize("op_fuser", [False, True])
+@pytest.mark.parametrize(
+    "precision",
+    [{}, *({"fp8": "e4m3", "fp8_recipe": r} for r in Fp8Recipe), {"fp4": "e2m1"}],
+    ids=lambda p: p.get("fp8_recipe", p.get("fp4", "bf16")),
+)
+def test_megatron_align_size_is_megatrons_function(precision: dict, op_fuser: bool) -> None:
+    """The MoE multiple's source: Megatron's get_align_size_for_quantization on a config, recipe
+    names given as strings (as parsed) read as Megatron's enums."""
+    from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_ext.data.quantization_align import megatron_align_size
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+    cfg.use_transformer_engine_op_fuser = op_fuser  # set after build: no TE to validate them
+    for name, value in precision.items():
+        setattr(cfg, name, value)
+    expected = get_align_size_for_quantization(cfg)
+    if "fp4" in precision:
+        cfg.fp4_recipe = None  # unset: Megatron's default recipe
+        expected = get_fp4_align_size(Fp4Recipe.nvfp4) if not op_fuser else 256
+    assert megatron_align_size(cfg) == expected
+    # Without the op fuser: the pack-length multiple's value (0 where that one says 1, bf16).
+    assert megatron_align_size(cfg, op_fuser=False) == (
+        quantization_align(**precision) if precision else 0
+    )
+
+
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match=r"--fp8-recipe 'mx' is not one of Megatron's recipes"):
         quantization_align(fp8="e4m3", fp8_recipe="mx")

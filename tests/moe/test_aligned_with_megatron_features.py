@@ -45,6 +45,7 @@ def _checks() -> dict:
             ours, cfg, groups = build_layer(dispatcher, aligned=True, **overrides)
             ours.load_state_dict(ref.state_dict())
             set_precision(cfg, "fp8")
+            ours.realign()  # the precision set after build, passed down
             got = fwd_bwd(ours)
             res[name, dispatcher] = {
                 "bitwise": _bitwise(got, want),

@@ -8,23 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ext.moe import aligned_chunk_gather as cg
 from megatron_ext.moe import alignment as al
-
-
-# ---------------------------------------------------------------- align size
-def test_align_size_by_precision_and_override():
-    assert [al.align_size_for(p) for p in ("fp32", "bf16", "fp16")] == [0, 0, 0]
-    assert al.align_size_for("fp8") == 16
-    assert al.align_size_for("mxfp8") == 32
-    assert al.align_size_for("nvfp4") == 128
-    assert al.align_size_for("bf16", override=64) == 0  # bf16 stays untouched
-    assert al.align_size_for("fp8", override=64) == 64
-    assert al.align_size_for("nvfp4", override=1) == 0  # 1 means "no alignment"
-    with pytest.raises(ValueError, match="--moe-dispatch-align-size"):
-        al.align_size_for("fp8", override=-16)
-    with pytest.raises(ValueError, match="'int4'"):
-        al.align_size_for("int4")
 
 
 def test_identity_alignment_is_no_op():
@@ -93,7 +77,7 @@ def test_host_pad_rows_equal_the_device_pad_rows(align):
             counts_E, sizes_E = torch.tensor(counts), torch.tensor(sizes)
             first_pad_E = sizes_E.cumsum(0) - sizes_E + counts_E
             num_pads = sum(sizes) - sum(counts)
-            device = cg.pad_rows_of_groups(first_pad_E, sizes_E - counts_E, num_pads)
+            device = al.pad_rows_of_groups(first_pad_E, sizes_E - counts_E, num_pads)
             host = al.host_pad_rows(counts, sizes)
             assert host.dtype == np.int64 and host.tolist() == device.tolist()
     assert any(sum(al.round_up_host(c, align)) > sum(c) for c in cases)  # pads occurred

@@ -1,5 +1,6 @@
 """Tier: Megatron on one rank (a gloo world of 1 where a process group is needed). The aligner's
-multiple per Megatron config, and its device-count chunk-sort plan against the host-count one.
+multiple per Megatron config (decided once per layer, passed down), and its device-count
+chunk-sort plan against the host-count one.
 
 The aligner end to end inside both dispatchers is test_token_dispatcher.py.
 """
@@ -37,11 +38,59 @@ def test_align_size_for_config_leaves_bf16_untouched(op_fuser):
         assert align_size_for_config(cfg, on) == get_align_size_for_quantization(cfg) > 1
 
 
+def test_override_wins_only_under_fp8_fp4():
+    """The override is ours (Megatron has no such rule): it wins under fp8/fp4, 0 or 1 disables,
+    and without --moe-dispatch-align nothing aligns."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_ext.config import MoEAlignmentConfig
+    from megatron_ext.moe.group_aligner import align_size_for_config
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+    set_precision(cfg, "mxfp8")
+
+    def align(**kw):
+        return align_size_for_config(cfg, MoEAlignmentConfig(**kw))
+
+    assert align(moe_dispatch_align=True) == 32  # Megatron's value
+    assert align(moe_dispatch_align=True, moe_dispatch_align_size=64) == 64
+    assert align(moe_dispatch_align=True, moe_dispatch_align_size=1) == 0
+    assert align(moe_dispatch_align=False) == 0
+
+
+def _decided_once() -> dict:
+    """A layer's multiple is decided at construction and passed down; a precision changed later
+    reaches the dispatcher only through realign()."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_ext.config import MoEAlignmentConfig
+    from megatron_ext.moe.layer_specs import with_aligned_moe
+    from megatron_ext.testing import tiny_moe_config
+
+    cfg = tiny_moe_config()
+    set_precision(cfg, "nvfp4")  # before construction (an fp4 config cannot be built without TE)
+    spec = with_aligned_moe(
+        get_gpt_layer_local_spec(num_experts=8), MoEAlignmentConfig(moe_dispatch_align=True)
+    )
+    layer = spec.submodules.mlp(config=cfg, pg_collection=None, is_mtp_layer=False)
+    aligner = layer.token_dispatcher.aligner
+    res = {"built": (layer.align, aligner.align)}
+    set_precision(cfg, "fp8")
+    res["changed"] = aligner.align
+    res["realigned"] = (layer.realign(), aligner.align)
+    return res
+
+
+def test_multiple_is_decided_at_construction_and_passed_down():
+    (res,) = run_distributed(_decided_once, 1)
+    assert res == {"built": (128, 128), "changed": 128, "realigned": (16, 16)}, res
+
+
 def _device_vs_host_chunk_counts() -> dict:
     """The aligner's two chunk-sort plans on the same received rows: counts on the host (a list:
     Megatron's copy) and counts left on the device (TE's fused permute; on a GPU only)."""
     from megatron_ext.config import MoEAlignmentConfig
-    from megatron_ext.moe.group_aligner import GroupAligner
+    from megatron_ext.moe.group_aligner import GroupAligner, align_size_for_config
     from megatron_ext.testing import tiny_moe_config
 
     cfg = tiny_moe_config()
@@ -58,7 +107,8 @@ def _device_vs_host_chunk_counts() -> dict:
         alignment = MoEAlignmentConfig(moe_dispatch_align=True, moe_dispatch_align_buffer=buffer)
         out = {}
         for kind, routing in (("host", counts_RE.tolist()), ("device", counts_RE)):
-            aligner = GroupAligner(cfg, alignment)
+            align = align_size_for_config(cfg, alignment)  # 16: what the layer passes down
+            aligner = GroupAligner(align, alignment.moe_dispatch_align_buffer)
             x_P, sizes_E, probs_P = aligner.pad(x, probs, routing, host_E)
             kind_of_layout = type(aligner.layout).__name__
             out[kind] = (x_P, sizes_E.tolist(), probs_P, aligner.strip(x_P * 2), kind_of_layout)

@@ -45,6 +45,7 @@ def _model_checks() -> dict:
         groups: list = []
         moe_layers = [m for m in ours.modules() if isinstance(m, AlignedMoELayer)]
         for m in moe_layers:
+            m.realign()  # the precision set after build, passed down
             m.experts.register_forward_pre_hook(lambda mod, a: groups.append(a[1].tolist()))
         got = run(ours)
         diff = max(float((ref[1][k] - got[1][k]).abs().max()) for k in ref[1])

@@ -82,6 +82,7 @@ def _padding_checks() -> dict:
     # the experts pad their own groups, and the outputs equal the unpadded reference.
     layer, cfg, groups = aligned_layer(1)
     set_precision(cfg, "mxfp8")
+    layer.realign()
     layer.experts.quantization_padding = te_pad = ReferencePadding(32)  # as an fp8 build has
     layer.experts.quantization_unpadding = te_unpad = ReferenceUnpadding(32)
     tell_experts_groups_are_aligned(layer.experts, layer.token_dispatcher.aligner)
@@ -97,6 +98,7 @@ def _padding_checks() -> dict:
     # The same with the aligner active: swapped, TE's padding kept only as the fallback.
     layer, cfg, groups = aligned_layer(None)
     set_precision(cfg, "mxfp8")
+    layer.realign()
     layer.experts.quantization_padding = te_pad = ReferencePadding(32)
     tell_experts_groups_are_aligned(layer.experts, layer.token_dispatcher.aligner)
     pad = layer.experts.quantization_padding
@@ -110,6 +112,7 @@ def _padding_checks() -> dict:
     # passed through unaligned.
     layer, cfg, _ = aligned_layer(1)
     set_precision(cfg, "mxfp8")
+    layer.realign()
     try:
         fwd_bwd(layer)
         res["inactive_no_fallback"] = "passed"
@@ -119,6 +122,7 @@ def _padding_checks() -> dict:
     # Our multiple 16 under mxfp8 (Megatron needs 32): the stand-in checks Megatron's multiple.
     layer, cfg, groups = aligned_layer(16)
     set_precision(cfg, "mxfp8")
+    layer.realign()
     try:
         fwd_bwd(layer)
         res["weaker_multiple"] = "passed"

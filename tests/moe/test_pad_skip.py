@@ -35,6 +35,9 @@ def _build(mode: str, dispatcher: str, align: bool, **config_overrides):
     model = build_tiny_gpt(config, vocab_size=128, max_seq_len=64, layer_spec=spec)
     if align:  # fp8 rehearsal: the dispatcher aligns to 16 while the model computes in fp32
         config.fp8 = "e4m3"
+        for layer in model.modules():
+            if hasattr(layer, "realign"):
+                layer.realign()  # the multiple is decided at construction: pass fp8's down
     return model, pad_routing
 
 

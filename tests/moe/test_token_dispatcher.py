@@ -194,6 +194,7 @@ def _skip_pads_checks() -> dict:
             ours, cfg, _ = build_layer(dispatcher, aligned=True, buffer=buffer, spy=False)
             ours.load_state_dict(stock.state_dict())
             set_precision(cfg, "fp8")
+            ours.realign()
             for layer in (stock, ours):
                 _with_skip_pads(layer)
             g = torch.Generator().manual_seed(7 + rank)
@@ -239,6 +240,7 @@ def _all_checks() -> dict:
                 layer, cfg, groups = build_layer(dispatcher, aligned=True, buffer=buffer)
                 layer.load_state_dict(ref_layer.state_dict())
                 set_precision(cfg, precision)
+                layer.realign()
                 got, rows = rows_sent(layer)
                 res[dispatcher, buffer, precision] = {
                     "diff": _max_diff(got, ref),
@@ -255,6 +257,7 @@ def _all_checks() -> dict:
         layer, cfg, groups = build_layer(dispatcher, aligned=True, grouped_mm=False)
         layer.load_state_dict(seq_ref.state_dict())
         set_precision(cfg, "nvfp4")
+        layer.realign()
         rows: list[int] = []
         for expert in layer.experts.local_experts:
             expert.register_forward_pre_hook(
@@ -290,14 +293,17 @@ def _all_checks() -> dict:
         }
         # The same counter sees the alignment math when it does run (fp8): not vacuous.
         set_precision(ours.config, "fp8")
+        ours.realign()
         res[dispatcher, "fp8_aligner_calls"] = aligner_calls(fwd_bwd, ours, torch.bfloat16)[1]
 
         # Host syncs of one forward+backward: stock (unaligned) vs ours (nvfp4-aligned).
         stock, _, _ = build_layer(dispatcher, aligned=False, spy=False)
         ours, cfg, _ = build_layer(dispatcher, aligned=True, buffer="static_bound", spy=False)
         set_precision(cfg, "nvfp4")
+        ours.realign()
         ours_host, _, _ = build_layer(dispatcher, aligned=True, spy=False)
         set_precision(ours_host.config, "nvfp4")
+        ours_host.realign()
         res[dispatcher, "syncs"] = {
             name: count_host_syncs(fwd_bwd, layer)[1]
             for name, layer in (("stock", stock), ("static", ours), ("host", ours_host))
@@ -477,6 +483,7 @@ def _tp2_checks() -> dict:
         ours, cfg, _ = build_layer("alltoall", aligned=True, grouped_mm=False, spy=False)
         ours.load_state_dict(stock.state_dict())
         set_precision(cfg, precision)
+        ours.realign()
         rows: list[int] = []
         for expert in ours.experts.local_experts:
             expert.register_forward_pre_hook(
@@ -527,6 +534,7 @@ def _one_local_expert_checks() -> dict:
             layer, cfg, groups = build_layer(dispatcher, aligned=True, num_experts=2)
             layer.load_state_dict(ref_layer.state_dict())
             set_precision(cfg, precision)
+            layer.realign()
             got, calls = aligner_calls(fwd_bwd, layer)
             res[dispatcher, precision] = {
                 "local_experts": layer.token_dispatcher.num_local_experts,

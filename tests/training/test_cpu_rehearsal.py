@@ -37,7 +37,7 @@ def _rehearse(precision: dict, break_aligner: bool) -> dict:
         for layer in model.modules():
             if hasattr(layer, "token_dispatcher"):
                 layer.token_dispatcher.config = config
-                layer.token_dispatcher.aligner.config = config
+                layer.realign(config)
     tokens = torch.randint(0, 256, (2, 37))
     position_ids = torch.arange(37).expand(2, 37)
     try:

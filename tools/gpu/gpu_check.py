@@ -211,6 +211,8 @@ def _build(aligned: bool, backend, router_padding: bool = False, dispatcher: str
     layer.set_layer_number(1)
     cfg.fp8, cfg.fp8_recipe = "e4m3", "tensorwise"  # set after build: no TE to validate it
     cfg.moe_router_padding_for_quantization = router_padding
+    if aligned:
+        layer.realign()  # the multiple is decided at construction: pass fp8's down
     return layer.to(torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
 
 
@@ -268,6 +270,7 @@ def main() -> None:
     bf16 = _build(True, backend)
     bf16.load_state_dict(ours.state_dict())
     bf16.config.fp8 = None
+    bf16.realign()  # the multiple is decided at construction: pass bf16's (0) down
     for m in bf16.modules():
         if hasattr(m, "use_fp8"):
             m.use_fp8 = False
