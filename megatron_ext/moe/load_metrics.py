@@ -18,6 +18,8 @@ Shape legend: T tokens, E experts (global), L recorded MoE layers, R EP ranks.
 import torch
 import torch.distributed as dist
 
+from megatron_ext.micro_batch import MicroBatchContext
+
 
 def load_stats(counts_LE: torch.Tensor, ep_size: int) -> dict[str, torch.Tensor]:
     """Max, mean and ``max_vio = (max - mean) / mean`` per layer, per expert and per EP rank.
@@ -66,15 +68,30 @@ class ExpertLoadMetrics:
     Args:
         num_experts: Global number of experts E.
         ep_size: Expert-parallel ranks, for per-rank load.
+        micro_batches: The run's micro-batch context (:meth:`counts_pass` asks it whether a pass
+            is a training micro-batch's forward). None: a context of its own, which nobody
+            begins or attaches: every forward of a module in training mode counts.
     """
 
-    def __init__(self, num_experts: int, ep_size: int = 1) -> None:
+    def __init__(
+        self, num_experts: int, ep_size: int = 1, micro_batches: MicroBatchContext | None = None
+    ) -> None:
         if num_experts % ep_size:
             raise ValueError(f"{num_experts} experts do not split over {ep_size} EP ranks")
         self.num_experts = num_experts
         self.ep_size = ep_size
+        self.micro_batches = MicroBatchContext() if micro_batches is None else micro_batches
         self._tokens: dict[int, torch.Tensor] = {}
         self._real_tokens: dict[int, torch.Tensor] = {}
+
+    def counts_pass(self, module: torch.nn.Module) -> bool:
+        """Whether this pass of ``module`` (a MoE layer) belongs in the metrics: the forward of a
+        training micro-batch, with or without grad (a checkpointed forward runs without), never
+        its activation recompute in backward and never an evaluation forward (an evaluation
+        micro-batch, or ``module.eval()``). So each micro-batch counts once under full,
+        selective and MoE recompute, on every virtual pipeline stage."""
+        context = self.micro_batches
+        return module.training and context.training and not context.recomputing
 
     def record(
         self, layer: int, routing_map_TE: torch.Tensor, pad_mask_T: torch.Tensor | None = None

@@ -119,23 +119,6 @@ def tell_experts_groups_are_aligned(experts: torch.nn.Module, aligner: Any) -> N
     experts.quantization_unpadding = AlreadyAlignedUnpadding(aligner, unpadding)
 
 
-def is_training_forward(module: torch.nn.Module) -> bool:
-    """True for the one pass per micro-batch whose routing belongs in the load metrics.
-
-    Megatron's activation checkpoints (``tensor_parallel.checkpoint`` for full and ``moe``
-    selective recompute, ``te_checkpoint`` under fp8) are reentrant: the first pass runs under
-    ``no_grad`` and the recompute runs again, with grad, inside the autograd engine's backward
-    (``torch._C._current_graph_task_id() != -1``). So the pass that runs with grad enabled is
-    exactly one per micro-batch: the forward without checkpointing, the recompute with it.
-    Skipping the recompute instead would count nothing under full recompute (its first pass has
-    no grad). Evaluation (``module.eval()`` or ``torch.no_grad``) is never counted: a no_grad
-    first pass of a checkpoint looks the same as an evaluation forward, and only a training
-    step's backward recomputes it. (A non-reentrant ``torch.utils.checkpoint`` around a layer,
-    which Megatron does not use for MoE layers, would be counted twice.)
-    """
-    return module.training and torch.is_grad_enabled()
-
-
 class AlignedMoELayer(MoELayer):
     """``MoELayer`` whose token dispatcher aligns expert groups, whose pads can skip dispatch
     (``--moe-pad-routing skip``), and which optionally logs load.
@@ -262,8 +245,8 @@ class AlignedMoELayer(MoELayer):
         """Megatron's routing (and replay), then in skip mode pads' routes cleared; recorded into
         the load tracker when one is attached (pads then count 0).
 
-        Only training forwards are recorded (see :func:`is_training_forward`): a recompute or an
-        evaluation forward does not count a micro-batch again.
+        Only training forwards are recorded (:meth:`ExpertLoadMetrics.counts_pass`): a recompute
+        or an evaluation forward does not count a micro-batch again.
         """
         probs, routing_map = super().route(hidden_states, padding_mask)
         real_tokens = None
@@ -273,7 +256,7 @@ class AlignedMoELayer(MoELayer):
             probs, routing_map = clear_pad_routes(probs, routing_map, padding_mask)
             if isinstance(self.token_dispatcher, SkipPadRowsMixin):
                 self.token_dispatcher.real_tokens = real_tokens
-        if self.load_metrics is not None and is_training_forward(self):
+        if self.load_metrics is not None and self.load_metrics.counts_pass(self):
             pad_mask_T = None if padding_mask is None else padding_mask.reshape(-1)
             self.load_metrics.record(self.layer_number, routing_map, pad_mask_T)
         return probs, routing_map

@@ -32,6 +32,8 @@ from typing import Literal
 
 import torch
 
+from megatron_ext.micro_batch import MicroBatchContext
+
 PadRoutingMode = Literal["dispatch", "skip", "auto"]
 PAD_ROUTING_MODES: tuple[str, ...] = ("dispatch", "skip", "auto")
 
@@ -202,10 +204,12 @@ class PadRouting:
 
     Megatron's dropless all-to-all sizes its permute output on the host; in skip mode that size is the
     number of real tokens the router sees times top-k. The forward step knows it before the batch goes
-    to the device (:meth:`set_micro_batch`); the MoE layer asks for it with the padding mask it received
+    to the device (:meth:`set_micro_batch`, after it began the micro-batch on the run's
+    :class:`~megatron_ext.micro_batch.MicroBatchContext`); the MoE layer asks for it
     (:meth:`real_tokens`). Activation recompute reruns the layer during backward, possibly after later
-    micro-batches' forwards (pipeline schedules): the count is kept per padding-mask storage, which a
-    recompute reuses (checkpoints save their inputs) and which no other live micro-batch can share.
+    micro-batches' forwards (pipeline schedules, virtual pipeline stages): the count is kept per
+    micro-batch key, and a recompute reads the count of the micro-batch the context says is in
+    backward.
 
     A forward step that announces nothing (a user's own, calling the model directly) gets, under
     ``required=False`` (``--moe-pad-routing auto``), Megatron's behaviour for that micro-batch, pads
@@ -214,20 +218,33 @@ class PadRouting:
     Args:
         mode: The resolved mode, ``"skip"`` or ``"dispatch"``.
         required: Whether a micro-batch without an announced count is an error.
+        micro_batches: The run's micro-batch context (the forward step begins each micro-batch on
+            it). None: a context of its own, where each :meth:`set_micro_batch` begins a
+            micro-batch (and nothing is ever a recompute unless it is attached to the model).
     """
 
-    def __init__(self, mode: Literal["dispatch", "skip"], *, required: bool = True) -> None:
+    def __init__(
+        self,
+        mode: Literal["dispatch", "skip"],
+        *,
+        required: bool = True,
+        micro_batches: MicroBatchContext | None = None,
+    ) -> None:
         if mode not in ("dispatch", "skip"):
             raise ValueError(
                 f"PadRouting needs a resolved mode ('dispatch' or 'skip'), got {mode!r}"
             )
         self.mode = mode
         self.required = required
-        self._current: tuple[int, int] | None = None
+        self._owns_context = micro_batches is None
+        self.micro_batches = MicroBatchContext() if micro_batches is None else micro_batches
+        #: Per micro-batch key: (router rows, real rows) on this rank.
+        self._counts: dict[Hashable, tuple[int, int]] = {}
+        #: The context's serial when the current count was announced (-1: none is current).
+        self._announced = -1
         #: MoE layers that took the current count in a forward: one asking again is the next
         #: micro-batch's forward, which nobody announced (its count is not this one).
         self._used_by: set[Hashable] = set()
-        self._by_mask: dict[Hashable, int] = {}
         self._warned = False
 
     @property
@@ -236,17 +253,20 @@ class PadRouting:
         return self.mode == "skip"
 
     def set_micro_batch(self, num_tokens: int, num_real_tokens: int) -> None:
-        """The next forward's router rows on this rank: how many, and how many are real (host ints)."""
+        """The current micro-batch's router rows on this rank: how many, and how many are real (host
+        ints). With a context of its own, the next forward is a new micro-batch."""
         if not 0 <= num_real_tokens <= num_tokens:
             raise ValueError(f"{num_real_tokens} real tokens of {num_tokens}: not a count")
-        self._current = (int(num_tokens), int(num_real_tokens))
-        self._used_by = set()
+        context = self.micro_batches
+        if self._owns_context:
+            context.begin(context.serial + 1)
+        self._counts[context.forward_key] = (int(num_tokens), int(num_real_tokens))
+        self._announced, self._used_by = context.serial, set()
 
     def clear(self) -> None:
         """Forgets every micro-batch (once per training step, after the last backward)."""
-        self._by_mask.clear()
-        self._current = None
-        self._used_by = set()
+        self._counts.clear()
+        self._announced, self._used_by = -1, set()
 
     def real_tokens(self, padding_mask: torch.Tensor, layer: Hashable = None) -> int | None:
         """Real tokens among the rows of ``padding_mask`` (host int; nothing read from the device).
@@ -262,23 +282,24 @@ class PadRouting:
         Raises:
             ValueError: No count was announced (``required``), or one for another number of tokens.
         """
-        key = (
-            padding_mask.untyped_storage().data_ptr(),
-            padding_mask.storage_offset(),
-            tuple(padding_mask.shape),
-        )
-        if torch._C._current_graph_task_id() != -1:  # inside backward: an activation recompute
-            if key not in self._by_mask and self.required:
+        context = self.micro_batches
+        if context.recomputing:  # the micro-batch in backward, whatever ran forward since
+            counts = self._counts.get(context.key)
+            if counts is None and self.required:
                 raise ValueError(
-                    "--moe-pad-routing skip: a recomputed MoE layer got a padding mask no forward saw"
+                    f"--moe-pad-routing skip: a recomputed MoE layer runs micro-batch "
+                    f"{context.key!r}, for which no forward announced a count"
                 )
-            return self._by_mask.get(key)
-        if self._current is not None and layer is not None:
+            return None if counts is None else counts[1]
+        current = self._counts.get(context.forward_key)
+        if self._announced != context.serial:
+            current = None
+        if current is not None and layer is not None:
             if layer in self._used_by:  # a second forward on the same announcement: stale
-                self._current, self._used_by = None, set()
+                current, self._announced, self._used_by = None, -1, set()
             else:
                 self._used_by.add(layer)
-        if self._current is None:
+        if current is None:
             message = (
                 "--moe-pad-routing skip needs the host-side real-token count of each micro-batch: "
                 "call PadRouting.set_micro_batch before every forward (megatron_ext.pretrain_gpt's "
@@ -290,11 +311,10 @@ class PadRouting:
                 self._warned = True
                 warnings.warn(f"{message}; pads are routed like text meanwhile", stacklevel=2)
             return None
-        num_tokens, num_real = self._current
+        num_tokens, num_real = current
         if padding_mask.numel() != num_tokens:
             raise ValueError(
                 f"--moe-pad-routing skip: the router sees {padding_mask.numel()} tokens, the "
                 f"forward step announced {num_tokens}"
             )
-        self._by_mask[key] = num_real
         return num_real

@@ -12,8 +12,9 @@ by ``(micro-batch key, MoE layer)``:
   narrow (uint8/uint16), for this stage's MoE ordinals; dense and MTP layers route natively. The
   first router of a pass widens them to int64 for all layers at once; each router then gathers.
 - Activation recompute reruns routers during backward, possibly after later micro-batches ran
-  their forward (pipeline schedules). A marker on each decoder block's output records, when that
-  micro-batch's backward starts, whose key is current; recomputed routers read that key. No FIFO.
+  their forward (pipeline schedules, virtual pipeline stages). The run's
+  :class:`~megatron_ext.micro_batch.MicroBatchContext` says which micro-batch a router call
+  belongs to, in its forward and in its recompute; recomputed routers read that key. No FIFO.
 - ``native`` missing rows (all-max marker, see :mod:`~megatron_ext.replay.routes`) take the
   router's own top-k: ``where(missing, native_topk, replayed)``, no host sync. The missing mask is
   built once per micro-batch for all layers; a micro-batch the data says has no missing row
@@ -40,10 +41,9 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
+from megatron_ext.micro_batch import MicroBatchContext, decoder_blocks
 from megatron_ext.moe.alignment import host_to_device
-from megatron_ext.replay.backward_key import mark_backward_key
 from megatron_ext.replay.keyed_router_replay import (
-    DECODER_BLOCKS,
     KeyedRouterReplay,
     TopKFunction,
     model_moe_layer_numbers,
@@ -57,7 +57,7 @@ from megatron_ext.replay.unsupported import check_replay_supported
 
 
 class RouteReplayBinding:
-    """Owns the route state of one model (all its virtual-pipeline chunks on this rank).
+    """Owns the route state of one model chunk (or of several whose MoE layers are contiguous).
 
     Args:
         model: The model chunk(s) on this rank (``GPTModel`` or ``HybridModel``, possibly
@@ -65,6 +65,9 @@ class RouteReplayBinding:
         mode: ``"replay"`` or ``"record"``.
         missing_route_policy: ``"native"`` (rows with the missing marker take the router's own
             top-k) or ``"balanced"`` (the data already filled them; no native top-k is computed).
+        micro_batches: The run's micro-batch context, begun by the forward step before
+            :meth:`install` / :meth:`begin_record` (which then check its key). None: the binding
+            keeps its own, begun by :meth:`install` / :meth:`begin_record`.
 
     Raises:
         ValueError: The model's config is one where Megatron would bypass replay, or the model
@@ -77,10 +80,13 @@ class RouteReplayBinding:
         mode: Literal["replay", "record"],
         *,
         missing_route_policy: Literal["native", "balanced"] = "native",
+        micro_batches: MicroBatchContext | None = None,
     ) -> None:
         if mode not in ("replay", "record"):
             raise ValueError(f"--route-replay-mode must be 'replay' or 'record' here, got {mode!r}")
         chunks = [unwrap_model(m) for m in (model if isinstance(model, Sequence) else [model])]
+        #: The model chunks this binding replays into (unwrapped).
+        self.chunks = chunks
         self.config = chunks[0].config
         check_replay_supported(self.config, f"--route-replay-mode {mode}")
         self.mode = mode
@@ -92,12 +98,14 @@ class RouteReplayBinding:
         self.replays: list[KeyedRouterReplay] = []
         self._restore: list[tuple[TopKRouter, RouterReplay | None]] = []
         self._hooks = []
+        self._owns_context = micro_batches is None
+        self.micro_batches = MicroBatchContext() if micro_batches is None else micro_batches
         for chunk in chunks:
             for module in replayed_routers(chunk):
                 self._restore.append((module, module.router_replay))
                 self.replays.append(swap_in(module, self, ordinal_of[module.layer_number]))
-            for block in (m for m in chunk.modules() if isinstance(m, DECODER_BLOCKS)):
-                self._hooks.append(block.register_forward_hook(self._mark_block_output))
+            self.micro_batches.attach(chunk)
+            for block in decoder_blocks(chunk):
                 self._hooks.append(
                     block.register_forward_pre_hook(self._check_block_input, with_kwargs=True)
                 )
@@ -113,11 +121,11 @@ class RouteReplayBinding:
         self._shapes: dict[Hashable, tuple[int, int]] = {}
         self._positions: dict[tuple[int, int, int, int], torch.Tensor] = {}
         self._device_positions: dict[tuple[torch.device, int, int], torch.Tensor] = {}
-        self._forward_key: Hashable | None = None
-        self._backward_key: Hashable | None = None
-        #: MoE ordinals that routed the current forward key in a forward: one routing again is
-        #: the next micro-batch's forward, which nobody installed (it must not replay these).
+        #: MoE ordinals that routed in the forward begun at ``_routed_serial`` (the context's
+        #: serial): one routing again is the next micro-batch's forward, which nobody installed
+        #: (it must not replay these).
         self._routed: set[int] = set()
+        self._routed_serial = -1
         #: Called with each replayed layer's indices in every forward (not recompute); see
         #: replay_check.ReplayCheck.
         self.on_replay: Callable[..., None] | None = None
@@ -135,6 +143,8 @@ class RouteReplayBinding:
                     instances[slot] = old
         for hook in self._hooks:
             hook.remove()
+        if self._owns_context:
+            self.micro_batches.detach()
         self.clear()
 
     # ----- per micro-batch ---------------------------------------------------------------
@@ -229,7 +239,7 @@ class RouteReplayBinding:
         # Kept narrow (K bytes per token per layer); widened to int64 once per pass (_wide_rows).
         self._targets[key] = (rows_LNK, missing_LN, filled_LN)
         self._shapes[key] = (batch_size, seq_len)
-        self._forward_key, self._backward_key, self._routed = key, None, set()
+        self._make_current(key)
 
     def begin_record(self, key: Hashable, batch_size: int, seq_len: int) -> None:
         """Makes ``key`` current for a recording forward of a ``[batch_size, seq_len]`` batch.
@@ -240,11 +250,17 @@ class RouteReplayBinding:
         if self.mode != "record":
             raise ValueError("begin_record() needs --route-replay-mode record")
         self._shapes[key] = (batch_size, seq_len)
-        self._forward_key, self._backward_key, self._routed = key, None, set()
+        self._make_current(key)
 
-    def enter_backward(self, key: Hashable) -> None:
-        """Called by the decoder-output marker: routers now recompute micro-batch ``key``."""
-        self._backward_key = key
+    def _make_current(self, key: Hashable) -> None:
+        """Begins ``key`` on the binding's own context, or checks the run's context runs it."""
+        if self._owns_context:
+            self.micro_batches.begin(key)
+        elif self.micro_batches.forward_key != key:
+            raise ValueError(
+                f"routes given for micro-batch {key!r}, but the forward step began "
+                f"{self.micro_batches.forward_key!r} (MicroBatchContext.begin comes first)"
+            )
 
     def clear(self) -> None:
         """Forgets every micro-batch (call once per training step, after the last backward)."""
@@ -252,8 +268,7 @@ class RouteReplayBinding:
         self._wide = None
         self._recorded.clear()
         self._shapes.clear()
-        self._forward_key = self._backward_key = None
-        self._routed = set()
+        self._routed, self._routed_serial = set(), -1
 
     def device_bytes(self) -> tuple[int, int]:
         """``(installed, row index)``: bytes the installed micro-batches hold on the device (the
@@ -262,20 +277,15 @@ class RouteReplayBinding:
         installed = sum(t.nbytes for kept in self._targets.values() for t in kept if t is not None)
         return installed, sum(t.nbytes for t in self._device_positions.values())
 
-    def _in_backward(self) -> bool:
-        """A recompute of the marked micro-batch: its backward reached the decoder's output and
-        the autograd engine is running (after the backward, a forward is a new one)."""
-        return self._backward_key is not None and torch._C._current_graph_task_id() != -1
-
     def _check_block_input(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """A decoder's input ``[S, B, H]`` must have the batch the routes were installed for:
         ``[B, S, L, K]`` routes under a THD forward (``[1, B*S]`` tokens) would otherwise
         replay each row's route at another token, with no error (the row counts agree)."""
         del module
         hidden = kwargs.get("hidden_states", args[0] if args else None)
-        key = self._forward_key
-        if self._in_backward() or key is None or not isinstance(hidden, torch.Tensor):
-            return None  # a recompute, nothing installed, or a later pipeline stage's input
+        key = self.micro_batches.forward_key
+        if key not in self._shapes or not isinstance(hidden, torch.Tensor):
+            return None  # nothing installed for it, or a later pipeline stage's input
         batch_size, seq_len = self._shapes[key]
         if hidden.dim() == 3 and hidden.shape[1] != batch_size:
             raise ValueError(
@@ -284,18 +294,6 @@ class RouteReplayBinding:
                 f"tokens: pass routes_BSLK.reshape(1, B * S, L, K) / begin_record(key, 1, B * S))"
             )
         return None
-
-    def _mark_block_output(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
-        del module, args
-        key = self._forward_key
-        if key is None or self._backward_key is not None or not torch.is_grad_enabled():
-            return output
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            return mark_backward_key(output, self.enter_backward, key)
-        first = output[0] if isinstance(output, tuple) and output else None
-        if isinstance(first, torch.Tensor) and first.requires_grad:
-            return (mark_backward_key(first, self.enter_backward, key), *output[1:])
-        return output
 
     # ----- inside the router ---------------------------------------------------------------
     def route(
@@ -308,15 +306,17 @@ class RouteReplayBinding:
         default_compute_topk: TopKFunction,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The top-k of one router call: recorded, or replayed for the current key."""
-        in_backward = self._in_backward()
-        key = self._backward_key if in_backward else self._forward_key
-        if key is None:
+        in_backward = self.micro_batches.recomputing
+        key = self.micro_batches.key
+        if key not in self._shapes:
             raise RuntimeError(
                 f"MoE layer {replay.layer_number} routed with no micro-batch installed: call "
                 "RouteReplayBinding.install()/begin_record() before the forward"
             )
         if not in_backward:  # every forward routes each layer once per install/begin_record
-            if replay.moe_ordinal in self._routed:
+            if self._routed_serial != self.micro_batches.serial:
+                self._routed, self._routed_serial = set(), self.micro_batches.serial
+            elif replay.moe_ordinal in self._routed:
                 raise RuntimeError(
                     f"MoE layer {replay.layer_number} routed micro-batch {key!r} a second time: "
                     "call RouteReplayBinding.install()/begin_record() before every forward (it "

@@ -1,42 +1,48 @@
 """The ``RouterReplay`` subclass route replay swaps into routers, and which routers those are.
 
 Megatron 0.19.2 gives each ``TopKRouter`` a ``RouterReplay`` that the router asks for its top-k
-(``get_replay_topk``). :class:`KeyedRouterReplay` answers by asking its
-:class:`~megatron_ext.replay.binding.RouteReplayBinding`, which looks the targets up by
-``(micro-batch key, MoE layer)``. The binding finds what to bind here: the decoder's routers
-(:func:`replayed_routers`, MTP layers' excluded), their MoE ordinals (absolute layer number ->
-index among the MoE layers, :func:`model_moe_layer_numbers`) and the decoder blocks whose output
-carries the backward key marker (``DECODER_BLOCKS``). Example, a ``HybridModel`` with pattern
-``*E*E``::
+(``get_replay_topk``). :class:`KeyedRouterReplay` answers by asking its :class:`RouteSource`
+(the :class:`~megatron_ext.replay.binding.RouteReplayBinding`, which looks the targets up by
+``(micro-batch key, MoE layer)``; this module never imports it). The binding finds what to bind
+here: the decoder's routers (:func:`replayed_routers`, MTP layers' excluded) and their MoE
+ordinals (absolute layer number -> index among the MoE layers, :func:`model_moe_layer_numbers`).
+Example, a ``HybridModel`` with pattern ``*E*E``::
 
     model_moe_layer_numbers(model)                      # [2, 4]: the E positions
     [r.layer_number for r in replayed_routers(model)]   # [2, 4] -> MoE ordinals 0, 1
 """
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
-from megatron.core.models.hybrid.hybrid_block import HybridStack
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay
-from megatron.core.transformer.transformer_block import TransformerBlock
 
 from megatron_ext.replay.layout import moe_layer_numbers, moe_layer_numbers_from_hybrid_pattern
 
-if TYPE_CHECKING:  # the binding imports this module
-    from megatron_ext.replay.binding import RouteReplayBinding
-
 TopKFunction = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-# Decoder stacks whose output carries the backward key marker (GPTModel's, HybridModel's).
-DECODER_BLOCKS = (TransformerBlock, HybridStack)
+
+
+class RouteSource(Protocol):
+    """What a :class:`KeyedRouterReplay` asks for its top-k (the route replay binding)."""
+
+    def route(
+        self,
+        replay: "KeyedRouterReplay",
+        scores: torch.Tensor,
+        topk: int,
+        num_groups: int | None,
+        group_topk: int | None,
+        default_compute_topk: TopKFunction,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class KeyedRouterReplay(RouterReplay):
-    """A ``RouterReplay`` whose targets come from a :class:`RouteReplayBinding` by key."""
+    """A ``RouterReplay`` whose targets come from a :class:`RouteSource` by key."""
 
-    def __init__(self, binding: "RouteReplayBinding", moe_ordinal: int, layer_number: int) -> None:
+    def __init__(self, binding: RouteSource, moe_ordinal: int, layer_number: int) -> None:
         super().__init__()
         self.binding = binding
         self.moe_ordinal = moe_ordinal
@@ -55,9 +61,7 @@ class KeyedRouterReplay(RouterReplay):
         return self.binding.route(self, scores, topk, num_groups, group_topk, default_compute_topk)
 
 
-def swap_in(
-    router: TopKRouter, binding: "RouteReplayBinding", moe_ordinal: int
-) -> KeyedRouterReplay:
+def swap_in(router: TopKRouter, binding: RouteSource, moe_ordinal: int) -> KeyedRouterReplay:
     """Replaces ``router.router_replay`` (and its slot in Megatron's global list) with a
     :class:`KeyedRouterReplay` asking ``binding``; returns it."""
     old = router.router_replay

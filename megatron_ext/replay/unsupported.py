@@ -80,3 +80,20 @@ def check_replay_supported(settings: Any, mode_flag: str) -> None:
             + "; ".join(blockers)
             + ". Megatron 0.19.2 would silently route natively there."
         )
+
+
+def check_virtual_pipeline(settings: Any) -> None:
+    """Route replay or record under virtual pipeline stages: a ``GPTModel`` binds each model chunk
+    (tested in Megatron's loop against the plain pipeline); a ``HybridModel`` is refused (untested).
+
+    Raises:
+        ValueError: Replay or record with virtual pipeline stages on a ``HybridModel``.
+    """
+    vpp = getattr(settings, "virtual_pipeline_model_parallel_size", None) or 1
+    mode = getattr(settings, "route_replay_mode", "off")
+    if vpp > 1 and mode != "off" and getattr(settings, "hybrid_layer_pattern", None) is not None:
+        raise ValueError(
+            f"--route-replay-mode {mode} with --virtual-pipeline-model-parallel-size / "
+            "--num-layers-per-virtual-pipeline-stage is supported for a GPTModel only, not a "
+            "HybridModel (--hybrid-layer-pattern)"
+        )

@@ -57,14 +57,9 @@ class EntryConfig:
         from megatron_ext.training.vocab_check import check_vocabulary
 
         check_vocabulary(args)
-        if (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1 and getattr(
-            args, "route_replay_mode", "off"
-        ) != "off":
-            raise ValueError(
-                "--route-replay-mode with --virtual-pipeline-model-parallel-size / "
-                "--num-layers-per-virtual-pipeline-stage is not supported yet: replay binds one "
-                "model stage per rank"
-            )
+        from megatron_ext.replay.unsupported import check_virtual_pipeline
+
+        check_virtual_pipeline(args)
         packs_vary = getattr(args, "pack_documents", False) and not getattr(
             args, "pad_to_seq_len", False
         )

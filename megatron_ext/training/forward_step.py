@@ -5,8 +5,10 @@ Per micro-batch:
 1. ``forward_step`` reads this rank's host sample dict (``tokens``, ``labels``, ``loss_mask``,
    ``position_ids``, ``padding_mask`` (True = pad), ``cu_seqlens`` and, with replay, ``routes``
    ``[B, S, L, K]``); ``batch_to_device`` copies it to the device, host counts are read before.
-2. With ``--route-replay-mode replay`` the pack's routes are installed into the MoE routers of this stage
-   under a per-micro-batch key (recompute-safe); with ``record`` a record buffer is opened.
+2. The micro-batch is begun on the run's :class:`~megatron_ext.micro_batch.MicroBatchContext` (its key,
+   training or evaluation), which route replay, pad skipping and the load metrics read, in its forward
+   and in its activation recompute. With ``--route-replay-mode replay`` the pack's routes are installed
+   into the MoE routers of this model chunk under that key; with ``record`` a record buffer is opened.
 3. ``padding_mask`` goes to ``GPTModel.forward(padding_mask=...)`` so pads stay out of the router's aux
    loss, z-loss and expert-bias counts; packed document boundaries become a per-document causal mask
    (``--transformer-impl local``) or THD ``PackedSeqParams`` (Transformer Engine attention).
@@ -53,31 +55,48 @@ def loss_func(
     return loss, num_tokens, report
 
 
-def begin_micro_batch(args: Any) -> tuple[Hashable, bool]:
-    """``(key, first of its step)`` for the micro-batch about to run forward.
+def begin_micro_batch(args: Any, model: torch.nn.Module | None = None) -> tuple[Hashable, bool]:
+    """``(key, first of its step)`` for the micro-batch about to run forward on the chunk ``model``,
+    begun on the run's micro-batch context (attached to ``model`` on first sight).
 
     Training micro-batches are keyed ``(iteration, index in the step)`` from Megatron's
     ``args.curr_iteration``, so a step boundary is the iteration changing, whatever the number of
-    micro-batches (batch-size ramp-up, evaluation in between). Evaluation forwards (Megatron's
-    ``evaluate`` runs them under ``torch.no_grad``) get their own keys and never start or end a step.
-    When a new training step starts, the previous one is complete (every forward and backward), so its
-    expert-load metrics are logged then.
+    micro-batches (batch-size ramp-up, evaluation in between). Under virtual pipeline stages the
+    schedule runs the forward step once per micro-batch and model chunk, each chunk with its own data
+    iterator in micro-batch order: the index is counted per chunk, so a micro-batch has one key on
+    every chunk. Evaluation forwards (Megatron's ``evaluate`` runs them under ``torch.no_grad``) get
+    their own keys and never start or end a step. When a new training step starts, the previous one
+    is complete (every forward and backward), so its expert-load metrics are logged then.
     """
     run = run_state.state(args)
+    chunk = model_chunk(model)
+    if model is not None:
+        run.micro_batches.attach(model)
     if not torch.is_grad_enabled():
-        run.eval_forwards += 1
-        return ("eval", run.eval_forwards), True
+        run.eval_forwards[chunk] = run.eval_forwards.get(chunk, 0) + 1
+        key = ("eval", run.eval_forwards[chunk])
+        run.micro_batches.begin(key, training=False)
+        return key, True
     iteration = getattr(args, "curr_iteration", 0) or 0
     first = iteration != run.iteration
     if first:
-        finished, run.iteration, run.position = run.iteration, iteration, 0
+        finished, run.iteration = run.iteration, iteration
+        run.positions.clear()
         if finished is not None:
             log_token_throughput(args, finished)
             log_expert_load(args, finished)
             log_replay_check(args, finished)
-    key = (iteration, run.position)
-    run.position += 1
+    key = (iteration, run.positions.get(chunk, 0))
+    run.positions[chunk] = key[1] + 1
+    run.micro_batches.begin(key)
     return key, first
+
+
+def model_chunk(model: torch.nn.Module | None) -> int:
+    """The virtual pipeline stage of the model chunk ``model`` (possibly wrapped); 0 without."""
+    from megatron_ext.replay.keyed_router_replay import unwrap_model
+
+    return 0 if model is None else (getattr(unwrap_model(model), "vp_stage", None) or 0)
 
 
 def model_inputs(
@@ -110,21 +129,22 @@ def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tens
     args = get_args()
     host_batch = next(data_iterator) if data_iterator is not None else {}
     batch = batch_to_device(host_batch)
-    key, starts_step = begin_micro_batch(args)
+    key, starts_step = begin_micro_batch(args, model)
     training = key[0] != "eval"
-    if training:
+    if training and model_chunk(model) == 0:  # once per micro-batch, not per virtual stage
         count_micro_batch(args, host_batch)  # host counts: tokens/s, real tokens/s, pad fraction
     kwargs = model_inputs(batch, args, model)
     # The model's [batch, seq] layout: THD flattens the micro-batch to one row of B*S tokens, so routes
     # are installed (and recorded) in that layout too; router rows then follow the model's token order.
     model_shape = tuple(kwargs["input_ids"].shape)
     announce_real_tokens(args, host_batch.get("padding_mask"), model_shape, starts_step)
-    binding = run_state.replay_binding(args)
+    if starts_step:
+        # Megatron finishes every backward of a step before the next step's (or an evaluation's)
+        # first forward, so the routes kept for recompute can go (every chunk's).
+        for chunk_binding in run_state.state(args).replay_bindings:
+            chunk_binding.clear()
+    binding = run_state.replay_binding(args, model)
     if binding is not None:
-        if starts_step:
-            # Megatron finishes every backward of a step before the next step's (or an evaluation's)
-            # first forward, so the routes kept for recompute can go.
-            binding.clear()
         if binding.mode == "replay":
             from megatron_ext.replay.route_dataset import FILLED_KEY, has_missing_routes
 

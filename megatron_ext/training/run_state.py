@@ -19,6 +19,7 @@ from typing import Any
 
 from megatron_ext.arguments import configs_from_args
 from megatron_ext.config import MoEAlignmentConfig, ReplayConfig
+from megatron_ext.micro_batch import MicroBatchContext
 
 
 @dataclass
@@ -28,10 +29,16 @@ class RunState:
     args_id: int
     configs: dict[type, Any]
     load_metrics: Any = None
+    #: One replay binding per model chunk (virtual pipeline stage) that holds a MoE router.
     replay_bindings: list[Any] = field(default_factory=list)
+    #: The micro-batch the model runs (begun by the forward step; read by replay, pad skipping and
+    #: the load metrics, in forward and in recompute).
+    micro_batches: MicroBatchContext = field(default_factory=MicroBatchContext)
     iteration: int | None = None
-    position: int = 0
-    eval_forwards: int = 0
+    #: Per model chunk (virtual pipeline stage, 0 without): the next training micro-batch's index
+    #: in the step, and the evaluation forwards so far.
+    positions: dict[int, int] = field(default_factory=dict)
+    eval_forwards: dict[int, int] = field(default_factory=dict)
     last_load_summary: dict[str, Any] | None = None
     record_dataset: Any = None
     #: Record mode: this rank's streaming ``RouteRecorder`` (None until the first recorded pack, and
@@ -71,7 +78,9 @@ def load_metrics(args: argparse.Namespace) -> Any:
     if run.load_metrics is None and run.configs[MoEAlignmentConfig].moe_expert_load_metrics:
         from megatron_ext.moe.load_metrics import ExpertLoadMetrics
 
-        run.load_metrics = ExpertLoadMetrics(args.num_experts, args.expert_model_parallel_size)
+        run.load_metrics = ExpertLoadMetrics(
+            args.num_experts, args.expert_model_parallel_size, micro_batches=run.micro_batches
+        )
     return run.load_metrics
 
 
@@ -85,13 +94,16 @@ def pad_routing(args: argparse.Namespace) -> Any:
 
         config = run.configs[MoEPadRoutingConfig]
         mode, _ = config.resolve(args)
-        run.pad_routing = PadRouting(mode, required=config.moe_pad_routing == "skip")
+        run.pad_routing = PadRouting(
+            mode, required=config.moe_pad_routing == "skip", micro_batches=run.micro_batches
+        )
     return run.pad_routing
 
 
 def bind_replay(model: Any, replay: ReplayConfig) -> Any:
-    """Binds route replay (or record) to a freshly built model stage; returns the binding, or
-    None for a pipeline stage whose layers are all dense (no router: nothing to replay there)."""
+    """Binds route replay (or record) to a freshly built model chunk (a pipeline stage, or one
+    virtual stage of it); returns the binding, or None for a chunk whose layers are all dense (no
+    router: nothing to replay there)."""
     from megatron.training import get_args
 
     from megatron_ext.replay.binding import RouteReplayBinding
@@ -99,12 +111,13 @@ def bind_replay(model: Any, replay: ReplayConfig) -> Any:
 
     if not replayed_routers(model):
         return None
+    run = state(get_args())
     binding = RouteReplayBinding(
         model,
         replay.route_replay_mode,
         missing_route_policy=replay.replay_missing_route_policy,
+        micro_batches=run.micro_batches,
     )
-    run = state(get_args())
     run.replay_bindings.append(binding)
     if replay.route_replay_check:
         from megatron_ext.replay.replay_check import ReplayCheck
@@ -114,12 +127,13 @@ def bind_replay(model: Any, replay: ReplayConfig) -> Any:
     return binding
 
 
-def replay_binding(args: argparse.Namespace) -> Any:
-    """The replay binding of this rank's model (None when replay is off)."""
-    bindings = state(args).replay_bindings
-    if len(bindings) > 1:
-        raise ValueError("route replay with virtual pipeline stages is not supported yet")
-    return bindings[0] if bindings else None
+def replay_binding(args: argparse.Namespace, model: Any) -> Any:
+    """The replay binding of the model chunk ``model`` (possibly wrapped); None when replay is
+    off or the chunk has no MoE router."""
+    from megatron_ext.replay.keyed_router_replay import unwrap_model
+
+    chunk = unwrap_model(model)
+    return next((b for b in state(args).replay_bindings if any(c is chunk for c in b.chunks)), None)
 
 
 def record_routes(

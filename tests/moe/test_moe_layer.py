@@ -156,6 +156,7 @@ def _padding_checks() -> dict:
 
 def _load_metric_checks() -> dict:
     from megatron_ext.config import MoEAlignmentConfig
+    from megatron_ext.micro_batch import MicroBatchContext
     from megatron_ext.moe.layer_specs import get_aligned_gpt_layer_local_spec
     from megatron_ext.moe.load_metrics import ExpertLoadMetrics
     from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
@@ -173,7 +174,8 @@ def _load_metric_checks() -> dict:
     }
     res: dict = {}
     for name, overrides in recompute.items():
-        metrics = ExpertLoadMetrics(num_experts=8)
+        micro_batches = MicroBatchContext()  # begun as the forward step does
+        metrics = ExpertLoadMetrics(num_experts=8, micro_batches=micro_batches)
         alignment = MoEAlignmentConfig(moe_dispatch_align=True)
         cfg = tiny_moe_config(**overrides)
         model = build_tiny_gpt(
@@ -185,13 +187,17 @@ def _load_metric_checks() -> dict:
             m.router.register_forward_hook(
                 lambda *a, calls=router_calls: calls.__setitem__(0, calls[0] + 1)
             )
+        micro_batches.attach(model)
         model.train()
+        micro_batches.begin((0, 0))
         model(tokens, pos, None, labels=tokens).float().mean().backward()
         train, train_router_calls = metrics.summary(), router_calls[0]
-        with torch.no_grad():  # train mode, no grad: an evaluation-style forward
+        with torch.no_grad():  # train mode, an evaluation micro-batch (no grad in the step)
+            micro_batches.begin(("eval", 1), training=False)
             model(tokens, pos, None, labels=tokens)
         model.eval()
         with torch.no_grad():  # Megatron's evaluate(): eval mode and no_grad
+            micro_batches.begin(("eval", 2), training=False)
             model(tokens, pos, None, labels=tokens)
         res[name] = {
             "moe_recompute": [m.moe_layer_recompute for m in moe_layers],

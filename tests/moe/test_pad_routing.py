@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from megatron_ext.micro_batch import MicroBatchContext
 from megatron_ext.moe.pad_routing import (
     PadRouting,
     clear_pad_routes,
@@ -141,31 +142,28 @@ def test_pads_first_keep_is_sync_free_and_zero_tokens_safe() -> None:
 
 
 def test_pad_routing_counts_per_micro_batch_and_for_recompute() -> None:
-    routing = PadRouting("skip")
+    """Counts are kept per micro-batch key of the run's context: a recompute in backward reads
+    the count of the micro-batch the context says is in backward, after later forwards."""
+    context = MicroBatchContext()
+    routing = PadRouting("skip", micro_batches=context)
     mask_a = torch.tensor([[False, True], [False, True]])
+    context.begin("a")
     with pytest.raises(ValueError, match="set_micro_batch"):
         routing.real_tokens(mask_a)
     routing.set_micro_batch(4, 2)
     assert routing.real_tokens(mask_a) == 2
-    routing.set_micro_batch(4, 3)  # the next micro-batch's forward ...
+    context.begin("b")  # the next micro-batch's forward ...
+    routing.set_micro_batch(4, 3)
     mask_b = torch.zeros(2, 2, dtype=torch.bool)
     assert routing.real_tokens(mask_b) == 3
-
-    # ... then micro-batch a's recompute, inside its backward: its own count, found by its mask.
-    seen = []
-
-    class Recompute(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            seen.append(routing.real_tokens(mask_a.transpose(0, 1).transpose(0, 1)))
-            return grad
-
-    Recompute.apply(torch.ones(1, requires_grad=True)).sum().backward()
-    assert seen == [2]
+    context.enter_backward("a")  # ... then micro-batch a's recompute, in its backward
+    assert routing.real_tokens(mask_a) == 2
+    context.enter_backward("b")
+    assert routing.real_tokens(mask_a) == 3
+    context.enter_backward("never announced")
+    with pytest.raises(ValueError, match="recomputed MoE layer runs micro-batch 'never announced'"):
+        routing.real_tokens(mask_a)
+    context.begin("c")
     with pytest.raises(ValueError, match="tokens"):
         routing.set_micro_batch(4, 1)
         routing.real_tokens(torch.zeros(3, dtype=torch.bool))
@@ -174,6 +172,19 @@ def test_pad_routing_counts_per_micro_batch_and_for_recompute() -> None:
     routing.clear()
     with pytest.raises(ValueError, match="set_micro_batch"):
         routing.real_tokens(mask_a)
+    context.enter_backward("a")  # cleared: a's count is gone
+    with pytest.raises(ValueError, match="no forward announced"):
+        routing.real_tokens(mask_a)
+
+
+def test_a_count_announced_for_an_earlier_micro_batch_is_not_the_current_one() -> None:
+    context = MicroBatchContext()
+    routing = PadRouting("skip", micro_batches=context)
+    context.begin("a")
+    routing.set_micro_batch(4, 2)
+    context.begin("b")  # begun, nothing announced for it
+    with pytest.raises(ValueError, match="set_micro_batch before every forward"):
+        routing.real_tokens(torch.zeros(4, dtype=torch.bool))
 
 
 def test_a_forward_nobody_announced_does_not_reuse_the_last_count() -> None:

@@ -16,7 +16,7 @@ from megatron_ext.testing import run_distributed
 EPS32 = torch.finfo(torch.float32).eps
 
 
-def _build(mode: str, dispatcher: str, align: bool, **config_overrides):
+def _build(mode: str, dispatcher: str, align: bool, micro_batches=None, **config_overrides):
     from megatron_ext.config import MoEAlignmentConfig
     from megatron_ext.moe.layer_specs import with_aligned_moe
     from megatron_ext.moe.pad_routing import PadRouting
@@ -24,7 +24,7 @@ def _build(mode: str, dispatcher: str, align: bool, **config_overrides):
     from megatron_ext.testing.tiny_model import local_layer_spec
 
     config = tiny_moe_config(moe_token_dispatcher_type=dispatcher, **config_overrides)
-    pad_routing = PadRouting(mode)
+    pad_routing = PadRouting(mode, micro_batches=micro_batches)
     spec = with_aligned_moe(
         local_layer_spec(config),
         MoEAlignmentConfig(moe_dispatch_align=align),
@@ -251,22 +251,27 @@ def test_tp2_sequence_parallel_skip_counts_this_ranks_slice() -> None:
 
 def _recompute_skip_vs_dispatch() -> dict:
     """Skip mode under Megatron's MoE activation recompute: the recomputed layers (in backward) find
-    their micro-batch's count by its padding mask, after another micro-batch's forward ran."""
+    their micro-batch's count by the micro-batch context's key of the micro-batch in backward,
+    after another micro-batch's forward ran."""
+    from megatron_ext.micro_batch import MicroBatchContext
     from tests.data.test_batch import _batch
 
     rank = torch.distributed.get_rank()
     batches = [_batch("self", 64, seed=rank), _batch("self", 64, seed=10 + rank)]
     recompute = {"recompute_granularity": "selective", "recompute_modules": ["moe"]}
     ref_model, ref_routing = _build("dispatch", "alltoall", False)
-    model, routing = _build("skip", "alltoall", False, **recompute)
+    micro_batches = MicroBatchContext()  # begun per micro-batch, as the forward step does
+    model, routing = _build("skip", "alltoall", False, micro_batches, **recompute)
+    micro_batches.attach(model)
     out = {"recomputed": model.decoder.layers[0].mlp.moe_layer_recompute}
     # Both forwards first, then both backwards (as a pipeline schedule may order them).
     from megatron_ext.data.batch import gpt_forward_kwargs, masked_mean_loss
     from megatron_ext.moe.pad_routing import count_router_tokens
 
     losses = []
-    for batch in batches:
+    for index, batch in enumerate(batches):
         mask = batch["padding_mask"]
+        micro_batches.begin(index)
         routing.set_micro_batch(*count_router_tokens(mask, tuple(mask.shape)))
         loss_BS = model(**gpt_forward_kwargs(batch))
         losses.append((loss_BS, masked_mean_loss(loss_BS, batch["loss_mask"])))

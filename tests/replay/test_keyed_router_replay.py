@@ -5,8 +5,8 @@ HybridModel on CPU, one rank). What route replay binds, before any routes flow.
 hands each router call to its binding unchanged; ``replayed_routers`` lists the decoder's
 routers (an MTP router excluded) whose layer numbers ``model_moe_layer_numbers`` gives for a
 ``GPTModel`` (``--moe-layer-freq``) and a ``HybridModel`` (its pattern's ``E`` positions);
-``unwrap_model`` strips DDP-style wrappers; ``DECODER_BLOCKS`` matches each model's decoder
-stack.
+``unwrap_model`` strips DDP-style wrappers; the micro-batch context's ``decoder_blocks`` finds each
+model's decoder stack.
 """
 
 import torch
@@ -68,11 +68,8 @@ def test_unwrap_strips_module_wrappers():
 def _what_gets_bound() -> dict:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from megatron_ext.replay.keyed_router_replay import (
-        DECODER_BLOCKS,
-        model_moe_layer_numbers,
-        replayed_routers,
-    )
+    from megatron_ext.micro_batch import decoder_blocks
+    from megatron_ext.replay.keyed_router_replay import model_moe_layer_numbers, replayed_routers
     from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
 
     config = tiny_moe_config(num_layers=3, moe_layer_freq=[0, 1, 1])
@@ -85,9 +82,7 @@ def _what_gets_bound() -> dict:
             "numbers": model_moe_layer_numbers(model),
             "routers": [r.layer_number for r in replayed_routers(model)],
             # The decoder stack (a LocalHybridStack is a HybridStack), and no other module.
-            "blocks": [
-                m is model.decoder for m in model.modules() if isinstance(m, DECODER_BLOCKS)
-            ],
+            "blocks": [m is model.decoder for m in decoder_blocks(model)],
         }
     # An MTP layer's router is not bound (flagged here rather than building an MTP block).
     first = replayed_routers(gpt)[0]

@@ -171,3 +171,19 @@ def test_megatron_itself_does_not_replay_under_the_refused_settings(setting: str
     other = run_distributed(_megatron_replay_under, 1, setting)[0]
     assert plain["differs"] and plain["holds"], plain  # control: replay works without them
     assert other["differs"] and not other["holds"], other
+
+
+def test_virtual_pipeline_stages_are_refused_for_a_hybrid_model_only():
+    from megatron_ext.replay.unsupported import check_virtual_pipeline
+
+    settings = argparse.Namespace(
+        virtual_pipeline_model_parallel_size=2,
+        route_replay_mode="replay",
+        hybrid_layer_pattern=None,
+    )
+    check_virtual_pipeline(settings)  # a GPTModel's chunks each get their binding
+    settings.hybrid_layer_pattern = "*E*E"
+    with pytest.raises(ValueError, match="GPTModel only, not a HybridModel"):
+        check_virtual_pipeline(settings)
+    settings.virtual_pipeline_model_parallel_size = None  # no virtual stages: any model
+    check_virtual_pipeline(settings)
