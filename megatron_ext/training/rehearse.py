@@ -33,8 +33,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from megatron_ext.testing.real_loop import LoopRun, launch
+if TYPE_CHECKING:  # the launcher (and torch) only when a configuration runs: not for --help
+    from megatron_ext.testing.real_loop import LoopRun
 
 _REFUSAL = re.compile(r"megatron_ext: invalid arguments: .*")
 _ERROR = re.compile(r"^(?:[A-Za-z_][\w.]*)?(?:Error|Exception|Interrupt)\b(?::.*)?$")
@@ -98,7 +100,7 @@ def read_configurations(path: str) -> list[Configuration]:
     return configurations
 
 
-def outcome_of(name: str, run: LoopRun, seconds: float) -> Outcome:
+def outcome_of(name: str, run: "LoopRun", seconds: float) -> Outcome:
     """Classifies a finished launch: trained, refused (its message) or crashed (its first error)."""
     lines = run.output.splitlines()
     if run.returncode == 0:
@@ -170,6 +172,8 @@ def rehearse(
         log_dir: Where each configuration's whole output is written (``NAME.log``), if given.
         echo: Print each configuration's line as it finishes.
     """
+    from megatron_ext.testing.real_loop import launch
+
     width = max(len(c.name) for c in configurations)
     outcomes = []
     for configuration in configurations:

@@ -55,3 +55,26 @@ def test_a_failing_command_raises_with_its_output(monkeypatch):
     )
     with pytest.raises(RuntimeError, match=r"failed \(3\):\nwhy it failed"):
         launch.launch_overhead(quick=True)
+
+
+def test_cpu_seconds_are_the_process_trees_own_and_paired_by_round(monkeypatch):
+    """A command that burns CPU in a child of its own vs one that sleeps as long: the wall times
+    are alike, the CPU seconds are not, and the child's CPU is counted."""
+    burn = "import time; t = time.process_time()\nwhile time.process_time() - t < 0.4: pass"
+    child = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {burn!r}], check=True)"
+    monkeypatch.setattr(
+        launch,
+        "_commands",
+        lambda prefix: {
+            "launch": [sys.executable, "-c", child],
+            "import": [sys.executable, "-c", "import time; time.sleep(0.4)"],
+        },
+    )
+    result = launch.launch_overhead(quick=True)
+    (table,) = result.tables
+    cpu = result.extra["cpu_seconds"]
+    assert table.columns == result.columns
+    assert [row[0] for row in table.rows] == ["launch", "import"]
+    assert cpu["launch"][0] >= 0.4  # the grandchild's burn is in it
+    assert cpu["import"][0] < cpu["launch"][0] - 0.3  # sleeping costs no CPU
+    assert table.rows[0][3] == pytest.approx(cpu["launch"][0] / cpu["import"][0])

@@ -1,0 +1,43 @@
+"""Tier: pure (one fresh interpreter). ``megatron-ext``'s parser and ``--help`` import neither torch nor
+Megatron: a command's imports wait until it runs.
+
+The probe builds the parser and prints the help of the command and of each of its own subcommands,
+then imports the launcher the ``rehearse`` subcommand runs and checks that the same probe sees torch
+arrive (so a probe that could not see a torch import fails instead of passing).
+"""
+
+import json
+import subprocess
+import sys
+
+_PROBE = """
+import contextlib, io, json, sys
+from megatron_ext.cli import main
+
+seen = {}
+for command in ([], ["bench"], ["demo"], ["flags"], ["rehearse"]):
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        try:
+            main([*command, "--help"])
+        except SystemExit as exc:
+            assert exc.code == 0, (command, exc.code)
+    assert "usage: megatron-ext" in out.getvalue(), command
+    seen[" ".join(command) or "megatron-ext"] = sorted(
+        name for name in ("torch", "megatron") if name in sys.modules
+    )
+from megatron_ext.testing.real_loop import launch  # what `rehearse` runs
+seen["after importing the launcher"] = sorted(
+    name for name in ("torch", "megatron") if name in sys.modules
+)
+print(json.dumps(seen))
+"""
+
+
+def test_help_of_every_own_subcommand_imports_no_torch() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.splitlines()[-1])
+    assert seen.pop("after importing the launcher") == ["torch"]
+    assert seen == {name: [] for name in ("megatron-ext", "bench", "demo", "flags", "rehearse")}
