@@ -181,16 +181,9 @@ def main() -> int:
             raise
         return refuse(f"invalid arguments: {one_line(err)}")
     try:
-        from megatron_ext.training.eval_args import check_evaluation_data, check_split
-        from megatron_ext.training.launch_args import check_launch_args
+        from megatron_ext.training.launch_rules import validate
 
-        if cpu:  # what --cpu cannot run is named first (it is also checked with the configs)
-            from megatron_ext.training.cpu_args import check_cpu_args
-
-            check_cpu_args(args)
-        check_launch_args(args)  # cheap, before the data scans of the config checks
-        check_split(args)  # before Megatron's split math reads it
-        check_evaluation_data(args)  # Megatron's pretrain would crash in its first evaluation
+        validate(args, launch=True)  # every check once; the providers reuse its configs
         resolved = resolved_configuration(args)
     except ValueError as err:
         return refuse(f"invalid arguments: {err}")
