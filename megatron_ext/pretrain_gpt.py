@@ -241,15 +241,13 @@ def train(args: argparse.Namespace) -> int:
     )
     from megatron_ext.training.dry_run import one_line
     from megatron_ext.training.forward_step import forward_step
-    from megatron_ext.training.launch_log import install as leave_out_lines_that_do_not_apply
     from megatron_ext.training.launch_log import refuse
     from megatron_ext.training.model_provider import model_provider
 
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    compat.apply(
-        "launch"
-    )  # the loss log's reset, no make for prebuilt helpers, a failed load exits 1
-    leave_out_lines_that_do_not_apply(args)
+    # The loss log's reset, no make for prebuilt helpers, a failed load exits 1, and the lines
+    # that do not apply to the run left out (megatron_ext.training.launch_log).
+    compat.apply("launch")
     cfg = pretrain_cfg_container_from_args(args)
     try:
         pretrain(
