@@ -15,7 +15,6 @@ Example::
 """
 
 import argparse
-import dataclasses
 from typing import Any
 
 from megatron_ext import config as _config
@@ -69,33 +68,12 @@ def configs_from_args(args: argparse.Namespace) -> dict[type, Any]:
         ValueError: A flag's value, or a combination with Megatron's own flags, is not supported; the
             message names the flag(s).
     """
-    configs: dict[type, Any] = {}
-    for cls in _config.FEATURE_CONFIGS:
-        kwargs = {
-            f.name: getattr(args, f.name, _MISSING) for f in dataclasses.fields(cls) if f.init
-        }
-        missing = [_config.flag(name) for name, value in kwargs.items() if value is _MISSING]
-        if missing:
-            raise ValueError(
-                f"arguments lack megatron_ext flags {missing}: add add_megatron_ext_args"
-            )
-        instance = cls(**kwargs)
-        check = getattr(instance, "check_megatron_args", None)
-        if check is not None:
-            check(args)
-        configs[cls] = instance
-    return configs
+    from megatron_ext.training.launch_rules import validate
+
+    return validate(args)
 
 
 def megatron_ext_option_strings() -> set[str]:
     """Every option string megatron_ext adds (``--pad-policy``, ``--no-...``), for clash checks."""
     parser = add_megatron_ext_args(argparse.ArgumentParser(add_help=False))
     return {opt for action in parser._actions for opt in action.option_strings}
-
-
-class _Missing:
-    def __repr__(self) -> str:
-        return "<missing>"
-
-
-_MISSING = _Missing()

@@ -8,8 +8,9 @@ Rules for a feature config:
 - ``@feature_config("title")`` above ``@dataclass(frozen=True, kw_only=True)``.
 - Types Megatron's factory understands: bool, int, float, str, Optional[x], list[x], Literal[...].
 - ``__post_init__`` raises ``ValueError`` naming the flag (``--pad-policy``).
-- Optional ``check_megatron_args(self, args)`` validates combinations with Megatron's own arguments and raises
-  ``ValueError`` naming both flags; it runs at argument time.
+- Optional ``check_megatron_args(self, args)`` validates the feature against the Megatron flags it reads and
+  raises ``ValueError`` naming both flags; it runs at argument time. Rules spanning features live in
+  :mod:`megatron_ext.training.launch_rules`, which runs every check once.
 
 Each feature's class lives beside its feature (``megatron_ext/<feature>/config.py``) and registers itself
 in :mod:`megatron_ext.config_registry` when imported; this module imports them all, so

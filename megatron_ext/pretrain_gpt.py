@@ -181,16 +181,9 @@ def main() -> int:
             raise
         return refuse(f"invalid arguments: {one_line(err)}")
     try:
-        from megatron_ext.training.eval_args import check_evaluation_data, check_split
-        from megatron_ext.training.launch_args import check_launch_args
+        from megatron_ext.training.launch_rules import validate
 
-        if cpu:  # what --cpu cannot run is named first (it is also checked with the configs)
-            from megatron_ext.training.cpu_args import check_cpu_args
-
-            check_cpu_args(args)
-        check_launch_args(args)  # cheap, before the data scans of the config checks
-        check_split(args)  # before Megatron's split math reads it
-        check_evaluation_data(args)  # Megatron's pretrain would crash in its first evaluation
+        validate(args, launch=True)  # every check once; the providers reuse its configs
         resolved = resolved_configuration(args)
     except ValueError as err:
         return refuse(f"invalid arguments: {err}")
@@ -248,15 +241,13 @@ def train(args: argparse.Namespace) -> int:
     )
     from megatron_ext.training.dry_run import one_line
     from megatron_ext.training.forward_step import forward_step
-    from megatron_ext.training.launch_log import install as leave_out_lines_that_do_not_apply
     from megatron_ext.training.launch_log import refuse
     from megatron_ext.training.model_provider import model_provider
 
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    compat.apply(
-        "launch"
-    )  # the loss log's reset, no make for prebuilt helpers, a failed load exits 1
-    leave_out_lines_that_do_not_apply(args)
+    # The loss log's reset, no make for prebuilt helpers, a failed load exits 1, and the lines
+    # that do not apply to the run left out (megatron_ext.training.launch_log).
+    compat.apply("launch")
     cfg = pretrain_cfg_container_from_args(args)
     try:
         pretrain(

@@ -4,7 +4,8 @@ Groups (what applies them):
 
 - ``cpu.*``, ``cpu_loop.*`` (:mod:`megatron_ext.compat.cpu_rows`): ``enable_cpu_mode`` /
   ``enable_cpu_training``: Megatron's model stack and training loop on CPU / gloo.
-- ``launch``: every ``megatron_ext.pretrain_gpt`` training launch, GPU included.
+- ``launch``: every ``megatron_ext.pretrain_gpt`` training launch, GPU included (the rows that read
+  the run's arguments read them when Megatron calls the function).
 - ``validate_on_target``, ``fp4_rehearsal``, ``dry_run_target``: argument validation of a ``--cpu``
   or ``--dry-run`` launch on a machine without the target GPU or Transformer Engine, for the length
   of the check only.
@@ -63,20 +64,22 @@ OTHER_ROWS: list[Patch] = [
           "a rank forked from the tests' preloaded server sets Megatron's start clocks "
           "(_TRAIN_START_TIME, _LEGACY_TRAIN_START_TIME) to its own start "
           "(megatron_ext.testing.preloaded)", "76a7e234dc54e9c6"),
-    Patch("owned", T + "arguments", "_print_args", None,
+    Patch("launch", T + "arguments", "_print_args",
+          "megatron_ext.training.launch_log:dump_only_when_asked",
           "the argument dump (about 840 lines) prints only with --log-arguments or --verbose "
-          "(megatron_ext.training.launch_log.argument_dump_when_asked, for the length of parsing)",
+          "(also for the length of parsing: megatron_ext.training.launch_log.argument_dump_when_asked)",
           "8a36ca04315ab55f"),
-    Patch("owned", T + "training", "report_memory", None,
-          "without CUDA every number is 0.00: left out unless --log-memory-interval asks for it "
-          "(megatron_ext.training.launch_log.install)", "b06092c071ec7d17"),
-    Patch("owned", T + "training", "report_theoretical_memory", None,
-          "a HybridModel only prints that it has no estimate: left out for one "
-          "(megatron_ext.training.launch_log.install)", "bc3e9d955cf15308"),
-    Patch("owned", M + "dist_checkpointing.strategies.torch", "TorchDistSaveShardedStrategy.save",
-          None, "logs the async-save deprecation on every synchronous save: a logging filter drops "
-          "that one record when --async-save is off (megatron_ext.training.launch_log.install)",
-          "e49585f4e59242fe"),
+    Patch("launch", T + "training", "report_memory",
+          "megatron_ext.training.launch_log:memory_report_where_it_applies",
+          "without CUDA every number is 0.00: left out unless --log-memory-interval asks for it",
+          "b06092c071ec7d17"),
+    Patch("launch", T + "training", "report_theoretical_memory",
+          "megatron_ext.training.launch_log:estimate_where_there_is_one",
+          "a HybridModel only prints that it has no estimate: left out for one", "bc3e9d955cf15308"),
+    Patch("launch", M + "dist_checkpointing.strategies.torch", "TorchDistSaveShardedStrategy.save",
+          "megatron_ext.training.launch_log:save_without_async_deprecation",
+          "logs the async-save deprecation on every synchronous save: that one record is dropped "
+          "while it saves when --async-save is off", "e49585f4e59242fe"),
     Patch("copied", M + "transformer.moe.token_dispatcher",
           "MoEAlltoAllTokenDispatcher.dispatch_preprocess", None,
           "copied and edited in megatron_ext.moe.token_dispatcher (the pad folded into the permute)",

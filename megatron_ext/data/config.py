@@ -3,10 +3,10 @@
 import argparse
 import warnings
 from dataclasses import dataclass, field
-from typing import Literal
 
 from megatron_ext.config_registry import feature_config, flag
-from megatron_ext.data.padding import derive_pad_multiple
+from megatron_ext.data.pack_planning import OverlongPolicy, PackingAlgorithm
+from megatron_ext.data.padding import PadPolicy, derive_pad_multiple
 
 
 @feature_config("data: self-token padding and document packing")
@@ -14,7 +14,7 @@ from megatron_ext.data.padding import derive_pad_multiple
 class PaddingConfig:
     """How packs are padded and how documents are packed (megatron_ext.data)."""
 
-    pad_policy: Literal["self", "constant"] = "self"
+    pad_policy: PadPolicy = "self"
     """Pad content: 'self' repeats the pack's own tokens (pads route like real text, no MoE hot
     spot); 'constant' writes --pad-constant-id. Pads are always loss-masked and after every real
     token."""
@@ -34,14 +34,14 @@ class PaddingConfig:
     """Train on megatron_ext's PackedDataset (whole documents packed, document boundaries kept)
     instead of the self-padded GPTDataset."""
 
-    packing_algorithm: Literal["sequential", "best_fit"] = "best_fit"
+    packing_algorithm: PackingAlgorithm = "best_fit"
     """'sequential' keeps the shuffled order (next-fit); 'best_fit' packs longest-first into the
     tightest pack within --packing-window documents (fewer pads)."""
 
     packing_window: int = 1000
     """Documents considered together by --packing-algorithm best_fit."""
 
-    pack_overlong_policy: Literal["split", "truncate", "drop"] = "split"
+    pack_overlong_policy: OverlongPolicy = "split"
     """Documents longer than --seq-length: split into pieces, keep the head, or drop them."""
 
     pack_loss_mask_suffix: str | None = None

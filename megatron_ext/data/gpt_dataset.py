@@ -49,14 +49,14 @@ from megatron_ext.data.indexed_checks import (
     data_identity,
     open_indexed,
 )
-from megatron_ext.data.padding import pad_pack
+from megatron_ext.data.padding import PadPolicy, pad_pack
 
 
 @dataclasses.dataclass
 class SelfPaddedGPTDatasetConfig(GPTDatasetConfig):
     """``GPTDatasetConfig`` plus the pad policy (mirrors ``PaddingConfig``'s flags)."""
 
-    pad_policy: str = "self"
+    pad_policy: PadPolicy = "self"
     """'self' or 'constant'."""
     pad_constant_id: int = 0
     """Id of constant pads."""
@@ -66,7 +66,7 @@ class SelfPaddedGPTDatasetConfig(GPTDatasetConfig):
     def __post_init__(self) -> None:
         check_dataset_config(self)
         super().__post_init__()
-        pad_pack(np.zeros(0, np.int64), np.zeros(0, np.int64), 0, policy=self.pad_policy)  # type: ignore[arg-type]
+        pad_pack(np.zeros(0, np.int64), np.zeros(0, np.int64), 0, policy=self.pad_policy)
 
 
 def _segment_bounds(document_lengths: list[int], num_real: int, seq_length: int) -> np.ndarray:
@@ -140,7 +140,7 @@ class SelfPaddedGPTDataset(GPTDataset):
             text[:num_text],
             np.array([num_text] if num_text else [], dtype=np.int64),
             text.size,
-            policy=cfg.pad_policy,  # type: ignore[arg-type]
+            policy=cfg.pad_policy,
             pad_id=cfg.pad_constant_id,
             placeholder_ids=cfg.multimodal_placeholder_ids,
         ).tokens_S

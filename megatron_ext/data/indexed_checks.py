@@ -24,9 +24,9 @@ import numpy as np
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+from megatron_ext.common.safe_files import file_identity, lengths_fingerprint
 from megatron_ext.data import pack_index_cache
 from megatron_ext.data.data_args import empty_bin_reason
-from megatron_ext.data.safe_files import file_identity, lengths_fingerprint
 
 #: Values per chunk of a whole-file scan (bounded memory for any file size).
 CHUNK_VALUES = 1 << 24

@@ -8,7 +8,7 @@ recording and the tests::
     # -> /data/sft_text.bin, /data/sft_text.idx
 
 Both files are written to temporary files in the target directory and renamed at the end, ``.bin``
-before ``.idx`` (:func:`~megatron_ext.data.safe_files.publish`): a writer killed before that leaves
+before ``.idx`` (:func:`~megatron_ext.common.safe_files.publish`): a writer killed before that leaves
 the old pair intact, one killed during it a prefix without its ``.idx`` (refused at load, never old
 and new files mixed), and a job that has the old ``.bin`` memory-mapped keeps its (old) inode.
 :func:`write_prefixes` commits a token dataset and its sidecars together the same way. Whether an existing prefix
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-from megatron_ext.data.safe_files import fsync_path, publish, remove_prefix_files, temp_paths
+from megatron_ext.common.safe_files import fsync_path, publish, remove_prefix_files, temp_paths
 
 
 def write_documents(
@@ -68,7 +68,7 @@ def write_prefixes(
     Every prefix is written to temporary files first (a bad value stops the run with nothing
     changed); then the existing files of every output, and the ``.bin``/``.idx`` of each
     ``remove`` prefix (a stale sidecar), are removed and the new files renamed into place
-    (:func:`~megatron_ext.data.safe_files.publish`). A crash never leaves new tokens beside an
+    (:func:`~megatron_ext.common.safe_files.publish`). A crash never leaves new tokens beside an
     old sidecar that would load: a prefix not yet renamed has no ``.idx``.
 
     Args:

@@ -18,7 +18,7 @@ alone (M rows), not one entry per document::
     (slot 2 belongs to the empty document: never in an index, its length decodes to 0)
 
 The lengths come from the ``.idx`` the index was built for; the cache key includes their
-fingerprint (:func:`~megatron_ext.data.safe_files.lengths_fingerprint`) and
+fingerprint (:func:`~megatron_ext.common.safe_files.lengths_fingerprint`) and
 :data:`PACK_INDEX_FORMAT`, so an index is never decoded against other lengths or read in another
 format.
 

@@ -4,7 +4,7 @@ A pack index is a few arrays (for ``PackedDataset``, the compact layout of
 :mod:`~megatron_ext.data.pack_index`: one int32 slot per piece, int32 pack offsets, ~5 B per
 document). It is saved as one ``.npz`` whose name carries a hash of everything that affects it --
 the flags, the index layout's version *and the data's identity* (document count and a fingerprint
-of the ``.idx`` sequence lengths, see :func:`~megatron_ext.data.safe_files.lengths_fingerprint`),
+of the ``.idx`` sequence lengths, see :func:`~megatron_ext.common.safe_files.lengths_fingerprint`),
 so rewritten data at the same prefix gets a new plan, never the old one, and an index of another
 layout is never misread. The full description is stored inside and compared on load: a
 file whose description differs (copied, or a hash collision) is rebuilt, not reused. The file is
@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from megatron_ext.data.safe_files import atomic_write_bytes, create_temp
+from megatron_ext.common.safe_files import atomic_write_bytes, create_temp
 
 logger = logging.getLogger(__name__)
 

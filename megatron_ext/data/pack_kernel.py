@@ -37,9 +37,10 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 
 import numpy as np
+
+from megatron_ext.common.safe_files import create_temp, put_in_place
 
 logger = logging.getLogger(__name__)
 
@@ -255,7 +256,7 @@ def compile_library(directory: str, compiler: str | None = None) -> str:
     if shutil.which(cc) is None:
         raise OSError(f"no C compiler {cc!r} on PATH")
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".pack_kernel-", suffix=".so.tmp")
+    fd, tmp = create_temp(path)  # beside it, named for this process: a killed compile is cleaned
     os.close(fd)
     try:
         done = subprocess.run(
@@ -268,7 +269,7 @@ def compile_library(directory: str, compiler: str | None = None) -> str:
         if done.returncode != 0:
             raise OSError(f"{cc} failed: {done.stderr.decode(errors='replace')[-2000:]}")
         os.chmod(tmp, 0o755)
-        os.replace(tmp, path)
+        put_in_place(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

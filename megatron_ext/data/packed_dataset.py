@@ -43,8 +43,21 @@ from megatron_ext.data.pack_index import (
     PieceSlots,
     smallest_index_dtype,
 )
-from megatron_ext.data.pack_planning import cut_overlong, pack_order, plan_packs, shuffle_packs
-from megatron_ext.data.padding import check_fill, gather_by_src_index, pad_pack, target_length
+from megatron_ext.data.pack_planning import (
+    OverlongPolicy,
+    PackingAlgorithm,
+    cut_overlong,
+    pack_order,
+    plan_packs,
+    shuffle_packs,
+)
+from megatron_ext.data.padding import (
+    PadPolicy,
+    check_fill,
+    gather_by_src_index,
+    pad_pack,
+    target_length,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +86,7 @@ class PackedDatasetConfig(GPTDatasetConfig):
     per-document mask, or THD ``PackedSeqParams``, from ``cu_seqlens``).
     """
 
-    pad_policy: str = "self"
+    pad_policy: PadPolicy = "self"
     """'self' or 'constant' (see megatron_ext.data.padding)."""
     pad_constant_id: int = 0
     """Id of constant pads."""
@@ -81,11 +94,11 @@ class PackedDatasetConfig(GPTDatasetConfig):
     """Pad every pack to sequence_length."""
     pad_to_multiple_of: int = 1
     """Otherwise pad each pack to a multiple of this (resolved: user value or derived)."""
-    packing_algorithm: str = "best_fit"
+    packing_algorithm: PackingAlgorithm = "best_fit"
     """'sequential' or 'best_fit'."""
     packing_window: int = 1000
     """Window of documents for best_fit."""
-    pack_overlong_policy: str = "split"
+    pack_overlong_policy: OverlongPolicy = "split"
     """'split', 'truncate' or 'drop' documents longer than sequence_length."""
     loss_mask_suffix: str | None = None
     """Per-token loss-mask sidecar (width 1, 1 = train on the token) at prefix + suffix."""
@@ -107,16 +120,16 @@ class PackedDatasetConfig(GPTDatasetConfig):
         plan_packs(
             np.zeros(0, dtype=np.int64),
             self.sequence_length,
-            algorithm=self.packing_algorithm,  # type: ignore[arg-type]
+            algorithm=self.packing_algorithm,
             window=self.packing_window,
-            overlong=self.pack_overlong_policy,  # type: ignore[arg-type]
+            overlong=self.pack_overlong_policy,
         )
         pad_pack(
             np.zeros(0, dtype=np.int64),
             np.zeros(0, dtype=np.int64),
             0,
             policy=self.pad_policy,
-        )  # type: ignore[arg-type]
+        )
         for name, sidecar in self.sidecars.items():
             if sidecar.width < 1:
                 raise ValueError(f"sidecar {name!r} width must be >= 1, got {sidecar.width}")
@@ -261,12 +274,12 @@ class PackedDataset(MegatronDataset):
             doc_Q, start_Q, len_Q, epoch_counts = cut_overlong(
                 doc_lens_all[docs_D],
                 cfg.sequence_length,
-                cfg.pack_overlong_policy,  # type: ignore[arg-type]
+                cfg.pack_overlong_policy,
             )
             order_Q, offsets_P1 = pack_order(
                 len_Q,
                 cfg.sequence_length,
-                cfg.packing_algorithm,  # type: ignore[arg-type]
+                cfg.packing_algorithm,
                 cfg.packing_window,
             )
             del len_Q  # (peak build memory: drop each per-piece array once it has been used)
@@ -345,7 +358,7 @@ class PackedDataset(MegatronDataset):
             tokens_N,
             pieces[2],
             length,
-            policy=cfg.pad_policy,  # type: ignore[arg-type]
+            policy=cfg.pad_policy,
             pad_id=cfg.pad_constant_id,
             placeholder_ids=cfg.multimodal_placeholder_ids,
             target_mask_N=target_mask_N,

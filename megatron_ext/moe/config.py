@@ -252,7 +252,7 @@ def check_load_log(path: str) -> None:
     import json
     import os
 
-    from megatron_ext.data.safe_files import check_writable_dir
+    from megatron_ext.common.safe_files import check_writable_dir
 
     flag = "--moe-expert-load-log"
     if os.path.isdir(path):

@@ -146,8 +146,8 @@ class ReplayConfig:
         check_layer_ids(header, header_path, [n - 1 for n in moe_layers])  # 1-based -> 0-based
 
     def _check_record_path(self, args: _argparse.Namespace) -> None:
+        from megatron_ext.common.safe_files import check_output_prefix
         from megatron_ext.data.data_args import data_prefixes
-        from megatron_ext.data.safe_files import check_output_prefix
         from megatron_ext.replay.route_file import HEADER_EXTENSION
 
         inputs = []

@@ -14,24 +14,24 @@ A tiny launch used to print about 960 lines, 841 of them Megatron's argument dum
 - Megatron's INFO logs (configs of its DDP and optimizer, index loads, dataset builders) stay at
   WARNING unless ``--logging-level`` or ``MEGATRON_LOGGING_LEVEL`` chooses a level (Megatron's own
   knobs) or ``--verbose`` is given; megatron_ext's own loggers are untouched;
-- :func:`install` drops, at Megatron's seams, three lines that are never true of the run: the memory
-  report on a machine without CUDA (every number 0.00) unless ``--log-memory-interval`` asks for it,
-  "Theoretical memory footprints not yet supported" for a HybridModel (the estimate it does have,
-  for GPTModel, still prints), and the deprecation of MCore's async save on a synchronous save.
+- three ``launch`` rows of the compatibility table (:mod:`megatron_ext.compat`) drop, at Megatron's
+  seams, lines that are never true of the run, reading the run's arguments when Megatron calls
+  them: the memory report on a machine without CUDA (every number 0.00) unless
+  ``--log-memory-interval`` asks for it, "Theoretical memory footprints not yet supported" for a
+  HybridModel (the estimate it does have, for GPTModel, still prints), and the deprecation of MCore's
+  async save on a synchronous save.
 
 A refusal (bad flag, bad combination, bad data) is one line on the first rank (:func:`refuse`); the
 launcher turns torchrun's failure report into that rank's exit status (:mod:`megatron_ext.launcher`).
 """
 
-import contextlib
 import dataclasses
 import functools
-import importlib
 import logging
 import os
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 #: Seconds a rank other than the first waits before printing its refusal: every rank checks the same
@@ -43,7 +43,6 @@ ASYNC_SAVE_DEPRECATION = (
     "megatron.core.dist_checkpointing.strategies.torch",
     "MCore's async save is deprecated",
 )
-_TRAINING = "megatron.training.training"
 
 
 def shows_everything(argv: Sequence[str]) -> bool:
@@ -65,29 +64,85 @@ def quiet_megatron_info(argv: Sequence[str], environ: Mapping[str, str]) -> bool
     return True
 
 
-@contextlib.contextmanager
-def argument_dump_when_asked() -> Iterator[None]:
+def argument_dump_when_asked() -> Any:
     """Within the block, Megatron's ``validate_args`` prints its argument dump only for
-    ``--log-arguments`` or ``--verbose``.
+    ``--log-arguments`` or ``--verbose`` (the ``launch`` compatibility row of ``_print_args``, which
+    a training launch then keeps with the others)."""
+    from megatron_ext import compat
 
-    Raises:
-        RuntimeError: ``megatron.training.arguments._print_args`` is gone (a Megatron upgrade).
-    """
-    arguments = importlib.import_module("megatron.training.arguments")
-    original = getattr(arguments, "_print_args", None)
-    if original is None:
-        raise RuntimeError("megatron_ext: megatron.training.arguments._print_args is gone")
+    return compat.patched_rows([compat.row("megatron.training.arguments._print_args")])
+
+
+def dump_only_when_asked(original: Any) -> Any:
+    """``_print_args`` printing only for ``--log-arguments`` or ``--verbose`` (read off the
+    arguments it is handed)."""
 
     @functools.wraps(original)
     def print_args(title: str, args: Any) -> None:
         if getattr(args, "log_arguments", False) or getattr(args, "verbose", False):
             original(title, args)
 
-    arguments._print_args = print_args
-    try:
-        yield
-    finally:
-        arguments._print_args = original
+    return print_args
+
+
+def _run_args() -> Any:
+    """The run's arguments as Megatron holds them (None before it sets them: Megatron's behaviour)."""
+    from megatron.training import global_vars
+
+    return global_vars._GLOBAL_ARGS
+
+
+def _quiet(args: Any) -> bool:
+    return args is not None and not getattr(args, "verbose", False)
+
+
+def memory_report_where_it_applies(original: Any) -> Any:
+    """``report_memory`` skipped without CUDA (every number 0.00) unless ``--log-memory-interval``
+    asks for it or ``--verbose`` shows everything."""
+    import torch
+
+    @functools.wraps(original)
+    def report_memory(*args: Any, **kwargs: Any) -> Any:
+        run = _run_args()
+        if _quiet(run) and run.log_memory_interval is None and not torch.cuda.is_available():
+            return None
+        return original(*args, **kwargs)
+
+    return report_memory
+
+
+def estimate_where_there_is_one(original: Any) -> Any:
+    """``report_theoretical_memory`` skipped for a HybridModel, which it has no estimate for (it
+    prints only that); GPTModel's estimate prints as before."""
+    from megatron.training.utils import is_hybrid_model
+
+    @functools.wraps(original)
+    def report_theoretical_memory(args: Any, *rest: Any, **kwargs: Any) -> Any:
+        if _quiet(args) and is_hybrid_model(args):
+            return None
+        return original(args, *rest, **kwargs)
+
+    return report_theoretical_memory
+
+
+def save_without_async_deprecation(original: Any) -> Any:
+    """``TorchDistSaveShardedStrategy.save`` with the async-save deprecation left out of its log
+    when the run saves synchronously (no ``--async-save``; ``--verbose`` shows it)."""
+    logger = logging.getLogger(ASYNC_SAVE_DEPRECATION[0])
+
+    @functools.wraps(original)
+    def save(self: Any, *args: Any, **kwargs: Any) -> Any:
+        run = _run_args()
+        if not _quiet(run) or getattr(run, "async_save", False):
+            return original(self, *args, **kwargs)
+        drop = _DropPrefix(ASYNC_SAVE_DEPRECATION[1])
+        logger.addFilter(drop)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            logger.removeFilter(drop)
+
+    return save
 
 
 class _DropPrefix(logging.Filter):
@@ -97,53 +152,6 @@ class _DropPrefix(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.getMessage()).startswith(self.prefix)
-
-
-def install(args: Any) -> list[str]:
-    """Leaves out the lines that do not apply to this run; returns what it left out (names).
-
-    Idempotent per process; does nothing under ``--verbose``.
-
-    Raises:
-        RuntimeError: ``report_memory`` or ``report_theoretical_memory`` is gone from
-            ``megatron.training.training`` (a Megatron upgrade).
-    """
-    if getattr(args, "verbose", False):
-        return []
-    import torch
-
-    training = importlib.import_module(_TRAINING)
-    for name in ("report_memory", "report_theoretical_memory"):
-        if not callable(getattr(training, name, None)):
-            raise RuntimeError(f"megatron_ext: {_TRAINING}.{name} is gone")
-    left_out = []
-    if not torch.cuda.is_available() and args.log_memory_interval is None:
-        training.report_memory = _skipped(training.report_memory, lambda *a, **k: True)
-        left_out.append("report_memory")
-    from megatron.training.utils import is_hybrid_model
-
-    training.report_theoretical_memory = _skipped(
-        training.report_theoretical_memory, lambda a, *rest, **kw: is_hybrid_model(a)
-    )
-    left_out.append("report_theoretical_memory of a HybridModel")
-    if not args.async_save:
-        logger = logging.getLogger(ASYNC_SAVE_DEPRECATION[0])
-        if not any(isinstance(f, _DropPrefix) for f in logger.filters):
-            logger.addFilter(_DropPrefix(ASYNC_SAVE_DEPRECATION[1]))
-        left_out.append("async-save deprecation")
-    return left_out
-
-
-def _skipped(original: Any, skip: Any) -> Any:
-    """``original`` that returns None without running when ``skip(*args)`` is true."""
-    original = getattr(original, "_megatron_ext_original", original)
-
-    @functools.wraps(original)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return None if skip(*args, **kwargs) else original(*args, **kwargs)
-
-    call._megatron_ext_original = original  # type: ignore[attr-defined]
-    return call
 
 
 def configuration_lines(args: Any, resolved: Mapping[str, Any]) -> list[str]:

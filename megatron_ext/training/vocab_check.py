@@ -51,9 +51,9 @@ def max_token_id(prefix: str, what: str = "--data-path", cache_dir: str | None =
         ValueError: The ``.bin`` is not the size its ``.idx`` indexes (truncated, or written
             with another dtype than the ``.idx`` records), naming ``what`` and both files.
     """
+    from megatron_ext.common.safe_files import file_identity
     from megatron_ext.data import pack_index_cache
     from megatron_ext.data.indexed_checks import open_indexed
-    from megatron_ext.data.safe_files import file_identity
 
     key = (
         f"max-token-id {os.path.realpath(prefix)} {file_identity(prefix + '.idx')} "

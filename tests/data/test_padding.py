@@ -26,7 +26,7 @@ X = IGNORE_INDEX
 def test_module_never_imports_megatron() -> None:
     code = (
         "import sys, megatron_ext.data.padding, megatron_ext.data.pack_planning,"
-        " megatron_ext.data.pack_index_cache, megatron_ext.data.safe_files,"
+        " megatron_ext.data.pack_index_cache, megatron_ext.common.safe_files,"
         " megatron_ext.data.tool_errors;"
         "bad = [m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')];"
         "assert not bad, bad"

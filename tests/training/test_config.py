@@ -1,7 +1,7 @@
 """Tier: Megatron's argument parser on one process (``parse_args``, then ``configs_from_args``).
 
 What ``megatron_ext.pretrain_gpt`` cannot run is refused at argument time, naming the flag:
-``EntryConfig.check_megatron_args`` (context parallelism, record mode's one data prefix, the
+``megatron_ext.training.launch_rules`` (context parallelism, record mode's one data prefix, the
 Megatron flags and combinations the entry would crash on, hang on or silently ignore); and, among
 the same configs' checks, ``ReplayConfig``'s check of a route file's header against the model
 (L, K, E): a file written for another model is refused, the matching model passes.

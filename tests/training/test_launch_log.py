@@ -7,7 +7,7 @@ run (memory on a machine without CUDA, the theoretical-memory line a HybridModel
 async-save deprecation on a synchronous save); a refusal printed once with exit status 2.
 """
 
-import inspect
+import contextlib
 import logging
 import subprocess
 import sys
@@ -93,57 +93,89 @@ def test_megatron_info_logs_stay_quiet_unless_a_level_is_chosen(argv, environ, q
 
 
 @pytest.fixture
-def training(monkeypatch):
-    """megatron.training.training with its two report functions restored after the test."""
-    from megatron.training import training as module
+def launch_rows(monkeypatch):
+    """The ``launch`` compatibility rows applied for the test, reading ``run`` as Megatron's
+    global arguments (what ``get_args()`` returns during ``pretrain``)."""
+    from megatron.training import global_vars
 
-    for name in ("report_memory", "report_theoretical_memory"):
-        monkeypatch.setattr(module, name, getattr(module, name))
-    return module
+    from megatron_ext import compat
+
+    def as_run(args) -> None:
+        monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
+
+    with compat.patched("launch"):
+        yield as_run
 
 
-def test_memory_lines_that_do_not_apply_are_left_out(monkeypatch, training, capsys) -> None:
-    """No CUDA: the memory report (all 0.00) is left out unless --log-memory-interval asks for it;
-    the theoretical estimate is left out for a HybridModel only (Megatron has none for it)."""
+def test_memory_lines_that_do_not_apply_are_left_out(monkeypatch, launch_rows, capsys) -> None:
+    """No CUDA: the memory report (all 0.00) is left out unless --log-memory-interval asks for it
+    (read when Megatron reports, not when the row is applied); the theoretical estimate is left out
+    for a HybridModel only (Megatron has none for it)."""
     import torch
+    from megatron.training import training
 
     args = _parse(monkeypatch)
+    launch_rows(args)
     capsys.readouterr()
-    original_memory = training.report_memory
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert "report_memory" in launch_log.install(args)
     assert training.report_memory("(after 1 iterations)") is None
+    assert capsys.readouterr().out == ""
     args.hybrid_layer_pattern = "*E*E"
     training.report_theoretical_memory(args, num_microbatches=1, verbose=True)
     assert capsys.readouterr().out == ""
-    # Megatron's own function prints the line the wrapper leaves out.
+    # Megatron's own function prints the line the row leaves out.
     training.report_theoretical_memory.__wrapped__(args, num_microbatches=1, verbose=True)
     assert "Theoretical memory footprints not yet supported" in capsys.readouterr().out
 
-    monkeypatch.setattr(training, "report_memory", original_memory)
-    args.log_memory_interval = 1
-    assert "report_memory" not in launch_log.install(args)
-    assert training.report_memory is original_memory  # asked for: printed as Megatron does
+    args.log_memory_interval = 1  # asked for: Megatron's report runs
+    assert _reports_memory(training, capsys)
+    args.log_memory_interval, args.verbose = None, True
+    assert _reports_memory(training, capsys)
+    args.verbose = False
+    assert not _reports_memory(training, capsys)
 
 
-def test_async_save_deprecation_is_left_out_of_a_synchronous_save_only(monkeypatch) -> None:
+def _reports_memory(training, capsys) -> bool:
+    """Whether Megatron's own ``report_memory`` ran: it prints the line, or, with no process group
+    in this process, fails asking for one."""
+    try:
+        training.report_memory("(after 2 iterations)")
+    except ValueError as err:
+        assert "process group" in str(err)
+        return True
+    return "(after 2 iterations)" in capsys.readouterr().out
+
+
+def test_async_save_deprecation_is_left_out_of_a_synchronous_save_only(
+    monkeypatch, launch_rows, tmp_path
+) -> None:
+    """Megatron's synchronous ``save`` calls ``async_save(..., async_strategy="mcore")``, which logs
+    the deprecation first; while the row's ``save`` runs that record is dropped, unless --async-save
+    was asked for, and the logger is as before once it returns."""
     from megatron.core.dist_checkpointing.strategies import torch as strategy
 
     name, prefix = launch_log.ASYNC_SAVE_DEPRECATION
     assert strategy.logger.name == name
-    assert prefix in inspect.getsource(strategy.TorchDistSaveShardedStrategy.async_save)
     logger = logging.getLogger(name)
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    monkeypatch.setattr(logger, "handlers", [handler])
     monkeypatch.setattr(logger, "filters", [])
+    monkeypatch.setattr(logger, "level", logging.WARNING)
     args = _parse(monkeypatch)
-    args.async_save = True
-    launch_log.install(args)
-    record = logger.makeRecord(name, logging.WARNING, "f", 1, prefix + " and ...", (), None)
-    assert logger.filter(record)  # asked for async save: its deprecation shows
-    args.async_save = False
-    launch_log.install(args)
-    assert not logger.filter(record)
-    other = logger.makeRecord(name, logging.WARNING, "f", 1, "another warning", (), None)
-    assert logger.filter(other)
+    launch_rows(args)
+    save = strategy.TorchDistSaveShardedStrategy("torch_dist", 1)
+    shown = []
+    for async_save in (True, False):
+        args.async_save = async_save
+        monkeypatch.setattr(strategy, "_logged_mcore_async_deprecation", False)  # once per process
+        seen.clear()
+        with contextlib.suppress(Exception):  # an empty state dict on no process group
+            save.save({}, tmp_path)
+        shown.append(any(m.startswith(prefix) for m in seen))
+    assert shown == [True, False]  # asked for async save: its deprecation shows
+    assert logger.filters == []  # dropped only while the synchronous save runs
 
 
 def test_a_tiny_launch_prints_at_most_a_hundred_lines(corpus_prefix) -> None:

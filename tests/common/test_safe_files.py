@@ -1,4 +1,4 @@
-"""Tests for megatron_ext.data.safe_files. Tier: pure (os + numpy, files)."""
+"""Tests for megatron_ext.common.safe_files. Tier: pure (os + numpy, files)."""
 
 import hashlib
 import os
@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from megatron_ext.data.safe_files import (
+from megatron_ext.common.safe_files import (
     FINGERPRINT_CHUNK_VALUES,
     atomic_write_bytes,
     check_output_file,

@@ -1,4 +1,4 @@
-"""Tests for megatron_ext.data.temp_names. Tier: pure (os, files, real processes killed)."""
+"""Tests for megatron_ext.common.temp_names. Tier: pure (os, files, real processes killed)."""
 
 import errno
 import os
@@ -8,9 +8,9 @@ import textwrap
 
 import pytest
 
-from megatron_ext.data import temp_names
-from megatron_ext.data.safe_files import create_temp
-from megatron_ext.data.temp_names import move_no_replace, remove_stale_temps, temp_name
+from megatron_ext.common import temp_names
+from megatron_ext.common.safe_files import create_temp
+from megatron_ext.common.temp_names import move_no_replace, remove_stale_temps, temp_name
 
 
 def _dead_pid() -> int:
@@ -25,7 +25,7 @@ def test_a_killed_writers_temporary_file_is_removed_by_the_next_with_a_warning(t
     out = str(tmp_path / "corpus.bin")
     script = textwrap.dedent(f"""
         import os, signal
-        from megatron_ext.data.safe_files import create_temp
+        from megatron_ext.common.safe_files import create_temp
         fd, tmp = create_temp({out!r})
         os.write(fd, b"half a corpus")
         print(tmp, flush=True)
