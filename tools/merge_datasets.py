@@ -15,8 +15,8 @@ import argparse
 import sys
 
 import megatron_ext.cli_quiet  # noqa: F401  (first: hides inapplicable warnings unless --verbose)
+from megatron_ext.common.safe_files import check_output_prefix
 from megatron_ext.data.indexed_merge import merge_shards, shard_prefixes
-from megatron_ext.data.safe_files import check_output_prefix
 from megatron_ext.data.tool_errors import add_common_flags, run_tool
 
 

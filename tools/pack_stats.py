@@ -26,6 +26,13 @@ import numpy as np
 from tqdm import tqdm
 
 import megatron_ext.cli_quiet  # noqa: F401  (first: hides inapplicable warnings unless --verbose)
+from megatron_ext.common.safe_files import (
+    INDEXED_EXTENSIONS,
+    atomic_write_bytes,
+    check_output_file,
+    create_temp,
+    put_in_place,
+)
 from megatron_ext.data.indexed_checks import open_indexed
 from megatron_ext.data.pack_planning import (
     OVERLONG_POLICIES,
@@ -33,13 +40,6 @@ from megatron_ext.data.pack_planning import (
     plan_packs,
 )
 from megatron_ext.data.padding import padded_lengths
-from megatron_ext.data.safe_files import (
-    INDEXED_EXTENSIONS,
-    atomic_write_bytes,
-    check_output_file,
-    create_temp,
-    put_in_place,
-)
 from megatron_ext.data.tool_errors import add_common_flags, run_tool
 
 SPLIT_NAMES = ("train", "valid", "test")

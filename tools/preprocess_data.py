@@ -30,9 +30,9 @@ import numpy as np
 from tqdm import tqdm
 
 import megatron_ext.cli_quiet  # noqa: F401  (first: hides inapplicable warnings unless --verbose)
+from megatron_ext.common.safe_files import check_output_prefix
 from megatron_ext.data.jsonl_documents import RecordFormat
 from megatron_ext.data.jsonl_indexed import jsonl_to_indexed, token_dtype
-from megatron_ext.data.safe_files import check_output_prefix
 from megatron_ext.data.text_tokenizers import TokenizerSpec, load_tokenizer, special_prefix
 from megatron_ext.data.tool_errors import add_common_flags, run_tool
 

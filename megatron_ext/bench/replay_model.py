@@ -58,7 +58,8 @@ def record_routes(
     the model's device."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-    from megatron_ext.replay.layout import router_row_positions, rows_for_router
+    from megatron_ext.common.token_positions import router_row_positions
+    from megatron_ext.replay.layout import rows_for_router
 
     instances = [r.router_replay for r in routers]
     for instance in instances:

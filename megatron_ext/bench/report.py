@@ -113,7 +113,7 @@ def to_json(results: list[tuple[str, BenchResult, float]], command: str) -> dict
 
 def main(args: Any) -> int:
     """``megatron-ext bench``: runs, prints and writes the report."""
-    from megatron_ext.data.safe_files import atomic_write_bytes, check_output_file
+    from megatron_ext.common.safe_files import atomic_write_bytes, check_output_file
 
     command = "megatron-ext " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     outputs = [(f, p) for f, p in (("--markdown", args.markdown), ("--json", args.json)) if p]

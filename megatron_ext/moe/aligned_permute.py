@@ -34,12 +34,12 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_ext.common.device_copy import host_to_device
 from megatron_ext.moe.alignment import (
     gather_and_zero_pads,
     give_slack_to_last,
     host_group_sizes,
     host_pad_rows,
-    host_to_device,
     round_up,
     shared_zero_row,
     static_aligned_rows,

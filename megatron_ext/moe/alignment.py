@@ -53,17 +53,6 @@ def give_slack_to_last(aligned_E: torch.Tensor, num_rows: int) -> torch.Tensor:
     return aligned_E
 
 
-def host_to_device(host: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A small host tensor on ``like``'s device without a stream sync (itself on the CPU).
-
-    Pinned and copied asynchronously: a blocking or pageable host-to-device copy would wait
-    for the stream. The caching host allocator keeps the pinned block until the copy has run.
-    """
-    if like.is_cpu:
-        return host
-    return host.pin_memory().to(like.device, non_blocking=True)
-
-
 #: Zero rows by (dtype, device, row shape): the pads' source, shared by every caller, only read.
 #: Each entry is ``(buffer, its first row)``: the one-row view costs no slicing op per call.
 _ZERO_ROWS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}

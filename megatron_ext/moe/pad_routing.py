@@ -177,14 +177,14 @@ def count_router_tokens(
 
     The rows a rank's routers see are the micro-batch in the model's layout ``model_shape`` (``[B, S]``,
     or THD's ``[1, B*S]``), sliced for context parallelism and, under sequence parallelism, for this TP
-    rank (:func:`megatron_ext.replay.layout.router_row_positions`).
+    rank (:func:`megatron_ext.common.token_positions.router_row_positions`).
 
     Args:
         pad_mask: The micro-batch's pad mask on the host (True = pad), any shape with B*S elements.
         model_shape: The model's ``[batch, seq]``.
         cp_size, cp_rank, tp_size, tp_rank, sequence_parallel: This rank's parallel layout.
     """
-    from megatron_ext.replay.layout import router_row_positions
+    from megatron_ext.common.token_positions import router_row_positions
 
     assert pad_mask.device.type == "cpu", "the pad count is taken on the host copy"
     positions_N = router_row_positions(

@@ -41,8 +41,9 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
+from megatron_ext.common.device_copy import host_to_device
+from megatron_ext.common.token_positions import router_row_positions
 from megatron_ext.micro_batch import MicroBatchContext, decoder_blocks
-from megatron_ext.moe.alignment import host_to_device
 from megatron_ext.replay.keyed_router_replay import (
     KeyedRouterReplay,
     TopKFunction,
@@ -51,7 +52,7 @@ from megatron_ext.replay.keyed_router_replay import (
     swap_in,
     unwrap_model,
 )
-from megatron_ext.replay.layout import router_row_positions, stage_rows_layer_major
+from megatron_ext.replay.layout import stage_rows_layer_major
 from megatron_ext.replay.recorded_rows import gather_recorded_routes
 from megatron_ext.replay.unsupported import check_replay_supported
 

@@ -3,7 +3,7 @@
 A recording forward leaves each MoE layer of this rank with its router rows ``[N, K]`` (this
 rank's share of the micro-batch under SP/CP, this stage's layers under PP). The sidecar needs the
 whole micro-batch ``[B, S, L, K]``: rows are all-gathered over SP (the TP group) and CP, put back
-in sequence order with each rank's :func:`~megatron_ext.replay.layout.router_row_positions`, and
+in sequence order with each rank's :func:`~megatron_ext.common.token_positions.router_row_positions`, and
 the layers of the other pipeline stages gathered over the PP group. Layers nobody recorded keep
 the missing marker (the dtype's max).
 """

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+from megatron_ext.common.safe_files import check_output_prefix, file_identity
 from megatron_ext.data import pack_index_cache
 from megatron_ext.data.indexed_checks import (
     CHUNK_VALUES,
@@ -54,7 +55,6 @@ from megatron_ext.data.packed_dataset import (
     PackedLowLevelDataset,
     Sidecar,
 )
-from megatron_ext.data.safe_files import check_output_prefix, file_identity
 from megatron_ext.replay.route_file import (
     HEADER_EXTENSION,
     check_header,

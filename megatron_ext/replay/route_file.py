@@ -39,7 +39,7 @@ VERSION = 1
 
 def tokens_digest(tokens_prefix: str) -> str:
     """The content digest of the token data ``tokens_prefix.idx/.bin`` the routes belong to."""
-    from megatron_ext.data.safe_files import content_digest
+    from megatron_ext.common.safe_files import content_digest
 
     return content_digest([tokens_prefix + ".idx", tokens_prefix + ".bin"])
 

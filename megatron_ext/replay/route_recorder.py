@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron_ext.data.safe_files import file_identity
+from megatron_ext.common.safe_files import file_identity
 from megatron_ext.replay.route_stream import RouteStream, assemble_route_sidecar, remove_stream
 from megatron_ext.replay.routes import route_dtype
 

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from megatron_ext.data.safe_files import check_output_prefix, fsync_path, publish, temp_paths
+from megatron_ext.common.safe_files import check_output_prefix, fsync_path, publish, temp_paths
 from megatron_ext.replay.route_file import HEADER_EXTENSION, header_bytes, tokens_digest
 from megatron_ext.replay.routes import missing_value, route_dtype
 

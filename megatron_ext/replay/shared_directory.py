@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from megatron_ext.data.safe_files import atomic_write_bytes
+from megatron_ext.common.safe_files import atomic_write_bytes
 
 
 def marker_path(directory: str, prefix: str, token: str, rank: int) -> str:

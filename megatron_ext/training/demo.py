@@ -306,7 +306,7 @@ def run_demo(steps: int, workdir: Path) -> tuple[dict[str, LoopRun], dict[str, A
 
 def main(args: argparse.Namespace) -> int:
     """Runs the demo; exit status 1 if a check fails."""
-    from megatron_ext.data.safe_files import atomic_write_bytes, check_output_file
+    from megatron_ext.common.safe_files import atomic_write_bytes, check_output_file
 
     png = getattr(args, "png", None) or "out/demo_load.png"
     overwrite = getattr(args, "overwrite", False)

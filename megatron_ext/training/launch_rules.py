@@ -93,14 +93,9 @@ _MISSING = _Missing()
 def check_combinations(args: argparse.Namespace) -> None:
     """Refuses the combinations of features (and of megatron_ext with Megatron's flags) that
     ``megatron_ext.pretrain_gpt`` cannot run, naming the flags."""
-    if (getattr(args, "virtual_pipeline_model_parallel_size", None) or 1) > 1 and getattr(
-        args, "route_replay_mode", "off"
-    ) != "off":
-        raise ValueError(
-            "--route-replay-mode with --virtual-pipeline-model-parallel-size / "
-            "--num-layers-per-virtual-pipeline-stage is not supported yet: replay binds one "
-            "model stage per rank"
-        )
+    from megatron_ext.replay.unsupported import check_virtual_pipeline
+
+    check_virtual_pipeline(args)
     packs_vary = getattr(args, "pack_documents", False) and not getattr(
         args, "pad_to_seq_len", False
     )

@@ -39,13 +39,6 @@ def test_module_never_imports_megatron():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_host_to_device_on_the_host_is_the_tensor_itself():
-    # On the CPU nothing is copied (the device path, pinned and asynchronous, is what
-    # tools/gpu/gpu_check.py's all-gather layer runs under CUDA's sync debug mode).
-    host = torch.tensor([0, 16, 32])
-    assert al.host_to_device(host, torch.zeros(2, dtype=torch.bool)) is host
-
-
 def test_shared_zero_rows_one_buffer_per_kind_and_its_first_row():
     """The pads' zero source: one buffer per (dtype, device, row shape), grown by doubling, and
     its one-row view (the permute's trash row) made with it, so it follows a regrowth."""

@@ -5,35 +5,15 @@ import argparse
 import pytest
 import torch
 
+from megatron_ext.common.token_positions import router_row_positions
 from megatron_ext.replay.layout import (
     assemble_from_ranks,
-    cp_zigzag_positions,
     moe_layer_numbers,
     moe_layer_numbers_for_args,
     moe_layer_numbers_from_hybrid_pattern,
-    router_row_positions,
     rows_for_router,
     stage_rows_layer_major,
 )
-
-
-def test_worked_example_cp2_tp2_sp():
-    # S = 8 in 4 chunks of 2; CP rank 1 keeps chunks 1 and 2 -> [2 3 4 5]; SP halves that.
-    assert cp_zigzag_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
-    assert cp_zigzag_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
-    kw = {"cp_size": 2, "cp_rank": 1, "tp_size": 2, "sequence_parallel": True}
-    assert router_row_positions(1, 8, tp_rank=0, **kw).tolist() == [2, 3]
-    assert router_row_positions(1, 8, tp_rank=1, **kw).tolist() == [4, 5]
-
-
-def test_rows_are_s_major_like_megatron_hidden_states():
-    # hidden [S, B, H] flattened: row = s * B + b; data position = b * S + s.
-    assert router_row_positions(2, 3).tolist() == [0, 3, 1, 4, 2, 5]
-
-
-def test_tp_without_sp_keeps_the_whole_sequence():
-    full = router_row_positions(2, 4)
-    assert torch.equal(router_row_positions(2, 4, tp_size=2, tp_rank=1), full)
 
 
 def _loop_reference(batch, seq, cp, cp_rank, tp, tp_rank, sp):
@@ -82,13 +62,6 @@ def test_stage_rows_are_the_router_rows_of_the_stage_layers_layer_major():
     expected = rows_for_router(routes_BSLK, positions)[:, 1:4].transpose(0, 1)
     assert rows_LNK.shape == (3, 4, 2) and rows_LNK.dtype == torch.uint8
     assert rows_LNK.is_contiguous() and torch.equal(rows_LNK, expected)
-
-
-def test_indivisible_lengths_name_the_flag():
-    with pytest.raises(ValueError, match="--context-parallel-size"):
-        cp_zigzag_positions(10, 2, 0)
-    with pytest.raises(ValueError, match="--tensor-model-parallel-size"):
-        router_row_positions(1, 6, tp_size=4, sequence_parallel=True)
 
 
 def test_moe_layer_numbers():

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from megatron.core.datasets.blended_dataset import BlendedDataset
 
+from megatron_ext.common.safe_files import file_identity
 from megatron_ext.data.indexed_writer import write_documents
-from megatron_ext.data.safe_files import file_identity
 from megatron_ext.replay.route_dataset import (
     RoutedPackedDataset,
     RoutedPackedDatasetConfig,
@@ -273,7 +273,7 @@ def test_routes_beside_rewritten_tokens_of_the_same_lengths_are_refused(
     """The header's tokens_digest ties the routes to the token data they were written for: new
     token values of the same lengths (every length check passes) are refused, not replayed with
     another text's routes. The token files are read once per state (cached like validation)."""
-    from megatron_ext.data import safe_files
+    from megatron_ext.common import safe_files
     from megatron_ext.replay.route_file import read_header
 
     prefix, cache = str(tmp_path / "t"), str(tmp_path / "cache")
