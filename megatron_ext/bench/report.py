@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ext.bench.registry import BenchResult, discover
+from megatron_ext.testing.distributed import fork_workers_from_server
 
 
 def machine_description() -> str:
@@ -36,6 +37,8 @@ def run_benchmarks(names: list[str] | None, quick: bool) -> list[tuple[str, Benc
     unknown = sorted(set(names or []) - set(registry))
     if unknown:
         raise ValueError(f"--only: unknown benchmark(s) {unknown}; known: {sorted(registry)}")
+    if quick:  # proving each benchmark runs: its gloo workers forked, not fresh interpreters
+        fork_workers_from_server()
     results = []
     for name, fn in registry.items():
         if names and name not in names:
