@@ -76,13 +76,11 @@ def run_example(
     return LoopRun(argv=argv, returncode=proc.returncode, output=proc.stdout)
 
 
-def run_example_forked(
-    name: str, data: Path, ckpt: Path, overrides: list[str], model: str = "hybrid"
-) -> LoopRun:
+def run_example_forked(name: str, data: Path, ckpt: Path, overrides: list[str]) -> LoopRun:
     """:func:`run_example`'s ``pretrain_gpt`` flags (read off a stand-in python) on ranks
     :func:`launch` forks from the preloaded server, not under the script's torchrun."""
     env = {
-        "GPUS_PER_NODE": "2", "MODEL": model, "DATA": str(data), "CKPT": str(ckpt),
+        "GPUS_PER_NODE": "2", "DATA": str(data), "CKPT": str(ckpt),
         "OVERRIDES": " ".join([*BYTE_TOKENIZER, *overrides, VERBOSE]),
     }  # fmt: skip
     with tempfile.TemporaryDirectory() as folder:
