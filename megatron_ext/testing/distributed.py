@@ -172,6 +172,8 @@ class _Pool:
         for proc in self.procs:
             proc.start()
         self.next_id = 0
+        self.groups: tuple | None = None  # the parallel sizes its workers' groups were made for
+        self.group_changes = 0
 
     def alive(self) -> bool:
         return all(proc.is_alive() for proc in self.procs)
@@ -213,14 +215,26 @@ class _Pool:
 
 
 _POOLS: dict[int, _Pool] = {}
+#: Every change of parallel sizes leaves the previous gloo groups' threads polling in each worker (a
+#: worker of the suite's 2-rank pool reached ~850 threads, a third of a core, idle); a forked pool
+#: is cheap to replace after this many.
+MAX_GROUP_CHANGES = 8
 
 
-def _pool(world_size: int) -> _Pool:
+def _pool(world_size: int, sizes: ParallelSizes) -> _Pool:
+    """The live pool of ``world_size`` ranks; a forked one is replaced once its workers changed
+    parallel sizes :data:`MAX_GROUP_CHANGES` times."""
     pool = _POOLS.get(world_size)
+    groups = (sizes.tp, sizes.ep, sizes.pp, sizes.cp, sizes.etp or sizes.tp)
+    if pool is not None and pool.alive() and groups != pool.groups:
+        pool.group_changes += pool.groups is not None
+        if _START_METHOD == "forkserver" and pool.group_changes > MAX_GROUP_CHANGES:
+            pool.close()
     if pool is None or not pool.alive():
         if pool is not None:
             pool.close(force=True)
         pool = _POOLS[world_size] = _Pool(world_size)
+    pool.groups = groups
     return pool
 
 
@@ -267,7 +281,7 @@ def run_distributed(
             exit code is named) or it did not answer in time.
     """
     sizes = ParallelSizes(tp=tp, ep=ep, pp=pp, cp=cp, sp=sp, seed=seed, etp=etp)
-    pool = _pool(world_size)
+    pool = _pool(world_size, sizes)
     done = pool.run(fn, args, kwargs, sizes, timeout)
     failed = {rank: value for rank, (ok, value) in done.items() if not ok}
     missing = [rank for rank in range(world_size) if rank not in done]

@@ -132,3 +132,18 @@ def test_spawned_workers_are_fresh_interpreters(monkeypatch) -> None:
     finally:
         distributed.shutdown_pools()
     assert value == "spawned" and parent == os.getpid()
+
+
+def test_a_forked_pool_is_replaced_after_many_changes_of_parallel_sizes(monkeypatch) -> None:
+    """Each change of sizes leaves the old gloo groups' threads polling; past the limit the
+    session's forked pool gets fresh workers (same sizes again and again change nothing)."""
+    from megatron_ext.testing import distributed
+
+    monkeypatch.setattr(distributed, "MAX_GROUP_CHANGES", 2)
+    distributed.shutdown_pools()
+    first = run_distributed(os.getpid, 2)
+    assert run_distributed(os.getpid, 2) == first
+    assert [run_distributed(os.getpid, 2, tp=tp) for tp in (2, 1)] == [first, first]
+    replaced = run_distributed(os.getpid, 2, tp=2)  # the third change
+    assert set(replaced).isdisjoint(first)
+    assert run_distributed(_sizes_and_sum, 2, 0, tp=2)[0]["tp"] == 2
