@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from megatron_ext.bench.registry import BenchResult, discover
-from megatron_ext.testing.distributed import fork_workers_from_server
 
 
 def machine_description() -> str:
@@ -37,8 +36,6 @@ def run_benchmarks(names: list[str] | None, quick: bool) -> list[tuple[str, Benc
     unknown = sorted(set(names or []) - set(registry))
     if unknown:
         raise ValueError(f"--only: unknown benchmark(s) {unknown}; known: {sorted(registry)}")
-    if quick:  # proving each benchmark runs: its gloo workers forked, not fresh interpreters
-        fork_workers_from_server()
     results = []
     for name, fn in registry.items():
         if names and name not in names:
@@ -116,7 +113,7 @@ def to_json(results: list[tuple[str, BenchResult, float]], command: str) -> dict
 
 def main(args: Any) -> int:
     """``megatron-ext bench``: runs, prints and writes the report."""
-    from megatron_ext.data.safe_files import atomic_write_bytes, check_output_file
+    from megatron_ext.common.safe_files import atomic_write_bytes, check_output_file
 
     command = "megatron-ext " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     outputs = [(f, p) for f, p in (("--markdown", args.markdown), ("--json", args.json)) if p]

@@ -83,20 +83,3 @@ def test_hot_spot_ratios_are_computed_from_the_same_run() -> None:
     # Raw counts are kept: every routed slot is accounted for (tokens x top-2 x ranks).
     per_rank = result.extra["constant id"]["per_rank"]
     assert all(sum(layer) == 2 * 4 * 128 * 2 for layer in per_rank)
-
-
-@pytest.mark.parametrize(("quick", "method"), [(True, "forkserver"), (False, "spawn")])
-def test_a_quick_run_forks_its_gloo_workers_a_full_run_spawns_them(
-    quick, method, monkeypatch
-) -> None:
-    """A quick run proves each benchmark runs, its workers forked from one preloaded server; a full
-    run's (the figures in docs/) are fresh interpreters."""
-    from megatron_ext.testing import distributed
-
-    monkeypatch.setattr(distributed, "_START_METHOD", "spawn")
-    started = []
-    monkeypatch.setitem(
-        BENCHMARKS, "_toy_for_start_test", lambda q: started.append(distributed._START_METHOD)
-    )
-    report.run_benchmarks(["_toy_for_start_test"], quick=quick)
-    assert started == [method]
