@@ -1,13 +1,19 @@
-"""Shared pytest setup: keep Megatron's jit fusers from compiling on CPU and fix thread counts; give
-each test the session's environment back; the wheel installed in a fresh venv and the demo run once
-from it (tests/installed_wheel.py), for every test that reads them."""
+"""Shared pytest setup: keep Megatron's jit fusers from compiling on CPU and fix thread counts; fork
+gloo workers from one preloaded server; give each test the session's environment back; the wheel
+installed in a fresh venv and the demo run once from it (tests/installed_wheel.py), for every test
+that reads them."""
 
 import os
 
 import pytest
 
+from megatron_ext.testing.distributed import fork_workers_from_server
+
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# A pool rebuilt after a failure test, or fresh for a benchmark's allocator halves, then costs a
+# fork, not seconds of imports per rank (tests/testing/test_distributed.py runs the spawn path).
+fork_workers_from_server()
 
 
 #: The environment the session started under (after the two defaults above).

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.testing import run_distributed
-from megatron_ext.testing.distributed import _free_port
+from megatron_ext.testing.rank_env import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def probe() -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "cpu_patch_probe.py"), str(_free_port())],
+        [sys.executable, str(ROOT / "tests" / "cpu_patch_probe.py"), str(free_port())],
         capture_output=True,
         text=True,
         env=env,

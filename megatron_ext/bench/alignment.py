@@ -69,7 +69,7 @@ def alignment(quick: bool) -> BenchResult:
     """Dispatch time (paired ratios), all-to-all rows and pad rows at EP=1 and EP=2."""
     token_counts = [48, 1024] if quick else [48, 1024, 8192]
     hidden = 256 if quick else 1024
-    rounds = 5 if quick else 15
+    rounds = 3 if quick else 15
     rows = []
     for allocator in ALLOCATORS:
         shutdown_pools()  # fresh workers: nothing run before moves malloc's thresholds

@@ -15,6 +15,12 @@ Example::
 
 A rank that raises fails the call with that rank's traceback; a rank that hangs (e.g. its peer died inside a
 collective) fails it by timeout, and the pool is torn down and rebuilt on the next call.
+
+Workers start as fresh interpreters (``spawn``, the default: what the benchmarks measure in), or, after
+:func:`fork_workers_from_server`, forked from one server process that imported torch and the Megatron
+modules the CPU patches touch once (``forkserver``): a pool then starts in well under a second
+instead of ~5 s a rank, so a test may tear one down (a failure, a benchmark's fresh workers) cheaply.
+Either way a worker runs under the environment of the caller that built its pool.
 """
 
 import atexit
@@ -22,14 +28,19 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_ext.testing.rank_env import free_port
+
 _SEQUENCE_PARALLEL = False
+#: How pools start their workers: "spawn" or "forkserver" (:func:`fork_workers_from_server`).
+_START_METHOD = "spawn"
+#: What the fork server imports besides the modules the CPU patches touch.
+_SERVER_PRELOAD = ("torch", "torch.distributed", "megatron.core.parallel_state", __name__)
 
 
 @dataclass(frozen=True)
@@ -49,12 +60,6 @@ class ParallelSizes:
 def sequence_parallel() -> bool:
     """Whether the current ``run_distributed`` call asked for sequence parallelism (read in workers)."""
     return _SEQUENCE_PARALLEL
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _setup_parallel(sizes: ParallelSizes) -> None:
@@ -102,7 +107,30 @@ def _same_groups(parallel_state: Any, sizes: ParallelSizes) -> bool:
     )
 
 
-def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
+def fork_workers_from_server() -> None:
+    """Pools built from now on fork their workers from a server process that imported torch,
+    Megatron's parallel state and every module :func:`megatron_ext.cpu.enable_cpu_mode` patches
+    (started on the first such pool, kept for the process). Pools already running keep theirs."""
+    global _START_METHOD
+    _START_METHOD = "forkserver"
+
+
+def _context() -> Any:
+    if _START_METHOD == "spawn":
+        return mp.get_context("spawn")
+    from megatron_ext import compat
+
+    ctx = mp.get_context("forkserver")
+    modules = sorted({row.module for row in compat.rows("cpu")})
+    ctx.set_forkserver_preload([*_SERVER_PRELOAD, *modules])  # read when the server starts
+    return ctx
+
+
+def _worker(
+    rank: int, world_size: int, port: int, tasks: Any, results: Any, env: dict[str, str]
+) -> None:
+    os.environ.clear()  # a forked worker has the server's: the pool's builder's, as spawned ones
+    os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import torch
@@ -128,15 +156,15 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> 
 
 class _Pool:
     def __init__(self, world_size: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.world_size = world_size
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
-        port = _free_port()
+        port = free_port()
         self.procs = [
             ctx.Process(
                 target=_worker,
-                args=(rank, world_size, port, self.tasks[rank], self.results),
+                args=(rank, world_size, port, self.tasks[rank], self.results, dict(os.environ)),
                 daemon=True,
             )
             for rank in range(world_size)
@@ -144,6 +172,8 @@ class _Pool:
         for proc in self.procs:
             proc.start()
         self.next_id = 0
+        self.groups: tuple | None = None  # the parallel sizes its workers' groups were made for
+        self.group_changes = 0
 
     def alive(self) -> bool:
         return all(proc.is_alive() for proc in self.procs)
@@ -185,14 +215,26 @@ class _Pool:
 
 
 _POOLS: dict[int, _Pool] = {}
+#: Every change of parallel sizes leaves the previous gloo groups' threads polling in each worker (a
+#: worker of the suite's 2-rank pool reached ~850 threads, a third of a core, idle); a forked pool
+#: is cheap to replace after this many.
+MAX_GROUP_CHANGES = 8
 
 
-def _pool(world_size: int) -> _Pool:
+def _pool(world_size: int, sizes: ParallelSizes) -> _Pool:
+    """The live pool of ``world_size`` ranks; a forked one is replaced once its workers changed
+    parallel sizes :data:`MAX_GROUP_CHANGES` times."""
     pool = _POOLS.get(world_size)
+    groups = (sizes.tp, sizes.ep, sizes.pp, sizes.cp, sizes.etp or sizes.tp)
+    if pool is not None and pool.alive() and groups != pool.groups:
+        pool.group_changes += pool.groups is not None
+        if _START_METHOD == "forkserver" and pool.group_changes > MAX_GROUP_CHANGES:
+            pool.close()
     if pool is None or not pool.alive():
         if pool is not None:
             pool.close(force=True)
         pool = _POOLS[world_size] = _Pool(world_size)
+    pool.groups = groups
     return pool
 
 
@@ -239,7 +281,7 @@ def run_distributed(
             exit code is named) or it did not answer in time.
     """
     sizes = ParallelSizes(tp=tp, ep=ep, pp=pp, cp=cp, sp=sp, seed=seed, etp=etp)
-    pool = _pool(world_size)
+    pool = _pool(world_size, sizes)
     done = pool.run(fn, args, kwargs, sizes, timeout)
     failed = {rank: value for rank, (ok, value) in done.items() if not ok}
     missing = [rank for rank in range(world_size) if rank not in done]

@@ -47,7 +47,7 @@ import threading
 import time
 from typing import Any
 
-from megatron_ext.testing.real_loop import _rank_env
+from megatron_ext.testing.rank_env import rank_env
 
 #: Modules the server imports: what every launch of ``megatron_ext.pretrain_gpt`` imports (its
 #: tokenizer libraries deferred, as a ``--cpu`` launch has them). Not the entry module itself:
@@ -68,7 +68,7 @@ PRELOAD = (
 )
 #: Variables that differ between launches and are read only at run time: the per-rank
 #: environment launch gives (torchrun's, with the rendezvous) and pytest's current test.
-RUN_TIME_VARIABLES = frozenset(_rank_env(0, 1, "0")) | {"PYTEST_CURRENT_TEST"}
+RUN_TIME_VARIABLES = frozenset(rank_env(0, 1, "0")) | {"PYTEST_CURRENT_TEST"}
 #: What the server starts under, on top of the caller's environment (what launch gives every rank).
 SERVER_ENVIRONMENT = {"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
 #: Seconds to wait for the server to fork a rank.
@@ -316,9 +316,9 @@ class Rank:
         if not os.path.isdir(cwd):  # as Popen would, before anything starts
             raise FileNotFoundError(f"no such directory: {cwd!r}")
         self._server = _server()
-        rank_env = {k: v for k, v in self._server.env.items() if k not in RUN_TIME_VARIABLES}
-        rank_env.update({k: v for k, v in env.items() if k in RUN_TIME_VARIABLES})
-        rank = {"module": module, "args": args, "env": rank_env, "cwd": cwd, "out": out}
+        environment = {k: v for k, v in self._server.env.items() if k not in RUN_TIME_VARIABLES}
+        environment.update({k: v for k, v in env.items() if k in RUN_TIME_VARIABLES})
+        rank = {"module": module, "args": args, "env": environment, "cwd": cwd, "out": out}
         self._id = self._server.start(rank)
 
     def poll(self) -> int | None:

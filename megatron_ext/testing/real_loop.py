@@ -14,13 +14,15 @@ Example::
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from megatron_ext.testing import preloaded as server
+from megatron_ext.testing.rank_env import free_port, rank_env
 
 #: A tiny MoE GPT (2 layers, 8 experts, top-2, EP=2 over 2 ranks) with local modules, for CPU runs.
 TINY_MOE_ARGS: tuple[str, ...] = (
@@ -41,13 +43,6 @@ TINY_MOE_ARGS: tuple[str, ...] = (
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
 # A field name may end in a parenthesised unit: "elapsed time per iteration (ms)".
 _FIELD = re.compile(r"([A-Za-z_ ]+?(?: \([^()|:]*\))?):\s+([-+0-9.eE]+|nan|inf) \|")
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on right now (for torchrun's rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -116,13 +111,11 @@ def launch(
     Raises:
         subprocess.TimeoutExpired: The ranks ran past ``timeout`` seconds (all are killed).
     """
-    from megatron_ext.testing import preloaded as server
-
     port = str(free_port())
     argv = [sys.executable, "-m", module, *args]
     base_env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     started = range(nproc) if ranks is None else ranks
-    rank_envs = [{**base_env, **_rank_env(rank, nproc, port)} for rank in started]
+    rank_envs = [{**base_env, **rank_env(rank, nproc, port)} for rank in started]
     differs = server.import_environment_differs(base_env) if preload else []
     forked = preload and not differs
     with tempfile.NamedTemporaryFile("w+", prefix="megatron_ext_launch_") as out:
@@ -145,17 +138,6 @@ def launch(
             preloaded=forked,
             not_forked_because=differs,
         )
-
-
-def _rank_env(rank: int, world_size: int, port: str) -> dict[str, str]:
-    """The variables torchrun's agent sets for worker ``rank`` of one node."""
-    names = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK")
-    return {
-        **{name: str(rank) for name in names},
-        **{name: str(world_size) for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "ROLE_WORLD_SIZE")},
-        "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-    }  # fmt: skip
 
 
 def _wait_first_failure(procs: list, argv: list[str], timeout: float) -> int:

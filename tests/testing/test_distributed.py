@@ -99,3 +99,51 @@ def test_megatron_global_moe_metrics_tracker_is_reset_between_calls() -> None:
     run_distributed(_mark_tracker, 1, "first call")
     # A fresh tracker per call, not the one the previous call's model sized.
     assert run_distributed(_mark_tracker, 1, "second call") == [None]
+
+
+def _worker_origin(name: str) -> tuple[str | None, bool, int]:
+    import sys
+
+    return os.environ.get(name), "megatron.core.parallel_state" in sys.modules, os.getppid()
+
+
+def test_forked_workers_run_under_the_builders_environment(monkeypatch) -> None:
+    """The session forks its workers from a server that imported Megatron before the pool's
+    builder set anything; each worker still sees the builder's environment, as a spawned one."""
+    from megatron_ext.testing import distributed
+
+    assert distributed._START_METHOD == "forkserver"  # tests/conftest.py
+    distributed.shutdown_pools()
+    monkeypatch.setenv("MEGATRON_EXT_POOL_PROBE", "built after the server")
+    [(value, preloaded, parent)] = run_distributed(_worker_origin, 1, "MEGATRON_EXT_POOL_PROBE")
+    assert value == "built after the server"
+    assert preloaded and parent != os.getpid()  # forked by the server, not by this process
+
+
+def test_spawned_workers_are_fresh_interpreters(monkeypatch) -> None:
+    """The default outside the tests (the benchmarks): each worker a child of the builder."""
+    from megatron_ext.testing import distributed
+
+    distributed.shutdown_pools()
+    monkeypatch.setattr(distributed, "_START_METHOD", "spawn")
+    monkeypatch.setenv("MEGATRON_EXT_POOL_PROBE", "spawned")
+    try:
+        [(value, _, parent)] = run_distributed(_worker_origin, 1, "MEGATRON_EXT_POOL_PROBE")
+    finally:
+        distributed.shutdown_pools()
+    assert value == "spawned" and parent == os.getpid()
+
+
+def test_a_forked_pool_is_replaced_after_many_changes_of_parallel_sizes(monkeypatch) -> None:
+    """Each change of sizes leaves the old gloo groups' threads polling; past the limit the
+    session's forked pool gets fresh workers (same sizes again and again change nothing)."""
+    from megatron_ext.testing import distributed
+
+    monkeypatch.setattr(distributed, "MAX_GROUP_CHANGES", 2)
+    distributed.shutdown_pools()
+    first = run_distributed(os.getpid, 2)
+    assert run_distributed(os.getpid, 2) == first
+    assert [run_distributed(os.getpid, 2, tp=tp) for tp in (2, 1)] == [first, first]
+    replaced = run_distributed(os.getpid, 2, tp=2)  # the third change
+    assert set(replaced).isdisjoint(first)
+    assert run_distributed(_sizes_and_sum, 2, 0, tp=2)[0]["tp"] == 2

@@ -3,7 +3,8 @@
 Every ``bash`` block of README.md and docs/*.md, and the data commands of the examples' headers, runs
 in one working directory, in the order the documents give them (the README's data first, as it says),
 each distinct command once. A block that launches on GPUs (``torchrun``, or ``bash examples/...``
-without ``CPU=1``) runs with ``DRY_RUN=1``: every flag validated for the launch's world size, no GPU.
+without ``CPU=1``) runs with ``DRY_RUN=1``: every flag validated for the launch's world size, no GPU;
+those dry runs go in their own order beside the other blocks.
 Its ``MEGATRON_ARGS`` (the reader's own flags) are a small MoE model's, and ``DATA`` holds the files
 the blocks name. The header launches themselves are dry-run by tests/training/test_example_dry_runs.py.
 """
@@ -12,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -180,8 +182,8 @@ def doc_runs(doc_work: Path) -> list[tuple[str, str, subprocess.CompletedProcess
         "DATA",
     ):
         env.pop(key, None)
-    runs = []
-    for where, block in documented_commands():
+
+    def run(number: int, where: str, block: str) -> subprocess.CompletedProcess:
         block_env = dict(env)
         preamble = "set -euo pipefail\n"
         if is_gpu_launch(block):
@@ -193,11 +195,19 @@ def doc_runs(doc_work: Path) -> list[tuple[str, str, subprocess.CompletedProcess
             ["bash", "-c", preamble + block], cwd=work, env=block_env, capture_output=True,
             text=True, timeout=300,
         )  # fmt: skip
-        runs.append((where, block, proc))
         # Kept for reading when a command fails (and for quoting a result line in the docs).
-        (work / "logs").mkdir(exist_ok=True)
-        (work / "logs" / f"{len(runs):02d}.log").write_text(block + proc.stdout + proc.stderr)
-    return runs
+        (work / "logs" / f"{number:02d}.log").write_text(block + proc.stdout + proc.stderr)
+        return proc
+
+    (work / "logs").mkdir()
+    blocks = list(enumerate(documented_commands(), start=1))
+    # The GPU launches are dry runs of DATA's files, writing nothing the others read: they run one
+    # at a time beside the other blocks (mostly one core each), both in the documents' order.
+    with ThreadPoolExecutor(max_workers=1) as beside:
+        dry = {n: beside.submit(run, n, *wb) for n, wb in blocks if is_gpu_launch(wb[1])}
+        procs = {n: run(n, *wb) for n, wb in blocks if n not in dry}
+        procs.update({n: future.result() for n, future in dry.items()})
+    return [(where, block, procs[n]) for n, (where, block) in blocks]
 
 
 def test_every_documented_command_runs_as_written(doc_runs) -> None:

@@ -88,10 +88,30 @@ BROKEN = [
 ]
 
 
+#: The key of :func:`_slurm_dry_run`'s result among the dry runs.
+SLURM = "pretrain_moe_blended.sh under Slurm, MODEL=gpt"
+
+
+def _slurm_dry_run(example_data: Path) -> subprocess.CompletedProcess:
+    """pretrain_moe_blended.sh's dry run as the third of four Slurm nodes, with MODEL=gpt."""
+    env = dict(
+        os.environ, DRY_RUN="1", PYTHON=sys.executable, DATA=str(example_data),
+        SLURM_JOB_NODELIST="gpu[03-05,07],cpu1", SLURM_NNODES="4", SLURM_NODEID="2",
+        PATH="/usr/bin:/bin",  # no scontrol: the launcher's own nodelist parsing
+        MODEL="gpt",
+    )  # fmt: skip
+    for key in ("WORLD_SIZE", "NNODES", "NODE_RANK", "MASTER_ADDR"):
+        env.pop(key, None)
+    return subprocess.run(
+        ["bash", str(ROOT / "examples" / "pretrain_moe_blended.sh")],
+        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def dry_runs(example_data: Path, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
-    """Every example's dry run and the broken copies', two processes at a time (2 cores; each
-    is mostly Megatron's imports)."""
+    """Every example's dry run, the broken copies' and the Slurm one, two processes at a time (2
+    cores; each is mostly Megatron's imports)."""
     scripts = {name: ROOT / "examples" / name for name in EXAMPLES}
     original = (ROOT / "examples" / "sft_fp8_moe_packed.sh").read_text()
     assert "  --moe-dispatch-align" in original
@@ -104,8 +124,11 @@ def dry_runs(example_data: Path, tmp_path_factory) -> dict[str, subprocess.Compl
         shutil.copy(ROOT / "examples" / "_launch.sh", folder / "_launch.sh")
         scripts[broken] = copy
     with ThreadPoolExecutor(max_workers=2) as pool:
-        done = pool.map(lambda item: (item[0], _dry_run(item[1], example_data)), scripts.items())
-        return dict(done)
+        slurm = pool.submit(_slurm_dry_run, example_data)
+        done = dict(
+            pool.map(lambda item: (item[0], _dry_run(item[1], example_data)), scripts.items())
+        )
+        return {**done, SLURM: slurm.result()}
 
 
 #: The examples that fine-tune a base checkpoint (``--pretrained-checkpoint $CKPT/...``; Megatron
@@ -172,22 +195,11 @@ def test_an_interpreter_without_megatron_ext_is_refused_in_one_line(script, tmp_
     assert "Traceback" not in proc.stderr
 
 
-def test_examples_take_the_nodes_from_slurm(example_data) -> None:
+def test_examples_take_the_nodes_from_slurm(dry_runs) -> None:
     """Under sbatch/srun the launcher reads SLURM_NNODES, SLURM_NODEID and the first host of
     SLURM_JOB_NODELIST; the dry run validates for that world size. With MODEL=gpt: the examples'
     GPTModel variant (the same 16 layers as --num-layers) validates too."""
-    env = dict(
-        os.environ, DRY_RUN="1", PYTHON=sys.executable, DATA=str(example_data),
-        SLURM_JOB_NODELIST="gpu[03-05,07],cpu1", SLURM_NNODES="4", SLURM_NODEID="2",
-        PATH="/usr/bin:/bin",  # no scontrol: the launcher's own nodelist parsing
-        MODEL="gpt",
-    )  # fmt: skip
-    for key in ("WORLD_SIZE", "NNODES", "NODE_RANK", "MASTER_ADDR"):
-        env.pop(key, None)
-    proc = subprocess.run(
-        ["bash", str(ROOT / "examples" / "pretrain_moe_blended.sh")],
-        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT,
-    )  # fmt: skip
+    proc = dry_runs[SLURM]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "launch: nnodes=4 node_rank=2 master_addr=gpu03 nproc_per_node=8" in proc.stderr
     assert '"world_size": 32' in proc.stdout

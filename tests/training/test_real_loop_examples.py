@@ -26,12 +26,13 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from megatron_ext.testing.real_loop import LoopRun, free_port
+from megatron_ext.testing.real_loop import LoopRun, free_port, launch
 from tests.training.loop_checks import (
     EXPERTS,
     ITERATIONS,
@@ -73,6 +74,20 @@ def run_example(
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=300
     )
     return LoopRun(argv=argv, returncode=proc.returncode, output=proc.stdout)
+
+
+def run_example_forked(name: str, data: Path, ckpt: Path, overrides: list[str]) -> LoopRun:
+    """:func:`run_example`'s ``pretrain_gpt`` flags (read off a stand-in python) on ranks
+    :func:`launch` forks from the preloaded server, not under the script's torchrun."""
+    env = {
+        "GPUS_PER_NODE": "2", "DATA": str(data), "CKPT": str(ckpt),
+        "OVERRIDES": " ".join([*BYTE_TOKENIZER, *overrides, VERBOSE]),
+    }  # fmt: skip
+    with tempfile.TemporaryDirectory() as folder:
+        proc = _launch_argv(Path(folder), env, script=name)
+    assert proc.returncode == 0, proc.stderr
+    argv = proc.stdout.splitlines()
+    return launch(argv[argv.index("megatron_ext.pretrain_gpt") + 1 :])
 
 
 def link_prefix(source: str, target: Path) -> None:
@@ -262,11 +277,13 @@ def test_replay_under_activation_recompute_repeats_the_recording_run(
     """The RL example's replay with Megatron's activation recompute (whole layers, or the MoE layers
     and norms): each recomputed router replays the micro-batch's routes again, so loss, aux loss
     and gradient norm still repeat the recording run's exactly (the router alone would pick other
-    experts: ONE_GROUP_ROUTING)."""
+    experts: ONE_GROUP_ROUTING). The script's command, its ranks forked from the preloaded server
+    (the record and replay runs above take the script's own torchrun)."""
     data, record = rl_record
-    run = run_example(
+    run = run_example_forked(
         "rl_route_replay.sh", data, tmp_path / "ckpt", RL_PARALLEL + ONE_GROUP_ROUTING + recompute
     )
+    assert run.preloaded, run.not_forked_because
     assert_trains(run)
     assert re.search(r"recompute_granularity \.+ " + recompute[1], run.output)
     for key in ("lm loss", "load_balancing_loss", "grad norm"):
@@ -313,18 +330,21 @@ def test_what_the_cpu_cannot_run_is_dropped_or_translated_one_line_each(sft_data
     assert "invalid arguments: --cpu cannot run --bf16" in proc.stderr, proc.stderr[-2000:]
 
 
-def _launch_argv(tmp_path: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    """What ``bash examples/sft_fp8_moe_packed.sh *args`` would run, printed by a stand-in python."""
+def _launch_argv(
+    tmp_path: Path, env: dict[str, str], *args: str, script: str = "sft_fp8_moe_packed.sh"
+) -> subprocess.CompletedProcess:
+    """What ``CPU=1 bash examples/SCRIPT *args`` would run, printed by a stand-in python."""
     fake = tmp_path / "python"
     # "-c": the launcher's environment check, answered "yes"; anything else is printed.
     fake.write_text('#!/usr/bin/env bash\n[ "$1" = -c ] && exit 0\nprintf "%s\\n" "$@"\n')
     fake.chmod(0o755)
     (tmp_path / "EEEE").touch()  # a file "*E*E" would glob to
     full_env = {**os.environ, "CPU": "1", "PYTHON": str(fake), **env}
-    if "MODEL" not in env:
-        full_env.pop("MODEL", None)  # the script's default
+    for key in ("MODEL", "DRY_RUN", "CPU_DROP", "GPUS_PER_NODE", "OVERRIDES"):
+        if key not in env:
+            full_env.pop(key, None)  # the script's default
     return subprocess.run(
-        ["bash", str(ROOT / "examples/sft_fp8_moe_packed.sh"), *args],
+        ["bash", str(ROOT / "examples" / script), *args],
         capture_output=True, text=True, env=full_env, cwd=tmp_path,
     )  # fmt: skip
 
