@@ -164,7 +164,8 @@ def _zigzag_matches_megatron() -> bool:
     from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from megatron_ext.replay.layout import router_row_positions, rows_for_router
+    from megatron_ext.common.token_positions import router_row_positions
+    from megatron_ext.replay.layout import rows_for_router
 
     routes = torch.randint(0, 8, (BATCH, SEQ, 2, 2), dtype=torch.uint8)
     theirs = get_batch_on_this_cp_rank(

@@ -14,7 +14,7 @@ from megatron_ext.testing import run_distributed
 
 
 def _gather(batch_size: int, seq_len: int) -> dict:
-    from megatron_ext.replay.layout import router_row_positions
+    from megatron_ext.common.token_positions import router_row_positions
     from megatron_ext.replay.recorded_rows import gather_recorded_routes
 
     order = router_row_positions(batch_size, seq_len)  # router rows are s-major
@@ -52,7 +52,8 @@ def _gather_sharded(batch_size: int, seq_len: int) -> dict:
     for MoE layers 0 and 2 of 3; the gather must rebuild the whole micro-batch on every rank."""
     from megatron.core import parallel_state as ps
 
-    from megatron_ext.replay.layout import router_row_positions, rows_for_router
+    from megatron_ext.common.token_positions import router_row_positions
+    from megatron_ext.replay.layout import rows_for_router
     from megatron_ext.replay.recorded_rows import gather_recorded_routes
 
     sp = ps.get_tensor_model_parallel_world_size() > 1
