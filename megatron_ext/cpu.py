@@ -41,12 +41,19 @@ PATCHES: tuple[str, ...] = (
 )
 
 
-def _modules(group: str, cuda_name: str) -> frozenset[str]:
-    """The Megatron modules with a row of ``group`` that runs ``torch.cuda.<cuda_name>`` on the host."""
-    return frozenset(
-        row.module
-        for row in compat.rows(group)
-        if isinstance(row.replacement, HostTorch) and cuda_name in row.replacement.cuda
+def _modules(group: str, cuda_name: str) -> tuple[str, ...]:
+    """The Megatron modules with a row of ``group`` that runs ``torch.cuda.<cuda_name>`` on the host,
+    sorted: ranks that walk them in turn (tests/cpu_patch_probe.py) must walk them in one order, and
+    a set of strings iterates in an order that differs between processes (string hashes are salted
+    per process)."""
+    return tuple(
+        sorted(
+            {
+                row.module
+                for row in compat.rows(group)
+                if isinstance(row.replacement, HostTorch) and cuda_name in row.replacement.cuda
+            }
+        )
     )
 
 
