@@ -82,11 +82,11 @@ def quantization_align(
 
 def quantization_align_from_args(args: argparse.Namespace) -> int:
     """:func:`quantization_align` of Megatron's parsed arguments (missing ones count as off)."""
+    from megatron_ext.megatron_view import MegatronView
+
+    view = MegatronView.from_args(args)
     return quantization_align(
-        fp8=getattr(args, "fp8", None),
-        fp8_recipe=getattr(args, "fp8_recipe", None),
-        fp4=getattr(args, "fp4", None),
-        fp4_recipe=getattr(args, "fp4_recipe", None),
+        fp8=view.fp8, fp8_recipe=view.fp8_recipe, fp4=view.fp4, fp4_recipe=view.fp4_recipe
     )
 
 

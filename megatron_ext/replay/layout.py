@@ -100,14 +100,15 @@ def moe_layer_numbers_for_args(args: Any) -> list[int]:
     ``validate_args`` copies it over) when set, i.e. a ``HybridModel``; else a ``GPTModel`` with
     ``args.num_layers`` and ``args.moe_layer_freq`` (no MoE layer without ``--num-experts``).
     """
-    pattern = getattr(args, "hybrid_layer_pattern", None) or getattr(
-        args, "hybrid_override_pattern", None
-    )
+    from megatron_ext.megatron_view import MegatronView
+
+    view = MegatronView.from_args(args)
+    pattern = view.hybrid_layer_pattern or view.hybrid_override_pattern
     if pattern:
         return moe_layer_numbers_from_hybrid_pattern(pattern)
-    if not getattr(args, "num_experts", None):
+    if not view.num_experts:
         return []
-    return moe_layer_numbers(args.num_layers, args.moe_layer_freq)
+    return moe_layer_numbers(view.num_layers, view.moe_layer_freq)
 
 
 def moe_layer_numbers(num_layers: int, moe_layer_freq: int | Sequence[int]) -> list[int]:

@@ -113,8 +113,10 @@ def find_load_checkpoint(args: argparse.Namespace) -> LoadCheck:
     Raises:
         ValueError: In one line naming the flag and the directory.
     """
-    load, pretrained = getattr(args, "load", None), getattr(args, "pretrained_checkpoint", None)
-    step = getattr(args, "ckpt_step", None)
+    from megatron_ext.megatron_view import MegatronView
+
+    view = MegatronView.from_args(args)
+    load, pretrained, step = view.load, view.pretrained_checkpoint, view.ckpt_step
     if pretrained and not (load and os.path.isfile(os.path.join(load, TRACKER))):
         # load_checkpoint: "Checkpoint file not found in load directory ... attempting to
         # finetune with checkpoint in" --pretrained-checkpoint
@@ -129,14 +131,14 @@ def find_load_checkpoint(args: argparse.Namespace) -> LoadCheck:
     found = find_checkpoint(load, "--load", step, args) if load else None
     if found is not None:
         return LoadCheck(found)
-    if not load or getattr(args, "non_persistent_ckpt_type", None):
+    if not load or view.non_persistent_ckpt_type:
         return LoadCheck(None)
     where = "the directory does not exist" if not os.path.isdir(load) else f"no {TRACKER}"
-    if getattr(args, "exit_on_missing_checkpoint", False):
+    if view.exit_on_missing_checkpoint:
         raise ValueError(
             f"--exit-on-missing-checkpoint: --load {load} holds no checkpoint ({where})"
         )
-    save = getattr(args, "save", None)
+    save = view.save
     if save and os.path.realpath(save) == os.path.realpath(load):
         return LoadCheck(
             None,

@@ -26,9 +26,12 @@ _PRECISION_FIELDS = ("fp8", "fp8_recipe", "fp4", "fp4_recipe")
 
 def take_quantization(args: argparse.Namespace) -> dict[str, Any] | None:
     """Removes fp8/fp4 from ``args`` (so Megatron builds an unquantized model) and returns it."""
-    if not (getattr(args, "fp8", None) or getattr(args, "fp4", None)):
+    from megatron_ext.megatron_view import MegatronView
+
+    view = MegatronView.from_args(args)
+    if not (view.fp8 or view.fp4):
         return None
-    precision = {name: getattr(args, name, None) for name in _PRECISION_FIELDS}
+    precision = {name: getattr(view, name) for name in _PRECISION_FIELDS}
     args.fp8 = None
     args.fp4 = None
     # Later checks of the same arguments see the rehearsal (--moe-dispatch-align still applies).

@@ -27,6 +27,7 @@ from typing import Any
 
 from megatron_ext.config import PaddingConfig, ReplayConfig
 from megatron_ext.data import empty_split
+from megatron_ext.megatron_view import MegatronView, TrainingProgress
 from megatron_ext.training import run_state
 
 
@@ -63,6 +64,7 @@ def dataset_config_from_args(args: argparse.Namespace, tokenizer: Any = None) ->
         tokenizer = get_tokenizer()
     cfgs = run_state.configs(args)
     padding, replay = cfgs[PaddingConfig], cfgs[ReplayConfig]
+    view = MegatronView.from_args(args)
     blend, blend_per_split = get_blend_and_blend_per_split(args)
     common: dict[str, Any] = dict(
         random_seed=args.seed,
@@ -80,12 +82,12 @@ def dataset_config_from_args(args: argparse.Namespace, tokenizer: Any = None) ->
         allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens,
         # Megatron's own data flags, read by its dataset builder (and, for the document mask,
         # by the self-padded GPTDataset; packs always carry their document boundaries).
-        inter_document_masking=getattr(args, "dataloader_inter_document_masking", False),
-        multiple_validation_sets=getattr(args, "multiple_validation_sets", False),
-        full_validation=getattr(args, "full_validation", False),
-        num_dataset_builder_threads=getattr(args, "num_dataset_builder_threads", 1),
-        mid_level_dataset_surplus=getattr(args, "mid_level_dataset_surplus", 0.005),
-        object_storage_cache_path=getattr(args, "object_storage_cache_path", None),
+        inter_document_masking=view.dataloader_inter_document_masking,
+        multiple_validation_sets=view.multiple_validation_sets,
+        full_validation=view.full_validation,
+        num_dataset_builder_threads=view.num_dataset_builder_threads,
+        mid_level_dataset_surplus=view.mid_level_dataset_surplus,
+        object_storage_cache_path=view.object_storage_cache_path,
     )
     if padding.pack_documents and replay.route_replay_mode != "off":
         # Replay reads route sidecars; record needs pack indices to scatter routes back to documents.
@@ -105,7 +107,7 @@ def dataset_config_from_args(args: argparse.Namespace, tokenizer: Any = None) ->
             route_missing_policy=replay.replay_missing_route_policy,
             route_filled_mask=replay.route_replay_check,
         )
-    if args.mock_data and not padding.pack_documents:
+    if view.mock_data and not padding.pack_documents:
         return MockGPTDataset, GPTDatasetConfig(**common)
     return dataset_class_and_config(padding, pad_multiple=pad_multiple_from_args(args), **common)
 
@@ -138,6 +140,7 @@ def _build_datasets(train_val_test_num_samples: list[int]) -> tuple[Any, Any, An
     from megatron.training import get_args, print_rank_0
 
     args = get_args()
+    view = MegatronView.from_args(args)
     # Record mode: refuse, before the datasets are built, ranks that would stream routes where
     # rank 0 cannot read them (collective over the recording data-parallel group).
     run_state.check_record_directory(args)
@@ -150,12 +153,10 @@ def _build_datasets(train_val_test_num_samples: list[int]) -> tuple[Any, Any, An
     # of it: asking is refused by the datasets) is no split: Megatron builds no loader for None,
     # where an empty dataset fails its sampler ("no sample to consume: 0") before training.
     datasets = [None if d is not None and len(d) == 0 else d for d in datasets]
-    if getattr(args, "full_validation", False) and datasets[1] is None:
+    if view.full_validation and datasets[1] is None:
         # An absent split (a 0 weight) was refused at argument time (eval_args); this one rounded
         # to no documents, which only the built datasets show.
-        raise empty_split.full_validation_error(
-            args.split, args.data_path, getattr(args, "data_args_path", None)
-        )
+        raise empty_split.full_validation_error(args.split, args.data_path, view.data_args_path)
     replay = run_state.configs(args)[ReplayConfig]
     if replay.route_replay_mode == "record":
         run_state.state(args).record_dataset = datasets[0]
@@ -164,7 +165,7 @@ def _build_datasets(train_val_test_num_samples: list[int]) -> tuple[Any, Any, An
 
         check_route_coverage(  # the samples this run trains on: from a resume's to the last
             datasets[0],
-            getattr(args, "consumed_train_samples", 0) or 0,
+            TrainingProgress.from_args(args).consumed_train_samples,
             train_val_test_num_samples[0],
             replay.route_replay_max_missing,
             log=print_rank_0,

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from megatron_ext.config import MoEAlignmentConfig
+from megatron_ext.megatron_view import TrainingProgress
 from megatron_ext.training import run_state
 from megatron_ext.training.throughput_log import count_micro_batch, log_token_throughput
 
@@ -77,7 +78,7 @@ def begin_micro_batch(args: Any, model: torch.nn.Module | None = None) -> tuple[
         key = ("eval", run.eval_forwards[chunk])
         run.micro_batches.begin(key, training=False)
         return key, True
-    iteration = getattr(args, "curr_iteration", 0) or 0
+    iteration = TrainingProgress.from_args(args).curr_iteration
     first = iteration != run.iteration
     if first:
         finished, run.iteration = run.iteration, iteration

@@ -34,6 +34,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from megatron_ext.megatron_view import MegatronView
+
 #: Seconds a rank other than the first waits before printing its refusal: every rank checks the same
 #: arguments, so the first refuses too, the launcher stops the others and the refusal prints once.
 REFUSAL_GRACE_S = 10.0
@@ -133,7 +135,7 @@ def save_without_async_deprecation(original: Any) -> Any:
     @functools.wraps(original)
     def save(self: Any, *args: Any, **kwargs: Any) -> Any:
         run = _run_args()
-        if not _quiet(run) or getattr(run, "async_save", False):
+        if not _quiet(run) or MegatronView.from_args(run).async_save:
             return original(self, *args, **kwargs)
         drop = _DropPrefix(ASYNC_SAVE_DEPRECATION[1])
         logger.addFilter(drop)

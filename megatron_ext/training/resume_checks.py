@@ -73,11 +73,14 @@ def saved_state(checkpoint: Checkpoint) -> dict[str, Any] | None:
 
 def _loads_optimizer(args: argparse.Namespace, checkpoint: Checkpoint, saved_args: Any) -> bool:
     """Whether Megatron's ``load_checkpoint`` loads the optimizer and its scheduler."""
+    from megatron_ext.megatron_view import MegatronView
+
+    view = MegatronView.from_args(args)
     return not (
         checkpoint.release
-        or getattr(args, "finetune", False)
+        or view.finetune
         or checkpoint.flag == "--pretrained-checkpoint"  # Megatron sets --finetune for it
-        or getattr(args, "no_load_optim", False)
+        or view.no_load_optim
         or getattr(saved_args, "no_save_optim", False)
     )
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from megatron_ext.arguments import configs_from_args
 from megatron_ext.config import MoEAlignmentConfig, ReplayConfig
+from megatron_ext.megatron_view import MegatronView, TrainingProgress
 from megatron_ext.micro_batch import MicroBatchContext
 
 
@@ -88,7 +89,7 @@ def pad_routing(args: argparse.Namespace) -> Any:
     """The run's ``PadRouting`` (``--moe-pad-routing`` resolved against Megatron's flags); None for a
     dense model."""
     run = state(args)
-    if run.pad_routing is None and getattr(args, "num_experts", None):
+    if run.pad_routing is None and MegatronView.from_args(args).num_experts:
         from megatron_ext.config import MoEPadRoutingConfig
         from megatron_ext.moe.pad_routing import PadRouting
 
@@ -208,11 +209,12 @@ def check_record_directory(args: argparse.Namespace) -> None:
     replay = state(args).configs[ReplayConfig]
     if replay.route_replay_mode != "record":
         return
-    resumed_at = getattr(args, "iteration", 0) or 0  # set by Megatron's checkpoint load
+    resumed_at = TrainingProgress.from_args(args).iteration  # set by Megatron's checkpoint load
     if resumed_at > 0:
+        load = MegatronView.from_args(args).load
         raise ValueError(
             f"--route-replay-mode record cannot resume from the checkpoint at iteration "
-            f"{resumed_at} (--load {getattr(args, 'load', None)}): the routes recorded before it "
+            f"{resumed_at} (--load {load}): the routes recorded before it "
             "are in no stream of this run, so their documents would end up missing. Record from "
             "the start (--finetune loads the weights without resuming)"
         )

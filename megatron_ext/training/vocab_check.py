@@ -24,6 +24,8 @@ import struct
 
 import numpy as np
 
+from megatron_ext.megatron_view import MegatronView
+
 _MAGIC = b"MMIDIDX\x00\x00"
 _CHUNK = 1 << 26  # ids per scanned slice: bounded memory whatever the corpus size
 
@@ -78,13 +80,14 @@ def padded_vocab_size(args: argparse.Namespace) -> int | None:
     (``NullTokenizer``: ``--vocab-size``; a local Hugging Face tokenizer: its ids, added tokens
     included, as Megatron's ``len(tokenizer)``). None when neither is known (a dry run with a
     tokenizer that is not a local file)."""
-    return _padded(args, _unpadded_vocab_size(args))
+    view = MegatronView.from_args(args)
+    return _padded(args, view, _unpadded_vocab_size(view))
 
 
-def _padded(args: argparse.Namespace, vocab: int | None) -> int | None:
+def _padded(args: argparse.Namespace, view: MegatronView, vocab: int | None) -> int | None:
     """Megatron's padded size: its tokenizer's (``args.padded_vocab_size``), else ``vocab``
-    padded by Megatron's rule."""
-    padded = getattr(args, "padded_vocab_size", None)
+    padded by Megatron's rule (which reads ``args``)."""
+    padded = view.padded_vocab_size
     if padded is not None or vocab is None:
         return padded
     from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
@@ -92,11 +95,11 @@ def _padded(args: argparse.Namespace, vocab: int | None) -> int | None:
     return vocab_size_with_padding(vocab, args, logging_enabled=False)
 
 
-def _unpadded_vocab_size(args: argparse.Namespace) -> int | None:
-    kind = getattr(args, "tokenizer_type", None)
+def _unpadded_vocab_size(view: MegatronView) -> int | None:
+    kind = view.tokenizer_type
     if kind == "NullTokenizer":
-        return args.vocab_size
-    model = getattr(args, "tokenizer_model", None)
+        return view.vocab_size
+    model = view.tokenizer_model
     if kind == "HuggingFaceTokenizer" and model and os.path.exists(model):
         # Megatron's own class and count (len(tokenizer)), local files only: a tokenizer it
         # cannot load here is left to its own build to report (this check is a pre-check).
@@ -111,12 +114,12 @@ def _unpadded_vocab_size(args: argparse.Namespace) -> int | None:
     return None
 
 
-def _vocabulary_flags(args: argparse.Namespace) -> str:
+def _vocabulary_flags(view: MegatronView) -> str:
     """The flags that set the vocabulary, for the error message."""
-    kind = getattr(args, "tokenizer_type", None)
+    kind = view.tokenizer_type
     if kind == "NullTokenizer":
-        return f"--vocab-size {getattr(args, 'vocab_size', None)} (--tokenizer-type NullTokenizer)"
-    model = getattr(args, "tokenizer_model", None)
+        return f"--vocab-size {view.vocab_size} (--tokenizer-type NullTokenizer)"
+    model = view.tokenizer_model
     return (
         f"--tokenizer-model {model} (--tokenizer-type {kind})"
         if model
@@ -141,9 +144,10 @@ def _token_prefixes(args: argparse.Namespace) -> dict[str, str]:
 def check_vocabulary(args: argparse.Namespace) -> None:
     """Raises ``ValueError`` naming the vocabulary's flags and the file when a token id does not
     fit the padded embedding, or lies beyond the tokenizer's own ids (a dummy padding row)."""
-    prefixes = {} if getattr(args, "mock_data", False) else _token_prefixes(args)
-    vocab = _unpadded_vocab_size(args) if prefixes else None  # may load a tokenizer: if needed
-    padded = _padded(args, vocab) if prefixes else None
+    view = MegatronView.from_args(args)
+    prefixes = {} if view.mock_data else _token_prefixes(args)
+    vocab = _unpadded_vocab_size(view) if prefixes else None  # may load a tokenizer: if needed
+    padded = _padded(args, view, vocab) if prefixes else None
     if padded is None:
         return
     from megatron_ext.data.indexed_checks import cache_dir_for
@@ -154,7 +158,7 @@ def check_vocabulary(args: argparse.Namespace) -> None:
         largest = max_token_id(
             prefix,
             f"{flag} prefix {prefix}: data",
-            cache_dir_for(getattr(args, "data_cache_path", None), prefix),
+            cache_dir_for(view.data_cache_path, prefix),
         )
         if largest >= padded:
             held = f"but the model's embedding has {padded} rows"
@@ -166,7 +170,7 @@ def check_vocabulary(args: argparse.Namespace) -> None:
         else:
             continue
         raise ValueError(
-            f"{_vocabulary_flags(args)}: {prefix}.bin holds token id {largest}, {held}; use a "
+            f"{_vocabulary_flags(view)}: {prefix}.bin holds token id {largest}, {held}; use a "
             f"vocabulary of at least {largest + 1} ids (the byte-level tokenizer of "
             "tools/preprocess_data.py needs 257)"
         )
