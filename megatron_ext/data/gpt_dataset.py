@@ -49,24 +49,19 @@ from megatron_ext.data.indexed_checks import (
     data_identity,
     open_indexed,
 )
-from megatron_ext.data.padding import PadPolicy, pad_pack
+from megatron_ext.data.pad_fill import PadFillFields
+from megatron_ext.data.padding import pad_pack
 
 
 @dataclasses.dataclass
-class SelfPaddedGPTDatasetConfig(GPTDatasetConfig):
-    """``GPTDatasetConfig`` plus the pad policy (mirrors ``PaddingConfig``'s flags)."""
-
-    pad_policy: PadPolicy = "self"
-    """'self' or 'constant'."""
-    pad_constant_id: int = 0
-    """Id of constant pads."""
-    multimodal_placeholder_ids: list[int] = dataclasses.field(default_factory=list)
-    """Samples containing one of these pad with pad_constant_id."""
+class SelfPaddedGPTDatasetConfig(PadFillFields, GPTDatasetConfig):
+    """``GPTDatasetConfig`` plus what fills the pads (:class:`PadFillFields`, set from
+    ``PaddingConfig``'s flags)."""
 
     def __post_init__(self) -> None:
         check_dataset_config(self)
         super().__post_init__()
-        pad_pack(np.zeros(0, np.int64), np.zeros(0, np.int64), 0, policy=self.pad_policy)
+        self.check_pad_fill()
 
 
 def _segment_bounds(document_lengths: list[int], num_real: int, seq_length: int) -> np.ndarray:

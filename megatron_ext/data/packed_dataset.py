@@ -51,8 +51,8 @@ from megatron_ext.data.pack_planning import (
     plan_packs,
     shuffle_packs,
 )
+from megatron_ext.data.pad_fill import PadFillFields
 from megatron_ext.data.padding import (
-    PadPolicy,
     check_fill,
     gather_by_src_index,
     pad_pack,
@@ -75,8 +75,9 @@ class Sidecar:
 
 
 @dataclasses.dataclass
-class PackedDatasetConfig(GPTDatasetConfig):
-    """``GPTDatasetConfig`` plus packing and padding (mirrors ``PaddingConfig``'s flags).
+class PackedDatasetConfig(PadFillFields, GPTDatasetConfig):
+    """``GPTDatasetConfig`` plus packing and padding: what fills the pads (:class:`PadFillFields`)
+    and how packs are built (the fields below), all set from ``PaddingConfig``'s flags.
 
     Of ``GPTDatasetConfig``'s own fields, ``eod_mask_loss`` applies as in Megatron's GPTDataset
     (no loss where the input token is the tokenizer's eod). Position ids and attention always
@@ -86,10 +87,6 @@ class PackedDatasetConfig(GPTDatasetConfig):
     per-document mask, or THD ``PackedSeqParams``, from ``cu_seqlens``).
     """
 
-    pad_policy: PadPolicy = "self"
-    """'self' or 'constant' (see megatron_ext.data.padding)."""
-    pad_constant_id: int = 0
-    """Id of constant pads."""
     pad_to_seq_len: bool = False
     """Pad every pack to sequence_length."""
     pad_to_multiple_of: int = 1
@@ -104,8 +101,6 @@ class PackedDatasetConfig(GPTDatasetConfig):
     """Per-token loss-mask sidecar (width 1, 1 = train on the token) at prefix + suffix."""
     sidecars: dict[str, Sidecar] = dataclasses.field(default_factory=dict)
     """Extra per-token sidecars, returned under their name padded via ``src_index``."""
-    multimodal_placeholder_ids: list[int] = dataclasses.field(default_factory=list)
-    """Packs containing one of these pad with pad_constant_id."""
 
     def __post_init__(self) -> None:
         check_dataset_config(self)
@@ -124,12 +119,7 @@ class PackedDatasetConfig(GPTDatasetConfig):
             window=self.packing_window,
             overlong=self.pack_overlong_policy,
         )
-        pad_pack(
-            np.zeros(0, dtype=np.int64),
-            np.zeros(0, dtype=np.int64),
-            0,
-            policy=self.pad_policy,
-        )
+        self.check_pad_fill()
         for name, sidecar in self.sidecars.items():
             if sidecar.width < 1:
                 raise ValueError(f"sidecar {name!r} width must be >= 1, got {sidecar.width}")

@@ -159,14 +159,19 @@ def derive_pad_multiple(
     return multiple
 
 
+def check_pad_policy(policy: str) -> None:
+    """ValueError naming ``--pad-policy`` for a policy :func:`pad_pack` does not know."""
+    if policy not in PAD_POLICIES:
+        raise ValueError(f"unknown --pad-policy {policy!r}; choose one of {PAD_POLICIES}")
+
+
 def _check_pack_inputs(
     tokens_N: np.ndarray,
     doc_lens_B: np.ndarray,
     target_mask_N: np.ndarray | None,
     policy: str,
 ) -> None:
-    if policy not in PAD_POLICIES:
-        raise ValueError(f"unknown --pad-policy {policy!r}; choose one of {PAD_POLICIES}")
+    check_pad_policy(policy)
     if tokens_N.ndim != 1 or doc_lens_B.ndim != 1:
         raise ValueError("tokens and document lengths must be 1-D")
     if not np.issubdtype(tokens_N.dtype, np.integer) or not np.issubdtype(

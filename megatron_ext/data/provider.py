@@ -19,6 +19,7 @@ from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 from megatron_ext.config import PaddingConfig
 from megatron_ext.data.gpt_dataset import SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig
 from megatron_ext.data.packed_dataset import PackedDataset, PackedDatasetConfig, Sidecar
+from megatron_ext.data.pad_fill import PadFillFields
 
 
 def dataset_class_and_config(
@@ -44,11 +45,7 @@ def dataset_class_and_config(
     Raises:
         ValueError: On sidecars without ``--pack-documents`` or any bad config value.
     """
-    common = {
-        "pad_policy": padding.pad_policy,
-        "pad_constant_id": padding.pad_constant_id,
-        "multimodal_placeholder_ids": list(padding.multimodal_placeholder_ids),
-    }
+    common = PadFillFields.values_of(padding)
     if not padding.pack_documents:
         if sidecars:
             raise ValueError(f"sidecars {sorted(sidecars)} need --pack-documents")

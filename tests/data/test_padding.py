@@ -26,6 +26,7 @@ def test_module_never_imports_megatron() -> None:
         imported_from(
             [
                 "megatron_ext.data.padding",
+                "megatron_ext.data.pad_fill",
                 "megatron_ext.data.pack_planning",
                 "megatron_ext.data.pack_index_cache",
                 "megatron_ext.common.safe_files",
