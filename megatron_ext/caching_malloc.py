@@ -10,6 +10,12 @@ chunks, no trimming of the heap), so a freed tensor's pages are reused. Minor fa
     glibc's defaults                          16384   (every page, every time)
     after keep_freed_memory(), warmed up          0   (the heap's pages reused)
 
+Warming up takes several allocations: torch's 64-byte-aligned blocks leave small live blocks
+between freed ones, so the heap first grows by a few 64 MiB chunks (7 to 9 faulting allocations,
+~450 MiB more resident memory: the example above repeated 15 times, glibc 2.36, torch 2.13) and
+then reuses them (``tests/bench/test_allocator_pair.py`` times 16 per step for that reason); a
+training step's fixed set of sizes warms up the same way.
+
 The setting cannot be undone in a process: the benchmarks apply it in worker processes of their
 own (the ``caching`` rows) and shut them down after. Every ``--cpu`` launch applies it at startup
 (``--no-cpu-caching-malloc`` turns it off); a GPU launch never does (its tensors live in PyTorch's CUDA

@@ -5,6 +5,12 @@ setting shows where it should (faults of a step that allocates and frees a 64 Mi
 from megatron_ext.testing import run_distributed
 from megatron_ext.testing.distributed import shutdown_pools
 
+#: Allocations per step. Under the caching setting the heap reaches its steady state only after
+#: several 64 MiB allocations (torch's aligned blocks leave small live blocks between freed ones:
+#: 7 to 9 faulting allocations measured here before reuse); 16 per step puts every timed round
+#: after the warm-up step past that.
+ALLOCATIONS = 16
+
 
 def _allocating_step() -> float:
     import time
@@ -12,8 +18,9 @@ def _allocating_step() -> float:
     import torch
 
     start = time.perf_counter()
-    x = torch.ones(16 * 2**20)  # 64 MiB: a fresh mmap under glibc's defaults, every time
-    del x
+    for _ in range(ALLOCATIONS):
+        x = torch.ones(16 * 2**20)  # 64 MiB: a fresh mmap under glibc's defaults, every time
+        del x
     return time.perf_counter() - start
 
 
@@ -36,7 +43,7 @@ def test_halves_pair_glibc_and_caching_round_by_round():
     median, low, high = out["ratio"]["alloc"]
     assert low <= median <= high
     glibc, caching = (min(out["faults"][a]["alloc"]) for a in ("glibc", "caching"))
-    # 16384 faults a step with 4 KiB pages under glibc's defaults; none once memory is kept.
-    assert glibc >= 32 and 8 * caching <= glibc, (glibc, caching)
+    # 16384 faults an allocation with 4 KiB pages under glibc's defaults; none once memory is kept.
+    assert glibc >= 32 * ALLOCATIONS and 8 * caching <= glibc, (glibc, caching)
     assert set(out["peak_rss_mib"]) == {"glibc", "caching"}
     assert all(mib > 64 for mib in out["peak_rss_mib"].values())
