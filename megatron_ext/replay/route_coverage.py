@@ -10,6 +10,12 @@ that have no recorded route; :func:`check_route_coverage` logs the fraction and 
 above ``--route-replay-max-missing``. Pads are left out: they copy a token's route (self pads) or
 are decided by the policy by design (constant pads).
 
+The count reads every training pack's routes (a scan of the route sidecar over the run's samples),
+so :func:`check_route_coverage` keeps its result in the data cache (``--data-cache-path``, else
+beside the data), keyed like the vocabulary scan: each component dataset's pack plan (its
+``unique_description_hash``) and the identity of its token and route files, the blend's, and the
+sample range. An unchanged launch reads no route; a rewritten route file is scanned again.
+
 Example (2 packs of one 3-token document each, 2 MoE layers, one row missing)::
 
     training_route_coverage(train_dataset, 0, 2)   # (1, 12): 1 of 12 rows has no route
@@ -17,11 +23,13 @@ Example (2 packs of one 3-token document each, 2 MoE layers, one row missing)::
 Legend: N real tokens of a pack, L MoE layers, K top-k.
 """
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from megatron_ext.common.safe_files import file_identity
 from megatron_ext.replay.routes import missing_value
 
 
@@ -74,21 +82,72 @@ def _packs(dataset: Any, first: int, end: int) -> Iterator[tuple[Any, int]]:
         yield dataset.datasets[d], i
 
 
+def _components(dataset: Any) -> list[Any]:
+    return list(dataset.datasets) if hasattr(dataset, "datasets") else [dataset]
+
+
+def coverage_key(dataset: Any, first: int, end: int) -> str:
+    """What the count over samples ``[first, end)`` of ``dataset`` depends on, as one line: the
+    blend's and each component's ``unique_description_hash`` (which packs, in which order) and
+    the identity of each component's token and route files (their contents)."""
+    parts = [f"route-coverage {first} {end} {getattr(dataset, 'unique_description_hash', '-')}"]
+    for packs in _components(dataset):
+        routes = packs.dataset.sidecars["routes"].path_prefix
+        files = [packs.dataset.path_prefix, routes]
+        identities = [
+            file_identity(f"{prefix}{ext}") for prefix in files for ext in (".idx", ".bin")
+        ]
+        parts.append(
+            f"{packs.unique_description_hash} {os.path.realpath(routes)} {' '.join(identities)}"
+        )
+    return " | ".join(parts)
+
+
+def cached_route_coverage(
+    dataset: Any, first: int, end: int, cache_dir: str | None
+) -> tuple[tuple[int, int], bool]:
+    """:func:`training_route_coverage`, kept in ``cache_dir`` under :func:`coverage_key`.
+
+    Returns ``((missing rows, rows), whether it came from the cache)``.
+    """
+    from megatron_ext.data import pack_index_cache
+
+    key = coverage_key(dataset, first, end)
+    stored = pack_index_cache.recall(cache_dir, key)
+    if stored is not None:
+        missing, _, rows = stored.partition(" ")
+        if missing.isdigit() and rows.isdigit():
+            return (int(missing), int(rows)), True
+    counted = training_route_coverage(dataset, first, end)
+    pack_index_cache.remember(cache_dir, key, f"{counted[0]} {counted[1]}")
+    return counted, False
+
+
 def check_route_coverage(
-    dataset: Any, first: int, end: int, max_missing: float, *, log: Any = print
+    dataset: Any,
+    first: int,
+    end: int,
+    max_missing: float,
+    *,
+    log: Any = print,
+    cache_dir: str | None = None,
 ) -> float:
     """Logs the training packs' fraction of rows without a recorded route; refuses a run above
     ``max_missing`` (``--route-replay-max-missing``). Returns the fraction.
 
+    With ``cache_dir`` the count is kept there (:func:`cached_route_coverage`); the log line says
+    when it was read from there.
+
     Raises:
         ValueError: More rows than ``max_missing`` allows have no recorded route.
     """
-    missing, rows = training_route_coverage(dataset, first, end)
+    (missing, rows), cached = cached_route_coverage(dataset, first, end, cache_dir)
     fraction = missing / rows if rows else 0.0
     log(
         f"> megatron_ext: route replay: {missing} of {rows} (token, layer) rows of the "
         f"{max(end - first, 0)} training packs' real tokens have no recorded route "
         f"({fraction:.2%}; --route-replay-max-missing {max_missing:g})"
+        + (" [counted at an earlier launch of the same data]" if cached else "")
     )
     if fraction > max_missing:
         raise ValueError(

@@ -104,3 +104,54 @@ def test_expert_255_of_256_is_a_route_not_a_missing_row(tmp_path):
     )  # fmt: skip
     dataset = build_splits(RoutedPackedDataset, config, [1, 0, 0])[0]
     assert training_route_coverage(dataset, 0, 1) == (2, 6) == _naive(dataset, 0, 1)
+
+
+def test_a_second_launch_reads_the_count_and_a_rewritten_route_file_is_counted_again(
+    tmp_path, monkeypatch
+):
+    from megatron_ext.replay import route_coverage
+
+    docs = [np.array([5, 6, 7]), np.array([8, 9, 10])]
+    write_documents(str(tmp_path / "d"), docs)
+    routes = [np.zeros((3, LAYERS, TOPK), np.uint8) + np.arange(TOPK, dtype=np.uint8)] * 2
+    write_routes(str(tmp_path / "d_routes"), routes)
+    cache, logged = str(tmp_path / "cache"), []
+    dataset = _build(str(tmp_path), ["d"], 2, seq=4)
+    check_route_coverage(dataset, 0, 2, 0.0, log=logged.append, cache_dir=cache)
+    assert "0 of 12" in logged[-1] and "earlier launch" not in logged[-1]
+
+    counted = []
+    real_count = route_coverage.training_route_coverage
+    monkeypatch.setattr(
+        route_coverage,
+        "training_route_coverage",
+        lambda *a: counted.append(a) or real_count(*a),
+    )
+    again = _build(str(tmp_path), ["d"], 2, seq=4)  # a new launch of the same data
+    check_route_coverage(again, 0, 2, 0.0, log=logged.append, cache_dir=cache)
+    assert counted == [] and "0 of 12" in logged[-1] and "earlier launch" in logged[-1]
+    check_route_coverage(again, 1, 2, 0.0, log=logged.append, cache_dir=cache)  # a resume
+    assert len(counted) == 1 and "0 of 6" in logged[-1]
+
+    # convert-routes writes the sidecar again, now with a missing row: counted, and refused.
+    broken = [r.copy() for r in routes]
+    broken[0][1, 1] = 255
+    for ext in (".idx", ".bin"):
+        os.remove(tmp_path / f"d_routes{ext}")
+    write_routes(str(tmp_path / "d_routes"), broken)
+    rewritten = _build(str(tmp_path), ["d"], 2, seq=4)
+    with pytest.raises(ValueError, match="1 of 12"):
+        check_route_coverage(rewritten, 0, 2, 0.0, log=logged.append, cache_dir=cache)
+    assert len(counted) == 2 and "earlier launch" not in logged[-1]
+
+
+def test_the_key_names_every_component_of_a_blend(corpus):
+    from megatron_ext.replay.route_coverage import coverage_key
+
+    blended = _build(corpus["root"], ["a", "b"], 60, weights=[0.3, 0.7])
+    key = coverage_key(blended, 5, 60)
+    assert blended.unique_description_hash in key
+    for packs in blended.datasets:
+        assert packs.unique_description_hash in key
+        assert os.path.realpath(packs.dataset.sidecars["routes"].path_prefix) in key
+    assert coverage_key(blended, 5, 60) == key and coverage_key(blended, 6, 60) != key
