@@ -32,7 +32,6 @@ reused pid can neither report nor receive anything. The server kills its ranks a
 request pipe closes (when the process that started it exits), and each rank dies with the server.
 """
 
-import atexit
 import ctypes
 import gc
 import json
@@ -47,6 +46,7 @@ import threading
 import time
 from typing import Any
 
+from megatron_ext.common.process_exit import exit_like_the_interpreter, flush_c_streams
 from megatron_ext.testing.rank_env import rank_env
 
 #: Modules the server imports: what every launch of ``megatron_ext.pretrain_gpt`` imports (its
@@ -74,11 +74,6 @@ SERVER_ENVIRONMENT = {"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
 #: Seconds to wait for the server to fork a rank.
 START_TIMEOUT = 60.0
 _PR_SET_PDEATHSIG = 1
-
-
-def _flush_c_streams() -> None:
-    """``fflush(NULL)``: what C's ``exit()`` does and ``os._exit`` skips."""
-    ctypes.CDLL(None).fflush(None)
 
 
 # ----------------------------------------------------------------------------- the server process
@@ -118,7 +113,7 @@ def serve(requests_fd: int, replies_fd: int) -> None:
                     continue
                 for stream in (sys.stdout, sys.stderr):  # nothing of the server's goes to the rank
                     stream.flush()
-                _flush_c_streams()
+                flush_c_streams()
                 pid = os.fork()
                 if pid == 0:  # the rank: never back into this loop
                     try:
@@ -185,23 +180,7 @@ def run_module(module: str, args: list[str], env: dict[str, str], cwd: str, out:
     except BaseException:  # noqa: BLE001 - reported as an uncaught exception is
         sys.excepthook(*sys.exc_info())
         code = 1
-    _exit_like_the_interpreter(code, interrupted)
-
-
-def _exit_like_the_interpreter(code: int, interrupted: bool) -> None:
-    """Interpreter exit in the order ``Py_FinalizeEx`` runs it, then ``os._exit``."""
-    threading._shutdown()  # non-daemon threads are joined
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    _flush_c_streams()
-    if interrupted:  # an uncaught KeyboardInterrupt ends the process by SIGINT
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-    os._exit(code)
+    exit_like_the_interpreter(code, interrupted)
 
 
 # ----------------------------------------------------------------------------- the launcher's side

@@ -1,0 +1,53 @@
+"""A process ended by exit_like_the_interpreter shows what a normal interpreter exit shows: its
+non-daemon threads finish, atexit handlers run, Python and C buffers reach the file, the status
+is the one given, and an interrupt still ends it by SIGINT."""
+
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PROGRAM = textwrap.dedent(
+    """
+    import atexit, ctypes, sys, threading, time
+    from megatron_ext.common.process_exit import exit_like_the_interpreter
+
+    out = open(sys.argv[1], "a")
+    def late():
+        time.sleep(0.2)
+        out.write("thread\\n")
+    threading.Thread(target=late).start()
+    atexit.register(lambda: (out.write("atexit\\n"), out.flush()))
+    sys.stdout.write("python-buffered")  # no newline, no flush
+    ctypes.CDLL(None).printf(b"c-buffered")  # stdout is a file: C buffers it
+    exit_like_the_interpreter(int(sys.argv[2]), interrupted=sys.argv[3] == "1")
+    """
+)
+
+
+def _run(tmp_path: Path, code: int, interrupted: bool) -> tuple[subprocess.CompletedProcess, str]:
+    log = tmp_path / f"log{code}{interrupted}"
+    stdout = tmp_path / f"stdout{code}{interrupted}"
+    with open(stdout, "w") as f:
+        proc = subprocess.run(
+            [sys.executable, "-c", PROGRAM, str(log), str(code), "1" if interrupted else "0"],
+            stdout=f, stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=60,
+        )  # fmt: skip
+    return proc, log.read_text() + "|" + stdout.read_text()
+
+
+def test_threads_atexit_and_both_buffers_finish_and_the_status_is_kept(tmp_path):
+    proc, seen = _run(tmp_path, 3, interrupted=False)
+    assert proc.returncode == 3, proc.stderr
+    logged, printed = seen.split("|")
+    assert logged == "thread\natexit\n"  # the thread joined before the handlers ran
+    assert "python-buffered" in printed and "c-buffered" in printed
+
+
+def test_an_interrupt_ends_the_process_by_sigint(tmp_path):
+    proc, seen = _run(tmp_path, 1, interrupted=True)
+    assert proc.returncode == -signal.SIGINT, proc.stderr
+    assert seen.startswith("thread\natexit\n")
