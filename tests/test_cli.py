@@ -2,8 +2,9 @@
 Megatron: a command's imports wait until it runs.
 
 The probe builds the parser and prints the help of the command and of each of its own subcommands,
-then imports the launcher the ``rehearse`` subcommand runs and checks that the same probe sees torch
-arrive (so a probe that could not see a torch import fails instead of passing).
+then imports the launcher the ``rehearse`` subcommand and the demo run (which imports no torch
+either: its ranks and server import it), then the host-sync detector, and checks that the same probe
+sees torch arrive there (so a probe that could not see a torch import fails instead of passing).
 """
 
 import json
@@ -29,6 +30,10 @@ from megatron_ext.testing.real_loop import launch  # what `rehearse` runs
 seen["after importing the launcher"] = sorted(
     name for name in ("torch", "megatron") if name in sys.modules
 )
+from megatron_ext.testing import assert_no_host_sync  # the sync detector: torch
+seen["after importing the sync detector"] = sorted(
+    name for name in ("torch", "megatron") if name in sys.modules
+)
 print(json.dumps(seen))
 """
 
@@ -39,5 +44,6 @@ def test_help_of_every_own_subcommand_imports_no_torch() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads(proc.stdout.splitlines()[-1])
-    assert seen.pop("after importing the launcher") == ["torch"]
+    assert seen.pop("after importing the sync detector") == ["torch"]
+    assert seen.pop("after importing the launcher") == []
     assert seen == {name: [] for name in ("megatron-ext", "bench", "demo", "flags", "rehearse")}

@@ -1,12 +1,11 @@
 """Test infrastructure: gloo rank pools with Megatron parallel state, a host-sync detector, a tiny model.
 
-``tiny_moe_config`` / ``build_tiny_gpt`` import Megatron and are loaded lazily.
+Every name is loaded on first use (they import torch, some Megatron), so importing a submodule
+that needs neither (``preloaded``, ``real_loop``'s launcher) stays cheap: the demo starts its launch
+server before torch is imported.
 """
 
 from typing import Any
-
-from megatron_ext.testing.distributed import run_distributed, sequence_parallel
-from megatron_ext.testing.host_sync import assert_no_host_sync, count_host_syncs, record_host_syncs
 
 __all__ = [
     "assert_no_host_sync",
@@ -19,9 +18,20 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("tiny_moe_config", "build_tiny_gpt"):
-        from megatron_ext.testing import tiny_model
+_HOMES = {
+    "run_distributed": "distributed",
+    "sequence_parallel": "distributed",
+    "assert_no_host_sync": "host_sync",
+    "count_host_syncs": "host_sync",
+    "record_host_syncs": "host_sync",
+    "tiny_moe_config": "tiny_model",
+    "build_tiny_gpt": "tiny_model",
+}
 
-        return getattr(tiny_model, name)
-    raise AttributeError(name)
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(name)
+    import importlib
+
+    return getattr(importlib.import_module(f"megatron_ext.testing.{_HOMES[name]}"), name)

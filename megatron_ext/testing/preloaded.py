@@ -278,6 +278,20 @@ def _server() -> _Client:
         return _client
 
 
+def warm_up() -> None:
+    """Starts the server in the background, so that its imports overlap what the caller does
+    next (the demo's preprocessing); the first launch then waits for it only as long as it still
+    imports. A server that fails to start is started again, and its error raised, by that launch."""
+
+    def start() -> None:
+        try:
+            _server()
+        except Exception:  # noqa: BLE001 - raised again by the launch that needs the server
+            pass
+
+    threading.Thread(target=start, daemon=True, name="launch-server-warm-up").start()
+
+
 def import_environment_differs(env: dict[str, str]) -> list[str]:
     """The variables (other than :data:`RUN_TIME_VARIABLES`) whose value in ``env`` is neither the
     one the server started under nor the one its imports left (it is started on first use); empty

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from megatron_ext.shipped_files import PACKAGE, shipped_file
+from megatron_ext.testing import preloaded
 from megatron_ext.testing.real_loop import LoopRun, launch
 from megatron_ext.training.rehearse import example_flags
 
@@ -276,6 +277,7 @@ def run_demo(steps: int, workdir: Path) -> tuple[dict[str, LoopRun], dict[str, A
     prefix = str(workdir / "corpus_text_document")
     corpus = PACKAGE / "assets" / "corpus.jsonl"
     tool = shipped_file("tools", "preprocess_data.py")
+    preloaded.warm_up()  # the launch server imports Megatron while the corpus is preprocessed
     subprocess.run(
         [sys.executable, str(tool), "--input", str(corpus), "--output-prefix", prefix,
          "--append-eod"],

@@ -58,3 +58,47 @@ def test_the_real_server_starts_under_launchs_environment():
     assert server.start_env["OMP_NUM_THREADS"] == "1"  # what launch gives every rank
     assert server.start_env["TORCHDYNAMO_DISABLE"] == "1"
     assert server.env["OMP_NUM_THREADS"] == "1"  # and what the ranks start from
+
+
+def test_warm_up_starts_one_server_in_the_background_that_the_next_launch_uses(monkeypatch):
+    started, release = [], threading.Event()
+
+    class SlowClient:  # a server whose imports take until `release`
+        def __init__(self):
+            started.append(self)
+            release.wait(10)
+
+        def alive(self):
+            return True
+
+    monkeypatch.setattr(preloaded, "_Client", SlowClient)
+    monkeypatch.setattr(preloaded, "_client", None)
+    preloaded.warm_up()  # returns at once: the caller goes on while the server imports
+    assert not release.is_set()
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(preloaded._server()))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and not got  # the launch waits for the warming server ...
+    release.set()
+    waiter.join(10)
+    assert len(started) == 1 and got == started  # ... and uses it: one server, not two
+
+
+def test_a_warm_up_that_fails_leaves_the_error_to_the_launch(monkeypatch):
+    attempts = []
+
+    def failing():
+        attempts.append(1)
+        raise RuntimeError("the preloaded launch server failed (1)")
+
+    monkeypatch.setattr(preloaded, "_Client", failing)
+    monkeypatch.setattr(preloaded, "_client", None)
+    preloaded.warm_up()
+    for _ in range(100):
+        if attempts:
+            break
+        threading.Event().wait(0.05)
+    with pytest.raises(RuntimeError, match="server failed"):
+        preloaded._server()
+    assert len(attempts) == 2
