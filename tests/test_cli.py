@@ -1,5 +1,5 @@
 """Tier: pure (one fresh interpreter). ``megatron-ext``'s parser and ``--help`` import neither torch nor
-Megatron: a command's imports wait until it runs.
+Megatron, its own subcommands' and the tools' alike: a command's imports wait until it runs.
 
 The probe builds the parser and prints the help of the command and of each of its own subcommands,
 then imports the launcher the ``rehearse`` subcommand and the demo run (which imports no torch
@@ -14,14 +14,19 @@ import sys
 _PROBE = """
 import contextlib, io, json, sys
 from megatron_ext.cli import main
+from megatron_ext.shipped_files import TOOL_SCRIPTS
+
+TOOLS = [[name] for name in TOOL_SCRIPTS]
+assert len(TOOLS) >= 5, TOOLS
 
 seen = {}
-for command in ([], ["bench"], ["demo"], ["flags"], ["rehearse"]):
+for command in ([], ["bench"], ["demo"], ["flags"], ["rehearse"], *TOOLS):
     with contextlib.redirect_stdout(io.StringIO()) as out:
         try:
-            main([*command, "--help"])
+            status = main([*command, "--help"])
         except SystemExit as exc:
-            assert exc.code == 0, (command, exc.code)
+            status = exc.code
+        assert status in (0, None), (command, status)
     assert "usage: megatron-ext" in out.getvalue(), command
     seen[" ".join(command) or "megatron-ext"] = sorted(
         name for name in ("torch", "megatron") if name in sys.modules
@@ -46,4 +51,6 @@ def test_help_of_every_own_subcommand_imports_no_torch() -> None:
     seen = json.loads(proc.stdout.splitlines()[-1])
     assert seen.pop("after importing the sync detector") == ["torch"]
     assert seen.pop("after importing the launcher") == []
-    assert seen == {name: [] for name in ("megatron-ext", "bench", "demo", "flags", "rehearse")}
+    commands = ("megatron-ext", "bench", "demo", "flags", "rehearse", "preprocess-data",
+                "convert-routes", "pack-stats", "make-corpus", "merge-datasets")  # fmt: skip
+    assert seen == {name: [] for name in commands}

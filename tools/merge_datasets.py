@@ -16,7 +16,6 @@ import sys
 
 import megatron_ext.cli_quiet  # noqa: F401  (first: hides inapplicable warnings unless --verbose)
 from megatron_ext.common.safe_files import check_output_prefix
-from megatron_ext.data.indexed_merge import merge_shards, shard_prefixes
 from megatron_ext.data.tool_errors import add_common_flags, run_tool
 
 
@@ -36,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Runs the merge; returns the process exit status."""
     args = build_parser().parse_args(argv)
+    # Megatron's IndexedDataset (its package imports torch) only once the flags parsed.
+    from megatron_ext.data.indexed_merge import merge_shards, shard_prefixes
+
     if args.input is not None:
         prefixes = shard_prefixes(args.input)
     else:

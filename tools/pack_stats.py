@@ -33,7 +33,6 @@ from megatron_ext.common.safe_files import (
     create_temp,
     put_in_place,
 )
-from megatron_ext.data.indexed_checks import open_indexed
 from megatron_ext.data.pack_planning import (
     OVERLONG_POLICIES,
     PACKING_ALGORITHMS,
@@ -139,6 +138,9 @@ def pack_statistics(doc_lens_D: np.ndarray, args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Prints (and optionally plots / dumps) the statistics; returns the exit status."""
     args = build_parser().parse_args(argv)
+    # Megatron's IndexedDataset (its package imports torch) only once the flags parsed.
+    from megatron_ext.data.indexed_checks import open_indexed
+
     if args.seq_length < 1:
         raise ValueError(f"--seq-length must be >= 1, got {args.seq_length}")
     if args.pad_to_multiple_of < 1:

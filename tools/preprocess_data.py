@@ -32,7 +32,6 @@ from tqdm import tqdm
 import megatron_ext.cli_quiet  # noqa: F401  (first: hides inapplicable warnings unless --verbose)
 from megatron_ext.common.safe_files import check_output_prefix
 from megatron_ext.data.jsonl_documents import RecordFormat
-from megatron_ext.data.jsonl_indexed import jsonl_to_indexed, token_dtype
 from megatron_ext.data.text_tokenizers import TokenizerSpec, load_tokenizer, special_prefix
 from megatron_ext.data.tool_errors import add_common_flags, run_tool
 
@@ -160,6 +159,10 @@ def output_prefixes(args: argparse.Namespace) -> tuple[list[str], str | None]:
 def main(argv: list[str] | None = None) -> int:
     """Runs the conversion; returns the process exit status."""
     args = build_parser().parse_args(argv)
+    # Megatron's IndexedDataset (its package imports torch) only once the flags parsed: --help and a
+    # bad flag answer at once.
+    from megatron_ext.data.jsonl_indexed import jsonl_to_indexed, token_dtype
+
     check_args(args)
     outputs, mask_prefix = output_prefixes(args)
     given = sys.argv[1:] if argv is None else argv
