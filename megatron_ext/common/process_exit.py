@@ -2,14 +2,18 @@
 
 ``Py_FinalizeEx`` joins non-daemon threads, runs ``atexit`` handlers, flushes the streams and then
 tears down every module and object it holds. The last step is what a finished ``--cpu`` rank
-spends its exit on (torch and Megatron hold tens of thousands of objects and hundreds of modules)
-and nothing observable depends on it: files are closed and flushed by the kernel and ``atexit``,
-process groups are already destroyed. :func:`exit_like_the_interpreter` runs the observable steps
-in the interpreter's order and then ends the process with ``os._exit``.
+spends its exit on (torch and Megatron hold hundreds of thousands of objects and hundreds of
+modules); what it does that can be observed is closing files still open, whose Python-level
+buffers are written then. :func:`exit_like_the_interpreter` runs the observable steps in the
+interpreter's order, flushes every file object still open for writing (about 0.1 s in a rank that
+imported Megatron: one pass over the garbage collector's objects), and ends the process with
+``os._exit``. The kernel closes the descriptors; process groups are destroyed before (the caller's).
 """
 
 import atexit
 import ctypes
+import gc
+import io
 import os
 import signal
 import sys
@@ -19,6 +23,27 @@ import threading
 def flush_c_streams() -> None:
     """``fflush(NULL)``: what C's ``exit()`` does and ``os._exit`` skips."""
     ctypes.CDLL(None).fflush(None)
+
+
+#: The buffered file types ``open`` returns for writing (compared by exact type: an ``isinstance``
+#: against ``io.IOBase`` over every object costs several times more).
+_WRITABLE_FILE_TYPES = frozenset({io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom})
+
+
+def flush_open_files() -> int:
+    """Flushes the Python buffers of every file object still open for writing, as closing them at
+    interpreter teardown would; returns how many were flushed. Errors (a closed pipe) are ignored,
+    as the interpreter ignores them at exit."""
+    flushed = 0
+    for obj in gc.get_objects():
+        if type(obj) in _WRITABLE_FILE_TYPES:
+            try:
+                if not obj.closed and obj.writable():
+                    obj.flush()
+                    flushed += 1
+            except (OSError, ValueError):
+                pass
+    return flushed
 
 
 def exit_like_the_interpreter(code: int, interrupted: bool = False) -> None:
@@ -36,6 +61,7 @@ def exit_like_the_interpreter(code: int, interrupted: bool = False) -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
+    flush_open_files()  # what closing them at teardown would write
     flush_c_streams()
     if interrupted:  # an uncaught KeyboardInterrupt ends the process by SIGINT
         signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -1,6 +1,6 @@
 """A process ended by exit_like_the_interpreter shows what a normal interpreter exit shows: its
-non-daemon threads finish, atexit handlers run, Python and C buffers reach the file, the status
-is the one given, and an interrupt still ends it by SIGINT."""
+non-daemon threads finish, atexit handlers run, Python and C buffers reach the file (a file left
+open included), the status is the one given, and an interrupt still ends it by SIGINT."""
 
 import signal
 import subprocess
@@ -16,6 +16,8 @@ PROGRAM = textwrap.dedent(
     from megatron_ext.common.process_exit import exit_like_the_interpreter
 
     out = open(sys.argv[1], "a")
+    left_open = open(sys.argv[1] + ".open", "w")  # never closed nor flushed by the program
+    left_open.write("kept")
     def late():
         time.sleep(0.2)
         out.write("thread\\n")
@@ -36,15 +38,17 @@ def _run(tmp_path: Path, code: int, interrupted: bool) -> tuple[subprocess.Compl
             [sys.executable, "-c", PROGRAM, str(log), str(code), "1" if interrupted else "0"],
             stdout=f, stderr=subprocess.PIPE, text=True, cwd=ROOT, timeout=60,
         )  # fmt: skip
-    return proc, log.read_text() + "|" + stdout.read_text()
+    kept = (tmp_path / f"log{code}{interrupted}.open").read_text()
+    return proc, log.read_text() + "|" + stdout.read_text() + "|" + kept
 
 
 def test_threads_atexit_and_both_buffers_finish_and_the_status_is_kept(tmp_path):
     proc, seen = _run(tmp_path, 3, interrupted=False)
     assert proc.returncode == 3, proc.stderr
-    logged, printed = seen.split("|")
+    logged, printed, kept = seen.split("|")
     assert logged == "thread\natexit\n"  # the thread joined before the handlers ran
     assert "python-buffered" in printed and "c-buffered" in printed
+    assert kept == "kept"  # a file left open keeps what was written to it, as at teardown
 
 
 def test_an_interrupt_ends_the_process_by_sigint(tmp_path):
