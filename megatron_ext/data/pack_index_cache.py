@@ -196,3 +196,21 @@ def remember(cache_dir: str | None, key: str, value: str) -> None:
         atomic_write_bytes(path, f"{key}\n{value}".encode())
     except OSError as err:
         logger.warning("could not record a scan's result in %s (%s)", path, err.strerror)
+
+
+def recall_ints(cache_dir: str | None, key: str, count: int) -> tuple[int, ...] | None:
+    """The ``count`` integers :func:`remember_ints` stored under ``key`` (a scan's result), or None
+    when there are none (or not ``count`` integers: another layout of the value)."""
+    value = recall(cache_dir, key)
+    if value is None:
+        return None
+    try:
+        ints = tuple(int(word) for word in value.split(" "))
+    except ValueError:
+        return None
+    return ints if len(ints) == count else None
+
+
+def remember_ints(cache_dir: str | None, key: str, ints: tuple[int, ...]) -> None:
+    """Stores a scan's integer result under ``key`` (best effort, like :func:`remember`)."""
+    remember(cache_dir, key, " ".join(str(int(v)) for v in ints))

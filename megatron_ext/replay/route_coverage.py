@@ -103,23 +103,23 @@ def coverage_key(dataset: Any, first: int, end: int) -> str:
     return " | ".join(parts)
 
 
-def cached_route_coverage(
-    dataset: Any, first: int, end: int, cache_dir: str | None
-) -> tuple[tuple[int, int], bool]:
-    """:func:`training_route_coverage`, kept in ``cache_dir`` under :func:`coverage_key`.
+def cached_route_coverage(dataset: Any, first: int, end: int) -> tuple[tuple[int, int], bool]:
+    """:func:`training_route_coverage`, kept under :func:`coverage_key` in the cache directory of
+    the first component's pack plan (``--data-cache-path``, else ``cache/`` beside its data).
 
     Returns ``((missing rows, rows), whether it came from the cache)``.
     """
     from megatron_ext.data import pack_index_cache
+    from megatron_ext.data.indexed_checks import default_cache_dir
 
+    packs = _components(dataset)[0]
+    cache_dir = default_cache_dir(packs.config, packs.dataset.path_prefix)
     key = coverage_key(dataset, first, end)
-    stored = pack_index_cache.recall(cache_dir, key)
+    stored = pack_index_cache.recall_ints(cache_dir, key, 2)
     if stored is not None:
-        missing, _, rows = stored.partition(" ")
-        if missing.isdigit() and rows.isdigit():
-            return (int(missing), int(rows)), True
+        return (stored[0], stored[1]), True
     counted = training_route_coverage(dataset, first, end)
-    pack_index_cache.remember(cache_dir, key, f"{counted[0]} {counted[1]}")
+    pack_index_cache.remember_ints(cache_dir, key, counted)
     return counted, False
 
 
@@ -130,18 +130,21 @@ def check_route_coverage(
     max_missing: float,
     *,
     log: Any = print,
-    cache_dir: str | None = None,
+    cache: bool = False,
 ) -> float:
     """Logs the training packs' fraction of rows without a recorded route; refuses a run above
     ``max_missing`` (``--route-replay-max-missing``). Returns the fraction.
 
-    With ``cache_dir`` the count is kept there (:func:`cached_route_coverage`); the log line says
-    when it was read from there.
+    With ``cache`` the count is kept in the data cache (:func:`cached_route_coverage`); the log
+    line says when it was read from there.
 
     Raises:
         ValueError: More rows than ``max_missing`` allows have no recorded route.
     """
-    (missing, rows), cached = cached_route_coverage(dataset, first, end, cache_dir)
+    if cache:
+        (missing, rows), cached = cached_route_coverage(dataset, first, end)
+    else:
+        (missing, rows), cached = training_route_coverage(dataset, first, end), False
     fraction = missing / rows if rows else 0.0
     log(
         f"> megatron_ext: route replay: {missing} of {rows} (token, layer) rows of the "

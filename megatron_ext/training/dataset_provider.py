@@ -161,7 +161,6 @@ def _build_datasets(train_val_test_num_samples: list[int]) -> tuple[Any, Any, An
     if replay.route_replay_mode == "record":
         run_state.state(args).record_dataset = datasets[0]
     if replay.route_replay_mode == "replay" and datasets[0] is not None:
-        from megatron_ext.data.indexed_checks import cache_dir_for
         from megatron_ext.replay.route_coverage import check_route_coverage
 
         check_route_coverage(  # the samples this run trains on: from a resume's to the last
@@ -170,15 +169,9 @@ def _build_datasets(train_val_test_num_samples: list[int]) -> tuple[Any, Any, An
             train_val_test_num_samples[0],
             replay.route_replay_max_missing,
             log=print_rank_0,
-            cache_dir=cache_dir_for(view.data_cache_path, _first_prefix(datasets[0])),
+            cache=True,  # beside the pack plans: counted once per data, not per launch
         )
     return datasets
-
-
-def _first_prefix(dataset) -> str:
-    """The token-file prefix of ``dataset`` (a blend's first component's): where the data cache
-    lives without ``--data-cache-path``, as for the pack plans."""
-    return (dataset.datasets[0] if hasattr(dataset, "datasets") else dataset).dataset.path_prefix
 
 
 # Megatron's training loop builds the data loader on every rank that returns True here.

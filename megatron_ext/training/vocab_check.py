@@ -61,9 +61,9 @@ def max_token_id(prefix: str, what: str = "--data-path", cache_dir: str | None =
         f"max-token-id {os.path.realpath(prefix)} {file_identity(prefix + '.idx')} "
         f"{file_identity(prefix + '.bin')}"
     )
-    cached = pack_index_cache.recall(cache_dir, key)
-    if cached is not None and cached.lstrip("-").isdigit():
-        return int(cached)
+    cached = pack_index_cache.recall_ints(cache_dir, key, 1)
+    if cached is not None:
+        return cached[0]
     open_indexed(prefix, what)  # sizes before values: a misread .bin shows ids it never held
     dtype = _token_dtype(prefix + ".idx")
     size = os.path.getsize(prefix + ".bin") // dtype.itemsize
@@ -71,7 +71,7 @@ def max_token_id(prefix: str, what: str = "--data-path", cache_dir: str | None =
     if size:
         tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r", shape=(size,))
         largest = int(max(tokens[i : i + _CHUNK].max() for i in range(0, size, _CHUNK)))
-    pack_index_cache.remember(cache_dir, key, str(largest))
+    pack_index_cache.remember_ints(cache_dir, key, (largest,))
     return largest
 
 

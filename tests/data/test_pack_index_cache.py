@@ -163,3 +163,15 @@ def test_a_full_disk_mid_write_is_one_error_naming_the_cache_and_leaves_nothing(
     assert "--data-cache-path" in message and "\n" not in message
     assert isinstance(err.value.__cause__, OSError)
     assert os.listdir(tmp_path / "c") == []  # neither the cache nor its temporary file
+
+
+def test_a_scans_integers_come_back_only_under_their_key_and_count(tmp_path) -> None:
+    cache = str(tmp_path / "cache")
+    assert pack_index_cache.recall_ints(cache, "scan a", 2) is None  # nothing stored yet
+    pack_index_cache.remember_ints(cache, "scan a", (-1, 12))
+    assert pack_index_cache.recall_ints(cache, "scan a", 2) == (-1, 12)  # -1: an empty file's id
+    assert pack_index_cache.recall_ints(cache, "scan a", 1) is None  # another layout
+    assert pack_index_cache.recall_ints(cache, "scan b", 2) is None  # another scan or file state
+    pack_index_cache.remember(cache, "scan c", "12 x")  # not integers: read as absent
+    assert pack_index_cache.recall_ints(cache, "scan c", 2) is None
+    assert pack_index_cache.recall_ints(None, "scan a", 2) is None  # no cache directory

@@ -115,9 +115,9 @@ def test_a_second_launch_reads_the_count_and_a_rewritten_route_file_is_counted_a
     write_documents(str(tmp_path / "d"), docs)
     routes = [np.zeros((3, LAYERS, TOPK), np.uint8) + np.arange(TOPK, dtype=np.uint8)] * 2
     write_routes(str(tmp_path / "d_routes"), routes)
-    cache, logged = str(tmp_path / "cache"), []
+    logged = []
     dataset = _build(str(tmp_path), ["d"], 2, seq=4)
-    check_route_coverage(dataset, 0, 2, 0.0, log=logged.append, cache_dir=cache)
+    check_route_coverage(dataset, 0, 2, 0.0, log=logged.append, cache=True)
     assert "0 of 12" in logged[-1] and "earlier launch" not in logged[-1]
 
     counted = []
@@ -128,9 +128,9 @@ def test_a_second_launch_reads_the_count_and_a_rewritten_route_file_is_counted_a
         lambda *a: counted.append(a) or real_count(*a),
     )
     again = _build(str(tmp_path), ["d"], 2, seq=4)  # a new launch of the same data
-    check_route_coverage(again, 0, 2, 0.0, log=logged.append, cache_dir=cache)
+    check_route_coverage(again, 0, 2, 0.0, log=logged.append, cache=True)
     assert counted == [] and "0 of 12" in logged[-1] and "earlier launch" in logged[-1]
-    check_route_coverage(again, 1, 2, 0.0, log=logged.append, cache_dir=cache)  # a resume
+    check_route_coverage(again, 1, 2, 0.0, log=logged.append, cache=True)  # a resume
     assert len(counted) == 1 and "0 of 6" in logged[-1]
 
     # convert-routes writes the sidecar again, now with a missing row: counted, and refused.
@@ -141,7 +141,7 @@ def test_a_second_launch_reads_the_count_and_a_rewritten_route_file_is_counted_a
     write_routes(str(tmp_path / "d_routes"), broken)
     rewritten = _build(str(tmp_path), ["d"], 2, seq=4)
     with pytest.raises(ValueError, match="1 of 12"):
-        check_route_coverage(rewritten, 0, 2, 0.0, log=logged.append, cache_dir=cache)
+        check_route_coverage(rewritten, 0, 2, 0.0, log=logged.append, cache=True)
     assert len(counted) == 2 and "earlier launch" not in logged[-1]
 
 
