@@ -55,29 +55,34 @@ def install_wheel(base: Path) -> Installed:
         for path in (ROOT / kind).glob(pattern):
             shutil.copy(path, source / kind / path.name)
     pip = [sys.executable, "-m", "pip"]
+    # Without the caller's PYTHONPATH: a checkout on it (``PYTHONPATH=$PWD pytest``) puts its
+    # megatron_ext.egg-info on pip's path, and pip then skips the install as already satisfied.
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     built = subprocess.run(
         [*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(base / "dist"),
          str(source)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, env=clean,
     )  # fmt: skip
     assert built.returncode == 0, built.stderr
     (wheel,) = (base / "dist").glob("megatron_ext-*.whl")
     venv = base / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, env=clean
+    )
     python = venv / "bin" / "python"
     purelib = subprocess.run(
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True, text=True, check=True,
+        capture_output=True, text=True, check=True, env=clean,
     ).stdout.strip()  # fmt: skip
     (Path(purelib) / "zz_project_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     done = subprocess.run(
         [*pip, "--python", str(python), "install", "-q", "--no-deps", "--no-index", str(wheel)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, env=clean,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     elsewhere = base / "elsewhere"
     elsewhere.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = dict(clean)
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env['PATH']}"
     return Installed(venv=venv, python=python, purelib=Path(purelib), cwd=elsewhere, env=env)
 
