@@ -21,6 +21,12 @@ Workers start as fresh interpreters (``spawn``, the default: what the benchmarks
 modules the CPU patches touch once (``forkserver``): a pool then starts in well under a second
 instead of ~5 s a rank, so a test may tear one down (a failure, a benchmark's fresh workers) cheaply.
 Either way a worker runs under the environment of the caller that built its pool.
+
+An idle forked pool closes itself after :data:`IDLE_CLOSE_S` seconds. Each gloo process group keeps
+threads of its own (a worker grows by about 60 threads per initialisation of Megatron's groups),
+and an idle worker still spends CPU on them: sampled with ``top`` through the suite, the idle
+workers took about a third of one of this machine's two cores while the subprocess tests ran. The
+next call forks a new pool in well under a second.
 """
 
 import atexit
@@ -28,6 +34,7 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -172,6 +179,7 @@ class _Pool:
         for proc in self.procs:
             proc.start()
         self.next_id = 0
+        self.idle_timer: threading.Timer | None = None
         self.groups: tuple | None = None  # the parallel sizes its workers' groups were made for
         self.group_changes = 0
 
@@ -204,6 +212,8 @@ class _Pool:
         return done
 
     def close(self, force: bool = False) -> None:
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
         if not force:
             for q in self.tasks:
                 q.put(None)
@@ -215,6 +225,11 @@ class _Pool:
 
 
 _POOLS: dict[int, _Pool] = {}
+#: Held while a call uses a pool and while an idle pool is closed, so neither happens mid-call.
+_POOLS_LOCK = threading.Lock()
+#: Seconds a forked pool may sit unused before it closes itself (see the module docstring); spawned
+#: pools (benchmarks) stay: rebuilding one costs seconds of imports per rank.
+IDLE_CLOSE_S = 5.0
 #: Every change of parallel sizes leaves the previous gloo groups' threads polling in each worker (a
 #: worker of the suite's 2-rank pool reached ~850 threads, a third of a core, idle); a forked pool
 #: is cheap to replace after this many.
@@ -238,12 +253,30 @@ def _pool(world_size: int, sizes: ParallelSizes) -> _Pool:
     return pool
 
 
+def _close_when_idle(world_size: int, pool: _Pool) -> None:
+    """Closes ``pool`` :data:`IDLE_CLOSE_S` seconds from now unless a call uses it first (forked
+    pools only)."""
+    if _START_METHOD != "forkserver":
+        return
+    pool.idle_timer = threading.Timer(IDLE_CLOSE_S, _close_idle, (world_size, pool))
+    pool.idle_timer.daemon = True
+    pool.idle_timer.start()
+
+
+def _close_idle(world_size: int, pool: _Pool) -> None:
+    with _POOLS_LOCK:
+        if _POOLS.get(world_size) is pool:  # not replaced or shut down meanwhile
+            _POOLS.pop(world_size)
+            pool.close()
+
+
 @atexit.register
 def shutdown_pools() -> None:
     """Stops every worker pool (also runs at interpreter exit)."""
-    for pool in _POOLS.values():
-        pool.close()
-    _POOLS.clear()
+    with _POOLS_LOCK:
+        for pool in _POOLS.values():
+            pool.close()
+        _POOLS.clear()
 
 
 def run_distributed(
@@ -281,14 +314,20 @@ def run_distributed(
             exit code is named) or it did not answer in time.
     """
     sizes = ParallelSizes(tp=tp, ep=ep, pp=pp, cp=cp, sp=sp, seed=seed, etp=etp)
-    pool = _pool(world_size, sizes)
-    done = pool.run(fn, args, kwargs, sizes, timeout)
-    failed = {rank: value for rank, (ok, value) in done.items() if not ok}
-    missing = [rank for rank in range(world_size) if rank not in done]
+    with _POOLS_LOCK:
+        pool = _pool(world_size, sizes)
+        if pool.idle_timer is not None:
+            pool.idle_timer.cancel()
+        done = pool.run(fn, args, kwargs, sizes, timeout)
+        failed = {rank: value for rank, (ok, value) in done.items() if not ok}
+        missing = [rank for rank in range(world_size) if rank not in done]
+        if failed or missing:
+            exited = {rank: pool.procs[rank].exitcode for rank in missing}  # None: still running
+            pool.close(force=True)
+            _POOLS.pop(world_size, None)
+        else:
+            _close_when_idle(world_size, pool)
     if failed or missing:
-        exited = {rank: pool.procs[rank].exitcode for rank in missing}  # None: still running
-        pool.close(force=True)
-        _POOLS.pop(world_size, None)
         name = getattr(fn, "__qualname__", repr(fn))
         parts = [
             f"rank {rank} of {world_size} failed in {name}:\n{tb}" for rank, tb in failed.items()

@@ -147,3 +147,23 @@ def test_a_forked_pool_is_replaced_after_many_changes_of_parallel_sizes(monkeypa
     replaced = run_distributed(os.getpid, 2, tp=2)  # the third change
     assert set(replaced).isdisjoint(first)
     assert run_distributed(_sizes_and_sum, 2, 0, tp=2)[0]["tp"] == 2
+
+
+def test_an_idle_forked_pool_closes_itself_and_the_next_call_forks_a_new_one(monkeypatch) -> None:
+    """Idle workers' gloo threads keep spending CPU; a pool unused for IDLE_CLOSE_S closes (its
+    workers exit) and the next call gets fresh workers. A call in time keeps the same ones."""
+    import time
+
+    from megatron_ext.testing import distributed
+
+    monkeypatch.setattr(distributed, "IDLE_CLOSE_S", 0.5)
+    distributed.shutdown_pools()
+    first = run_distributed(os.getpid, 2)
+    assert run_distributed(os.getpid, 2) == first  # the timer restarts with each call
+    procs = distributed._POOLS[2].procs
+    deadline = time.monotonic() + 30
+    while any(proc.is_alive() for proc in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(proc.is_alive() for proc in procs) and 2 not in distributed._POOLS
+    again = run_distributed(os.getpid, 2)
+    assert set(again).isdisjoint(first)
