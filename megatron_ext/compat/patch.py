@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_ext.compat.host_torch import HostTorch, innermost_function, rebind
+from megatron_ext.compat.host_torch import HostTorch, innermost_function, rebind, renamed_code
 
 #: The megatron-core versions every row of the table was checked on.
 TESTED_MEGATRON = ("0.19.2",)
@@ -116,16 +116,32 @@ def _alias(row: Patch) -> str:
     return "_megatron_ext_torch__" + row.attribute.replace(".", "__")
 
 
+def _rebound_function(row: Patch) -> tuple[Any, types.FunctionType, str]:
+    """A :class:`HostTorch` row's module, the function it rebinds and the alias it reads."""
+    owner, name = _owner_and_name(row)
+    module = importlib.import_module(row.module)
+    return module, innermost_function(owner.__dict__.get(name), module.__file__), _alias(row)
+
+
+def prepare(rows: Iterable[Patch]) -> None:
+    """Computes what applying ``rows`` would compute (their functions' renamed code) and installs
+    nothing: a preloaded launch server calls it once, so each rank forked from it applies the rows
+    without re-reading every instruction."""
+    for row in rows:
+        if isinstance(row.replacement, HostTorch):
+            _, function, alias = _rebound_function(row)
+            if not applied(row):
+                renamed_code(function, alias)
+
+
 def _apply_one(row: Patch) -> tuple[Any, ...]:
     """Applies ``row``; returns how to undo it."""
-    owner, name = _owner_and_name(row)
     if isinstance(row.replacement, HostTorch):
-        module = importlib.import_module(row.module)
-        function = innermost_function(owner.__dict__.get(name), module.__file__)
-        alias = _alias(row)
+        module, function, alias = _rebound_function(row)
         setattr(module, alias, row.replacement.proxy())
         previous = rebind(function, alias)
         return ("code", function, previous, function.__code__, module, alias)
+    owner, name = _owner_and_name(row)
     assert isinstance(row.replacement, str), f"{row.name} is applied by its owner"
     factory_module, factory_name = row.replacement.split(":")
     factory = getattr(importlib.import_module(factory_module), factory_name)

@@ -88,6 +88,7 @@ def serve(requests_fd: int, replies_fd: int) -> None:
     defer_tokenizer_libraries()  # as a --cpu launch does: no transformers unless a rank asks
     for name in PRELOAD:
         importlib.import_module(name)
+    compute_once_for_every_rank()
     gc.freeze()  # the ranks' garbage collector then leaves the preloaded objects' pages shared
     os.write(replies_fd, f"ready {json.dumps(dict(os.environ))}\n".encode())
     live: dict[int, int] = {}  # pid -> request id, until reaped
@@ -138,6 +139,40 @@ def serve(requests_fd: int, replies_fd: int) -> None:
             request_id = live.pop(pid)
             code = os.waitstatus_to_exitcode(status)
             os.write(replies_fd, f"exited {request_id} {code}\n".encode())
+
+
+def compute_once_for_every_rank() -> None:
+    """Two pure computations every rank repeats, done once in the server (about 0.7 s of CPU per
+    rank of the ~1.7 s a tiny forked launch costs, by ``cProfile`` of one): the renamed code of the
+    CPU group's compatibility rows (:func:`megatron_ext.compat.patch.prepare`: computed, not
+    installed, so ranks still start unpatched), and the field docstrings Megatron's parser reads
+    from each config dataclass for argparse's help on every ``parse_args`` (``inspect.getsource``
+    and ``ast.parse`` of the class). The second is a memo on Megatron's
+    ``ArgumentGroupFactory._get_field_docstrings`` in this server only: each call gets a copy of
+    what the unmemoized method returned for that class (tests/testing/test_preloaded.py compares
+    them), so every help text and parsed value is unchanged.
+    """
+    import argparse
+
+    from megatron.training import argument_utils, arguments
+
+    from megatron_ext import compat
+    from megatron_ext.compat.patch import prepare
+
+    prepare(compat.rows("cpu"))
+    factory = argument_utils.ArgumentGroupFactory
+    read = factory._get_field_docstrings
+    memo: dict[type, dict[str, str]] = {}
+
+    def field_docstrings(self: Any, src_cfg_class: type) -> dict[str, str]:
+        if src_cfg_class not in memo:
+            memo[src_cfg_class] = read(self, src_cfg_class)  # its recursion comes back here
+        return dict(memo[src_cfg_class])
+
+    field_docstrings.__wrapped__ = read  # type: ignore[attr-defined]
+    field_docstrings.memo = memo  # type: ignore[attr-defined]
+    factory._get_field_docstrings = field_docstrings
+    arguments.add_megatron_arguments(argparse.ArgumentParser())  # reads every class once
 
 
 def run_module(module: str, args: list[str], env: dict[str, str], cwd: str, out: str) -> None:

@@ -102,3 +102,20 @@ def test_a_warm_up_that_fails_leaves_the_error_to_the_launch(monkeypatch):
     with pytest.raises(RuntimeError, match="server failed"):
         preloaded._server()
     assert len(attempts) == 2
+
+
+def test_what_the_server_computes_once_is_what_each_rank_would_compute():
+    """The server's memo of Megatron's field docstrings gives each call a copy equal to Megatron's
+    unmemoized method, for every config dataclass its parser reads; the CPU rows' renamed code is
+    computed there and none of the rows is installed (a forked rank starts unpatched)."""
+    import json
+
+    from megatron_ext.testing.real_loop import launch
+
+    run = launch([], nproc=1, module="tests.testing.server_probe", timeout=120)
+    assert run.returncode == 0 and run.preloaded, run.output[-3000:]
+    [line] = [line for line in run.output.splitlines() if line.startswith("PROBE ")]
+    probe = json.loads(line[len("PROBE ") :])
+    assert probe["classes"] >= 10 and probe["fields"] >= 500, probe  # the parser read them
+    assert probe["same"] and probe["copies"], probe
+    assert probe["renamed"] >= 30 and probe["applied"] == [], probe
