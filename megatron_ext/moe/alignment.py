@@ -217,6 +217,10 @@ def gather_and_zero_pads(
 ) -> torch.Tensor:
     """``src_M[gather_idx_P]`` with the pad rows zeroed: one gather, then only Q rows written.
 
+    The pad rows are written twice (the gather copies a real row there first): torch's gather
+    that writes each row once, ``embedding_bag`` with empty bags, turns -0.0 into +0.0
+    (tests/moe/test_aligned_permute_writes.py pins it), and these rows must be Megatron's bits.
+
     No autograd of its own: the callers' ``autograd.Function``s use it in forward or backward.
     With no source rows (M = 0) every row is a pad: a zero buffer.
     """

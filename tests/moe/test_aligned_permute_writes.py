@@ -9,6 +9,12 @@ rows written are derived here from the layout's host ints (T tokens, P buffer ro
   rows), then the gather (P rows): each pad row written once, from the zero row;
 - large tokens: the gather (P rows, pads copy a real row) and ``index_fill_`` of the Q pad rows:
   the pad rows are written twice, Q extra rows instead of a ``T + 1`` copy of the tokens.
+
+Why not one write per row: torch has no gather that writes zeros for some indices. The one that
+comes close, ``embedding_bag(mode="sum")`` with an empty bag per pad row, writes each row once,
+but it sums each real row onto +0.0 and so turns every -0.0 of the tokens into +0.0 (pinned below);
+its ``mode="max"`` keeps the values but runs a slow generic loop on CPU. Megatron's gather copies
+the rows bit for bit, and so does this one.
 """
 
 import collections
@@ -76,3 +82,24 @@ def test_permute_forward_writes_pads_without_filling_a_buffer(path, monkeypatch)
     real = layout.token_idx_P < num_tokens
     assert torch.equal(x_P[real], x[layout.token_idx_P[real]])
     assert not x_P[~real].any()  # every pad row is zero
+
+
+def test_the_single_write_gather_torch_offers_changes_negative_zeros(monkeypatch):
+    """The reason the large path writes its pad rows twice (see the module docstring): the layout's
+    gather keeps a token's -0.0, embedding_bag's empty-bag gather of the same rows does not. If a
+    torch release keeps it there, a single write becomes possible and this test says so."""
+    monkeypatch.setattr(ap, "SMALL_TOKENS_BYTES", -1)
+    routing_map = _routing(5)
+    num_out = int(routing_map.sum())
+    layout = ap.plan_aligned_permute(routing_map, 4, num_out, al.static_aligned_rows(num_out, 8, 4))
+    x = torch.randn(5, HIDDEN)
+    x[:, 0] = -0.0
+    with torch.no_grad():
+        x_P = ap.permute_to_layout(x, layout)
+    real = layout.token_idx_P < 5
+    assert layout.num_pads > 0 and torch.signbit(x_P[real, 0]).all()  # Megatron's bits
+    # The same buffer from embedding_bag: one bag per buffer row, empty for a pad row.
+    offsets = real.long().cumsum(0) - real.long()
+    bags = torch.nn.functional.embedding_bag(layout.token_idx_P[real], x, offsets, mode="sum")
+    assert torch.equal(bags, x_P)  # equal values, pads zero ...
+    assert not torch.signbit(bags[real, 0]).any(), "embedding_bag now keeps -0.0: see docstring"
