@@ -128,10 +128,9 @@ def prepare(rows: Iterable[Patch]) -> None:
     nothing: a preloaded launch server calls it once, so each rank forked from it applies the rows
     without re-reading every instruction."""
     for row in rows:
-        if isinstance(row.replacement, HostTorch):
+        if isinstance(row.replacement, HostTorch) and not applied(row):
             _, function, alias = _rebound_function(row)
-            if not applied(row):
-                renamed_code(function, alias)
+            renamed_code(function, alias)
 
 
 def _apply_one(row: Patch) -> tuple[Any, ...]:

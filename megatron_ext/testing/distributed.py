@@ -265,7 +265,11 @@ def _close_when_idle(world_size: int, pool: _Pool) -> None:
 
 def _close_idle(world_size: int, pool: _Pool) -> None:
     with _POOLS_LOCK:
-        if _POOLS.get(world_size) is pool:  # not replaced or shut down meanwhile
+        # Not replaced or shut down meanwhile, and this is still the pool's timer: one that fired
+        # while a call held the lock was superseded by the timer that call started (a cancel
+        # cannot stop a timer that has already fired).
+        current = pool.idle_timer is threading.current_thread()
+        if current and _POOLS.get(world_size) is pool:
             _POOLS.pop(world_size)
             pool.close()
 
