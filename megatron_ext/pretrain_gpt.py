@@ -245,6 +245,10 @@ def train(args: argparse.Namespace) -> int:
     from megatron_ext.training.model_provider import model_provider
 
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    if args.cpu:
+        from megatron_ext.training.startup import fork_checkpoint_results_queue
+
+        fork_checkpoint_results_queue(args)  # before any process group: see its docstring
     # The loss log's reset, no make for prebuilt helpers, a failed load exits 1, and the lines
     # that do not apply to the run left out (megatron_ext.training.launch_log).
     compat.apply("launch")

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from megatron_ext.training import startup
 
@@ -189,3 +190,40 @@ def test_cpu_caching_malloc_changes_no_loss(corpus_prefix):
     assert len(probes[()]) >= 2 * 3, kept.output[-3000:]
     assert probes[()] == probes[("--no-cpu-caching-malloc",)]
     assert sorted(kept.losses) == [1, 2, 3] and kept.losses == default.losses
+
+
+# ----------------------------------------------------------------------------- torch_dist saves
+
+
+def test_only_a_run_saving_torch_dist_forks_the_checkpoint_results_queue(monkeypatch):
+    from argparse import Namespace
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)
+    for save, ckpt_format in ((None, "torch_dist"), ("/ckpt", "torch"), ("/ckpt", "fsdp_dtensor")):
+        assert not startup.fork_checkpoint_results_queue(
+            Namespace(save=save, ckpt_format=ckpt_format)
+        )
+    assert filesystem_async._results_queue is None
+    assert startup.fork_checkpoint_results_queue(Namespace(save="/ckpt", ckpt_format="torch_dist"))
+    queue = filesystem_async.get_write_results_queue()  # as the writer asks (spawn by default)
+    try:
+        assert queue is filesystem_async._results_queue
+        assert type(queue._manager._process).__name__ == "ForkProcess"
+        queue.put({"written": torch.arange(3)})  # what a save sends: torch objects, pickled
+        assert queue.get()["written"].tolist() == [0, 1, 2]
+    finally:
+        queue._manager.shutdown()
+
+
+def test_a_cpu_launch_saving_torch_dist_saves_through_the_forked_queue(corpus_prefix, tmp_path):
+    from megatron_ext.testing.real_loop import TINY_MOE_ARGS, launch
+
+    ckpt = tmp_path / "ckpt"  # Megatron's default --ckpt-format: torch_dist
+    args = [*TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", "1",
+            "--save", str(ckpt), "--save-interval", "1"]  # fmt: skip
+    run = launch(args, module="tests.training.save_queue_probe").check()
+    assert "in torch_dist format" in run.output
+    assert run.output.count("results queue: ForkProcess") == 2, run.output[-3000:]  # each rank's
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
