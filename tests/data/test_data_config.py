@@ -230,12 +230,12 @@ def test_the_dry_run_refuses_an_empty_dataset_in_one_line(tmp_path) -> None:
     """What the launch prints: one line, exit 2, none of the 'Exception ignored' tracebacks a
     half-built Megatron IndexedDataset leaves when it cannot map the file."""
     from megatron_ext.data.indexed_writer import write_documents
-    from megatron_ext.testing.real_loop import TINY_MOE_ARGS
+    from megatron_ext.testing.real_loop import TINY_MOE_TEST_ARGS
 
     prefix = str(tmp_path / "empty")
     write_documents(prefix, [])
     env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "TORCHDYNAMO_DISABLE": "1"}
-    argv = [*TINY_MOE_ARGS, "--data-path", prefix, "--train-iters", "2", "--dry-run"]
+    argv = [*TINY_MOE_TEST_ARGS, "--data-path", prefix, "--train-iters", "2", "--dry-run"]
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_ext.pretrain_gpt", *argv],
         capture_output=True, text=True, env=env, check=False,

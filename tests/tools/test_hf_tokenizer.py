@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron_ext.testing.real_loop import TINY_MOE_ARGS, launch
+from megatron_ext.testing.real_loop import TINY_MOE_TEST_ARGS, launch
 from tests.tools.test_preprocess_data import load_tool, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,7 +117,7 @@ def test_tokenizer_directory_bad_inputs_give_one_line_errors(tokenizer_dir, tmp_
 
 
 def test_real_loop_trains_with_the_tokenizer_directory(tokenizer_dir, corpus_prefix) -> None:
-    args = list(TINY_MOE_ARGS)
+    args = list(TINY_MOE_TEST_ARGS)
     at = args.index("--vocab-size")  # the tokenizer sets Megatron's vocabulary, not --vocab-size
     del args[at : at + 2]
     hf = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tokenizer_dir)]

@@ -18,7 +18,7 @@ from megatron_ext.testing.real_loop import LoopRun
 #: Shows the warnings megatron_ext hides by default, GPTModel's deprecation among them (built_model).
 VERBOSE = "--verbose"
 ITERATIONS = 4
-EXPERTS, TOPK, MOE_LAYERS = 8, 2, 2  # CPU_SIZES in examples/_launch.sh and TINY_MOE_ARGS
+EXPERTS, TOPK, MOE_LAYERS = 8, 2, 2  # CPU_SIZES in examples/_launch.sh and TINY_MOE_TEST_ARGS
 
 
 def assert_trains(run: LoopRun) -> dict[int, float]:

@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ext.testing.real_loop import TINY_MOE_ARGS, LoopRun, launch
+from megatron_ext.testing.real_loop import TINY_MOE_TEST_ARGS, LoopRun, launch
 
 K, N = 3, 6  # save at K, resume, train to N
-GLOBAL_BATCH = 8  # TINY_MOE_ARGS' --global-batch-size
-NUM_LAYERS, TOPK, EXPERTS = 2, 2, 8  # TINY_MOE_ARGS' MoE layers, top-k, experts
+GLOBAL_BATCH = 8  # TINY_MOE_TEST_ARGS' --global-batch-size
+NUM_LAYERS, TOPK, EXPERTS = 2, 2, 8  # TINY_MOE_TEST_ARGS' MoE layers, top-k, experts
 DROPOUT = ("--attention-dropout", "0.1", "--hidden-dropout", "0.1")
 #: Per-iteration fields of Megatron's log line that a resumed run must reproduce.
 LOGGED = ("learning rate", "lm loss", "load_balancing_loss", "grad norm")
@@ -54,7 +54,15 @@ def routed_prefix(tmp_path_factory) -> str:
 def _uninterrupted_and_resumed(args: list[str], root: Path) -> tuple[LoopRun, LoopRun]:
     """The reference run (saves at K and N into ``root/a``) and the run resumed from its iteration K
     (saves at N into ``root/b``)."""
-    common = [*TINY_MOE_ARGS, *DROPOUT, *args, "--train-iters", str(N), "--save-interval", str(K)]
+    common = [
+        *TINY_MOE_TEST_ARGS,
+        *DROPOUT,
+        *args,
+        "--train-iters",
+        str(N),
+        "--save-interval",
+        str(K),
+    ]
     reference = launch([*common, "--save", str(root / "a")]).check()
     resumed = launch(
         [*common, "--load", str(root / "a"), "--ckpt-step", str(K), "--save", str(root / "b")]
@@ -161,7 +169,7 @@ def test_record_mode_refuses_to_resume_and_records_from_a_finetune_load(
     of iterations 1..K would end missing without a word, so resuming is refused; --finetune (the
     weights, iteration 0) records every iteration."""
     args = [
-        *TINY_MOE_ARGS, "--data-path", routed_prefix, "--pack-documents", "--pad-to-seq-len",
+        *TINY_MOE_TEST_ARGS, "--data-path", routed_prefix, "--pack-documents", "--pad-to-seq-len",
         "--ckpt-format", "torch", "--train-iters", "2",
     ]  # fmt: skip
     record = ["--route-replay-mode", "record"]
@@ -194,7 +202,7 @@ def test_continue_to_more_iterations_with_this_runs_schedule(data, corpus_prefix
     N-iteration run bit for bit: a pack plan does not depend on the sample count, and Megatron's
     GPTDataset index does not while the samples asked for fit one epoch (N x 8 samples of the
     corpus's ~2100)."""
-    common = [*TINY_MOE_ARGS, "--data-path", corpus_prefix, *data, "--ckpt-format", "torch"]
+    common = [*TINY_MOE_TEST_ARGS, "--data-path", corpus_prefix, *data, "--ckpt-format", "torch"]
     first = ["--train-iters", str(K), "--save-interval", str(K), "--save", str(tmp_path / "k")]
     launch([*common, *first]).check()
     resumed = launch(

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext import cpu_loop
-from megatron_ext.testing.real_loop import TINY_MOE_ARGS, LoopRun, launch
+from megatron_ext.testing.real_loop import TINY_MOE_TEST_ARGS, LoopRun, launch
 
 #: The Megatron files (under site-packages/megatron/) each patch covers.
 PATCHED_FILES = {
@@ -31,7 +31,7 @@ PATCHED_FILES = {
 def _args(prefix: str, tmp_path, ckpt_format: str = "torch") -> list[str]:
     """One rank, one iteration, one save: the cheapest launch that reaches every patched call site."""
     return [
-        *TINY_MOE_ARGS, "--data-path", prefix, "--train-iters", "1",
+        *TINY_MOE_TEST_ARGS, "--data-path", prefix, "--train-iters", "1",
         "--expert-model-parallel-size", "1", "--global-batch-size", "2", "--log-params-norm",
         "--save", str(tmp_path / "ckpt"), "--save-interval", "1", "--ckpt-format", ckpt_format,
     ]  # fmt: skip

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from megatron_ext.testing.real_loop import TINY_MOE_ARGS, free_port, launch
+from megatron_ext.testing.real_loop import TINY_MOE_TEST_ARGS, free_port, launch
 from megatron_ext.training import launch_log
 from tests.training.entry_args import BASE_ARGS, ROOT
 
@@ -179,7 +179,7 @@ def test_async_save_deprecation_is_left_out_of_a_synchronous_save_only(
 
 
 def test_a_tiny_launch_prints_at_most_a_hundred_lines(corpus_prefix) -> None:
-    run = launch([*TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", "4"]).check()
+    run = launch([*TINY_MOE_TEST_ARGS, "--data-path", corpus_prefix, "--train-iters", "4"]).check()
     lines = run.output.splitlines()
     assert sorted(run.losses) == [1, 2, 3, 4], run.output[-2000:]  # one line per interval
     assert len(lines) <= MAX_LINES, f"{len(lines)} lines:\n{run.output}"
@@ -190,7 +190,9 @@ def test_a_tiny_launch_prints_at_most_a_hundred_lines(corpus_prefix) -> None:
 
 
 def test_a_refusal_prints_once_and_exits_2(corpus_prefix) -> None:
-    run = launch([*TINY_MOE_ARGS, "--data-path", corpus_prefix, "--moe-expert-load-log", "x.jsonl"])
+    run = launch(
+        [*TINY_MOE_TEST_ARGS, "--data-path", corpus_prefix, "--moe-expert-load-log", "x.jsonl"]
+    )
     assert run.returncode == 2, run.output[-2000:]
     refusals = [line for line in run.output.splitlines() if "invalid arguments" in line]
     assert refusals == [
@@ -244,7 +246,7 @@ def test_expert_load_metrics_reach_the_tensorboard_writer(corpus_prefix, tmp_pat
 
     board = tmp_path / "tb"
     run = launch([
-        *TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", "2",
+        *TINY_MOE_TEST_ARGS, "--data-path", corpus_prefix, "--train-iters", "2",
         "--moe-expert-load-metrics", "--tensorboard-dir", str(board),
     ]).check()  # fmt: skip
     assert "TensorBoard writing requested but is not available" not in run.output

@@ -13,7 +13,7 @@ from collections import defaultdict
 
 import pytest
 
-from megatron_ext.testing.real_loop import TINY_MOE_ARGS, LoopRun, launch
+from megatron_ext.testing.real_loop import TINY_MOE_TEST_ARGS, LoopRun, launch
 from megatron_ext.training import loss_log
 
 ITERATIONS = 4
@@ -33,7 +33,7 @@ def _own_losses(run: LoopRun) -> dict[int, float]:
 
 
 def _probe(args: list[str]) -> tuple[LoopRun, dict[int, float]]:
-    run = launch([*TINY_MOE_ARGS, *args], module="tests.training.loss_probe").check()
+    run = launch([*TINY_MOE_TEST_ARGS, *args], module="tests.training.loss_probe").check()
     return run, _own_losses(run)
 
 
@@ -43,7 +43,7 @@ def _mean(values: list[float]) -> float:
 
 @pytest.fixture(scope="module")
 def every_iteration(corpus_prefix, tmp_path_factory) -> tuple[LoopRun, dict[int, float], str]:
-    """``--log-interval 1`` (TINY_MOE_ARGS'), saving at iteration 2 for the resume."""
+    """``--log-interval 1`` (TINY_MOE_TEST_ARGS'), saving at iteration 2 for the resume."""
     save = str(tmp_path_factory.mktemp("ckpt"))
     run, own = _probe([
         "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),

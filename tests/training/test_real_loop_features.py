@@ -1,6 +1,6 @@
 """Tier: subprocesses (Megatron's real ``pretrain``, 2 gloo ranks (4 for TP 2 x PP 2), CPU).
 
-A matrix of model/router/parallel features on the tiny model (``TINY_MOE_ARGS``, launched by
+A matrix of model/router/parallel features on the tiny model (``TINY_MOE_TEST_ARGS``, launched by
 :func:`megatron_ext.testing.real_loop.launch`) runs in as few launches as prove it; the
 ``examples/*.sh`` scripts run for real in tests/training/test_real_loop_examples.py.
 
@@ -23,7 +23,7 @@ import re
 
 import pytest
 
-from megatron_ext.testing.real_loop import TINY_MOE_ARGS, launch
+from megatron_ext.testing.real_loop import TINY_MOE_TEST_ARGS, launch
 from tests.training.loop_checks import (
     EXPERTS,
     ITERATIONS,
@@ -48,7 +48,7 @@ def test_hybrid_model_tp2_sp_allgather_seq_and_global_aux_loss_and_z_loss(corpus
     # counts (read off the plan's ranks) inside the loop; the grouped-GEMM backend raises on a
     # group that is not a multiple of 16 (it does with the pad skipped).
     run = launch([
-        *TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
+        *TINY_MOE_TEST_ARGS, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
         "--hybrid-layer-pattern", "*E*E", "--num-layers", "4",
         "--moe-token-dispatcher-type", "allgather",
         "--moe-router-load-balancing-type", "seq_aux_loss", "global_aux_loss",
@@ -82,7 +82,7 @@ def test_every_expert_local_aligned_dispatch_trains_as_unaligned(corpus_prefix, 
     from megatron_ext.training.demo import LOSS_TOLERANCE
 
     common = [
-        *TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
+        *TINY_MOE_TEST_ARGS, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
         "--expert-model-parallel-size", "1", "--moe-token-dispatcher-type", dispatcher,
         "--moe-grouped-gemm", VERBOSE,
     ]  # fmt: skip
@@ -111,7 +111,7 @@ def test_fp8_rehearsal_recomputes_moe_layers_as_without_recompute(corpus_prefix)
     CheckpointWithoutOutput, which asks TE's fp8 state even outside fp8 (megatron_ext.cpu's
     checkpoint_without_output patch). The losses are those of the same run without recompute."""
     common = [
-        *TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
+        *TINY_MOE_TEST_ARGS, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
         "--moe-grouped-gemm", "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise",
         "--moe-dispatch-align", VERBOSE,
     ]  # fmt: skip
@@ -134,7 +134,7 @@ def test_shared_expert_overlap_trains_as_without_overlap(corpus_prefix, ep) -> N
     its pad into the permute and hands the shared experts their input itself. The losses are those
     of the run without overlap."""
     common = [
-        *TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
+        *TINY_MOE_TEST_ARGS, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
         "--expert-model-parallel-size", ep, "--moe-grouped-gemm", "--fp8-format", "e4m3",
         "--fp8-recipe", "tensorwise", "--moe-dispatch-align",
         "--moe-shared-expert-intermediate-size", "64", VERBOSE,
@@ -157,7 +157,7 @@ def test_nvfp4_rehearsal_aligns_groups_to_128(corpus_prefix) -> None:
     Engine >= 2.7 (NVFP4 kernels), which the rehearsal never runs; it starts, and every expert
     group reaches the grouped GEMM as a multiple of 128 (the kernel raises on any other)."""
     run = launch([
-        *TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
+        *TINY_MOE_TEST_ARGS, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
         "--moe-grouped-gemm", "--fp4-format", "e2m1", "--fp4-recipe", "nvfp4",
         "--moe-dispatch-align", VERBOSE,
     ])  # fmt: skip
@@ -185,7 +185,7 @@ def test_pipeline_parallel_with_aux_loss_free_expert_bias(corpus_prefix, tmp_pat
     num_docs = IndexedDataset(corpus_prefix).sequence_lengths.shape[0]  # what the builder splits
     beg, end = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))[1]
     assert end > beg and round(beg * num_docs) == round(end * num_docs), num_docs  # empty
-    args = [*TINY_MOE_ARGS]
+    args = [*TINY_MOE_TEST_ARGS]
     args[args.index("--split") + 1] = split
     run = launch([
         *args, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
@@ -221,7 +221,7 @@ def test_gpt_tp2_pp2_sequence_parallel_on_packed_data(corpus_prefix, tmp_path) -
     routers each see half the sequence under SP."""
     log = tmp_path / "load.jsonl"
     run = launch([
-        *TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
+        *TINY_MOE_TEST_ARGS, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
         "--sequence-parallel", "--expert-model-parallel-size", "1",
         "--expert-tensor-parallel-size", "1", "--pack-documents", "--pad-to-seq-len", VERBOSE,
@@ -241,7 +241,7 @@ def test_gpt_tp2_pp2_sequence_parallel_on_packed_data(corpus_prefix, tmp_path) -
     for r in records:
         (key,) = [k for k in r if k.endswith("/tokens")]
         routed.setdefault(r["iteration"], []).append(sum(r[key]))
-    bound = 8 * 128 * TOPK  # TINY_MOE_ARGS: --global-batch-size 8, --seq-length 128
+    bound = 8 * 128 * TOPK  # TINY_MOE_TEST_ARGS: --global-batch-size 8, --seq-length 128
     assert len(routed) >= ITERATIONS - 1, routed
     for counts in routed.values():
         assert len(counts) == 2 and counts[0] == counts[1], routed
@@ -253,7 +253,7 @@ def test_a_pipeline_stage_of_dense_layers_only(corpus_prefix) -> None:
     MoE layer and router go where MoE layers are (load metrics, pads skipped) and the dense stage
     builds Megatron's spec as it is (it raised 'the spec contains no MoELayer')."""
     run = launch([
-        *TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
+        *TINY_MOE_TEST_ARGS, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
         "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "1",
         "--moe-layer-freq", "[1,0]", "--moe-expert-load-metrics", VERBOSE,
     ])  # fmt: skip

@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from megatron_ext.testing.real_loop import TINY_MOE_ARGS, launch
+from megatron_ext.testing.real_loop import TINY_MOE_TEST_ARGS, launch
 from tests.training.loop_checks import without
 
 PACKS = ("--pack-documents", "--pad-to-seq-len", "--moe-pad-routing", "dispatch")
@@ -22,7 +22,7 @@ PACKS = ("--pack-documents", "--pad-to-seq-len", "--moe-pad-routing", "dispatch"
 
 def _train(corpus_prefix: str, log, policy: str, extra: list[str]):
     run = launch(
-        [*TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", "4", *PACKS,
+        [*TINY_MOE_TEST_ARGS, "--data-path", corpus_prefix, "--train-iters", "4", *PACKS,
          "--pad-policy", policy, "--moe-expert-load-metrics", "--moe-expert-load-log", str(log),
          *extra]
     )  # fmt: skip
@@ -56,7 +56,7 @@ def test_self_padding_routes_pads_elsewhere_and_trains_as_constant_padding(
 
 
 def test_step_batch_size_schedule_ramps_packed_batches(corpus_prefix) -> None:
-    args = without(list(TINY_MOE_ARGS), "--global-batch-size")
+    args = without(list(TINY_MOE_TEST_ARGS), "--global-batch-size")
     # Thresholds count tokens (Megatron reads them so when --seq-length is set): 2K = 16 packs.
     run = launch(
         [*args, "--data-path", corpus_prefix, "--train-iters", "6", *PACKS,

@@ -25,10 +25,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_ext.testing.real_loop import TINY_MOE_ARGS, LoopRun, launch
+from megatron_ext.testing.real_loop import TINY_MOE_TEST_ARGS, LoopRun, launch
 from tests.training.loop_checks import EXPERTS, ITERATIONS, MOE_LAYERS, TOPK, assert_trains
 
-#: TINY_MOE_ARGS: --global-batch-size 8, --seq-length 128.
+#: TINY_MOE_TEST_ARGS: --global-batch-size 8, --seq-length 128.
 ROWS_PER_LAYER = 8 * 128
 REPLAY = ["--pack-documents", "--pad-to-seq-len", "--route-replay-mode", "replay",
           "--route-data-suffix", "_routes", "--route-replay-check",
@@ -71,7 +71,7 @@ def parity_prefix(corpus_prefix, tmp_path_factory) -> str:
 
 def _checked_run(prefix: str, log: Path, extra: list[str], nproc: int = 2) -> LoopRun:
     return launch([
-        *TINY_MOE_ARGS, "--data-path", prefix, "--train-iters", str(ITERATIONS), *REPLAY,
+        *TINY_MOE_TEST_ARGS, "--data-path", prefix, "--train-iters", str(ITERATIONS), *REPLAY,
         "--moe-expert-load-log", str(log), *extra,
     ], nproc=nproc)  # fmt: skip
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.testing.real_loop import TINY_MOE_ARGS, LoopRun, launch
+from megatron_ext.testing.real_loop import TINY_MOE_TEST_ARGS, LoopRun, launch
 
 LAYERS = 4
-ARGS = [*TINY_MOE_ARGS, "--pack-documents", "--pad-to-seq-len", "--ckpt-format", "torch_dist"]
+ARGS = [*TINY_MOE_TEST_ARGS, "--pack-documents", "--pad-to-seq-len", "--ckpt-format", "torch_dist"]
 ARGS[ARGS.index("--num-layers") + 1] = str(LAYERS)
 PP2 = ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "1"]
 VPP2 = ["--num-layers-per-virtual-pipeline-stage", "1"]
@@ -85,7 +85,7 @@ def test_virtual_pipeline_stages_train_as_the_plain_pipeline(resumed_runs) -> No
     loads = _layer_loads(vpp_log)
     assert sorted({layer for _, layer in loads}) == [f"layer{n}/tokens" for n in (1, 2, 3, 4)]
     assert loads == _layer_loads(pp2_log)
-    rows = 8 * 128 * 2  # TINY_MOE_ARGS: 8 packs of 128 tokens per iteration, top-2
+    rows = 8 * 128 * 2  # TINY_MOE_TEST_ARGS: 8 packs of 128 tokens per iteration, top-2
     # Once per micro-batch under recompute: counted twice, a layer would exceed the batch's rows.
     assert all(0 < sum(counts) <= rows for counts in loads.values()), loads
     # Every recorded (token, layer) row was routed exactly as recorded, in both layouts.

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from megatron_ext.testing.real_loop import TINY_MOE_ARGS, LoopRun
+from megatron_ext.testing.real_loop import TINY_MOE_TEST_ARGS, LoopRun
 from megatron_ext.training import rehearse
 from tests.training.entry_args import ROOT
 
@@ -77,7 +77,7 @@ def test_a_sweep_reports_trained_and_refused_configurations(
         tmp_path,
         "tiny: --train-iters 2\nbad ep: --expert-model-parallel-size 3 --train-iters 2\n",
     )
-    common = [*TINY_MOE_ARGS, "--data-path", corpus_prefix]
+    common = [*TINY_MOE_TEST_ARGS, "--data-path", corpus_prefix]
     monkeypatch.chdir(ROOT)
     status = main(["rehearse", "--log-dir", str(tmp_path / "logs"), path, "--", *common])
     printed = capsys.readouterr()

@@ -3,6 +3,7 @@ wheel's prebuilt dataset helpers import; otherwise Megatron's own ``compile_help
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -86,11 +87,14 @@ def fresh_imports() -> dict[bool, tuple[str, list[str]]]:
     """Per side (True: as a --cpu launch prepares it): whether Megatron's swiglu is compiled, and
     the tokenizer libraries' report (transformers imported before/after a NullTokenizer/after
     naming the Hugging Face class, the library names)."""
-    reports = {}
-    for cpu in (False, True):
-        compiled, libraries = _fresh_stdout(_IMPORTS_IN_A_FRESH_PROCESS.format(cpu=cpu)).split(
-            "\n", 1
+    sides = (False, True)
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two single-threaded interpreters, 2 cores
+        outputs = pool.map(
+            _fresh_stdout, [_IMPORTS_IN_A_FRESH_PROCESS.format(cpu=c) for c in sides]
         )
+    reports = {}
+    for cpu, stdout in zip(sides, outputs, strict=True):
+        compiled, libraries = stdout.split("\n", 1)
         reports[cpu] = (compiled, libraries.split(maxsplit=3))
     return reports
 
@@ -121,22 +125,25 @@ def test_cpu_launch_runs_jit_fuser_functions_eagerly(eager, fresh_imports):
 
 
 def test_a_users_cpu_launch_imports_no_hugging_face_and_trains_as_the_tests_do(corpus_prefix):
-    from megatron_ext.testing.real_loop import TINY_MOE_ARGS, launch
+    from megatron_ext.testing.real_loop import TINY_MOE_ARGS, TINY_MOE_TEST_ARGS, launch
     from tests.training.entry_args import ROOT
 
     # Fresh interpreters (not forked from the preloaded server) in a user's shell (Dynamo enabled,
-    # against the tests' TORCHDYNAMO_DISABLE=1): what a user's torchrun ranks import and train.
+    # against the tests' TORCHDYNAMO_DISABLE=1) with Megatron's default dataloader workers: what a
+    # user's torchrun ranks import and train. The tests' launches (forked, batches built in the
+    # rank: TINY_MOE_TEST_ARGS) must train the same.
     # A Hugging Face tokenizer still works: tests/tools/test_hf_tokenizer.py trains with one.
-    args = [*TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", "2"]
-    plain = launch(args, module="tests.training.imports_probe", env={"TORCHDYNAMO_DISABLE": "0"},
-                   preload=False, cwd=ROOT).check()  # fmt: skip
+    data = ["--data-path", corpus_prefix, "--train-iters", "2"]
+    plain = launch([*TINY_MOE_ARGS, *data], module="tests.training.imports_probe",
+                   env={"TORCHDYNAMO_DISABLE": "0"}, preload=False, cwd=ROOT).check()  # fmt: skip
     assert not plain.preloaded and sorted(plain.losses) == [1, 2]
     reports = [line for line in plain.output.splitlines() if line.startswith("imported:")]
     hf_module = "megatron.core.tokenizers.text.libraries.huggingface_tokenizer"
     expected = f"imported: transformers=False {hf_module}=False"
     assert reports == [expected] * 2, plain.output[-3000:]
     assert plain.output.count("runs Megatron's jit_fuser functions eagerly") == 1  # rank 0's line
-    tested = launch(args).check()
+    assert plain.output.count("dataloader workers: 2") == 2  # Megatron's default, on each rank
+    tested = launch([*TINY_MOE_TEST_ARGS, *data]).check()
     assert tested.preloaded
     assert plain.losses == tested.losses  # bitwise: the logged digits are equal
 
@@ -160,11 +167,12 @@ print(min(faults_per_trip() for _ in range(3)))
 
 
 def test_cpu_startup_keeps_freed_memory_unless_turned_off():
-    faults = {}
-    for caching in (True, False):
-        faults[caching] = int(
-            _fresh_stdout(_FAULTS_AFTER_STARTUP.format(caching=caching)).split()[-1]
-        )
+    sides = (True, False)
+    with ThreadPoolExecutor(max_workers=2) as pool:  # page faults are per process: side by side
+        outputs = pool.map(_fresh_stdout, [_FAULTS_AFTER_STARTUP.format(caching=c) for c in sides])
+    faults = {
+        caching: int(stdout.split()[-1]) for caching, stdout in zip(sides, outputs, strict=True)
+    }
     # 4 KiB pages: 16384 faults a trip under glibc's defaults (32 under transparent huge pages);
     # with freed memory kept, none once warm (a stray fault or two is allowed).
     assert faults[False] >= 32, faults
@@ -172,9 +180,9 @@ def test_cpu_startup_keeps_freed_memory_unless_turned_off():
 
 
 def test_cpu_caching_malloc_changes_no_loss(corpus_prefix):
-    from megatron_ext.testing.real_loop import TINY_MOE_ARGS, launch
+    from megatron_ext.testing.real_loop import TINY_MOE_TEST_ARGS, launch
 
-    args = [*TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", "3"]
+    args = [*TINY_MOE_TEST_ARGS, "--data-path", corpus_prefix, "--train-iters", "3"]
     runs = {
         flags: launch([*args, *flags], module="tests.training.loss_probe").check()
         for flags in ((), ("--no-cpu-caching-malloc",))
@@ -218,10 +226,10 @@ def test_only_a_run_saving_torch_dist_forks_the_checkpoint_results_queue(monkeyp
 
 
 def test_a_cpu_launch_saving_torch_dist_saves_through_the_forked_queue(corpus_prefix, tmp_path):
-    from megatron_ext.testing.real_loop import TINY_MOE_ARGS, launch
+    from megatron_ext.testing.real_loop import TINY_MOE_TEST_ARGS, launch
 
     ckpt = tmp_path / "ckpt"  # Megatron's default --ckpt-format: torch_dist
-    args = [*TINY_MOE_ARGS, "--data-path", corpus_prefix, "--train-iters", "1",
+    args = [*TINY_MOE_TEST_ARGS, "--data-path", corpus_prefix, "--train-iters", "1",
             "--save", str(ckpt), "--save-interval", "1"]  # fmt: skip
     run = launch(args, module="tests.training.save_queue_probe").check()
     assert "in torch_dist format" in run.output

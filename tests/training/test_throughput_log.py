@@ -11,7 +11,7 @@ data-parallel ranks) divided by top-k. The rows hold pads, so the real count is 
 import json
 import re
 
-from megatron_ext.testing.real_loop import TINY_MOE_ARGS, launch
+from megatron_ext.testing.real_loop import TINY_MOE_TEST_ARGS, launch
 
 _LINE = re.compile(
     r"megatron_ext tokens/s ([0-9.]+) \| real tokens/s ([0-9.]+) \| pad fraction ([0-9.]+) "
@@ -24,14 +24,14 @@ SEQ = ("--seq-length", "512", "--max-position-embeddings", "512")
 
 
 def _arg(name: str) -> int:
-    args = [*TINY_MOE_ARGS, *SEQ]
+    args = [*TINY_MOE_TEST_ARGS, *SEQ]
     return int(args[len(args) - 1 - args[::-1].index(name) + 1])  # the last one wins
 
 
 def test_each_interval_logs_real_token_throughput(corpus_prefix, tmp_path) -> None:
     log = tmp_path / "load.jsonl"
     run = launch(
-        [*TINY_MOE_ARGS, *SEQ, "--data-path", corpus_prefix, "--train-iters", "3", "--pack-documents",
+        [*TINY_MOE_TEST_ARGS, *SEQ, "--data-path", corpus_prefix, "--train-iters", "3", "--pack-documents",
          "--packing-window", "1", "--pad-to-seq-len", "--pack-overlong-policy", "truncate",
          "--moe-pad-routing", "dispatch", "--moe-expert-load-metrics",
          "--moe-expert-load-log", str(log)]
