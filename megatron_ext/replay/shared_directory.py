@@ -19,6 +19,11 @@ import torch
 
 from megatron_ext.common.safe_files import atomic_write_bytes
 
+#: Seconds a rank waits for the others' markers unless the caller says (a network filesystem may
+#: publish another client's file late). Read at each call, so a test can shorten the wait of a
+#: check it reaches through the launch's own entry (``run_state.check_record_directory``).
+MARKER_TIMEOUT_S = 10.0
+
 
 def marker_path(directory: str, prefix: str, token: str, rank: int) -> str:
     """The marker of ``rank`` for the check named ``token``."""
@@ -34,7 +39,7 @@ def check_shared_directory(
     prefix: str = "route_record",
     flag: str = "--route-record-path",
     path: str | None = None,
-    timeout_s: float = 10.0,
+    timeout_s: float | None = None,
 ) -> None:
     """Checks that the ``world_size`` ranks of ``group`` see the same ``directory`` (collective).
 
@@ -47,7 +52,7 @@ def check_shared_directory(
         flag: Names the setting in the error.
         path: The setting's value in the error (default: ``directory``).
         timeout_s: How long a rank waits for the others' markers to appear (a network filesystem
-            may publish another client's file late).
+            may publish another client's file late); None: :data:`MARKER_TIMEOUT_S`.
 
     Raises:
         ValueError: On every rank, when some rank does not see another's marker.
@@ -62,7 +67,7 @@ def check_shared_directory(
     try:
         torch.distributed.barrier(group=group)
         others = [r for r in range(world_size) if r != rank]
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + (MARKER_TIMEOUT_S if timeout_s is None else timeout_s)
         while True:
             # os.path.exists on a fresh name asks the server (a listing could be cached).
             unseen = [

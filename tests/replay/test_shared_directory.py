@@ -26,6 +26,7 @@ def _check(dirs: list[str]) -> str | None:
 
 def _check_through_run_state(root: str) -> str | None:
     from megatron_ext.config import ReplayConfig
+    from megatron_ext.replay import shared_directory
     from megatron_ext.training import run_state
 
     rank = torch.distributed.get_rank()
@@ -34,12 +35,15 @@ def _check_through_run_state(root: str) -> str | None:
     run_state.reset()
     config = ReplayConfig(route_replay_mode="record", route_record_path=f"{directory}/rec")
     run_state._STATE = run_state.RunState(args_id=id(args), configs={ReplayConfig: config})
+    # The split directories' markers never appear: wait 0.5 s for them, not the default 10 s.
+    default, shared_directory.MARKER_TIMEOUT_S = shared_directory.MARKER_TIMEOUT_S, 0.5
     try:
         run_state.check_record_directory(args)
     except ValueError as exc:
         return str(exc)
     finally:
         run_state.reset()
+        shared_directory.MARKER_TIMEOUT_S = default
     return None
 
 
