@@ -47,6 +47,16 @@ def _commands(prefix: str) -> dict[str, list[str]]:
     return {"launch": launch, "import": [sys.executable, "-c", "import megatron.training.training"]}
 
 
+def _write_corpus(prefix: str) -> None:
+    """The embedded corpus as Megatron token files at ``prefix`` (tools/preprocess_data.py)."""
+    subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input",
+         str(ROOT / "megatron_ext" / "assets" / "corpus.jsonl"), "--output-prefix", prefix,
+         "--append-eod"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+
+
 def _children_cpu() -> float:
     """User + system CPU seconds of every finished child process (and theirs: torchrun's ranks)."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -78,12 +88,7 @@ def launch_overhead(quick: bool) -> BenchResult:
     env = {k: v for k, v in os.environ.items() if k != "TORCHDYNAMO_DISABLE"}
     with tempfile.TemporaryDirectory(prefix="megatron_ext_launch_bench_") as tmp:
         prefix = str(Path(tmp) / "corpus_text_document")
-        subprocess.run(
-            [sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input",
-             str(ROOT / "megatron_ext" / "assets" / "corpus.jsonl"), "--output-prefix", prefix,
-             "--append-eod"],
-            check=True, capture_output=True,
-        )  # fmt: skip
+        _write_corpus(prefix)
         commands = _commands(prefix)
         _timed(commands["import"], env)  # warm-up: the files both read are in the page cache
         times: dict[str, list[float]] = {name: [] for name in VARIANTS}

@@ -11,6 +11,15 @@ from megatron_ext.bench import launch
 from megatron_ext.bench.registry import discover
 
 
+@pytest.fixture(autouse=True)
+def no_corpus(monkeypatch):
+    """The stand-in commands below read no corpus: the real one's preprocessing (a fresh
+    interpreter, seconds) is what ``make bench-quick`` runs, before its real launch."""
+    written = []
+    monkeypatch.setattr(launch, "_write_corpus", written.append)
+    return written
+
+
 def test_registered_and_times_a_tiny_cpu_launch_against_the_import():
     assert discover()["launch"] is launch.launch_overhead
     commands = launch._commands("/data/prefix")
@@ -22,16 +31,19 @@ def test_registered_and_times_a_tiny_cpu_launch_against_the_import():
     assert commands["import"][1:] == ["-c", "import megatron.training.training"]
 
 
-def test_rounds_pair_each_launch_with_its_import(monkeypatch):
+def test_rounds_pair_each_launch_with_its_import(monkeypatch, no_corpus):
     sleeps = {"launch": 0.3, "import": 0.1}
-    monkeypatch.setattr(
-        launch,
-        "_commands",
-        lambda prefix: {
+    prefixes = []
+
+    def commands(prefix):
+        prefixes.append(prefix)
+        return {
             k: [sys.executable, "-c", f"import time; time.sleep({s})"] for k, s in sleeps.items()
-        },
-    )
+        }
+
+    monkeypatch.setattr(launch, "_commands", commands)
     result = launch.launch_overhead(quick=True)
+    assert no_corpus == prefixes and len(prefixes) == 1  # the launch reads the corpus written
     seconds = result.extra["seconds"]
     assert result.extra["rounds"] == 1 and {k: len(v) for k, v in seconds.items()} == {
         "launch": 1,
