@@ -6,28 +6,50 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import pytest
+
+from megatron_ext.testing.rank_env import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHDYNAMO_DISABLE": "1"}
 
 
-def _cpu_smoke(*flags: str) -> tuple[subprocess.CompletedProcess, dict]:
-    """Runs ``gpu_check.py --cpu-smoke`` with ``flags``; returns the run and its last JSON line."""
-    run = subprocess.run(
+def _cpu_smoke(*flags: str) -> subprocess.CompletedProcess:
+    """Runs ``gpu_check.py --cpu-smoke`` with ``flags`` (its one gloo rank on a free port: the
+    script's default 29533 would be taken by the other run)."""
+    return subprocess.run(
         [sys.executable, "tools/gpu/gpu_check.py", "--cpu-smoke", *flags],
         cwd=ROOT,
-        env=ENV,
+        env={**ENV, "MASTER_PORT": str(free_port())},
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+@pytest.fixture(scope="module")
+def smokes() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
+    """Both CPU smoke runs (with and without the alignment table), side by side: each is one
+    single-threaded process, and the machine has 2 cores (their timings are not checked)."""
+    variants = [(), ("--skip-alignment-table",)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(
+            zip(variants, pool.map(lambda flags: _cpu_smoke(*flags), variants), strict=True)
+        )
+
+
+def _result(smokes, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """The run with ``flags`` and its last JSON line (it must have exited 0)."""
+    run = smokes[flags]
     assert run.returncode == 0, run.stderr[-3000:]
     return run, json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def test_cpu_smoke_runs_the_guarded_layer_and_reports():
-    run, result = _cpu_smoke()
+def test_cpu_smoke_runs_the_guarded_layer_and_reports(smokes):
+    run, result = _result(smokes)
     assert result["device"] == "cpu" and result["ok"] is True
     calls = result["aligned_guarded_calls"]
     # pad and strip ran once each inside the real layer forward, and the backward entered the
@@ -79,8 +101,8 @@ def test_cpu_smoke_runs_the_guarded_layer_and_reports():
         assert ratio["min"] <= ratio["median"] <= ratio["max"], (name, ratio)
 
 
-def test_cpu_smoke_can_skip_the_alignment_table():
-    _, result = _cpu_smoke("--skip-alignment-table")
+def test_cpu_smoke_can_skip_the_alignment_table(smokes):
+    _, result = _result(smokes, "--skip-alignment-table")
     assert result["ok"] is True and "alignment" not in result and "alignment_error" not in result
 
 

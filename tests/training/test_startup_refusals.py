@@ -15,11 +15,12 @@ foresees (an RNG state missing from the checkpoint) exits 1, after Megatron's me
 """
 
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from megatron_ext.testing.real_loop import TINY_MOE_ARGS, LoopRun, launch
+from megatron_ext.testing.real_loop import TINY_MOE_TEST_ARGS, LoopRun, launch
 
 K = 2  # the checkpoints' iteration (and --train-iters of the runs that saved them)
 PREFIX = "megatron_ext: invalid arguments: "
@@ -121,7 +122,7 @@ def _load_and_save(prefix: str, directory: Path) -> list[str]:
 
 
 def _base(prefix: str) -> list[str]:
-    return [*TINY_MOE_ARGS, "--data-path", prefix, "--train-iters", str(K)]
+    return [*TINY_MOE_TEST_ARGS, "--data-path", prefix, "--train-iters", str(K)]
 
 
 @pytest.mark.parametrize(("flags", "message"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
@@ -130,13 +131,16 @@ def test_what_stops_megatron_at_startup_fails_the_dry_run_and_the_launch_in_one_
 ) -> None:
     argv = _base(corpus_prefix) + [f.format(ckpt=ckpt) for f in flags]
     expected = message.format(ckpt=ckpt)
-    dry = launch([*argv, "--dry-run"], ranks=(0,))
+    # The dry run (one rank, no process group) beside the launch: each is mostly startup.
+    with ThreadPoolExecutor(max_workers=1) as beside:
+        dry_run = beside.submit(launch, [*argv, "--dry-run"], ranks=(0,))
+        run = launch(argv)
+        dry = dry_run.result()
     lines = dry.output.splitlines()
     refusals = [line for line in lines if line.startswith(PREFIX)]
     assert dry.returncode == 2 and len(refusals) == 1, dry.output[-3000:]
     assert expected in refusals[0], refusals[0]
     assert "dry run OK" not in dry.output and "Traceback" not in dry.output
-    run = launch(argv)
     assert run.returncode == 2, run.output[-3000:]
     assert dry.preloaded and run.preloaded, (
         dry.not_forked_because,
