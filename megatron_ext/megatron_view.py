@@ -62,6 +62,8 @@ class MegatronView:
     """``--load``: the directory a run resumes from."""
     save: str | None = None
     """``--save``: the directory a run saves to."""
+    ckpt_format: str = "torch_dist"
+    """``--ckpt-format``: the checkpoints' format (``torch_dist``, ``torch``, ...)."""
     pretrained_checkpoint: str | None = None
     """``--pretrained-checkpoint``: weights to fine-tune from when ``--load`` holds none."""
     ckpt_step: int | None = None

@@ -172,7 +172,10 @@ def fork_checkpoint_results_queue(args: Any) -> bool:
     persistent async-save worker (``megatron.training.async_utils.init_persistent_async_worker``),
     and the queue is made once per process, so every later save uses this one. Nothing is patched.
     """
-    if not getattr(args, "save", None) or getattr(args, "ckpt_format", None) != "torch_dist":
+    from megatron_ext.megatron_view import MegatronView
+
+    view = MegatronView.from_args(args)
+    if not view.save or view.ckpt_format != "torch_dist":
         return False
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
