@@ -1,8 +1,11 @@
 """Tier: pure + a subprocess on the pinned wheel. The entry point does not run Megatron's ``make`` when the
 wheel's prebuilt dataset helpers import; otherwise Megatron's own ``compile_helpers`` runs unchanged."""
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -235,3 +238,43 @@ def test_a_cpu_launch_saving_torch_dist_saves_through_the_forked_queue(corpus_pr
     assert "in torch_dist format" in run.output
     assert run.output.count("results queue: ForkProcess") == 2, run.output[-3000:]  # each rank's
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+
+
+_QUEUE_THEN_KILLED = """
+import os, signal
+from argparse import Namespace
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron_ext.training import startup
+assert startup.fork_checkpoint_results_queue(Namespace(save="/ckpt", ckpt_format="torch_dist"))
+print(filesystem_async._results_queue._manager._process.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # as a rank stopped by a signal: no exit handler runs
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting for its reaper is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's"
+)
+def test_the_forked_manager_dies_with_a_killed_rank(tmp_path):
+    out = tmp_path / "out"  # a file, not a pipe: a surviving manager would hold a pipe open
+    with open(out, "w") as stdout:
+        code = subprocess.run([sys.executable, "-c", _QUEUE_THEN_KILLED], stdout=stdout,
+                              stderr=subprocess.STDOUT, timeout=120).returncode  # fmt: skip
+    assert code == -9, out.read_text()[-3000:]
+    pid = int(out.read_text().split()[-1])
+    try:
+        deadline = time.monotonic() + 10
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(pid), "the results queue's manager outlived the killed rank"
+    finally:
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)
