@@ -19,6 +19,15 @@ import signal
 import sys
 import threading
 
+#: Linux's ``prctl`` option for the signal a process gets when its parent dies.
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """This process gets SIGKILL when the thread that forked it exits (Linux's ``PR_SET_PDEATHSIG``;
+    call it in the child, right after the fork)."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
 
 def flush_c_streams() -> None:
     """``fflush(NULL)``: what C's ``exit()`` does and ``os._exit`` skips."""

@@ -32,7 +32,6 @@ reused pid can neither report nor receive anything. The server kills its ranks a
 request pipe closes (when the process that started it exits), and each rank dies with the server.
 """
 
-import ctypes
 import gc
 import json
 import os
@@ -46,7 +45,11 @@ import threading
 import time
 from typing import Any
 
-from megatron_ext.common.process_exit import exit_like_the_interpreter, flush_c_streams
+from megatron_ext.common.process_exit import (
+    die_with_parent,
+    exit_like_the_interpreter,
+    flush_c_streams,
+)
 from megatron_ext.testing.rank_env import rank_env
 
 #: Modules the server imports: what every launch of ``megatron_ext.pretrain_gpt`` imports (its
@@ -73,7 +76,6 @@ RUN_TIME_VARIABLES = frozenset(rank_env(0, 1, "0")) | {"PYTEST_CURRENT_TEST"}
 SERVER_ENVIRONMENT = {"TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1"}
 #: Seconds to wait for the server to fork a rank.
 START_TIMEOUT = 60.0
-_PR_SET_PDEATHSIG = 1
 
 
 # ----------------------------------------------------------------------------- the server process
@@ -179,8 +181,7 @@ def run_module(module: str, args: list[str], env: dict[str, str], cwd: str, out:
     """In the forked rank: ``python -m module *args`` with ``env`` and ``cwd``, its output appended
     to ``out``; exits as a fresh interpreter would (see the module's docstring)."""
     started = time.time()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # the server is single-threaded: safe here
+    die_with_parent()  # the server is single-threaded: safe here
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)

@@ -30,6 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.common.process_exit import die_with_parent
+
 
 def prebuilt_helpers_available() -> bool:
     """Whether Megatron's compiled dataset helpers (``helpers_cpp``) import."""
@@ -196,7 +198,6 @@ def fork_checkpoint_results_queue(args: Any) -> bool:
 #: forks, dataloader workers among them, are left as they are).
 _FORKING_THE_QUEUE = False
 _FORK_HOOK_REGISTERED = False
-_PR_SET_PDEATHSIG = 1
 
 
 def _manager_dies_with_the_rank() -> None:
@@ -204,7 +205,4 @@ def _manager_dies_with_the_rank() -> None:
     it would otherwise outlive a rank stopped by a signal (torchrun's SIGTERM after a peer failed)
     for the whole run, not only after the first save as Megatron's spawned one can."""
     if _FORKING_THE_QUEUE and sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        die_with_parent()
