@@ -162,9 +162,10 @@ def main() -> int:
         prepared = prepare_cpu_launch(caching)
         if os.environ.get("RANK", "0") == "0":
             print(prepared, flush=True)
-    from megatron_ext.compat.check import check_megatron
+    from megatron_ext.compat.check import check_megatron, launch_groups
 
-    untested = check_megatron()  # before anything is patched: Megatron's own sources are hashed
+    # Before anything is patched: Megatron's own sources are hashed, for the rows this launch applies.
+    untested = check_megatron(groups=launch_groups(cpu=cpu, dry_run=dry_run))
     if untested and "--allow-untested-megatron" not in argv:
         print(untested, file=sys.stderr)
         return 2

@@ -1,22 +1,29 @@
 """The startup check: refuse a megatron-core version or a Megatron source the table was not checked on.
 
 Every row of :data:`megatron_ext.compat.table.TABLE` carries the fingerprint of the Megatron source it
-replaces (or copies). A launch hashes those sources once (a few dozen functions, milliseconds) and
-refuses, in one line, an installed megatron-core outside the tested versions or a changed source,
+replaces (or copies), or the :class:`~megatron_ext.compat.patch.Needs` of a value that is not
+Megatron-defined code (an optional Transformer Engine kernel). A launch checks the rows it will apply
+(:func:`launch_groups`: a GPU launch never applies the CPU rows) once, in milliseconds, and
+refuses in one line an installed megatron-core outside the tested versions or a changed source,
 naming both; ``--allow-untested-megatron`` runs anyway.
 
 Example::
 
-    problem = check_megatron()
+    problem = check_megatron(groups=launch_groups(cpu=False, dry_run=False))
     # None, or "megatron-core 0.20.0 is untested (tested: 0.19.2); changed since tested:
     #  megatron.core.transformer.moe.router.Router.gating"
 """
 
 import importlib.metadata
+import importlib.util
 from collections.abc import Iterable
 
-from megatron_ext.compat.patch import TESTED_MEGATRON, Patch, fingerprint, original
+from megatron_ext.compat.patch import TESTED_MEGATRON, Needs, Patch, fingerprint, original
 from megatron_ext.compat.table import TABLE
+
+#: Rows every launch may apply, GPU included: the launch's own, those applied by an object the
+#: run creates (route replay, the resume checks) and Megatron bodies copied into megatron_ext.
+EVERY_LAUNCH = ("launch", "owned", "copied")
 
 
 def installed_megatron() -> str:
@@ -24,32 +31,77 @@ def installed_megatron() -> str:
     return importlib.metadata.version("megatron-core")
 
 
+def launch_groups(
+    cpu: bool, dry_run: bool, cuda: bool | None = None, te: bool | None = None
+) -> tuple[str, ...]:
+    """The table's groups a ``pretrain_gpt`` launch applies: ``--cpu`` the CPU rows and the
+    rehearsal's validation; without a CUDA device, validation against the target
+    (``validate_on_target``); a dry run without Transformer Engine, ``dry_run_target``.
+    ``cuda`` / ``te``: whether there is a device / Transformer Engine (default: asked here)."""
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    if te is None:
+        te = importlib.util.find_spec("transformer_engine") is not None
+    groups = list(EVERY_LAUNCH)
+    if cpu:
+        groups += ["cpu", "cpu_loop", "fp4_rehearsal"]
+    if (cpu or dry_run) and not cuda:
+        groups.append("validate_on_target")
+    if dry_run and not cpu and not te:
+        groups.append("dry_run_target")
+    return tuple(groups)
+
+
+def _in_groups(row: Patch, groups: Iterable[str] | None) -> bool:
+    return groups is None or row.group in groups or row.group.split(".")[0] in groups
+
+
 def found_fingerprint(row: Patch) -> str:
-    """The fingerprint of the installed Megatron source of ``row`` (``gone (why)`` if it is not there)."""
+    """The fingerprint of the installed Megatron source of ``row`` (``gone (why)`` if it is not
+    there); for a row checked by what it needs, that need when met, else the kind found."""
     try:
-        return fingerprint(original(row))
+        value = original(row)
     except (RuntimeError, AttributeError, ImportError, OSError, TypeError) as err:
+        return f"gone ({err})"
+    if isinstance(row.fingerprint, Needs):
+        return str(row.fingerprint) if row.fingerprint.met_by(value) else type(value).__qualname__
+    try:
+        return fingerprint(value)
+    except (OSError, TypeError) as err:
         return f"gone ({err})"
 
 
-def changed_rows(table: Iterable[Patch] = TABLE) -> list[str]:
-    """``module.attribute`` of each row whose Megatron source no longer has its fingerprint (or is gone)."""
+def _expected(row: Patch) -> str:
+    return str(row.fingerprint)
+
+
+def changed_rows(table: Iterable[Patch] = TABLE, groups: Iterable[str] | None = None) -> list[str]:
+    """``module.attribute`` of each row (of ``groups``; None: all) whose Megatron source no longer
+    has its fingerprint, whose value no longer is what the row needs, or that is gone."""
+    groups = None if groups is None else tuple(groups)
     changed = []
     for row in table:
-        if found_fingerprint(row) != row.fingerprint:
+        if _in_groups(row, groups) and found_fingerprint(row) != _expected(row):
             changed.append(row.name)
     return list(dict.fromkeys(changed))
 
 
-def check_megatron(version: str | None = None, table: Iterable[Patch] = TABLE) -> str | None:
-    """One line naming what is untested (the version found vs tested, the changed sources), or None."""
+def check_megatron(
+    version: str | None = None,
+    table: Iterable[Patch] = TABLE,
+    groups: Iterable[str] | None = None,
+) -> str | None:
+    """One line naming what is untested (the version found vs tested, the changed sources of the
+    rows of ``groups``, every row when None), or None."""
     version = installed_megatron() if version is None else version
     problems = []
     if version not in TESTED_MEGATRON:
         problems.append(
             f"megatron-core {version} is untested (tested: {', '.join(TESTED_MEGATRON)})"
         )
-    changed = changed_rows(table)
+    changed = changed_rows(table, groups)
     if changed:
         problems.append(
             f"Megatron source changed since tested (megatron-core {version}): {', '.join(changed)}"
@@ -70,9 +122,9 @@ def main() -> int:
     changed = 0
     for row in TABLE:
         found = found_fingerprint(row)
-        if found != row.fingerprint:
+        if found != _expected(row):
             changed += 1
-            print(f"changed  {row.group:28s} {row.name}: checked {row.fingerprint}, found {found}")
+            print(f"changed  {row.group:28s} {row.name}: checked {_expected(row)}, found {found}")
     print(f"{changed} row(s) changed" if changed else "every row's source is as tested")
     return 1 if changed or version not in TESTED_MEGATRON else 0
 

@@ -8,7 +8,7 @@ puts every original back; :func:`apply` keeps them (a launch). Applying is idemp
 
 Example::
 
-    with patched("cpu_model"):        # Megatron's model stack runs on CPU inside the block
+    with patched_rows(rows("cpu")):   # Megatron's model stack runs on CPU inside the block
         ...
     # outside it, every attribute is Megatron's own again
 """
@@ -30,18 +30,44 @@ TESTED_MEGATRON = ("0.19.2",)
 
 
 @dataclass(frozen=True)
+class Needs:
+    """What a row needs of a value whose source is not Megatron's own to fingerprint: an optional
+    kernel Megatron binds to Transformer Engine's function or to ``None`` (which one depends on the
+    machine, not on Megatron's version), a clock. Such a row is checked by kind, not by source.
+
+    Attributes:
+        kinds: Each acceptable kind: ``"callable"``, ``"None"`` or a type's name (``"float"``).
+    """
+
+    kinds: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return " or ".join("a callable" if k == "callable" else k for k in self.kinds)
+
+    def met_by(self, value: Any) -> bool:
+        """Whether ``value`` is of one of the kinds."""
+        return any(
+            (kind == "callable" and callable(value))
+            or (kind == "None" and value is None)
+            or type(value).__name__ == kind
+            for kind in self.kinds
+        )
+
+
+@dataclass(frozen=True)
 class Patch:
     """One change megatron_ext makes to Megatron's behaviour.
 
     Attributes:
-        group: What applies it (``cpu_model``, ``cpu_training``, ``launch``, ...); see table.py.
+        group: What applies it (``cpu.*``, ``cpu_loop.*``, ``launch``, ...); see table.py.
         module: The Megatron module holding the attribute.
         attribute: Dotted path inside ``module`` (``"Router.gating"``).
         replacement: A :class:`HostTorch` (the function's own ``torch`` calls those names on the
             host), ``"package.module:factory"`` (``factory(original)`` returns the new value), or
             ``None`` for a row applied by its owner (named in ``reason``) or a body copied from it.
         reason: Why Megatron's own behaviour does not do.
-        fingerprint: :func:`fingerprint` of the original on the versions in ``checked_on``.
+        fingerprint: :func:`fingerprint` of the original on the versions in ``checked_on``, or
+            the :class:`Needs` of a value that is not Megatron-defined code.
         checked_on: megatron-core versions the row was checked on.
     """
 
@@ -50,7 +76,7 @@ class Patch:
     attribute: str
     replacement: HostTorch | str | None
     reason: str
-    fingerprint: str
+    fingerprint: "str | Needs"
     checked_on: tuple[str, ...] = TESTED_MEGATRON
 
     @property
@@ -106,8 +132,8 @@ def fingerprint(obj: Any) -> str:
         lines = linecache.getlines(code.co_filename)[code.co_firstlineno - 1 : _last_line(code)]
     elif isinstance(obj, type):
         lines = inspect.getsource(obj).splitlines()
-    else:  # a value with no source (None where an optional kernel is not installed)
-        lines = [type(obj).__qualname__]
+    else:  # None where an optional kernel is not installed, a number: a row's Needs checks those
+        raise TypeError(f"a {type(obj).__qualname__} has no source to fingerprint")
     kept = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
     return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
 

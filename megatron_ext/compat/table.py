@@ -12,12 +12,14 @@ Groups (what applies them):
 - ``owned``: applied by the object named in the reason (per model, undone by it); ``copied``: a
   Megatron body copied and edited in megatron_ext, fingerprinted so an upstream change is noticed.
 
-:func:`megatron_ext.compat.check.check_megatron` compares every fingerprint at startup.
+:func:`megatron_ext.compat.check.check_megatron` compares, at startup, the fingerprint of every row the
+launch applies (a value that is not Megatron's code, such as an optional Transformer Engine kernel,
+by what the row needs of it: :class:`~megatron_ext.compat.patch.Needs`).
 """
 
 from megatron_ext.compat.cpu_rows import CPU_ROWS, LOOP_ROWS
 from megatron_ext.compat.host_torch import HostTorch
-from megatron_ext.compat.patch import Patch
+from megatron_ext.compat.patch import Needs, Patch
 
 M = "megatron.core."
 T = "megatron.training."
@@ -51,7 +53,9 @@ OTHER_ROWS: list[Patch] = [
           "50cbdaa14235331a"),
     Patch("dry_run_target", M + "models.common.embeddings.rope_utils",
           "fused_apply_rotary_pos_emb", "megatron_ext.training.dry_run:on_the_target_only",
-          "a dry run's checks ask whether the fused RoPE kernel is there", "bbbc78b3708fe799"),
+          "a dry run's checks ask whether the fused RoPE kernel is there (Megatron binds it to "
+          "Transformer Engine's kernel where TE imports, else None: checked by kind)",
+          Needs(("callable", "None"))),
     Patch("owned", M + "transformer.moe.router_replay", "RouterReplay",
           None, "route replay swaps KeyedRouterReplay into RouterReplay.global_router_replay_instances "
           "(megatron_ext.replay.keyed_router_replay.swap_in; RouteReplayBinding.remove undoes it)",
@@ -63,7 +67,7 @@ OTHER_ROWS: list[Patch] = [
     Patch("owned", T + "training", "_TRAIN_START_TIME", None,
           "a rank forked from the tests' preloaded server sets Megatron's start clocks "
           "(_TRAIN_START_TIME, _LEGACY_TRAIN_START_TIME) to its own start "
-          "(megatron_ext.testing.preloaded)", "76a7e234dc54e9c6"),
+          "(megatron_ext.testing.preloaded)", Needs(("float",))),
     Patch("launch", T + "arguments", "_print_args",
           "megatron_ext.training.launch_log:dump_only_when_asked",
           "the argument dump (about 840 lines) prints only with --log-arguments or --verbose "

@@ -6,6 +6,7 @@ line naming both, exit 2, unless ``--allow-untested-megatron``; the installed 0.
 
 import dataclasses
 import importlib
+import inspect
 import sys
 import time
 
@@ -99,3 +100,81 @@ def test_the_package_metadata_allows_exactly_the_tested_versions() -> None:
     dependencies = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
     pins = [d.replace(" ", "") for d in dependencies if d.startswith("megatron-core")]
     assert pins == [f"megatron-core=={version}" for version in TESTED_MEGATRON]
+
+
+def _table_modules() -> list[str]:
+    return sorted({row.module for row in TABLE})
+
+
+def _bind_te_standins(monkeypatch) -> dict[str, list[str]]:
+    """Every attribute of the table's modules that Megatron binds only where Transformer Engine
+    imports, bound as on a GPU node (tests/compat/te_site)."""
+    from tests.compat.te_site.sitecustomize import standin, te_bound_attributes
+
+    bound = te_bound_attributes(_table_modules())
+    for module, names in bound.items():
+        for name in names:
+            # raising=False: some are not bound at all without TE (Float8Tensor in torch.py).
+            monkeypatch.setattr(importlib.import_module(module), name, standin(name), raising=False)
+    return bound
+
+
+ROPE = "megatron.core.models.common.embeddings.rope_utils"
+
+
+def test_a_gpu_launch_with_transformer_engine_passes_the_startup_check(monkeypatch) -> None:
+    """Where TE imports, Megatron binds its fused RoPE kernel (None here): the check asks what the
+    row needs of it (a callable or None), not its source, and a GPU launch or dry run with TE is
+    not refused. (Before: every such launch was refused, exit 2.)"""
+    bound = _bind_te_standins(monkeypatch)
+    # The interesting case occurred: the table's own row's attribute is now TE's kernel.
+    assert "fused_apply_rotary_pos_emb" in bound[ROPE]
+    assert callable(importlib.import_module(ROPE).fused_apply_rotary_pos_emb)
+    assert {row.group for row in TABLE if row.name == f"{ROPE}.fused_apply_rotary_pos_emb"}
+    for cpu, dry_run, cuda in [(False, False, True), (False, True, True), (False, True, False)]:
+        groups = check.launch_groups(cpu=cpu, dry_run=dry_run, cuda=cuda, te=True)
+        assert check.check_megatron(groups=groups) is None, groups
+    assert check.check_megatron() is None  # every row, as python -m megatron_ext.compat.check
+
+
+def test_a_value_that_is_not_what_its_row_needs_is_refused(monkeypatch) -> None:
+    monkeypatch.setattr(importlib.import_module(ROPE), "fused_apply_rotary_pos_emb", 3)
+    line = check.check_megatron()
+    assert line is not None and f"{ROPE}.fused_apply_rotary_pos_emb" in line
+    assert check.found_fingerprint(check_row := next(
+        r for r in TABLE if r.name == f"{ROPE}.fused_apply_rotary_pos_emb")) == "int"  # fmt: skip
+    assert str(check_row.fingerprint) == "a callable or None"
+
+
+def test_a_launch_checks_the_rows_it_applies() -> None:
+    """A changed CPU row is named for a --cpu launch only: a GPU launch never applies it."""
+    cpu_row = next(r for r in TABLE if r.group.startswith("cpu."))
+    launch_row = next(r for r in TABLE if r.group == "launch")
+    table = [dataclasses.replace(cpu_row, fingerprint="0" * 16),
+             dataclasses.replace(launch_row, fingerprint="0" * 16)]  # fmt: skip
+    gpu = check.launch_groups(cpu=False, dry_run=False, cuda=True, te=True)
+    cpu = check.launch_groups(cpu=True, dry_run=False, cuda=False, te=False)
+    assert check.changed_rows(table, gpu) == [launch_row.name]
+    assert check.changed_rows(table, cpu) == [cpu_row.name, launch_row.name]
+    assert "dry_run_target" in check.launch_groups(cpu=False, dry_run=True, cuda=False, te=False)
+    assert "dry_run_target" not in check.launch_groups(cpu=False, dry_run=True, cuda=True, te=True)
+    assert "validate_on_target" not in gpu and "cpu" not in gpu
+
+
+def test_every_fingerprinted_row_is_megatron_defined_code() -> None:
+    """Only Megatron's own functions and classes are fingerprinted; a row whose value comes from
+    another package or may be absent (every TE-bound attribute the table touches) is checked by
+    what it needs."""
+    from megatron_ext.compat.patch import Needs, original
+    from tests.compat.te_site.sitecustomize import te_bound_attributes
+
+    te_bound = {f"{m}.{n}" for m, names in te_bound_attributes(_table_modules()).items()
+                for n in names}  # fmt: skip
+    for row in TABLE:
+        if row.name in te_bound:
+            assert isinstance(row.fingerprint, Needs), row.name
+        if isinstance(row.fingerprint, Needs):
+            continue
+        value = original(row)
+        value = inspect.unwrap(getattr(value, "__func__", value))
+        assert value.__module__.startswith("megatron."), (row.name, value.__module__)

@@ -6,6 +6,7 @@ environment; a wrong flag in a copy of an example, or an interpreter without meg
 in one clear line.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -16,18 +17,33 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.compat.te_site.sitecustomize import MARKER
 from tests.training.doc_blocks import header_commands, launch_env
 from tests.training.entry_args import ROOT
 
+ROPE = "megatron.core.models.common.embeddings.rope_utils"
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.sh") if not p.name.startswith("_"))
+
+
+def te_standin_env() -> dict[str, str]:
+    """The environment under which Megatron's modules hold Transformer Engine's attributes as on
+    a GPU node (tests/compat/te_site): the dry run meets the startup check a GPU launch meets."""
+    from megatron_ext.compat.table import TABLE
+    from tests.compat.te_site.sitecustomize import ENV, te_bound_attributes
+
+    site = str(ROOT / "tests" / "compat" / "te_site")
+    path = os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")]))
+    wanted = te_bound_attributes(sorted({row.module for row in TABLE}))
+    return {"PYTHONPATH": path, ENV: json.dumps(wanted)}
 
 
 def _dry_run(script: Path, data_dir: Path) -> subprocess.CompletedProcess:
     """The script's documented command (its header's ``# Command:``, with its variables) as a dry
-    run: the world it validates is the one its parallel sizes are written for. These are the
-    header launches of tests/training/test_doc_commands.py, which runs the other documented
-    commands."""
-    env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable)
+    run: the world it validates is the one its parallel sizes are written for, with Transformer
+    Engine's attributes bound as on the GPU node it is written for (:func:`te_standin_env`).
+    These are the header launches of tests/training/test_doc_commands.py, which runs the other
+    documented commands."""
+    env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, **te_standin_env())
     for key in ("WORLD_SIZE", "NNODES", "NODE_RANK", "MASTER_ADDR", "CPU"):
         env.pop(key, None)
     launches = [launch_env(c) for c in header_commands(script)]
@@ -144,6 +160,9 @@ def test_example_script_flags_parse_and_validate(name: str, dry_runs) -> None:
     proc = dry_runs[name]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "megatron_ext: dry run OK" in proc.stdout
+    # It ran as on a GPU node with Transformer Engine: Megatron's fused RoPE kernel was bound, and
+    # the startup check passed (before, every such launch was refused with exit 2).
+    assert f"{MARKER} {ROPE}: fused_apply_rotary_pos_emb" in proc.stderr, proc.stderr[-3000:]
     # HybridModel by default (Megatron 0.19.2 deprecates GPTModel); MODEL=gpt: the Slurm test below.
     assert '"model": "HybridModel"' in proc.stdout
     # --moe-pad-routing auto resolved, and said why: every example is dropless alltoall.
@@ -159,6 +178,7 @@ def test_fine_tuning_examples_without_their_base_checkpoint_are_refused_in_one_l
     model, is the one error."""
     proc = dry_runs[name]
     assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"{MARKER} {ROPE}: fused_apply_rotary_pos_emb" in proc.stderr, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if "invalid arguments" in line]
     assert errors == [
         f"megatron_ext: invalid arguments: --pretrained-checkpoint {FINE_TUNED[name]} holds no "
