@@ -90,6 +90,11 @@ class MegatronView:
     hybrid_override_pattern: str | None = None
     """``--hybrid-override-pattern``: the deprecated name of ``--hybrid-layer-pattern`` (Megatron's
     ``validate_args`` copies it over)."""
+    # Loss guards
+    check_for_nan_in_loss_and_grad: bool = True
+    """``--no-check-for-nan-in-loss-and-grad``: NaN / Inf in a local loss or gradient is fatal."""
+    check_for_spiky_loss: bool = False
+    """``--check-for-spiky-loss``: a local loss 10x the largest seen is reported."""
     # Precision
     fp8: str | None = None
     """``--fp8-format``: fp8 GEMMs (``e4m3``, ``hybrid``; None: off)."""

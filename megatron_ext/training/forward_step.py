@@ -12,7 +12,8 @@ Per micro-batch:
 3. ``padding_mask`` goes to ``GPTModel.forward(padding_mask=...)`` so pads stay out of the router's aux
    loss, z-loss and expert-bias counts; packed document boundaries become a per-document causal mask
    (``--transformer-impl local``) or THD ``PackedSeqParams`` (Transformer Engine attention).
-4. The loss is Megatron's: sum of per-token loss times ``loss_mask``, with the token count.
+4. The loss is Megatron's: sum of per-token loss times ``loss_mask``, with the token count, validated
+   by Megatron's rerun state machine (NaN, Inf, spiky loss) as Megatron-LM's ``pretrain_gpt.py`` does.
 
 Example::
 
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 
 from megatron_ext.config import MoEAlignmentConfig
-from megatron_ext.megatron_view import TrainingProgress
+from megatron_ext.megatron_view import MegatronView, TrainingProgress
 from megatron_ext.training import run_state
 from megatron_ext.training.throughput_log import count_micro_batch, log_token_throughput
 
@@ -44,16 +45,58 @@ def batch_to_device(batch: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+#: A local loss this many times the largest of the first 100 seen is spiky (Megatron-LM's
+#: ``SPIKY_LOSS_FACTOR``, pretrain_gpt.py).
+SPIKY_LOSS_FACTOR = 10
+
+
 def loss_func(
     loss_mask: torch.Tensor, output_tensor: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Megatron's loss contract: (sum of masked per-token loss, token count, report)."""
+    """Megatron's loss contract: (sum of masked per-token loss, token count, report), the local
+    loss validated first as Megatron-LM's own ``pretrain_gpt.py`` does (:func:`validate_loss`)."""
+    from megatron.training import get_args
+
     losses = output_tensor.reshape(-1).float()
     mask = loss_mask.reshape(-1).float()
     loss = torch.sum(losses * mask)
+    validate_loss(loss, MegatronView.from_args(get_args()))
     num_tokens = mask.sum().detach().to(torch.int)
     report = {"lm loss": torch.cat([loss.detach().view(1), num_tokens.view(1)])}
     return loss, num_tokens, report
+
+
+def validate_loss(loss: torch.Tensor, view: MegatronView) -> None:
+    """Megatron's loss guards, before the data-parallel reduction and the backward pass, as
+    Megatron-LM's ``pretrain_gpt.py`` ``loss_func`` calls them (NVIDIA/Megatron-LM d98e8a6):
+    NaN and Inf in the local loss are fatal (``--check-for-nan-in-loss-and-grad``, on by
+    default); a spiky loss is reported (``--check-for-spiky-loss``). Megatron's rerun state
+    machine decides what follows (``--rerun-mode``: by default the iteration is rerun in place,
+    then the job checkpoints and exits non-zero; ``disabled`` raises at once)."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    machine = get_rerun_state_machine()
+    if view.check_for_nan_in_loss_and_grad:
+        # NOTE: device-to-host sync (the machine reads the rejection), Megatron's own: its flag
+        # --no-check-for-nan-in-loss-and-grad turns it off.
+        for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            machine.validate_result(
+                result=loss,
+                rejection_func=reject,
+                message=f"found {what} in local forward loss calculation",
+                tolerance=0.0,  # the forward pass is deterministic
+                fatal=True,
+            )
+    if view.check_for_spiky_loss:
+        machine.validate_result(
+            result=loss,
+            rejection_func=partial(
+                machine.is_unexpectedly_large, threshold=SPIKY_LOSS_FACTOR, context="loss"
+            ),
+            message="Spiky loss",
+            tolerance=0.0,
+            fatal=False,
+        )
 
 
 def begin_micro_batch(args: Any, model: torch.nn.Module | None = None) -> tuple[Hashable, bool]:
