@@ -24,6 +24,7 @@ Exit status 1 if a check fails.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -314,6 +315,13 @@ def main(args: argparse.Namespace) -> int:
     overwrite = getattr(args, "overwrite", False)
     if args.steps < 2:  # the step-time median and "loss falls" compare iterations 2.. with 1
         print(f"megatron-ext demo: --steps must be at least 2, got {args.steps}", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec("matplotlib") is None:  # the plot comes last: say so first
+        print(
+            "megatron-ext demo: the per-expert load plot (--png) needs matplotlib, which is not "
+            "installed: pip install 'megatron_ext[tools]'",
+            file=sys.stderr,
+        )
         return 2
     keep = getattr(args, "workdir", None)
     if keep and os.path.exists(keep) and not os.path.isdir(keep):

@@ -8,6 +8,7 @@ differently).
 """
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +74,32 @@ def test_bad_demo_flags_are_refused_before_any_launch(tmp_path, capsys) -> None:
     with pytest.raises(ValueError, match=r"--png .*afile is a file, not a directory"):
         main(argparse.Namespace(**{**base, "png": str(afile / "x.png")}))
     assert not (tmp_path / "w").exists()  # nothing was started
+
+
+def test_the_demo_without_matplotlib_names_the_extra_before_training(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    """After a plain ``pip install .`` (no ``[tools]``: matplotlib is not installed; tqdm, which
+    the demo's preprocessing needs, is a base dependency), the demo says which extra to install,
+    in one line, exit 2, before it starts anything."""
+    import importlib.util
+    import tomllib
+
+    from megatron_ext.training import demo
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert "tqdm" in pyproject["project"]["dependencies"]
+    assert "matplotlib" in pyproject["project"]["optional-dependencies"]["tools"]
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        demo.importlib.util, "find_spec",
+        lambda name, *a: None if name == "matplotlib" else find_spec(name, *a),
+    )  # fmt: skip
+    args = dict(steps=3, json=None, png=str(tmp_path / "p.png"), workdir=str(tmp_path / "w"))
+    assert main(argparse.Namespace(**args)) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "megatron-ext demo: the per-expert load plot (--png) needs matplotlib, which is not "
+        "installed: pip install 'megatron_ext[tools]'\n"
+    )
+    assert not (tmp_path / "w").exists() and not (tmp_path / "p.png").exists()

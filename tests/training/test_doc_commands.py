@@ -12,7 +12,6 @@ the blocks name. The header launches themselves are dry-run by tests/training/te
 import os
 import re
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -44,15 +43,22 @@ MEGATRON_ARGS = """MEGATRON_ARGS=(--num-layers 2 --hidden-size 64 --ffn-hidden-s
 """
 LAYERS, TOPK, EXPERTS = 2, 2, 8
 
+#: The README's setup line that puts megatron-ext and python3 on PATH.
+ACTIVATE = "source .venv/bin/activate"
+#: A login shell's PATH before any environment is activated.
+CLEAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+#: What `make setup` reads, and the environment it keeps, as a checkout has them.
+CHECKOUT = ("Makefile", "requirements", "pyproject.toml", "setup.py", "megatron_ext", ".venv")
+
 #: ``torchrun`` as the blocks call it; under ``DRY_RUN=1`` the dry run of the same launch on rank 0
 #: of the world it names, as examples/_launch.sh does.
 TORCHRUN = """#!/usr/bin/env bash
-[ "${DRY_RUN:-0}" = 1 ] || exec "$PYTHON" -m torch.distributed.run "$@"
+[ "${DRY_RUN:-0}" = 1 ] || exec python3 -m torch.distributed.run "$@"
 nproc=1 nnodes=1
 while [ "$1" != -m ]; do
   case "$1" in --nproc-per-node) nproc=$2; shift ;; --nnodes) nnodes=$2; shift ;; esac; shift
 done
-WORLD_SIZE=$((nproc * nnodes)) RANK=0 exec "$PYTHON" "$@" --dry-run
+WORLD_SIZE=$((nproc * nnodes)) RANK=0 exec python3 "$@" --dry-run
 """
 
 #: ``sbatch --nodes N ... --wrap CMD`` as Slurm runs it on the first node: CMD with Slurm's variables.
@@ -155,24 +161,24 @@ def doc_runs(doc_work: Path) -> list[tuple[str, str, subprocess.CompletedProcess
     _write_tiny_model_data(data, work)
     # The sft example header's conversations (prompt / response).
     (work / "sft.jsonl").write_text('{"prompt": "a question ", "response": "an answer"}\n' * 20)
-    shims = {
-        "megatron-ext": f'#!/bin/sh\nexec {sys.executable} -m megatron_ext.cli "$@"\n',
-        "python": f'#!/bin/sh\nexec {sys.executable} "$@"\n',
-        "python3": f'#!/bin/sh\nexec {sys.executable} "$@"\n',
-        "torchrun": TORCHRUN,
-        "sbatch": SBATCH,
-        "srun": '#!/bin/sh\nexec "$@"\n',
-    }
+    # The cluster's commands only: megatron-ext and python3 come from the README's own setup lines
+    # (make setup; source .venv/bin/activate), run here as written in a copy of the checkout's
+    # layout, on a clean PATH.
+    shims = {"torchrun": TORCHRUN, "sbatch": SBATCH, "srun": '#!/bin/sh\nexec "$@"\n'}
     for name, text in shims.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
+    for name in CHECKOUT:
+        os.symlink(ROOT / name, work / name)
     env = {
-        **os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": sys.executable,
+        **os.environ, "PATH": CLEAN_PATH,
         "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
         "MASTER_PORT": str(free_port()),  # the launchers' documented knob (others may hold 6000)
         "MEGATRON_LOGGING_LEVEL": "20",  # Megatron's INFO lines (model layout, blend) are read below
     }  # fmt: skip
     for key in (
+        "VIRTUAL_ENV",
+        "PYTHON",
         "DRY_RUN",
         "CPU",
         "WORLD_SIZE",
@@ -184,7 +190,7 @@ def doc_runs(doc_work: Path) -> list[tuple[str, str, subprocess.CompletedProcess
         env.pop(key, None)
 
     def run(number: int, where: str, block: str) -> subprocess.CompletedProcess:
-        block_env = dict(env)
+        block_env = dict(env, PATH=f"{bin_dir}:{env['PATH']}")
         preamble = "set -euo pipefail\n"
         if is_gpu_launch(block):
             block_env["DRY_RUN"] = "1"
@@ -201,13 +207,34 @@ def doc_runs(doc_work: Path) -> list[tuple[str, str, subprocess.CompletedProcess
 
     (work / "logs").mkdir()
     blocks = list(enumerate(documented_commands(), start=1))
+    # The README's setup block first: its shell's environment is the reader's for every block (the
+    # GPU blocks before it are for an environment with megatron_ext installed; this is one).
+    [(number, (where, setup))] = [(n, wb) for n, wb in blocks if ACTIVATE in wb[1]]
+    assert where == "README.md", where
+    # Run as written, `make setup` must find .venv current, as after CI's own `make setup`: were it
+    # not, it would reinstall the editable package from this temporary copy of the layout.
+    current = subprocess.run(["make", "-q", "setup"], cwd=ROOT, capture_output=True)
+    assert current.returncode == 0, "run `make setup` first: .venv is older than the pins"
+    found = subprocess.run(["bash", "-c", "command -v megatron-ext"], env=env, cwd=work)
+    assert found.returncode != 0  # not on the clean PATH: only the setup lines put it there
+    environment = work / "logs" / "environment"
+    setup_proc = subprocess.run(
+        ["bash", "-c", f"set -euo pipefail\n{setup}env -0 > {environment}\n"], cwd=work, env=env,
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert setup_proc.returncode == 0, setup_proc.stdout[-2000:] + setup_proc.stderr[-2000:]
+    env = dict(line.split("=", 1) for line in environment.read_text().split("\0") if "=" in line)
+    env.pop("PWD", None), env.pop("OLDPWD", None), env.pop("SHLVL", None)
+    blocks = [(n, wb) for n, wb in blocks if n != number]
     # The GPU launches are dry runs of DATA's files, writing nothing the others read: they run one
     # at a time beside the other blocks (mostly one core each), both in the documents' order.
     with ThreadPoolExecutor(max_workers=1) as beside:
         dry = {n: beside.submit(run, n, *wb) for n, wb in blocks if is_gpu_launch(wb[1])}
         procs = {n: run(n, *wb) for n, wb in blocks if n not in dry}
         procs.update({n: future.result() for n, future in dry.items()})
-    return [(where, block, procs[n]) for n, (where, block) in blocks]
+    return [("README.md", setup, setup_proc)] + [
+        (where, block, procs[n]) for n, (where, block) in blocks
+    ]
 
 
 def test_every_documented_command_runs_as_written(doc_runs) -> None:
@@ -217,8 +244,9 @@ def test_every_documented_command_runs_as_written(doc_runs) -> None:
         if proc.returncode != 0
     ]
     assert not failed, "\n\n".join(failed)
-    # The README's 7 blocks that run here, docs/examples.md's Slurm launch, a header's data command.
-    assert len(doc_runs) == 9, [where for where, _, _ in doc_runs]
+    # The README's 8 blocks that run here (its setup lines first), docs/examples.md's Slurm launch,
+    # a header's data command.
+    assert len(doc_runs) == 10, [where for where, _, _ in doc_runs]
     gpu = [proc for _, block, proc in doc_runs if is_gpu_launch(block)]
     assert len(gpu) == 4  # one per feature, and the Slurm launch of docs/examples.md
     assert all("megatron_ext: dry run OK" in proc.stdout for proc in gpu)
