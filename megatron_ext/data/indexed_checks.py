@@ -91,6 +91,24 @@ def open_indexed(path_prefix: str, what: str) -> IndexedDataset:
     return dataset
 
 
+def check_shard(path_prefix: str, what: str) -> type[np.number]:
+    """Checks a shard to merge as :func:`open_indexed` does, but takes an empty ``.bin`` (an
+    ``.idx`` of no token): Megatron's ``IndexedDatasetBuilder.add_index`` reads only the ``.idx``
+    and copies the ``.bin``, so its merge takes an empty shard (only an empty *first* one fails
+    there, in the reader that maps the ``.bin`` for the dtype). The ``.bin`` is not mapped.
+
+    Returns:
+        The shard's dtype.
+
+    Raises:
+        ValueError: As :func:`open_indexed`, an empty ``.bin`` aside.
+    """
+    idx_path, bin_path = _existing_pair(path_prefix, what)
+    dataset = _read(path_prefix, what, mmap=False)  # Megatron's file reader: opens no .bin
+    check_index(dataset.index, idx_path, bin_path, what)
+    return dataset.index.dtype
+
+
 def _existing_pair(path_prefix: str, what: str) -> tuple[str, str]:
     idx_path, bin_path = path_prefix + ".idx", path_prefix + ".bin"
     for path in (idx_path, bin_path):
