@@ -4,8 +4,10 @@
     # every PREFIX.bin/.idx pair in /data/shards, in name order -> /data/all.bin/.idx
     python tools/merge_datasets.py --input-prefixes /d/a /d/b --output-prefix /data/all
 
-Shards are checked before anything is written: a pair with a missing half, a truncated .bin, or
-shards of different dtypes (another tokenizer, a loss-mask sidecar) are refused in one line. The
+Shards are checked before anything is written: a pair with a missing half, a truncated .bin or an
+.idx that does not describe it, shards of different dtypes (another tokenizer, a loss-mask
+sidecar), or a shard named twice (also by a symlink or hard link) are refused in one line; an
+empty shard adds nothing (as in Megatron's tool, wherever it falls in the order). The
 output is written to temporary files and renamed at the end; an existing output is refused
 unless --overwrite, and a shard never. Errors are one line, exit status 2; --debug shows the
 traceback.
@@ -39,13 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_ext.data.indexed_merge import merge_shards, shard_prefixes
 
     if args.input is not None:
-        prefixes = shard_prefixes(args.input)
+        flag, prefixes = "--input", shard_prefixes(args.input)
     else:
-        prefixes = args.input_prefixes
+        flag, prefixes = "--input-prefixes", args.input_prefixes
     check_output_prefix(
         args.output_prefix, flag="--output-prefix", inputs=prefixes, overwrite=args.overwrite
     )
-    merge_shards(prefixes, args.output_prefix)
+    merge_shards(prefixes, args.output_prefix, flag)
     print(f"merged {len(prefixes)} shards into {args.output_prefix}.bin/.idx")
     return 0
 

@@ -3,8 +3,9 @@
 Megatron maps ``.bin`` files lazily and trusts caches by a description of the flags, so several
 wrong inputs would otherwise open fine and fail (or read garbage) at some later sample:
 
-- :func:`open_indexed`: the ``.bin`` must be exactly the size its ``.idx`` indexes (a killed
-  writer, a truncated copy);
+- :func:`open_indexed`: the ``.idx`` must describe its ``.bin`` (:func:`check_index`): lengths,
+  pointers and document indices agree with each other, and the ``.bin`` is exactly the size they
+  index (a killed writer, a truncated copy, another corpus's ``.idx`` beside this ``.bin``);
 - :func:`check_aligned`: a sidecar has the token dataset's documents, ``width`` values per token;
 - :func:`check_values`: every value of a sidecar lies in an allowed set (e.g. a loss mask is 0/1),
   scanned vectorized in chunks once and remembered by the file's identity;
@@ -18,6 +19,7 @@ import json
 import math
 import os
 import struct
+import traceback
 from typing import Any
 
 import numpy as np
@@ -30,6 +32,13 @@ from megatron_ext.data.data_args import empty_bin_reason
 
 #: Values per chunk of a whole-file scan (bounded memory for any file size).
 CHUNK_VALUES = 1 << 24
+
+#: Bytes of an ``.idx`` before its arrays (Megatron's ``_IndexReader``): magic 9, version 8,
+#: dtype code 1, sequence count 8, document count 8.
+_INDEX_HEADER_BYTES = 34
+
+#: Sequences per chunk of an index check (a few int64 temporaries each: ~100 MB at most).
+_INDEX_CHUNK = 1 << 22
 
 
 def check_blend_weights(flag: str, prefixes: list[str], weights: list[float]) -> None:
@@ -68,34 +77,128 @@ def check_dataset_config(config: GPTDatasetConfig) -> None:
 
 
 def open_indexed(path_prefix: str, what: str) -> IndexedDataset:
-    """Opens ``path_prefix``.idx/.bin, checking the .bin holds exactly what the .idx indexes.
+    """Opens ``path_prefix``.idx/.bin, checking the .idx describes the .bin (:func:`check_index`).
 
     Raises:
-        ValueError: A missing, corrupt, truncated or over-long file; the message names it.
+        ValueError: A missing, corrupt, truncated or over-long file, or an .idx that is not the
+            .bin's; the message names the file.
     """
+    idx_path, bin_path = _existing_pair(path_prefix, what)
+    if os.path.getsize(bin_path) == 0:  # before Megatron's reader, whose half-built one complains
+        raise ValueError(empty_bin_reason(bin_path, what))
+    dataset = _read(path_prefix, what, mmap=True)
+    check_index(dataset.index, idx_path, bin_path, what)
+    return dataset
+
+
+def check_shard(path_prefix: str, what: str) -> type[np.number]:
+    """Checks a shard to merge as :func:`open_indexed` does, but takes an empty ``.bin`` (an
+    ``.idx`` of no token): Megatron's ``IndexedDatasetBuilder.add_index`` reads only the ``.idx``
+    and copies the ``.bin``, so its merge takes an empty shard (only an empty *first* one fails
+    there, in the reader that maps the ``.bin`` for the dtype). The ``.bin`` is not mapped.
+
+    Returns:
+        The shard's dtype.
+
+    Raises:
+        ValueError: As :func:`open_indexed`, an empty ``.bin`` aside.
+    """
+    idx_path, bin_path = _existing_pair(path_prefix, what)
+    dataset = _read(path_prefix, what, mmap=False)  # Megatron's file reader: opens no .bin
+    check_index(dataset.index, idx_path, bin_path, what)
+    return dataset.index.dtype
+
+
+def _existing_pair(path_prefix: str, what: str) -> tuple[str, str]:
     idx_path, bin_path = path_prefix + ".idx", path_prefix + ".bin"
     for path in (idx_path, bin_path):
         if not os.path.isfile(path):
             raise ValueError(f"{what} file {path} does not exist")
-    if os.path.getsize(bin_path) == 0:  # before Megatron's reader, whose half-built one complains
-        raise ValueError(empty_bin_reason(bin_path, what))
+    return idx_path, bin_path
+
+
+def _read(path_prefix: str, what: str, mmap: bool) -> IndexedDataset:
     try:
-        dataset = IndexedDataset(path_prefix, multimodal=False, mmap=True)
+        return IndexedDataset(path_prefix, multimodal=False, mmap=mmap)
     except (AssertionError, ValueError, struct.error, KeyError) as err:
-        raise ValueError(f"{what} {path_prefix}.idx/.bin is corrupt: {err}") from err
-    index = dataset.index
-    expected = 0
-    if index.sequence_lengths.size:
-        last_end = index.sequence_pointers[-1] + index.sequence_lengths[-1] * index.dtype_size
-        expected = int(last_end)
-    actual = os.path.getsize(bin_path)
-    if actual != expected:
-        raise ValueError(
-            f"{what} file {bin_path} has {actual} bytes but {idx_path} indexes {expected} "
-            f"({index.sequence_lengths.size} sequences of {np.dtype(index.dtype).name}): "
-            f"{_size_diagnosis(actual, expected, index.dtype_size)}; rewrite it"
+        cause = (
+            str(err)
+            or f"Megatron's reader failed {traceback.extract_tb(err.__traceback__)[-1].line}"
         )
-    return dataset
+        raise ValueError(f"{what} {path_prefix}.idx/.bin is corrupt: {cause}") from err
+
+
+def check_index(index: Any, idx_path: str, bin_path: str, what: str) -> None:
+    """Refuses an ``.idx`` (Megatron's ``_IndexReader``) that does not describe ``bin_path``.
+
+    Megatron's reader trusts the ``.idx``: it reads the counts its header gives and maps the
+    ``.bin`` by the pointers, so an ``.idx`` that is not the ``.bin``'s reads other documents or
+    past the end at some later sample. Checked, vectorized in chunks of :data:`_INDEX_CHUNK`
+    (one pass over the index, never the ``.bin``; 0.2 s for 20 M sequences): the file is exactly
+    the header and the arrays its counts give (a multimodal index's modes aside); lengths are
+    >= 0; each pointer is where the lengths before it end; the document indices run from 0 to
+    the sequence count, never down; the ``.bin`` is exactly the bytes the lengths add up to. The
+    format has no checksum: an ``.idx`` of another corpus with the same sequence and document
+    counts (so the same file size) is refused because its lengths add up to another size; one
+    that cuts the same number of tokens in other places cannot be told from the right one by
+    the files alone (docs/limits.md).
+
+    Raises:
+        ValueError: One line naming the file and the cause.
+    """
+    lens, ptrs, docs = index.sequence_lengths, index.sequence_pointers, index.document_indices
+    count, itemsize = int(lens.size), int(index.dtype_size)
+    header = _INDEX_HEADER_BYTES + count * (lens.itemsize + ptrs.itemsize)
+    idx_size, idx_expected = os.path.getsize(idx_path), header + docs.size * docs.itemsize
+    if idx_size not in (idx_expected, idx_expected + count):  # + a multimodal one's int8 modes
+        raise ValueError(
+            f"{what} file {idx_path} has {idx_size} bytes but its header counts {count} sequences "
+            f"and {docs.size} document indices ({idx_expected} bytes): it is corrupt; rewrite "
+            "the .bin/.idx pair"
+        )
+    not_its_bin = f"{what} file {idx_path} does not describe {bin_path}"
+    if docs.size == 0 or docs[0] != 0 or docs[-1] != count:
+        first, last = (int(docs[0]), int(docs[-1])) if docs.size else (None, None)
+        raise ValueError(
+            f"{not_its_bin}: its document indices run from {first} to {last}, not from 0 to its "
+            f"{count} sequences; it is corrupt, rewrite the .bin/.idx pair"
+        )
+    for start in range(0, docs.size - 1, _INDEX_CHUNK):
+        chunk = np.asarray(docs[start : start + _INDEX_CHUNK + 1])
+        down = np.flatnonzero(np.diff(chunk) < 0)
+        if down.size:
+            d = start + int(down[0])
+            raise ValueError(
+                f"{not_its_bin}: its document index {d + 1} ({int(docs[d + 1])}) is below index "
+                f"{d} ({int(docs[d])}); it is corrupt, rewrite the .bin/.idx pair"
+            )
+    total = 0  # bytes of the sequences before the chunk
+    for start in range(0, count, _INDEX_CHUNK):
+        bytes_S = np.asarray(lens[start : start + _INDEX_CHUNK], dtype=np.int64) * itemsize
+        negative = np.flatnonzero(bytes_S < 0)
+        if negative.size:
+            s = start + int(negative[0])
+            raise ValueError(
+                f"{not_its_bin}: its sequence {s} has length {int(lens[s])}; it is corrupt, "
+                "rewrite the .bin/.idx pair"
+            )
+        ends_S = total + np.cumsum(bytes_S)
+        moved = np.flatnonzero(ptrs[start : start + _INDEX_CHUNK] != ends_S - bytes_S)
+        if moved.size:
+            s = start + int(moved[0])
+            raise ValueError(
+                f"{not_its_bin}: its sequence {s} starts at byte {int(ptrs[s])} but the lengths "
+                f"before it end at byte {int(ends_S[s - start] - bytes_S[s - start])} (corrupt, or "
+                "lengths and pointers of two indexes); rewrite the .bin/.idx pair"
+            )
+        total = int(ends_S[-1])
+    actual = os.path.getsize(bin_path)
+    if actual != total:
+        raise ValueError(
+            f"{what} file {bin_path} has {actual} bytes but {idx_path} indexes {total} "
+            f"({count} sequences of {np.dtype(index.dtype).name}): "
+            f"{_size_diagnosis(actual, total, itemsize)}; rewrite the .bin/.idx pair"
+        )
 
 
 def _size_diagnosis(actual: int, expected: int, itemsize: int) -> str:
@@ -111,7 +214,10 @@ def _size_diagnosis(actual: int, expected: int, itemsize: int) -> str:
                 f"(it holds exactly those {tokens} tokens as {width}-byte values; the .idx says "
                 f"{itemsize}-byte)"
             )
-    return "the file is truncated or corrupt"
+    return (
+        "the .bin is truncated or corrupt, or the .idx is another .bin's (another corpus or shard: "
+        "an .idx describes only the .bin written with it)"
+    )
 
 
 def check_aligned(tokens: IndexedDataset, side: IndexedDataset, width: int, path: str) -> None:

@@ -6,16 +6,20 @@ per shard), so the output is byte-identical to Megatron's merge of the same shar
     /d/shards/{a,b}.bin/.idx   ->   /d/all.bin/.idx   (a's documents, then b's)
 
 Before any byte is written every shard is opened and checked (:func:`check_shards`): a missing
-half of a pair, a truncated ``.bin``, or shards of different dtypes (two tokenizers, or a token
-dataset beside its loss mask) are refused in one line; Megatron's script stops on the last with a
-bare ``assert index.dtype == self.dtype`` after writing part of the output.
+half of a pair, a truncated ``.bin`` or an ``.idx`` that does not describe it, shards of different
+dtypes (two tokenizers, or a token dataset beside its loss mask), or one shard named twice (the
+same file by another path: a symlink, a hard link) are refused in one line. Megatron's script
+stops on a bare ``assert index.dtype == self.dtype`` after writing part of the output, and merges
+a shard named twice twice (its ``--input`` lists a directory, where a symlink does it). An empty
+shard (an ``.idx`` of no token, an empty ``.bin``) contributes nothing, as in Megatron's
+``add_index``, wherever it falls in the order.
 """
 
 import os
 
 import numpy as np
 
-from megatron_ext.data.indexed_checks import open_indexed
+from megatron_ext.data.indexed_checks import check_shard
 from megatron_ext.data.indexed_writer import StreamingPrefixes
 
 
@@ -44,16 +48,14 @@ def shard_prefixes(directory: str, flag: str = "--input") -> list[str]:
 
 
 def check_shards(prefixes: list[str], flag: str = "--input") -> type[np.number]:
-    """Opens every shard (sizes checked) and returns their common dtype.
+    """Checks every shard (:func:`check_shard`) and returns their common dtype.
 
     Raises:
-        ValueError: A corrupt shard, or two dtypes (naming both shards).
+        ValueError: A corrupt shard, one named twice, two dtypes (naming both shards), or no token
+            in any shard.
     """
-    dtypes = {}
-    for prefix in prefixes:
-        dataset = open_indexed(prefix, f"{flag} shard")
-        dtypes[prefix] = dataset.index.dtype
-        del dataset
+    check_distinct(prefixes, flag)
+    dtypes = {prefix: check_shard(prefix, f"{flag} shard") for prefix in prefixes}
     first = prefixes[0]
     for prefix, dtype in dtypes.items():
         if dtype != dtypes[first]:
@@ -62,12 +64,43 @@ def check_shards(prefixes: list[str], flag: str = "--input") -> type[np.number]:
                 f"{np.dtype(dtypes[first]).name}; shards of one tokenizer have one dtype "
                 "(a loss-mask sidecar or another tokenizer's data is among them)"
             )
+    if all(os.path.getsize(prefix + ".bin") == 0 for prefix in prefixes):
+        raise ValueError(
+            f"{flag}: every shard's .bin is empty ({', '.join(prefixes)}): the merge would hold "
+            "no token (Megatron cannot open an empty .bin)"
+        )
     return dtypes[first]
 
 
-def merge_shards(prefixes: list[str], output_prefix: str) -> None:
+def check_distinct(prefixes: list[str], flag: str = "--input") -> None:
+    """Refuses a shard given twice: two prefixes whose ``.bin`` or ``.idx`` is one file (the same
+    path, a symlink, a hard link: the same device and inode), which would be merged twice.
+
+    Raises:
+        ValueError: Naming both prefixes.
+    """
+    seen: dict[tuple[int, int], int] = {}
+    for i, prefix in enumerate(prefixes):
+        for ext in (".bin", ".idx"):
+            try:
+                st = os.stat(prefix + ext)
+            except FileNotFoundError:
+                continue  # named by check_shard
+            j = seen.setdefault((st.st_dev, st.st_ino), i)
+            if j != i:
+                earlier = prefixes[j]
+                same = (
+                    f"{prefix} is given twice"
+                    if earlier == prefix
+                    else f"{earlier} and {prefix} are the same shard ({earlier}{ext} and "
+                    f"{prefix}{ext} are one file)"
+                )
+                raise ValueError(f"{flag}: {same}; merging it twice would repeat its documents")
+
+
+def merge_shards(prefixes: list[str], output_prefix: str, flag: str = "--input") -> None:
     """Writes the shards, in order, to ``output_prefix``.bin/.idx (through temporary files)."""
-    dtype = check_shards(prefixes)
+    dtype = check_shards(prefixes, flag)
     with StreamingPrefixes([(output_prefix, dtype)]) as out:
         for prefix in prefixes:
             out.add_index(0, prefix)

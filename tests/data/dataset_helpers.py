@@ -73,3 +73,35 @@ def write_documents_with_random_routes(
         prefix + "_routes", routes, num_layers=num_layers, topk=topk, num_experts=num_experts
     )
     return prefix
+
+
+def megatron_pair(prefix, lengths: list[int], docs_of: list[int], dtype: Any = None) -> None:
+    """``prefix.bin/.idx`` by Megatron's IndexedDatasetBuilder: ``docs_of[d]`` sequences per
+    document, sequence lengths in order, tokens counting up from 1."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=dtype or np.uint16)
+    seqs = iter(lengths)
+    for count in docs_of:
+        lens = [next(seqs) for _ in range(count)]
+        builder.add_document(list(range(1, sum(lens) + 1)), lens)
+    builder.finalize(str(prefix) + ".idx")
+
+
+def edit_index(prefix, field: str, values: list[int]) -> None:
+    """Overwrites one array of a Megatron .idx in place (the file keeps its size): the layout
+    of megatron-core 0.19.2's _IndexReader, a 34-byte header then int32 lengths, int64
+    pointers, int64 document indices."""
+    import numpy as np
+
+    path = str(prefix) + ".idx"
+    with open(path, "rb") as f:
+        count = int(
+            np.frombuffer(f.read(26)[18:], dtype=np.uint64)[0]
+        )  # after magic, version, dtype
+    offset, dtype = {"lengths": (34, np.int32), "documents": (34 + 12 * count, np.int64)}[field]
+    array = np.memmap(path, dtype=dtype, mode="r+", offset=offset, shape=(len(values),))
+    array[:] = values
+    array.flush()
+    del array

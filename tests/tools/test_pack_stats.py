@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from megatron_ext.data.indexed_writer import write_documents
+from tests.data.dataset_helpers import edit_index, megatron_pair
 
 TOOL = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "pack_stats.py")
 
@@ -182,6 +183,16 @@ def run_cli(argv: list[str]) -> tuple[int, str]:
 BAD_INPUTS = [
     ("missing data", ["--data-path", "{tmp}/nope"], r"--data-path file .*nope\.idx does not"),
     ("truncated .bin", ["--data-path", "{tmp}/cut"], r"cut\.bin has 4 bytes but .*cut\.idx"),
+    (  # another corpus's .idx (same counts, so the same size) beside d.bin: int32 5 + 12 != 6 + 10
+        "foreign .idx",
+        ["--data-path", "{tmp}/foreign"],
+        r"foreign\.bin has 68 bytes but .*foreign\.idx indexes 64 .* or the \.idx is another",
+    ),
+    (  # d.idx with its two lengths swapped in place: same size and total, pointers disagree
+        ".idx not its .bin's",
+        ["--data-path", "{tmp}/swapped"],
+        r"swapped\.idx does not describe .*swapped\.bin: its sequence 1 starts at byte 20 but",
+    ),
     ("--seq-length 0", ["--seq-length", "0"], "--seq-length must be >= 1"),
     ("--pad-to-multiple-of 0", ["--pad-to-multiple-of", "0"], "--pad-to-multiple-of must be"),
     (
@@ -208,6 +219,11 @@ def test_bad_inputs_give_one_line_errors_before_the_work(tmp_path, extra, match)
     write_documents(str(tmp_path / "cut"), [np.ones(5)])
     with open(tmp_path / "cut.bin", "r+b") as f:
         f.truncate(4)
+    megatron_pair(tmp_path / "other", [6, 10], [1, 1], np.int32)
+    for name, idx in (("foreign", "other"), ("swapped", "d")):
+        (tmp_path / f"{name}.bin").write_bytes((tmp_path / "d.bin").read_bytes())
+        (tmp_path / f"{name}.idx").write_bytes((tmp_path / f"{idx}.idx").read_bytes())
+    edit_index(tmp_path / "swapped", "lengths", [12, 5])
     (tmp_path / "old.png").write_bytes(b"keep me")
     argv = ["--data-path", str(tmp_path / "d"), "--seq-length", "16"]
     argv += [a.replace("{tmp}", str(tmp_path)) for a in extra]

@@ -90,6 +90,21 @@ def test_a_bin_of_another_dtype_than_its_idx_is_named_not_misread(tmp_path):
     assert "holds token id" not in message and "\n" not in message
 
 
+def test_an_idx_that_is_not_its_bins_is_refused_before_the_scan(byte_prefix):
+    """The argument-time check (so --dry-run) opens each prefix through open_indexed: an .idx
+    whose lengths were swapped in place (same size, same total, so the .bin's size still
+    matches) is named, not scanned as if it described the .bin."""
+    from tests.data.dataset_helpers import edit_index
+
+    edit_index(byte_prefix, "lengths", [2, 3])
+    with pytest.raises(
+        ValueError,
+        match=rf"^--data-path prefix {byte_prefix}: data file "
+        rf"{byte_prefix}\.idx does not describe {byte_prefix}\.bin: its sequence 1",
+    ):
+        check_vocabulary(_args(byte_prefix, 257))
+
+
 def test_padded_vocab_size_from_the_tokenizer_wins(byte_prefix):
     args = _args(byte_prefix, 1000, padded_vocab_size=256)  # what Megatron's tokenizer set
     with pytest.raises(ValueError, match="256 rows"):
