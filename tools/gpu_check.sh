@@ -10,6 +10,12 @@
 # same sync guard, exact replay, replay vs native and Megatron's RouterReplay timed) and the
 # alignment benchmark's EP=1 rows (ours/unaligned dispatch + combine at 48 and 8192
 # tokens, both dispatchers).
+# First of all, tools/gpu/launch_check.py: the startup check a GPU launch runs (over the rows a launch
+# without --cpu applies) and one `torchrun -m megatron_ext.pretrain_gpt` launch on the GPU (bf16, a
+# tiny MoE GPTModel, 3 iterations), with Transformer Engine's modules where TE imports, else
+# Megatron's local ones; its JSON line says which. The lent machines have no TE, and it cannot be
+# carried to them: TE 2.20's core wheel is 276 MB (over the 64 MiB a call carries) and its torch
+# binding is published as source only. Each step prints its JSON line; exit 1 if either failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}  # Debian and Ubuntu have no plain "python" unless a venv adds one
@@ -41,4 +47,7 @@ if ! err=$("$PY" -c "import megatron.core, megatron_ext.moe.moe_layer" 2>&1); th
   echo "$err" | tail -5 >&2
   exit 2
 fi
-timeout 420 "$PY" tools/gpu/gpu_check.py "$@"
+status=0
+timeout 150 "$PY" tools/gpu/launch_check.py || status=1
+timeout 420 "$PY" tools/gpu/gpu_check.py "$@" || status=1
+exit $status

@@ -41,6 +41,22 @@ def smokes() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
         )
 
 
+def test_launch_check_runs_the_startup_check_and_a_real_launch() -> None:
+    """tools/gpu/launch_check.py --cpu-smoke: the GPU script's startup check (a launch's rows) and
+    its torchrun launch of megatron_ext.pretrain_gpt, here with --cpu on one gloo rank."""
+    run = subprocess.run(
+        [sys.executable, "tools/gpu/launch_check.py", "--cpu-smoke"], cwd=ROOT,
+        env={**ENV, "MASTER_PORT": str(free_port())}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    check, launched = result["startup_check"], result["launch"]
+    assert check == {"ok": True, "refused": None, "transformer_engine": False, "fused_rope": None}
+    assert launched["transformer_impl"] == "local" and launched["returncode"] == 0
+    assert len(launched["losses"]) == 3 and launched["losses"][-1] < launched["losses"][0]
+    assert result["ok"] is True
+
+
 def _result(smokes, *flags: str) -> tuple[subprocess.CompletedProcess, dict]:
     """The run with ``flags`` and its last JSON line (it must have exited 0)."""
     run = smokes[flags]
