@@ -2,7 +2,7 @@
 
 Besides the ``megatron_ext`` packages, the wheel ships the checkout's ``tools/*.py`` as
 ``megatron_ext/_tools`` and ``examples/*.sh`` as ``megatron_ext/_examples``, so ``megatron-ext demo`` and
-``megatron-ext preprocess-data`` (etc.) run from an installed wheel; :mod:`megatron_ext.shipped_files`
+``megatron-ext preprocess-data`` (etc.) run from an installed wheel; :mod:`megatron_ext.common.shipped_files`
 finds them there or in the checkout.
 """
 

@@ -21,8 +21,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from megatron_ext.arguments import add_megatron_ext_args
-from megatron_ext.quiet import quiet_warnings
+from megatron_ext.common.quiet import quiet_warnings
+from megatron_ext.training.arguments import add_megatron_ext_args
 
 #: What ``--cpu`` implies, put before the user's flags: gloo, and the unfused local equivalents of
 #: Megatron's fused GPU kernels (same math; the fused ones need CUDA, Apex or Transformer Engine).
@@ -43,7 +43,7 @@ def parse_arguments(dry_run: bool, cpu: bool = False) -> argparse.Namespace:
     """
     from megatron.training.arguments import parse_and_validate_args, parse_args, validate_args
 
-    from megatron_ext.cpu import assume_device_capability
+    from megatron_ext.cpu.model_stack import assume_device_capability
     from megatron_ext.training.launch_log import argument_dump_when_asked
 
     if cpu:
@@ -94,15 +94,15 @@ def resolved_configuration(args: argparse.Namespace) -> dict[str, Any]:
     """What megatron_ext will do for these arguments, after every check has passed."""
     from megatron.training.utils import is_hybrid_model
 
-    from megatron_ext.config import (
+    from megatron_ext.moe.config import align_size_for_config
+    from megatron_ext.training import run_state
+    from megatron_ext.training.dataset_provider import pad_multiple_from_args
+    from megatron_ext.training.feature_configs import (
         MoEAlignmentConfig,
         MoEPadRoutingConfig,
         PaddingConfig,
         ReplayConfig,
     )
-    from megatron_ext.moe.group_aligner import align_size_for_config
-    from megatron_ext.training import run_state
-    from megatron_ext.training.dataset_provider import pad_multiple_from_args
     from megatron_ext.training.model_provider import uses_aligned_moe
 
     cfgs = run_state.configs(args)  # raises ValueError naming the flag on any bad value/combination
@@ -154,7 +154,7 @@ def main() -> int:
         quiet_warnings()
     quiet_megatron_info(argv, os.environ)  # before Megatron's import: it logs at import time
     if cpu:
-        from megatron_ext.cpu_loop import enable_cpu_training
+        from megatron_ext.cpu.training_loop import enable_cpu_training
         from megatron_ext.training.startup import prepare_cpu_launch
 
         # Before Megatron's import: it compiles at import (the flag is read before parsing too).

@@ -4,10 +4,14 @@ installed in a fresh venv and the demo run once from it (tests/installed_wheel.p
 that reads them."""
 
 import os
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 
 from megatron_ext.testing.distributed import fork_workers_from_server
+from tests.training.entry_args import EXPERTS, NUM_LAYERS, ROOT, TOPK
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -35,7 +39,7 @@ def session_environment():
     ``CUDA_DEVICE_MAX_CONNECTIONS``, a tokenizer directory ``HF_HUB_OFFLINE``; a module- or
     session-scoped fixture sets them before this fixture runs, so the session's own snapshot is put
     back, not the test's. ``launch`` forks ranks only under the environment its preloaded server
-    started under (megatron_ext/testing/preloaded.py); one such leftover made every later launch
+    started under (megatron_ext/rehearse/rank_server.py); one such leftover made every later launch
     of the session start fresh interpreters (seconds of imports per rank)."""
     _restore_session_environment()
     yield
@@ -56,3 +60,36 @@ def wheel_demo(installed, tmp_path_factory):
     from tests.installed_wheel import run_demo
 
     return run_demo(installed, tmp_path_factory.mktemp("demo"))
+
+
+# Shared data for the real-loop tests (training, cpu, rehearse): the embedded corpus preprocessed
+# once by tools/preprocess_data.py, and the entry tests' ``data_prefix`` (providers, argument
+# checks, the examples' dry runs).
+@pytest.fixture(scope="session")
+def corpus_prefix(tmp_path_factory) -> str:
+    """``PREFIX.bin/.idx`` of the embedded corpus, byte-level tokens with end-of-document id 256."""
+    prefix = str(tmp_path_factory.mktemp("corpus") / "corpus_text_document")
+    subprocess.run(
+        [
+            sys.executable, str(ROOT / "tools/preprocess_data.py"),
+            "--input", str(ROOT / "megatron_ext/assets/corpus.jsonl"),
+            "--output-prefix", prefix, "--append-eod",
+        ],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return prefix
+
+
+@pytest.fixture(scope="module")
+def data_prefix(tmp_path_factory) -> str:
+    """Corpus documents as a token IndexedDataset plus an aligned route sidecar (random valid routes)."""
+    from megatron_ext.training.corpus import corpus_documents
+    from tests.data.dataset_helpers import write_documents_with_random_routes
+
+    prefix = str(tmp_path_factory.mktemp("data") / "corpus_text_document")
+    docs = [d[:90] for d in corpus_documents()[:80]]
+    rng = np.random.default_rng(0)
+    return write_documents_with_random_routes(
+        prefix, docs, rng, num_layers=NUM_LAYERS, topk=TOPK, num_experts=EXPERTS
+    )

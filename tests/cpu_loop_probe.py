@@ -1,4 +1,4 @@
-"""Runs ``megatron_ext.pretrain_gpt`` with one training-loop CPU patch left out (tests/training/test_cpu_loop.py).
+"""Runs ``megatron_ext.pretrain_gpt`` with one training-loop CPU patch left out (tests/cpu/test_training_loop.py).
 
 python -m tests.cpu_loop_probe PATCH_NAME <pretrain_gpt flags>
 """
@@ -6,7 +6,7 @@ python -m tests.cpu_loop_probe PATCH_NAME <pretrain_gpt flags>
 import functools
 import sys
 
-from megatron_ext import cpu_loop
+from megatron_ext.cpu import training_loop as cpu_loop
 
 
 def main() -> int:

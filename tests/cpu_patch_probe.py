@@ -32,7 +32,7 @@ def _probe(rank: int, port: str) -> None:
     from megatron.core.transformer.moe import token_dispatcher
     from megatron.core.utils import GlobalMemoryBuffer
 
-    import megatron_ext.cpu as cpu
+    import megatron_ext.cpu.model_stack as cpu
     from megatron_ext import compat
 
     def apply(skip: str = "", unpatch: tuple[str, str] = ("", "")) -> None:

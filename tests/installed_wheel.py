@@ -1,6 +1,6 @@
 """A wheel built from this checkout, installed in a fresh venv, and the demo run once from it.
 
-For tests/test_wheel.py (the package works from the wheel alone) and tests/training/test_demo.py
+For tests/test_wheel.py (the package works from the wheel alone) and tests/rehearse/test_demo.py
 (the demo's checks): both read the one demo run :func:`run_demo` makes, as a user runs it
 (``megatron-ext demo`` from the venv, outside the checkout), so the suite trains the demo's four
 launches once.

@@ -5,7 +5,7 @@ fixture). Every command runs with ``PYTHONPATH`` unset and the working directory
 checkout, and the first test proves that ``megatron_ext`` is imported from the venv: whatever the
 commands need beyond torch/Megatron (tools, example scripts, the corpus) must therefore be inside
 the wheel. The demo is run once from the wheel (the ``wheel_demo`` fixture); its checks are
-tests/training/test_demo.py's.
+tests/rehearse/test_demo.py's.
 """
 
 import json
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.shipped_files import TOOL_SCRIPTS
+from megatron_ext.common.shipped_files import TOOL_SCRIPTS
 from tests.installed_wheel import ROOT
 
 pytestmark = pytest.mark.slow

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tqdm import tqdm
 
-import megatron_ext.cli_quiet  # noqa: F401  (first: hides inapplicable warnings unless --verbose)
+import megatron_ext.cli.quiet_tools  # noqa: F401  (first: hides inapplicable warnings unless --verbose)
 from megatron_ext.common.safe_files import check_output_prefix
 from megatron_ext.data.tool_errors import add_common_flags, run_tool
 from megatron_ext.replay.moe_layer_map import (

@@ -14,7 +14,7 @@ import json
 import random
 import sys
 
-import megatron_ext.cli_quiet  # noqa: F401  (first: hides inapplicable warnings unless --verbose)
+import megatron_ext.cli.quiet_tools  # noqa: F401  (first: hides inapplicable warnings unless --verbose)
 from megatron_ext.common.safe_files import atomic_write_bytes, check_output_file
 from megatron_ext.data.tool_errors import add_common_flags, run_tool
 

@@ -16,7 +16,7 @@ traceback.
 import argparse
 import sys
 
-import megatron_ext.cli_quiet  # noqa: F401  (first: hides inapplicable warnings unless --verbose)
+import megatron_ext.cli.quiet_tools  # noqa: F401  (first: hides inapplicable warnings unless --verbose)
 from megatron_ext.common.safe_files import check_output_prefix
 from megatron_ext.data.tool_errors import add_common_flags, run_tool
 

@@ -25,7 +25,7 @@ import sys
 import numpy as np
 from tqdm import tqdm
 
-import megatron_ext.cli_quiet  # noqa: F401  (first: hides inapplicable warnings unless --verbose)
+import megatron_ext.cli.quiet_tools  # noqa: F401  (first: hides inapplicable warnings unless --verbose)
 from megatron_ext.common.safe_files import (
     INDEXED_EXTENSIONS,
     atomic_write_bytes,
@@ -49,7 +49,7 @@ def split_documents(num_docs: int, split: str, split_name: str) -> np.ndarray:
 
     Example: ``split_documents(10, "80,10,10", "valid") -> [8]``.
     """
-    # Megatron imported here, after megatron_ext.cli_quiet (its import warns on a CPU machine).
+    # Megatron imported here, after megatron_ext.cli.quiet_tools (its import warns on a CPU machine).
     from megatron.core.datasets.blended_megatron_dataset_config import (
         convert_split_vector_to_split_matrix,
         parse_and_normalize_split,

@@ -29,7 +29,7 @@ import sys
 import numpy as np
 from tqdm import tqdm
 
-import megatron_ext.cli_quiet  # noqa: F401  (first: hides inapplicable warnings unless --verbose)
+import megatron_ext.cli.quiet_tools  # noqa: F401  (first: hides inapplicable warnings unless --verbose)
 from megatron_ext.common.safe_files import check_output_prefix
 from megatron_ext.data.jsonl_documents import RecordFormat
 from megatron_ext.data.text_tokenizers import TokenizerSpec, load_tokenizer, special_prefix

@@ -28,7 +28,7 @@ worker processes of its own:
   for the unaligned path and 41156 for ours, and another 40963 for both): at 8192 tokens that
   alone moves a ratio by 10 %.
 - ``caching``: malloc told to keep freed memory (no mmap'd chunks, no trimming of the heap:
-  :mod:`megatron_ext.caching_malloc`), so a freed tensor's pages are reused like a GPU caching allocator's
+  :mod:`megatron_ext.cpu.caching_malloc`), so a freed tensor's pages are reused like a GPU caching allocator's
   blocks and 'faults/trip' stays near 0. The setting cannot be undone in a process, so those
   workers are shut down after.
 

@@ -31,7 +31,7 @@ from megatron_ext.bench.dispatcher_variant import (
     set_precision,
 )
 from megatron_ext.bench.rounds import design_length, round_order
-from megatron_ext.caching_malloc import keep_freed_memory
+from megatron_ext.cpu.caching_malloc import keep_freed_memory
 
 #: The table's columns: one cell each, in the order :func:`measure_rows` gives them.
 COLUMNS = [

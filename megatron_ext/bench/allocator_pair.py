@@ -1,6 +1,6 @@
 """Timing steps with and without the caching malloc setting, paired round by round.
 
-The setting (:func:`megatron_ext.caching_malloc.keep_freed_memory`) cannot be undone in a process,
+The setting (:func:`megatron_ext.cpu.caching_malloc.keep_freed_memory`) cannot be undone in a process,
 so the two sides run in two halves of one gloo world of ``2 * EP`` ranks: ranks ``[0, EP)`` keep
 glibc's defaults, ranks ``[EP, 2 * EP)`` apply the setting before building anything, and each half
 is one EP group (Megatron puts EP ranks next to each other). Every round runs every
@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_ext.bench.rounds import round_order
-from megatron_ext.caching_malloc import keep_freed_memory
+from megatron_ext.cpu.caching_malloc import keep_freed_memory
 
 ALLOCATORS = ("glibc", "caching")
 

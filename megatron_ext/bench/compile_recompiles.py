@@ -43,7 +43,7 @@ def _child(
     import torch
     from torch._dynamo.utils import counters
 
-    from megatron_ext.cpu import enable_cpu_mode
+    from megatron_ext.cpu.model_stack import enable_cpu_mode
 
     enable_cpu_mode()
     with socket.socket() as sock:

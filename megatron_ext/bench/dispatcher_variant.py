@@ -130,9 +130,9 @@ def build_layer(dispatcher: str, hidden: int, aligned: bool, device: str = "cpu"
     aligned one when ``aligned``, on ``device``."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_ext.config import MoEAlignmentConfig
     from megatron_ext.moe.layer_specs import with_aligned_moe
     from megatron_ext.testing import tiny_moe_config
+    from megatron_ext.training.feature_configs import MoEAlignmentConfig
 
     cfg = tiny_moe_config(
         hidden_size=hidden, num_attention_heads=4, moe_token_dispatcher_type=dispatcher

@@ -9,7 +9,7 @@ paired ratios (min, max). Rows are counted where they happen: all-to-all rows fr
 input splits, expert rows from the rows the experts received.
 
 Each variant also runs under the caching malloc setting every ``--cpu`` launch applies
-(:mod:`megatron_ext.caching_malloc`), paired with glibc's defaults round by round in the two halves
+(:mod:`megatron_ext.cpu.caching_malloc`), paired with glibc's defaults round by round in the two halves
 of a 4-rank world (:mod:`.allocator_pair`): the time it saves is page faults a GPU caching
 allocator never pays, and each half's peak RSS shows what keeping freed memory costs.
 """
@@ -65,12 +65,12 @@ def _inputs(model, seq_len: int, num_packs: int, real_len: int) -> dict[str, tup
 def _worker(seq_len: int, num_packs: int, hidden: int, rounds: int) -> dict:
     from megatron.core import parallel_state
 
-    from megatron_ext.config import MoEAlignmentConfig
     from megatron_ext.moe.layer_specs import with_aligned_moe
     from megatron_ext.moe.pad_routing import PadRouting, count_router_tokens
     from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
     from megatron_ext.testing.tiny_model import local_layer_spec
     from megatron_ext.training.corpus import VOCAB_SIZE
+    from megatron_ext.training.feature_configs import MoEAlignmentConfig
 
     allocator = enter_half(ep=2)  # before anything is built
     group = parallel_state.get_expert_model_parallel_group()

@@ -1,8 +1,8 @@
 """The compatibility table's CPU rows: what ``--cpu``, the tests and the demo change in Megatron-Core
 0.19.2 so its real MoE stack (``cpu.*`` groups) and training loop (``cpu_loop.*`` groups) run on CPU
 over gloo. Each :class:`HostTorch` row changes the named ``torch`` calls of one function, nothing else
-in its module; the factories named in ``replacement`` live in :mod:`megatron_ext.cpu` and
-:mod:`megatron_ext.cpu_loop`, beside their docstrings. None changes numerics.
+in its module; the factories named in ``replacement`` live in :mod:`megatron_ext.cpu.model_stack` and
+:mod:`megatron_ext.cpu.training_loop`, beside their docstrings. None changes numerics.
 """
 
 from megatron_ext.compat.host_torch import HostTorch
@@ -26,8 +26,8 @@ def _one(group: str, module: str, attribute: str, factory: str, reason: str, fp:
 
 M = "megatron.core."
 T = "megatron.training."
-CPU = "megatron_ext.cpu:"
-LOOP = "megatron_ext.cpu_loop:"
+CPU = "megatron_ext.cpu.model_stack:"
+LOOP = "megatron_ext.cpu.training_loop:"
 
 CPU_ROWS: list[Patch] = [
     _one("cpu.rng_tracker", M + "tensor_parallel.random", "_get_cuda_rng_state", CPU + "cpu_rng_state",

@@ -41,7 +41,7 @@ OTHER_ROWS: list[Patch] = [
           "--moe-grouped-gemm asks the CUDA device's capability: the target's (9.0) instead",
           "a6b2fd0a77a7ceec"),
     Patch("validate_on_target", T + "arguments", "get_device_arch_version",
-          "megatron_ext.cpu:target_arch_version", "TP/CP > 1 asks the CUDA device's architecture",
+          "megatron_ext.cpu.model_stack:target_arch_version", "TP/CP > 1 asks the CUDA device's architecture",
           "2727950b6827d63b"),
     Patch("fp4_rehearsal", T + "arguments", "is_te_min_version",
           "megatron_ext.pretrain_gpt:passing_nvfp4_te_check",
@@ -67,7 +67,7 @@ OTHER_ROWS: list[Patch] = [
     Patch("owned", T + "training", "_TRAIN_START_TIME", None,
           "a rank forked from the tests' preloaded server sets Megatron's start clocks "
           "(_TRAIN_START_TIME, _LEGACY_TRAIN_START_TIME) to its own start "
-          "(megatron_ext.testing.preloaded)", Needs(("float",))),
+          "(megatron_ext.rehearse.rank_server)", Needs(("float",))),
     Patch("launch", T + "arguments", "_print_args",
           "megatron_ext.training.launch_log:dump_only_when_asked",
           "the argument dump (about 840 lines) prints only with --log-arguments or --verbose "

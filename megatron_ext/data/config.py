@@ -4,7 +4,7 @@ import argparse
 import warnings
 from dataclasses import dataclass, field
 
-from megatron_ext.config_registry import feature_config, flag
+from megatron_ext.config.registry import feature_config, flag
 from megatron_ext.data.pack_planning import OverlongPolicy, PackingAlgorithm
 from megatron_ext.data.padding import PadPolicy, derive_pad_multiple
 

@@ -101,13 +101,6 @@ def check_data_args(args: argparse.Namespace, loss_mask_suffix: str | None) -> N
                             f"{flag} prefix {prefix}: {what} file {path} does not exist"
                         )
                     if ext == ".bin" and os.path.getsize(path) == 0:
+                        from megatron_ext.data.indexed_checks import empty_bin_reason
+
                         raise ValueError(f"{flag} prefix {prefix}: {empty_bin_reason(path, what)}")
-
-
-def empty_bin_reason(bin_path: str, what: str) -> str:
-    """Why an empty ``.bin`` is refused (Megatron's ``IndexedDataset`` cannot map an empty file,
-    and its documents would hold no token to train on)."""
-    return (
-        f"{what} file {bin_path} is empty: its documents hold no token (Megatron cannot open an "
-        "empty .bin); leave the prefix out or rewrite it"
-    )

@@ -28,7 +28,6 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron_ext.common.safe_files import file_identity, lengths_fingerprint
 from megatron_ext.data import pack_index_cache
-from megatron_ext.data.data_args import empty_bin_reason
 
 #: Values per chunk of a whole-file scan (bounded memory for any file size).
 CHUNK_VALUES = 1 << 24
@@ -39,6 +38,15 @@ _INDEX_HEADER_BYTES = 34
 
 #: Sequences per chunk of an index check (a few int64 temporaries each: ~100 MB at most).
 _INDEX_CHUNK = 1 << 22
+
+
+def empty_bin_reason(bin_path: str, what: str) -> str:
+    """Why an empty ``.bin`` is refused (Megatron's ``IndexedDataset`` cannot map an empty file,
+    and its documents would hold no token to train on)."""
+    return (
+        f"{what} file {bin_path} is empty: its documents hold no token (Megatron cannot open an "
+        "empty .bin); leave the prefix out or rewrite it"
+    )
 
 
 def check_blend_weights(flag: str, prefixes: list[str], weights: list[float]) -> None:

@@ -25,12 +25,12 @@ from typing import Any
 
 import numpy as np
 
+from megatron_ext.common.jsonl_lines import decode_line, refuse_duplicate_keys
 from megatron_ext.data.text_tokenizers import (
     BYTE_EOD_ID,  # noqa: F401  (re-exported for the tools)
     TextTokenizer,
     byte_encode,
 )
-from megatron_ext.jsonl_lines import decode_line, refuse_duplicate_keys
 
 byte_tokenizer = byte_encode  # the built-in byte-level tokenizer, one text at a time
 

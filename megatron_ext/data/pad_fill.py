@@ -2,7 +2,7 @@
 Python; never imports megatron).
 
 ``SelfPaddedGPTDatasetConfig`` and ``PackedDatasetConfig`` are Megatron ``GPTDatasetConfig``
-subclasses (mutable dataclasses, as Megatron's are); :class:`~megatron_ext.config.PaddingConfig`
+subclasses (mutable dataclasses, as Megatron's are); :class:`~megatron_ext.data.config.PaddingConfig`
 is a frozen feature config whose fields are the flags. Python's dataclasses cannot mix frozen
 and mutable bases, so the dataset side inherits these fields from :class:`PadFillFields` and takes
 their values from the run's ``PaddingConfig`` by name (:meth:`PadFillFields.values_of`); a test

@@ -16,7 +16,7 @@ from typing import Any
 
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
-from megatron_ext.config import PaddingConfig
+from megatron_ext.data.config import PaddingConfig
 from megatron_ext.data.gpt_dataset import SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig
 from megatron_ext.data.packed_dataset import PackedDataset, PackedDatasetConfig, Sidecar
 from megatron_ext.data.pad_fill import PadFillFields

@@ -8,7 +8,7 @@ weight-gradient GEMM) or ``fp4_utils.get_fp4_align_size`` (128; 32 is the hardwa
 what the grouped nvfp4 kernels want), 0 without fp8/fp4. Megatron's function covers every recipe
 we support; what it has no rule for is ours and stated where it is decided: bf16 under the op
 fuser (Megatron says 256 but pads only under fp8/fp4;
-:func:`megatron_ext.moe.group_aligner.align_size_for_config`) and a user override
+:func:`megatron_ext.moe.config.align_size_for_config`) and a user override
 (``--moe-dispatch-align-size``).
 
 Two users: a pack's length is the GEMMs' M dimension (tokens), so under fp8/fp4 the pack-length
@@ -82,7 +82,7 @@ def quantization_align(
 
 def quantization_align_from_args(args: argparse.Namespace) -> int:
     """:func:`quantization_align` of Megatron's parsed arguments (missing ones count as off)."""
-    from megatron_ext.megatron_view import MegatronView
+    from megatron_ext.config.megatron_view import MegatronView
 
     view = MegatronView.from_args(args)
     return quantization_align(

@@ -44,7 +44,7 @@ def run_tool(main: Callable[[list[str] | None], int], argv: list[str] | None = N
     """Runs ``main(argv)``; a ``ValueError`` / ``OSError`` becomes one stderr line and status 2."""
     args = sys.argv[1:] if argv is None else argv
     if "--verbose" not in args:
-        from megatron_ext.quiet import quiet_warnings
+        from megatron_ext.common.quiet import quiet_warnings
 
         quiet_warnings()
     try:

@@ -6,7 +6,7 @@ the quantization block: 16 rows for fp8, 32 for mxfp8 (the 1x32 scale blocks run
 weight-gradient GEMM ``dW = dO^T @ X``), 128 for nvfp4. bf16/fp16 need nothing, and padding them
 only costs time, so their alignment is 0 and every function here is then the identity (no copy).
 The multiple itself is Megatron's rule, decided once per layer outside this module
-(:func:`megatron_ext.moe.group_aligner.align_size_for_config`); here it is a plain int.
+(:func:`megatron_ext.moe.config.align_size_for_config`); here it is a plain int.
 
 This module holds what every aligned layout shares: rounding counts
 up (on the device and on the host), the buffer length (exact from host counts, or the static

@@ -5,7 +5,7 @@ import warnings as _moe_warnings
 from dataclasses import dataclass as _moe_dataclass
 from typing import Literal as _MoeLiteral
 
-from megatron_ext.config_registry import feature_config
+from megatron_ext.config.registry import feature_config
 
 
 @feature_config("moe: grouped-GEMM alignment after dispatch and expert load metrics")
@@ -64,9 +64,7 @@ class MoEAlignmentConfig:
         self, *, fp8: object, fp8_recipe: object, fp4: object, fp4_recipe: object
     ) -> int:
         """The multiple groups are padded to for these precision settings (0: no alignment):
-        :func:`~megatron_ext.moe.group_aligner.align_size_for_config` of them."""
-        from megatron_ext.moe.group_aligner import align_size_for_config
-
+        :func:`align_size_for_config` of them."""
         precision = _moe_argparse.Namespace(
             fp8=fp8, fp8_recipe=fp8_recipe, fp4=fp4, fp4_recipe=fp4_recipe
         )
@@ -271,3 +269,25 @@ def check_load_log(path: str) -> None:
             f"{flag} {path} exists and is not an expert-load log (its first line is not one of "
             "its JSON records); appending would change that file: name a new file"
         )
+
+
+def align_size_for_config(config: object, alignment: "MoEAlignmentConfig") -> int:
+    """The group multiple for a Megatron config (0: no alignment): the one place it is decided.
+
+    Megatron's ``get_align_size_for_quantization`` (read through
+    :func:`megatron_ext.data.quantization_align.megatron_align_size`) gives it for quantized GEMMs:
+    fp8 16, mxfp8 32, fp4 128, and 256 under ``use_transformer_engine_op_fuser`` (CUTLASS grouped
+    GEMM). Two rules are ours, where Megatron has none: a ``--moe-dispatch-align-size`` override
+    wins (``check_megatron_args`` keeps it a multiple of Megatron's value; 0 or 1 disables), and
+    without fp8/fp4 it is 0, unlike Megatron's function, which returns 256 under the op fuser even
+    for bf16: Megatron only *uses* that value when fp8/fp4 is on (``TEGroupedMLP`` builds and calls
+    its ``Fp8Padding`` only then), and bf16 must stay Megatron's path, untouched.
+    """
+    if not alignment.moe_dispatch_align or not (config.fp8 or config.fp4):
+        return 0
+    override = alignment.moe_dispatch_align_size
+    if override is not None:
+        return override if override > 1 else 0
+    from megatron_ext.data.quantization_align import megatron_align_size
+
+    return megatron_align_size(config)

@@ -20,34 +20,11 @@ sizes ``[16, 16]``; ``strip`` of the experts' output returns the 4 real rows in 
 """
 
 import torch
-from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_ext.config import MoEAlignmentConfig
-from megatron_ext.data.quantization_align import megatron_align_size
 from megatron_ext.moe import aligned_chunk_gather as cg
 from megatron_ext.moe import aligned_chunk_sort as cs
 from megatron_ext.moe import aligned_permute as ap
 from megatron_ext.moe import alignment as al
-
-
-def align_size_for_config(config: TransformerConfig, alignment: MoEAlignmentConfig) -> int:
-    """The group multiple for a Megatron config (0: no alignment): the one place it is decided.
-
-    Megatron's ``get_align_size_for_quantization`` (read through
-    :func:`megatron_ext.data.quantization_align.megatron_align_size`) gives it for quantized GEMMs:
-    fp8 16, mxfp8 32, fp4 128, and 256 under ``use_transformer_engine_op_fuser`` (CUTLASS grouped
-    GEMM). Two rules are ours, where Megatron has none: a ``--moe-dispatch-align-size`` override
-    wins (``check_megatron_args`` keeps it a multiple of Megatron's value; 0 or 1 disables), and
-    without fp8/fp4 it is 0, unlike Megatron's function, which returns 256 under the op fuser even
-    for bf16: Megatron only *uses* that value when fp8/fp4 is on (``TEGroupedMLP`` builds and calls
-    its ``Fp8Padding`` only then), and bf16 must stay Megatron's path, untouched.
-    """
-    if not alignment.moe_dispatch_align or not (config.fp8 or config.fp4):
-        return 0
-    override = alignment.moe_dispatch_align_size
-    if override is not None:
-        return override if override > 1 else 0
-    return megatron_align_size(config)
 
 
 class GroupAligner:

@@ -35,7 +35,7 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayerSubmodules,
 )
 
-from megatron_ext.config import MoEAlignmentConfig
+from megatron_ext.moe.config import MoEAlignmentConfig
 from megatron_ext.moe.grouped_mm_linear import GroupedMMLinear
 from megatron_ext.moe.load_metrics import ExpertLoadMetrics
 from megatron_ext.moe.moe_layer import AlignedMoELayer
@@ -280,7 +280,7 @@ class LocalHybridStack(HybridStack):
         if self.post_process and post_layer_norm:
             norm = get_gpt_layer_local_spec().submodules.input_layernorm
             if self.config.sequence_parallel:
-                from megatron_ext.local_norms import with_sequence_parallel_norms
+                from megatron_ext.cpu.local_norms import with_sequence_parallel_norms
 
                 norm = with_sequence_parallel_norms(norm)
             self.final_norm = norm(
@@ -304,7 +304,7 @@ def get_local_hybrid_stack_spec(
     Megatron's stock ``hybrid_stack_spec`` needs Transformer Engine; this one runs on CPU. With
     ``alignment`` its MoE layers are ``AlignedMoELayer``; without, Megatron's ``MoELayer``. Its
     routers are :class:`PaddedTopKRouter` unless ``padded_router=False``. ``sequence_parallel``
-    (the model config's): the layers' norms are :class:`~megatron_ext.local_norms.
+    (the model config's): the layers' norms are :class:`~megatron_ext.cpu.local_norms.
     SequenceParallelTorchNorm` (Megatron's torch norms refuse sequence parallelism).
     """
     gpt = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
@@ -330,7 +330,7 @@ def get_local_hybrid_stack_spec(
         submodules=HybridStackSubmodules(attention_layer=attention, moe_layer=moe),
     )
     if sequence_parallel:
-        from megatron_ext.local_norms import with_sequence_parallel_norms
+        from megatron_ext.cpu.local_norms import with_sequence_parallel_norms
 
         stack = with_sequence_parallel_norms(stack)
     if alignment is not None:

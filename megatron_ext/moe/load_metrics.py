@@ -18,7 +18,7 @@ Shape legend: T tokens, E experts (global), L recorded MoE layers, R EP ranks.
 import torch
 import torch.distributed as dist
 
-from megatron_ext.micro_batch import MicroBatchContext
+from megatron_ext.common.micro_batch import MicroBatchContext
 
 
 def load_stats(counts_LE: torch.Tensor, ep_size: int) -> dict[str, torch.Tensor]:

@@ -29,9 +29,8 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_ext.config import MoEAlignmentConfig
 from megatron_ext.data.quantization_align import megatron_align_size
-from megatron_ext.moe.group_aligner import align_size_for_config
+from megatron_ext.moe.config import MoEAlignmentConfig, align_size_for_config
 from megatron_ext.moe.load_metrics import ExpertLoadMetrics
 from megatron_ext.moe.pad_routing import PadRouting, clear_pad_routes
 from megatron_ext.moe.pad_skip_dispatcher import SkipPadRowsMixin, skip_pad_rows_dispatcher

@@ -32,7 +32,7 @@ from typing import Literal
 
 import torch
 
-from megatron_ext.micro_batch import MicroBatchContext
+from megatron_ext.common.micro_batch import MicroBatchContext
 
 PadRoutingMode = Literal["dispatch", "skip", "auto"]
 PAD_ROUTING_MODES: tuple[str, ...] = ("dispatch", "skip", "auto")
@@ -205,7 +205,7 @@ class PadRouting:
     Megatron's dropless all-to-all sizes its permute output on the host; in skip mode that size is the
     number of real tokens the router sees times top-k. The forward step knows it before the batch goes
     to the device (:meth:`set_micro_batch`, after it began the micro-batch on the run's
-    :class:`~megatron_ext.micro_batch.MicroBatchContext`); the MoE layer asks for it
+    :class:`~megatron_ext.common.micro_batch.MicroBatchContext`); the MoE layer asks for it
     (:meth:`real_tokens`). Activation recompute reruns the layer during backward, possibly after later
     micro-batches' forwards (pipeline schedules, virtual pipeline stages): the count is kept per
     micro-batch key, and a recompute reads the count of the micro-batch the context says is in

@@ -33,8 +33,8 @@ from megatron.core.transformer.moe.token_dispatcher import (
     MoEAlltoAllTokenDispatcher,
 )
 
-from megatron_ext.config import MoEAlignmentConfig
 from megatron_ext.moe import aligned_permute as ap
+from megatron_ext.moe.config import MoEAlignmentConfig
 from megatron_ext.moe.group_aligner import GroupAligner, read_host_counts
 
 
@@ -52,7 +52,7 @@ class AlignedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         pg_collection: Process groups (Megatron's default when None).
         alignment: megatron_ext's MoE config (``--moe-dispatch-align-buffer``).
         align: The group multiple, decided once by the MoE layer
-            (:func:`~megatron_ext.moe.group_aligner.align_size_for_config`; 0 under bf16/fp16:
+            (:func:`~megatron_ext.moe.config.align_size_for_config`; 0 under bf16/fp16:
             Megatron's behaviour, untouched).
     """
 

@@ -13,7 +13,7 @@ by ``(micro-batch key, MoE layer)``:
   first router of a pass widens them to int64 for all layers at once; each router then gathers.
 - Activation recompute reruns routers during backward, possibly after later micro-batches ran
   their forward (pipeline schedules, virtual pipeline stages). The run's
-  :class:`~megatron_ext.micro_batch.MicroBatchContext` says which micro-batch a router call
+  :class:`~megatron_ext.common.micro_batch.MicroBatchContext` says which micro-batch a router call
   belongs to, in its forward and in its recompute; recomputed routers read that key. No FIFO.
 - ``native`` missing rows (all-max marker, see :mod:`~megatron_ext.replay.routes`) take the
   router's own top-k: ``where(missing, native_topk, replayed)``, no host sync. The missing mask is
@@ -42,8 +42,8 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
 from megatron_ext.common.device_copy import host_to_device
+from megatron_ext.common.micro_batch import MicroBatchContext, decoder_blocks
 from megatron_ext.common.token_positions import router_row_positions
-from megatron_ext.micro_batch import MicroBatchContext, decoder_blocks
 from megatron_ext.replay.keyed_router_replay import (
     KeyedRouterReplay,
     TopKFunction,

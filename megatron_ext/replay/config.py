@@ -6,7 +6,7 @@ import warnings as _replay_warnings
 from dataclasses import dataclass as _dataclass
 from typing import Literal as _Literal
 
-from megatron_ext.config_registry import feature_config, flag
+from megatron_ext.config.registry import feature_config, flag
 from megatron_ext.replay.unsupported import check_replay_supported
 
 

@@ -100,7 +100,7 @@ def moe_layer_numbers_for_args(args: Any) -> list[int]:
     ``validate_args`` copies it over) when set, i.e. a ``HybridModel``; else a ``GPTModel`` with
     ``args.num_layers`` and ``args.moe_layer_freq`` (no MoE layer without ``--num-experts``).
     """
-    from megatron_ext.megatron_view import MegatronView
+    from megatron_ext.config.megatron_view import MegatronView
 
     view = MegatronView.from_args(args)
     pattern = view.hybrid_layer_pattern or view.hybrid_override_pattern

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_ext.jsonl_lines import decode_line, refuse_duplicate_keys
+from megatron_ext.common.jsonl_lines import decode_line, refuse_duplicate_keys
 from megatron_ext.replay.rollout_routes import (
     RolloutDocument,
     check_route_array,

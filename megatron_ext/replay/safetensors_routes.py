@@ -19,7 +19,7 @@ import struct
 
 import numpy as np
 
-from megatron_ext.jsonl_lines import refuse_duplicate_keys
+from megatron_ext.common.jsonl_lines import refuse_duplicate_keys
 
 #: Integer dtypes a route payload may have, by the names JSON payloads and safetensors use.
 DTYPES = {

@@ -1,8 +1,9 @@
 """Test infrastructure: gloo rank pools with Megatron parallel state, a host-sync detector, a tiny model.
 
 Every name is loaded on first use (they import torch, some Megatron), so importing a submodule
-that needs neither (``preloaded``, ``real_loop``'s launcher) stays cheap: the demo starts its launch
-server before torch is imported.
+that needs neither (``real_loop``: the tiny launch's flags) stays cheap. Nothing a user runs
+imports this package (tests/test_layout.py); the rehearsal's launcher is
+:mod:`megatron_ext.rehearse.local_launch`.
 """
 
 from typing import Any

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_ext.testing.rank_env import free_port
+from megatron_ext.rehearse.rank_env import free_port
 
 _SEQUENCE_PARALLEL = False
 #: How pools start their workers: "spawn" or "forkserver" (:func:`fork_workers_from_server`).
@@ -116,7 +116,7 @@ def _same_groups(parallel_state: Any, sizes: ParallelSizes) -> bool:
 
 def fork_workers_from_server() -> None:
     """Pools built from now on fork their workers from a server process that imported torch,
-    Megatron's parallel state and every module :func:`megatron_ext.cpu.enable_cpu_mode` patches
+    Megatron's parallel state and every module :func:`megatron_ext.cpu.model_stack.enable_cpu_mode` patches
     (started on the first such pool, kept for the process). Pools already running keep theirs."""
     global _START_METHOD
     _START_METHOD = "forkserver"
@@ -146,7 +146,7 @@ def _worker(
     torch.distributed.init_process_group(
         "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=10)
     )
-    from megatron_ext.cpu import enable_cpu_mode
+    from megatron_ext.cpu.model_stack import enable_cpu_mode
 
     enable_cpu_mode()
     while True:

@@ -135,7 +135,7 @@ def _moves_to_host(args: tuple, kwargs: dict) -> bool:
 
     On a machine without CUDA every tensor stands for a device tensor, so a CPU tensor's move to
     the host is flagged too, with one exception: inside the Megatron modules where CPU mode turns
-    ``torch.cuda.current_device()`` into the string ``"cpu"`` (``megatron_ext.cpu``), a ``.to("cpu")``
+    ``torch.cuda.current_device()`` into the string ``"cpu"`` (``megatron_ext.cpu.model_stack``), a ``.to("cpu")``
     of a CPU tensor is that device placement, a no-op on a GPU.
     """
     device = kwargs.get("device")
@@ -149,7 +149,7 @@ def _moves_to_host(args: tuple, kwargs: dict) -> bool:
         return True
     if torch.cuda.is_available():
         return False  # a host tensor on a GPU machine: a host-to-host no-op
-    from megatron_ext.cpu import _CURRENT_DEVICE_USERS  # imports only torch
+    from megatron_ext.cpu.model_stack import _CURRENT_DEVICE_USERS  # imports only torch
 
     placement = isinstance(device, str) and _caller()[1] in _CURRENT_DEVICE_USERS
     return not placement

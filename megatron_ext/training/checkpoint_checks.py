@@ -113,7 +113,7 @@ def find_load_checkpoint(args: argparse.Namespace) -> LoadCheck:
     Raises:
         ValueError: In one line naming the flag and the directory.
     """
-    from megatron_ext.megatron_view import MegatronView
+    from megatron_ext.config.megatron_view import MegatronView
 
     view = MegatronView.from_args(args)
     load, pretrained, step = view.load, view.pretrained_checkpoint, view.ckpt_step

@@ -5,7 +5,7 @@ What the entry point refuses across features is checked in :mod:`megatron_ext.tr
 
 from dataclasses import dataclass as _dataclass
 
-from megatron_ext.config_registry import feature_config
+from megatron_ext.config.registry import feature_config
 
 
 @feature_config("entry: megatron_ext.pretrain_gpt")
@@ -22,7 +22,7 @@ class EntryConfig:
     cpu: bool = False
     """Run the same Megatron training loop on CPU over gloo (try a launch script on a laptop, CI):
     implies --distributed-backend gloo and patches the loop's CUDA-only calls
-    (megatron_ext.cpu_loop). Needs --transformer-impl local; Transformer Engine, CUDA graphs and
+    (megatron_ext.cpu.training_loop). Needs --transformer-impl local; Transformer Engine, CUDA graphs and
     NCCL are refused. With --fp8-format/--fp4-format it is a rehearsal: the model computes in
     fp32 while expert groups are aligned and checked exactly as the fp8/fp4 run's."""
 

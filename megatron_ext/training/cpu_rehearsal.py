@@ -26,7 +26,7 @@ _PRECISION_FIELDS = ("fp8", "fp8_recipe", "fp4", "fp4_recipe")
 
 def take_quantization(args: argparse.Namespace) -> dict[str, Any] | None:
     """Removes fp8/fp4 from ``args`` (so Megatron builds an unquantized model) and returns it."""
-    from megatron_ext.megatron_view import MegatronView
+    from megatron_ext.config.megatron_view import MegatronView
 
     view = MegatronView.from_args(args)
     if not (view.fp8 or view.fp4):

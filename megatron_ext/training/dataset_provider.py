@@ -25,10 +25,10 @@ import argparse
 import dataclasses
 from typing import Any
 
-from megatron_ext.config import PaddingConfig, ReplayConfig
+from megatron_ext.config.megatron_view import MegatronView, TrainingProgress
 from megatron_ext.data import empty_split
-from megatron_ext.megatron_view import MegatronView, TrainingProgress
 from megatron_ext.training import run_state
+from megatron_ext.training.feature_configs import PaddingConfig, ReplayConfig
 
 
 def pad_multiple_from_args(args: argparse.Namespace) -> int:

@@ -147,7 +147,7 @@ def build_on_meta_device(args: argparse.Namespace) -> dict[str, Any] | str:
     padded = padded_vocab_size(args)
     if padded is None:
         return "not built here: the vocabulary size needs the tokenizer"
-    from megatron_ext.cpu import enable_cpu_mode
+    from megatron_ext.cpu.model_stack import enable_cpu_mode
 
     enable_cpu_mode()  # no-op with CUDA; on a CPU-only node the modules' CUDA calls are patched
     ranks = sorted({0, args.world_size - 1}) if args.pipeline_model_parallel_size > 1 else [0]
@@ -208,7 +208,7 @@ def _fake_world(args: argparse.Namespace, rank: int) -> Iterator[None]:
             create_gloo_process_groups=False,
         )
         # What Megatron's initialize does before the model: the model-parallel RNG streams that
-        # weight initialisation forks (on the CPU generator under megatron_ext.cpu).
+        # weight initialisation forks (on the CPU generator under megatron_ext.cpu.model_stack).
         tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
         yield
     finally:

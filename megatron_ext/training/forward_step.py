@@ -5,7 +5,7 @@ Per micro-batch:
 1. ``forward_step`` reads this rank's host sample dict (``tokens``, ``labels``, ``loss_mask``,
    ``position_ids``, ``padding_mask`` (True = pad), ``cu_seqlens`` and, with replay, ``routes``
    ``[B, S, L, K]``); ``batch_to_device`` copies it to the device, host counts are read before.
-2. The micro-batch is begun on the run's :class:`~megatron_ext.micro_batch.MicroBatchContext` (its key,
+2. The micro-batch is begun on the run's :class:`~megatron_ext.common.micro_batch.MicroBatchContext` (its key,
    training or evaluation), which route replay, pad skipping and the load metrics read, in its forward
    and in its activation recompute. With ``--route-replay-mode replay`` the pack's routes are installed
    into the MoE routers of this model chunk under that key; with ``record`` a record buffer is opened.
@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from megatron_ext.config import MoEAlignmentConfig
-from megatron_ext.megatron_view import MegatronView, TrainingProgress
+from megatron_ext.config.megatron_view import MegatronView, TrainingProgress
 from megatron_ext.training import run_state
+from megatron_ext.training.feature_configs import MoEAlignmentConfig
 from megatron_ext.training.throughput_log import count_micro_batch, log_token_throughput
 
 

@@ -34,7 +34,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from megatron_ext.megatron_view import MegatronView
+from megatron_ext.config.megatron_view import MegatronView
 
 #: Seconds a rank other than the first waits before printing its refusal: every rank checks the same
 #: arguments, so the first refuses too, the launcher stops the others and the refusal prints once.
@@ -188,7 +188,7 @@ def configuration_lines(args: Any, resolved: Mapping[str, Any]) -> list[str]:
 
 def changed_flags(args: Any) -> list[str]:
     """megatron_ext's flags whose value is not the default, as they would be written."""
-    from megatron_ext.config import FEATURE_CONFIGS, flag
+    from megatron_ext.training.feature_configs import FEATURE_CONFIGS, flag
 
     out = []
     for cls in FEATURE_CONFIGS:
@@ -209,7 +209,7 @@ def refuse(line: str) -> int:
 
     The first rank (``RANK`` 0, or no ``RANK``: one process) prints at once. Another rank waits
     :data:`REFUSAL_GRACE_S` first: the first rank refuses the same arguments, and the launcher
-    (torchrun, or :func:`megatron_ext.testing.real_loop.launch`) stops the other ranks when it exits;
+    (torchrun, or :func:`megatron_ext.rehearse.local_launch.launch`) stops the other ranks when it exits;
     a refusal only some ranks see (a file one node lacks) still prints, from each of them.
     """
     rank = int(os.environ.get("RANK", "0"))

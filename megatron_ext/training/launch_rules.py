@@ -17,7 +17,7 @@ import dataclasses
 import weakref
 from typing import Any
 
-from megatron_ext import config as _config
+from megatron_ext.training import feature_configs as _config
 
 #: The arguments :func:`validate` last checked and what it returned (checked once per launch).
 _LAST: tuple[Any, dict[type, Any]] | None = None

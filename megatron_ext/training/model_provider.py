@@ -22,8 +22,8 @@ from typing import Any
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_ext.config import EntryConfig, MoEAlignmentConfig, ReplayConfig
 from megatron_ext.training import run_state
+from megatron_ext.training.feature_configs import EntryConfig, MoEAlignmentConfig, ReplayConfig
 
 
 def uses_aligned_moe(alignment: MoEAlignmentConfig, skip_pads: bool = False) -> bool:
@@ -63,7 +63,7 @@ def _aligned(spec: Any, args: argparse.Namespace) -> Any:
 
 def _with_sp_norms(spec: Any, args: argparse.Namespace) -> Any:
     if args.sequence_parallel and args.transformer_impl == "local":
-        from megatron_ext.local_norms import with_sequence_parallel_norms
+        from megatron_ext.cpu.local_norms import with_sequence_parallel_norms
 
         # Megatron's local norms refuse SP (TE's are its SP path); ours mark params for TP reduce.
         return with_sequence_parallel_norms(spec)

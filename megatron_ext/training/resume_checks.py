@@ -73,7 +73,7 @@ def saved_state(checkpoint: Checkpoint) -> dict[str, Any] | None:
 
 def _loads_optimizer(args: argparse.Namespace, checkpoint: Checkpoint, saved_args: Any) -> bool:
     """Whether Megatron's ``load_checkpoint`` loads the optimizer and its scheduler."""
-    from megatron_ext.megatron_view import MegatronView
+    from megatron_ext.config.megatron_view import MegatronView
 
     view = MegatronView.from_args(args)
     return not (

@@ -17,10 +17,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_ext.arguments import configs_from_args
-from megatron_ext.config import MoEAlignmentConfig, ReplayConfig
-from megatron_ext.megatron_view import MegatronView, TrainingProgress
-from megatron_ext.micro_batch import MicroBatchContext
+from megatron_ext.common.micro_batch import MicroBatchContext
+from megatron_ext.config.megatron_view import MegatronView, TrainingProgress
+from megatron_ext.training.arguments import configs_from_args
+from megatron_ext.training.feature_configs import MoEAlignmentConfig, ReplayConfig
 
 
 @dataclass
@@ -90,8 +90,8 @@ def pad_routing(args: argparse.Namespace) -> Any:
     dense model."""
     run = state(args)
     if run.pad_routing is None and MegatronView.from_args(args).num_experts:
-        from megatron_ext.config import MoEPadRoutingConfig
         from megatron_ext.moe.pad_routing import PadRouting
+        from megatron_ext.training.feature_configs import MoEPadRoutingConfig
 
         config = run.configs[MoEPadRoutingConfig]
         mode, _ = config.resolve(args)

@@ -12,7 +12,7 @@ A ``--cpu`` launch is a rehearsal whose cost is its startup: :func:`prepare_cpu_
 Megatron is imported) runs Megatron's ``jit_fuser`` functions eagerly instead of compiling them
 (:func:`run_jit_fuser_eagerly`) and defers the import of each tokenizer library to its first use
 (:func:`defer_tokenizer_libraries`: no ``transformers`` for a ``NullTokenizer`` run), and makes
-malloc keep freed memory (:mod:`megatron_ext.caching_malloc`) unless ``--no-cpu-caching-malloc``.
+malloc keep freed memory (:mod:`megatron_ext.cpu.caching_malloc`) unless ``--no-cpu-caching-malloc``.
 
 Example::
 
@@ -146,12 +146,12 @@ def prepare_cpu_launch(caching_malloc: bool = True) -> str:
     """What a ``--cpu`` launch does before Megatron is imported; returns the line that says so.
 
     ``caching_malloc``: glibc malloc keeps freed memory for reuse
-    (:func:`megatron_ext.caching_malloc.keep_freed_memory`; ``--no-cpu-caching-malloc`` is False).
+    (:func:`megatron_ext.cpu.caching_malloc.keep_freed_memory`; ``--no-cpu-caching-malloc`` is False).
     """
     run_jit_fuser_eagerly()
     defer_tokenizer_libraries()
     if caching_malloc:
-        from megatron_ext.caching_malloc import keep_freed_memory
+        from megatron_ext.cpu.caching_malloc import keep_freed_memory
 
         keep_freed_memory()
     return (
@@ -176,7 +176,7 @@ def fork_checkpoint_results_queue(args: Any) -> bool:
     and the queue is made once per process, so every later save uses this one. Nothing is patched.
     """
     global _FORKING_THE_QUEUE, _FORK_HOOK_REGISTERED
-    from megatron_ext.megatron_view import MegatronView
+    from megatron_ext.config.megatron_view import MegatronView
 
     view = MegatronView.from_args(args)
     if not view.save or view.ckpt_format != "torch_dist":

@@ -24,7 +24,7 @@ import struct
 
 import numpy as np
 
-from megatron_ext.megatron_view import MegatronView
+from megatron_ext.config.megatron_view import MegatronView
 
 _MAGIC = b"MMIDIDX\x00\x00"
 _CHUNK = 1 << 26  # ids per scanned slice: bounded memory whatever the corpus size

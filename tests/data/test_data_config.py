@@ -1,4 +1,4 @@
-"""Tests for the data section of megatron_ext.config (PaddingConfig). Tier: Megatron on one rank
+"""Tests for the data section of megatron_ext.training.feature_configs (PaddingConfig). Tier: Megatron on one rank
 (its real argument parser, no process group)."""
 
 import os
@@ -8,8 +8,8 @@ import sys
 import pytest
 from megatron.training.arguments import parse_args
 
-from megatron_ext.arguments import add_megatron_ext_args, configs_from_args
-from megatron_ext.config import PaddingConfig
+from megatron_ext.training.arguments import add_megatron_ext_args, configs_from_args
+from megatron_ext.training.feature_configs import PaddingConfig
 
 
 def configs(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> PaddingConfig:

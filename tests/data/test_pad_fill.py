@@ -4,11 +4,11 @@ import dataclasses
 
 import pytest
 
-from megatron_ext.config import PaddingConfig
 from megatron_ext.data.gpt_dataset import SelfPaddedGPTDatasetConfig
 from megatron_ext.data.packed_dataset import PackedDatasetConfig
 from megatron_ext.data.pad_fill import PadFillFields
 from megatron_ext.replay.route_dataset import RoutedPackedDatasetConfig
+from megatron_ext.training.feature_configs import PaddingConfig
 
 
 def _default(field: dataclasses.Field) -> object:

@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
-from megatron_ext.config import PaddingConfig
 from megatron_ext.data.gpt_dataset import SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig
 from megatron_ext.data.indexed_writer import write_documents
 from megatron_ext.data.packed_dataset import PackedDataset, PackedDatasetConfig, Sidecar
 from megatron_ext.data.provider import dataset_class_and_config
+from megatron_ext.training.feature_configs import PaddingConfig
 from tests.data.dataset_helpers import build_splits, gpt_config_kwargs
 
 

@@ -13,10 +13,10 @@ from megatron.core.fp4_utils import get_fp4_align_size
 from megatron.core.fp8_utils import get_fp8_align_size
 from megatron.training.arguments import parse_args
 
-from megatron_ext.arguments import add_megatron_ext_args, configs_from_args
-from megatron_ext.config import PaddingConfig
 from megatron_ext.data.quantization_align import quantization_align, quantization_align_from_args
+from megatron_ext.training.arguments import add_megatron_ext_args, configs_from_args
 from megatron_ext.training.dataset_provider import pad_multiple_from_args
+from megatron_ext.training.feature_configs import PaddingConfig
 
 
 def parsed(argv: list[str], monkeypatch: pytest.MonkeyPatch):

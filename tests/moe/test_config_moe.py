@@ -1,5 +1,5 @@
 """Tier: Megatron on one rank (its real argument parser; no process group). The moe section of
-megatron_ext/config.py: flags, validation, refusals naming both flags."""
+megatron_ext/training/feature_configs.py: flags, validation, refusals naming both flags."""
 
 import argparse
 import sys
@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 import megatron_ext.moe.config as moe_config_module
-from megatron_ext.config import MoEAlignmentConfig
+from megatron_ext.training.feature_configs import MoEAlignmentConfig
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +33,7 @@ def _args(**kw) -> argparse.Namespace:
 def test_flags_parse_with_megatrons_parser():
     from megatron.training.arguments import parse_args
 
-    from megatron_ext.arguments import add_megatron_ext_args, configs_from_args
+    from megatron_ext.training.arguments import add_megatron_ext_args, configs_from_args
 
     argv = ["--moe-dispatch-align", "--moe-dispatch-align-size", "64", "--fp8-format", "e4m3"]
     old, sys.argv = sys.argv, ["x", *argv]
@@ -79,7 +79,7 @@ def test_refusals_name_both_flags():
 def _parse(argv: list[str]) -> argparse.Namespace:
     from megatron.training.arguments import parse_args
 
-    from megatron_ext.arguments import add_megatron_ext_args
+    from megatron_ext.training.arguments import add_megatron_ext_args
 
     old, sys.argv = sys.argv, ["x", *argv]
     try:
@@ -133,7 +133,7 @@ def test_override_multiple_of_megatrons_align_passes(precision, override):
 
 
 def test_unaligned_override_refused_through_megatrons_parser():
-    from megatron_ext.arguments import configs_from_args
+    from megatron_ext.training.arguments import configs_from_args
 
     args = _parse(
         ["--moe-dispatch-align", "--moe-dispatch-align-size", "24", "--fp8-format", "e4m3"]
@@ -144,7 +144,7 @@ def test_unaligned_override_refused_through_megatrons_parser():
 
 
 def test_load_metrics_on_a_dense_model_refused():
-    from megatron_ext.arguments import configs_from_args
+    from megatron_ext.training.arguments import configs_from_args
 
     cfg = MoEAlignmentConfig(moe_expert_load_metrics=True)
     with pytest.raises(ValueError, match="--moe-expert-load-metrics.*--num-experts"):
@@ -170,7 +170,7 @@ def test_align_under_bf16_warns_once():
 
 def test_align_size_override_under_bf16_warns_it_has_no_effect():
     """The override pads nothing under bf16 (the multiple stays 0), and the warning says so."""
-    from megatron_ext.moe.group_aligner import align_size_for_config
+    from megatron_ext.moe.config import align_size_for_config
 
     on = MoEAlignmentConfig(moe_dispatch_align=True, moe_dispatch_align_size=64)
     with warnings.catch_warnings(record=True) as seen:
@@ -184,7 +184,7 @@ def test_align_size_override_under_bf16_warns_it_has_no_effect():
 
 
 def test_load_log_needs_load_metrics():
-    from megatron_ext.config import MoEAlignmentConfig
+    from megatron_ext.training.feature_configs import MoEAlignmentConfig
 
     with pytest.raises(ValueError, match="--moe-expert-load-log needs --moe-expert-load-metrics"):
         MoEAlignmentConfig(moe_expert_load_log="load.jsonl")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.testing.rank_env import free_port
+from megatron_ext.rehearse.rank_env import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHDYNAMO_DISABLE": "1"}

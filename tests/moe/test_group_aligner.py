@@ -20,8 +20,8 @@ def test_align_size_for_config_leaves_bf16_untouched(op_fuser):
     from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_ext.config import MoEAlignmentConfig
-    from megatron_ext.moe.group_aligner import align_size_for_config
+    from megatron_ext.moe.config import align_size_for_config
+    from megatron_ext.training.feature_configs import MoEAlignmentConfig
 
     cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
     cfg.use_transformer_engine_op_fuser = op_fuser  # set after build: no TE to validate it
@@ -43,8 +43,8 @@ def test_override_wins_only_under_fp8_fp4():
     and without --moe-dispatch-align nothing aligns."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_ext.config import MoEAlignmentConfig
-    from megatron_ext.moe.group_aligner import align_size_for_config
+    from megatron_ext.moe.config import align_size_for_config
+    from megatron_ext.training.feature_configs import MoEAlignmentConfig
 
     cfg = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
     set_precision(cfg, "mxfp8")
@@ -63,9 +63,9 @@ def _decided_once() -> dict:
     reaches the dispatcher only through realign()."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_ext.config import MoEAlignmentConfig
     from megatron_ext.moe.layer_specs import with_aligned_moe
     from megatron_ext.testing import tiny_moe_config
+    from megatron_ext.training.feature_configs import MoEAlignmentConfig
 
     cfg = tiny_moe_config()
     set_precision(cfg, "nvfp4")  # before construction (an fp4 config cannot be built without TE)
@@ -89,9 +89,10 @@ def test_multiple_is_decided_at_construction_and_passed_down():
 def _device_vs_host_chunk_counts() -> dict:
     """The aligner's two chunk-sort plans on the same received rows: counts on the host (a list:
     Megatron's copy) and counts left on the device (TE's fused permute; on a GPU only)."""
-    from megatron_ext.config import MoEAlignmentConfig
-    from megatron_ext.moe.group_aligner import GroupAligner, align_size_for_config
+    from megatron_ext.moe.config import align_size_for_config
+    from megatron_ext.moe.group_aligner import GroupAligner
     from megatron_ext.testing import tiny_moe_config
+    from megatron_ext.training.feature_configs import MoEAlignmentConfig
 
     cfg = tiny_moe_config()
     set_precision(cfg, "fp8")

@@ -16,7 +16,6 @@ def _model_checks() -> dict:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-    from megatron_ext.config import MoEAlignmentConfig
     from megatron_ext.moe.layer_specs import (
         _use_grouped_mm_experts,
         get_aligned_gpt_layer_local_spec,
@@ -25,6 +24,7 @@ def _model_checks() -> dict:
     from megatron_ext.moe.load_metrics import ExpertLoadMetrics
     from megatron_ext.moe.moe_layer import AlignedMoELayer
     from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
+    from megatron_ext.training.feature_configs import MoEAlignmentConfig
 
     alignment = MoEAlignmentConfig(moe_dispatch_align=True)
     tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -122,9 +122,9 @@ def test_block_specs_with_tuples_are_aligned_and_a_second_application_is_named()
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from megatron_ext.config import MoEAlignmentConfig
     from megatron_ext.moe.layer_specs import _contains, with_aligned_moe
     from megatron_ext.moe.moe_layer import AlignedMoELayer
+    from megatron_ext.training.feature_configs import MoEAlignmentConfig
 
     layer = get_gpt_layer_local_spec(num_experts=8)
     block = TransformerBlockSubmodules(layer_specs=(layer, layer))

@@ -46,8 +46,8 @@ class ReferenceUnpadding(torch.nn.Module):
 
 
 def _padding_checks() -> dict:
-    from megatron_ext.config import MoEAlignmentConfig
     from megatron_ext.moe.moe_layer import AlreadyAlignedPadding, tell_experts_groups_are_aligned
+    from megatron_ext.training.feature_configs import MoEAlignmentConfig
 
     res: dict = {}
     ref_layer, _, _ = build_layer("alltoall", aligned=False)
@@ -155,11 +155,11 @@ def _padding_checks() -> dict:
 
 
 def _load_metric_checks() -> dict:
-    from megatron_ext.config import MoEAlignmentConfig
-    from megatron_ext.micro_batch import MicroBatchContext
+    from megatron_ext.common.micro_batch import MicroBatchContext
     from megatron_ext.moe.layer_specs import get_aligned_gpt_layer_local_spec
     from megatron_ext.moe.load_metrics import ExpertLoadMetrics
     from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
+    from megatron_ext.training.feature_configs import MoEAlignmentConfig
 
     tokens = torch.randint(0, 128, (B, S), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(S).expand(B, S)

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from megatron_ext.micro_batch import MicroBatchContext
+from megatron_ext.common.micro_batch import MicroBatchContext
 from megatron_ext.moe.pad_routing import (
     PadRouting,
     clear_pad_routes,
@@ -69,7 +69,7 @@ def test_skip_with_static_shapes_is_refused_naming_both_flags(change: dict, flag
 def _parse(argv: list[str]):
     from megatron.training.arguments import parse_args
 
-    from megatron_ext.arguments import add_megatron_ext_args
+    from megatron_ext.training.arguments import add_megatron_ext_args
 
     old, sys.argv = sys.argv, ["x", *argv]
     try:
@@ -79,8 +79,8 @@ def _parse(argv: list[str]):
 
 
 def test_flag_parses_and_refusals_reach_argument_time(capsys) -> None:
-    from megatron_ext.arguments import configs_from_args
-    from megatron_ext.config import MoEPadRoutingConfig
+    from megatron_ext.training.arguments import configs_from_args
+    from megatron_ext.training.feature_configs import MoEPadRoutingConfig
 
     moe = ["--num-experts", "8", "--moe-token-dispatcher-type", "alltoall"]
     cfg = configs_from_args(_parse(moe))[MoEPadRoutingConfig]
@@ -230,8 +230,8 @@ def test_auto_follows_which_modules_cuda_graphs_capture(graphs: list[str], auto:
     """Graphs that leave the MoE layer out (attention or dense MLP only) keep ``auto`` = skip;
     any capture of the MoE layer, its router or its preprocess (or the whole layer or
     iteration) needs static shapes: dispatch. Parsed by Megatron's own parser (its enums)."""
-    from megatron_ext.arguments import configs_from_args
-    from megatron_ext.config import MoEPadRoutingConfig
+    from megatron_ext.training.arguments import configs_from_args
+    from megatron_ext.training.feature_configs import MoEPadRoutingConfig
 
     args = _parse(["--num-experts", "8", "--moe-token-dispatcher-type", "alltoall", *graphs])
     mode, why = configs_from_args(args)[MoEPadRoutingConfig].resolve(args)

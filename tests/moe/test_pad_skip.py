@@ -17,11 +17,11 @@ EPS32 = torch.finfo(torch.float32).eps
 
 
 def _build(mode: str, dispatcher: str, align: bool, micro_batches=None, **config_overrides):
-    from megatron_ext.config import MoEAlignmentConfig
     from megatron_ext.moe.layer_specs import with_aligned_moe
     from megatron_ext.moe.pad_routing import PadRouting
     from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
     from megatron_ext.testing.tiny_model import local_layer_spec
+    from megatron_ext.training.feature_configs import MoEAlignmentConfig
 
     config = tiny_moe_config(moe_token_dispatcher_type=dispatcher, **config_overrides)
     pad_routing = PadRouting(mode, micro_batches=micro_batches)
@@ -253,7 +253,7 @@ def _recompute_skip_vs_dispatch() -> dict:
     """Skip mode under Megatron's MoE activation recompute: the recomputed layers (in backward) find
     their micro-batch's count by the micro-batch context's key of the micro-batch in backward,
     after another micro-batch's forward ran."""
-    from megatron_ext.micro_batch import MicroBatchContext
+    from megatron_ext.common.micro_batch import MicroBatchContext
     from tests.data.test_batch import _batch
 
     rank = torch.distributed.get_rank()

@@ -256,13 +256,13 @@ def _model_checks() -> dict:
     from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
-    from megatron_ext.config import MoEAlignmentConfig
     from megatron_ext.moe.layer_specs import (
         get_aligned_gpt_layer_local_spec,
         get_local_hybrid_stack_spec,
     )
     from megatron_ext.moe.load_metrics import ExpertLoadMetrics
     from megatron_ext.testing import build_tiny_gpt
+    from megatron_ext.training.feature_configs import MoEAlignmentConfig
 
     pad = _pad_masks()[0]
     gen = torch.Generator().manual_seed(5)
@@ -340,10 +340,10 @@ def test_gpt_and_hybrid_models_train_with_expert_bias_and_pads():
 
 
 def _replay_checks() -> dict:
-    from megatron_ext.config import MoEAlignmentConfig
     from megatron_ext.moe.layer_specs import get_aligned_gpt_layer_local_spec
     from megatron_ext.replay.binding import RouteReplayBinding
     from megatron_ext.testing import build_tiny_gpt
+    from megatron_ext.training.feature_configs import MoEAlignmentConfig
 
     cfg = _bias_config(moe_enable_routing_replay=True)
     spec = get_aligned_gpt_layer_local_spec(MoEAlignmentConfig(), E)
@@ -411,8 +411,8 @@ def _provider_checks(argv: list[str]) -> dict:
     from megatron.training.arguments import parse_and_validate_args
     from megatron.training.global_vars import unset_global_variables
 
-    from megatron_ext.arguments import add_megatron_ext_args
     from megatron_ext.training import run_state
+    from megatron_ext.training.arguments import add_megatron_ext_args
     from megatron_ext.training.model_provider import model_provider
 
     unset_global_variables()
@@ -463,13 +463,13 @@ def _spec_checks() -> dict:
     from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
     from megatron.core.transformer.moe.router import InferenceTopKRouter
 
-    from megatron_ext.config import MoEAlignmentConfig
     from megatron_ext.moe.layer_specs import (
         get_local_hybrid_stack_spec,
         moe_routers,
         with_aligned_moe,
         with_padded_router,
     )
+    from megatron_ext.training.feature_configs import MoEAlignmentConfig
 
     def router_names(spec) -> list[str]:
         return [r.__name__ for r in moe_routers(spec)]

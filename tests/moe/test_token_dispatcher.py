@@ -44,9 +44,9 @@ def build_layer(
     default; returns ``(layer, config, groups the experts received per forward)``."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_ext.config import MoEAlignmentConfig
     from megatron_ext.moe.layer_specs import _use_grouped_mm_experts, with_aligned_moe
     from megatron_ext.testing import tiny_moe_config
+    from megatron_ext.training.feature_configs import MoEAlignmentConfig
 
     cfg = tiny_moe_config(
         moe_token_dispatcher_type=dispatcher, num_moe_experts=num_experts, **config_overrides

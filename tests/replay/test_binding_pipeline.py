@@ -155,7 +155,7 @@ def _megatron_1f1b_schedule_replays(recompute: bool) -> dict:
     # Process-global: a plain backward earlier in this worker left a 0-d scale; the schedule
     # sets a [1] one (as in a fresh training process, where it is None at first).
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
-    # megatron_ext.cpu covers the schedule's p2p buffers and token counter on CPU.
+    # megatron_ext.cpu.model_stack covers the schedule's p2p buffers and token counter on CPU.
     get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iter(enumerate(data)),

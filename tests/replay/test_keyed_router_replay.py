@@ -68,7 +68,7 @@ def test_unwrap_strips_module_wrappers():
 def _what_gets_bound() -> dict:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from megatron_ext.micro_batch import decoder_blocks
+    from megatron_ext.common.micro_batch import decoder_blocks
     from megatron_ext.replay.keyed_router_replay import model_moe_layer_numbers, replayed_routers
     from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from megatron.training.arguments import parse_args
 
-from megatron_ext.arguments import add_megatron_ext_args, configs_from_args
 from megatron_ext.data.indexed_writer import write_documents
 from megatron_ext.replay.config import ReplayConfig
+from megatron_ext.training.arguments import add_megatron_ext_args, configs_from_args
 
 MOE = [
     "--num-experts",

@@ -79,8 +79,8 @@ class _StubBinding:
 
 
 def _record_on_ranks(root: str) -> dict:
-    from megatron_ext.config import ReplayConfig
     from megatron_ext.training import run_state
+    from megatron_ext.training.feature_configs import ReplayConfig
 
     rank = torch.distributed.get_rank()
     ds = _dataset(root)

@@ -25,9 +25,9 @@ def _check(dirs: list[str]) -> str | None:
 
 
 def _check_through_run_state(root: str) -> str | None:
-    from megatron_ext.config import ReplayConfig
     from megatron_ext.replay import shared_directory
     from megatron_ext.training import run_state
+    from megatron_ext.training.feature_configs import ReplayConfig
 
     rank = torch.distributed.get_rank()
     directory = os.path.join(root, f"rank{rank}") if root.endswith("split") else root

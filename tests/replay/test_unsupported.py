@@ -1,6 +1,6 @@
 """Tier: pure, plus Megatron's router on one gloo rank. Replay flags and argument-time refusals.
 
-Covers megatron_ext/replay/unsupported.py and the replay section of megatron_ext/config.py: every
+Covers megatron_ext/replay/unsupported.py and the replay section of megatron_ext/training/feature_configs.py: every
 configuration where Megatron 0.19.2 would silently skip replay is refused with the flags named,
 and (for the settings a CPU reaches) Megatron's own router is shown not to replay under them.
 """
@@ -10,10 +10,10 @@ import argparse
 import numpy as np
 import pytest
 
-from megatron_ext.arguments import add_megatron_ext_args
-from megatron_ext.config import ReplayConfig
 from megatron_ext.data.indexed_writer import write_documents
 from megatron_ext.replay.unsupported import replay_blockers
+from megatron_ext.training.arguments import add_megatron_ext_args
+from megatron_ext.training.feature_configs import ReplayConfig
 
 
 def _args(**overrides) -> argparse.Namespace:

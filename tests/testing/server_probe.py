@@ -1,6 +1,6 @@
-"""A rank for tests/testing/test_preloaded.py: ``python -m tests.testing.server_probe``, forked from
+"""A rank for tests/rehearse/test_rank_server.py: ``python -m tests.testing.server_probe``, forked from
 the preloaded server, prints one ``PROBE {json}`` line about what the server computed once for every
-rank (:func:`megatron_ext.testing.preloaded.compute_once_for_every_rank`)."""
+rank (:func:`megatron_ext.rehearse.rank_server.compute_once_for_every_rank`)."""
 
 import json
 

@@ -151,9 +151,9 @@ def test_detector_can_fail_the_assertion_it_is_used_for() -> None:
 def test_to_cpu_is_flagged_except_cpu_modes_device_placement_in_megatron() -> None:
     """On CPU every tensor stands for a device tensor, so ``.to("cpu")`` is a sync. The one
     exception: where CPU mode turns Megatron's ``torch.cuda.current_device()`` into ``"cpu"``
-    (``megatron_ext.cpu._CURRENT_DEVICE_USERS``), ``.to("cpu")`` is a device placement, a no-op
+    (``megatron_ext.cpu.model_stack._CURRENT_DEVICE_USERS``), ``.to("cpu")`` is a device placement, a no-op
     on a GPU. Megatron's real device-to-host copy (``torch.device("cpu")``) stays flagged there."""
-    from megatron_ext.cpu import _CURRENT_DEVICE_USERS
+    from megatron_ext.cpu.model_stack import _CURRENT_DEVICE_USERS
 
     x = torch.randn(3)
     source = "def place(t):\n    return t.to(device='cpu')\n\ndef d2h(t):\n    return t.to(torch.device('cpu'))\n"

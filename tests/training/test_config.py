@@ -17,7 +17,7 @@ from tests.training.entry_args import BASE_ARGS, EXPERTS, NUM_LAYERS, REPLAY_ARG
 def test_context_parallelism_is_refused_at_argument_time(monkeypatch) -> None:
     from megatron.training.arguments import parse_args
 
-    from megatron_ext.arguments import add_megatron_ext_args, configs_from_args
+    from megatron_ext.training.arguments import add_megatron_ext_args, configs_from_args
 
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt", *BASE_ARGS, "--context-parallel-size", "2"])
     args = parse_args(extra_args_provider=add_megatron_ext_args)
@@ -28,7 +28,7 @@ def test_context_parallelism_is_refused_at_argument_time(monkeypatch) -> None:
 def test_record_mode_needs_one_data_prefix(monkeypatch, tmp_path, data_prefix) -> None:
     from megatron.training.arguments import parse_args
 
-    from megatron_ext.arguments import add_megatron_ext_args, configs_from_args
+    from megatron_ext.training.arguments import add_megatron_ext_args, configs_from_args
 
     argv = [
         *BASE_ARGS,
@@ -128,7 +128,7 @@ def test_what_the_entry_cannot_run_is_refused_at_argument_time(
     """Megatron accepts each, and each crashed, hung or was silently ignored later in a run."""
     from megatron.training.arguments import parse_args
 
-    from megatron_ext.arguments import add_megatron_ext_args, configs_from_args
+    from megatron_ext.training.arguments import add_megatron_ext_args, configs_from_args
 
     extra = [data_prefix if a == "P" else a for a in extra]
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt", *BASE_ARGS, *extra])
@@ -153,7 +153,7 @@ def test_a_route_file_for_another_model_is_refused_at_argument_time(
     the model and optimizer exist; the matching model passes."""
     from megatron.training.arguments import parse_args
 
-    from megatron_ext.arguments import add_megatron_ext_args, configs_from_args
+    from megatron_ext.training.arguments import add_megatron_ext_args, configs_from_args
 
     argv = [*BASE_ARGS, *REPLAY_ARGS, "--data-path", data_prefix]
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt", *argv])

@@ -64,7 +64,7 @@ def test_megatrons_parser_default_transformer_engine_is_refused(monkeypatch):
     """Through Megatron's real parser: its default --transformer-impl is transformer_engine."""
     from megatron.training.arguments import parse_args
 
-    from megatron_ext.arguments import add_megatron_ext_args, configs_from_args
+    from megatron_ext.training.arguments import add_megatron_ext_args, configs_from_args
 
     argv = ["x", "--cpu", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
     monkeypatch.setattr(sys, "argv", argv)

@@ -19,11 +19,11 @@ NVFP4 = {"fp8": None, "fp8_recipe": None, "fp4": "e2m1", "fp4_recipe": "nvfp4"}
 def _rehearse(precision: dict, break_aligner: bool) -> dict:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_ext.config import MoEAlignmentConfig
     from megatron_ext.moe.grouped_mm_linear import UnalignedGroupError
     from megatron_ext.moe.layer_specs import get_aligned_gpt_layer_local_spec
     from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
     from megatron_ext.training.cpu_rehearsal import GroupLog, rehearse_quantized_moe
+    from megatron_ext.training.feature_configs import MoEAlignmentConfig
 
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0, force_reset_rng=True)

@@ -52,8 +52,8 @@ def test_what_megatron_validates_but_pretrain_fails_on_is_refused_in_the_dry_run
 def test_the_dry_run_reports_the_alignment_the_dispatcher_uses(
     flags, align, data_prefix, monkeypatch, capsys
 ) -> None:
-    from megatron_ext.config import MoEAlignmentConfig
-    from megatron_ext.moe.group_aligner import align_size_for_config
+    from megatron_ext.moe.config import align_size_for_config
+    from megatron_ext.training.feature_configs import MoEAlignmentConfig
 
     argv = ["--data-path", data_prefix, "--eval-iters", "0", "--eval-interval", "9"]
     argv += ["--moe-dispatch-align", "--bf16", *flags]

@@ -39,7 +39,7 @@ def _counted(monkeypatch, calls: list[str]) -> None:
 def _cpu_args(monkeypatch, *extra: str):
     from megatron.training.arguments import parse_args
 
-    from megatron_ext.arguments import add_megatron_ext_args
+    from megatron_ext.training.arguments import add_megatron_ext_args
 
     argv = ["pretrain_gpt", *BASE_ARGS, "--cpu", "--distributed-backend", "gloo", "--mock-data"]
     expert = ["--expert-model-parallel-size", "1"]  # one process: the grid check passes
@@ -48,8 +48,8 @@ def _cpu_args(monkeypatch, *extra: str):
 
 
 def test_a_launch_runs_each_check_once_and_the_providers_reuse_its_configs(monkeypatch) -> None:
-    from megatron_ext.arguments import configs_from_args
-    from megatron_ext.config import PaddingConfig
+    from megatron_ext.training.arguments import configs_from_args
+    from megatron_ext.training.feature_configs import PaddingConfig
     from megatron_ext.training.launch_rules import validate
 
     calls: list[str] = []
@@ -65,7 +65,7 @@ def test_a_launch_runs_each_check_once_and_the_providers_reuse_its_configs(monke
 def test_outside_a_launch_the_configs_path_checks_cpu_and_combinations_but_not_the_launch(
     monkeypatch,
 ) -> None:
-    from megatron_ext.arguments import configs_from_args
+    from megatron_ext.training.arguments import configs_from_args
 
     calls: list[str] = []
     _counted(monkeypatch, calls)

@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from megatron_ext.megatron_view import MegatronView
+from megatron_ext.config.megatron_view import MegatronView
 from megatron_ext.testing.real_loop import TINY_MOE_TEST_ARGS, launch
 from megatron_ext.training.forward_step import SPIKY_LOSS_FACTOR, validate_loss
 

@@ -28,8 +28,8 @@ def _aux_loss_and_load(argv: list[str]) -> dict:
     from megatron.training.arguments import parse_and_validate_args
     from megatron.training.global_vars import unset_global_variables
 
-    from megatron_ext.arguments import add_megatron_ext_args
     from megatron_ext.training import run_state
+    from megatron_ext.training.arguments import add_megatron_ext_args
     from megatron_ext.training.dataset_provider import train_valid_test_datasets_provider
     from megatron_ext.training.forward_step import forward_step, model_inputs
     from megatron_ext.training.model_provider import model_provider

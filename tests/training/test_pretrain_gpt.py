@@ -28,8 +28,8 @@ def _run_providers(argv: list[str]) -> dict:
     from megatron.training.arguments import parse_and_validate_args
     from megatron.training.global_vars import unset_global_variables
 
-    from megatron_ext.arguments import add_megatron_ext_args
     from megatron_ext.training import run_state
+    from megatron_ext.training.arguments import add_megatron_ext_args
     from megatron_ext.training.dataset_provider import train_valid_test_datasets_provider
     from megatron_ext.training.forward_step import forward_step
     from megatron_ext.training.model_provider import model_provider
@@ -117,8 +117,8 @@ def _steps_with_eval(argv: list[str]) -> dict:
     from megatron.training.arguments import parse_and_validate_args
     from megatron.training.global_vars import unset_global_variables
 
-    from megatron_ext.arguments import add_megatron_ext_args
     from megatron_ext.training import run_state
+    from megatron_ext.training.arguments import add_megatron_ext_args
     from megatron_ext.training.dataset_provider import train_valid_test_datasets_provider
     from megatron_ext.training.forward_step import forward_step
     from megatron_ext.training.model_provider import model_provider
@@ -229,9 +229,9 @@ def _record_then_replay(argv: list[str], record_prefix: str) -> dict:
     from megatron.training.arguments import parse_and_validate_args
     from megatron.training.global_vars import unset_global_variables
 
-    from megatron_ext.arguments import add_megatron_ext_args
     from megatron_ext.replay.routes import missing_mask
     from megatron_ext.training import run_state
+    from megatron_ext.training.arguments import add_megatron_ext_args
     from megatron_ext.training.dataset_provider import train_valid_test_datasets_provider
     from megatron_ext.training.forward_step import forward_step
     from megatron_ext.training.model_provider import model_provider
@@ -318,8 +318,8 @@ def _datasets_or_error(argv: list[str], asks: list[list[int]]) -> list[list[int 
     from megatron.training.arguments import parse_and_validate_args
     from megatron.training.global_vars import unset_global_variables
 
-    from megatron_ext.arguments import add_megatron_ext_args
     from megatron_ext.training import run_state
+    from megatron_ext.training.arguments import add_megatron_ext_args
     from megatron_ext.training.dataset_provider import (
         DataRefusedError,
         train_valid_test_datasets_provider,

@@ -6,7 +6,7 @@ local`` and tiny sizes appended; the parallel sizes that fit 2 ranks in ``OVERRI
 model/router/parallel features on the tiny model is tests/training/test_real_loop_features.py. The
 examples build a HybridModel (``*E*E`` on CPU) unless ``MODEL=gpt``; GPTModel (deprecated in Megatron
 0.19) keeps a real-loop run of what HybridModel runs elsewhere: the fp8 rehearsal here (HybridModel's:
-the demo, tests/training/test_demo.py), replay in tests/training/test_checkpoint_resume.py
+the demo, tests/rehearse/test_demo.py), replay in tests/training/test_checkpoint_resume.py
 (HybridModel's: below and the demo).
 
 | launch                     | proves                                                                 |

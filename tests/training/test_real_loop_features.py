@@ -79,7 +79,7 @@ def test_every_expert_local_aligned_dispatch_trains_as_unaligned(corpus_prefix, 
     # takes the router's map unsliced, the all-to-all's plans on a static bound before Megatron's
     # host counts. The fp8 rehearsal (fp32 math) with --moe-dispatch-align logs the same losses
     # as Megatron's unaligned dispatch, to the demo's tolerance (pads change the GEMMs' row counts).
-    from megatron_ext.training.demo import LOSS_TOLERANCE
+    from megatron_ext.rehearse.demo import LOSS_TOLERANCE
 
     common = [
         *TINY_MOE_TEST_ARGS, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
@@ -108,7 +108,7 @@ def test_fp8_rehearsal_recomputes_moe_layers_as_without_recompute(corpus_prefix)
     the fp8 rehearsal. Both died in the first forward: Megatron recomputes an fp8 MoE layer with
     Transformer Engine's te_checkpoint (the rehearsal's layer now keeps the unquantized config, so
     Megatron's own checkpoint does it), and moe_act / layernorm use Megatron's
-    CheckpointWithoutOutput, which asks TE's fp8 state even outside fp8 (megatron_ext.cpu's
+    CheckpointWithoutOutput, which asks TE's fp8 state even outside fp8 (megatron_ext.cpu.model_stack's
     checkpoint_without_output patch). The losses are those of the same run without recompute."""
     common = [
         *TINY_MOE_TEST_ARGS, "--data-path", corpus_prefix, "--train-iters", str(ITERATIONS),
@@ -129,7 +129,7 @@ def test_fp8_rehearsal_recomputes_moe_layers_as_without_recompute(corpus_prefix)
 @pytest.mark.parametrize("ep", ["1", "2"])
 def test_shared_expert_overlap_trains_as_without_overlap(corpus_prefix, ep) -> None:
     """--moe-shared-expert-overlap under --cpu with the fp8 rehearsal's aligned dispatch: Megatron
-    runs the shared experts on a CUDA side stream (megatron_ext.cpu's null streams make it
+    runs the shared experts on a CUDA side stream (megatron_ext.cpu.model_stack's null streams make it
     sequential on CPU; it died building the model before); at EP=1 the aligned all-to-all folds
     its pad into the permute and hands the shared experts their input itself. The losses are those
     of the run without overlap."""

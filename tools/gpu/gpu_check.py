@@ -182,9 +182,9 @@ def _build(aligned: bool, backend, router_padding: bool = False, dispatcher: str
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
 
-    from megatron_ext.config import MoEAlignmentConfig
     from megatron_ext.moe.layer_specs import with_aligned_moe
     from megatron_ext.testing import tiny_moe_config
+    from megatron_ext.training.feature_configs import MoEAlignmentConfig
 
     cfg = tiny_moe_config(
         hidden_size=HIDDEN,
@@ -232,7 +232,7 @@ def main() -> None:
     if args.cpu_smoke:  # small sizes: a CI-speed run of the same code path
         HIDDEN, args.tokens, args.repeats = 64, min(args.tokens, 256), min(args.repeats, 2)
     if device == "cpu":
-        from megatron_ext.cpu import enable_cpu_mode
+        from megatron_ext.cpu.model_stack import enable_cpu_mode
 
         enable_cpu_mode()
     _init_dist(device)

@@ -1,0 +1,37 @@
+"""Where the command-line tools and example launch scripts are, in a checkout or in an installed wheel.
+
+A checkout has them at ``tools/*.py`` and ``examples/*.sh`` beside the package; a wheel ships the same
+files inside the package as ``megatron_ext/_tools`` and ``megatron_ext/_examples`` (see setup.py). The
+copy inside the package wins, so an installed wheel never reaches into whatever directory it sits in.
+"""
+
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1]  # megatron_ext/
+#: The ``megatron-ext`` subcommands that run a tool, and the script each runs (its own ``main()``).
+TOOL_SCRIPTS = {
+    "preprocess-data": "preprocess_data.py",
+    "convert-routes": "convert_routes.py",
+    "pack-stats": "pack_stats.py",
+    "make-corpus": "make_corpus.py",
+    "merge-datasets": "merge_datasets.py",
+}
+
+
+def shipped_file(kind: str, name: str) -> Path:
+    """The path of ``tools/<name>`` (kind ``"tools"``) or ``examples/<name>`` (kind ``"examples"``).
+
+    Raises:
+        FileNotFoundError: Neither the installed package nor a checkout holds it.
+    """
+    assert kind in ("tools", "examples"), kind
+    packaged = PACKAGE / f"_{kind}" / name
+    if packaged.is_file():
+        return packaged
+    checkout = PACKAGE.parent / kind / name
+    if checkout.is_file() and (PACKAGE.parent / "pyproject.toml").is_file():
+        return checkout
+    raise FileNotFoundError(
+        f"{kind}/{name} is neither in the installed package ({packaged.parent}) nor in a checkout "
+        f"({checkout.parent}): reinstall megatron_ext"
+    )

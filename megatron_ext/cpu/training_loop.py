@@ -1,0 +1,122 @@
+"""Makes Megatron's real training loop (``megatron.training.pretrain``) run on CPU over gloo (``--cpu``).
+
+:mod:`megatron_ext.cpu.model_stack` makes Megatron-Core's model stack run on CPU; the training loop around it
+(``initialize_megatron``, ``get_model``, the optimizer, gradient clipping, timers, the rerun state
+machine, checkpointing) hard-codes CUDA in a few more places. The ``cpu_loop.*`` rows of the
+compatibility table (:mod:`megatron_ext.compat.cpu_rows`) swap exactly the named CUDA calls of the
+named Megatron functions for their CPU equivalents (``device="cuda"`` -> ``"cpu"``,
+``torch.cuda.synchronize`` -> no-op, CUDA RNG state -> the CPU generator) or wrap one function with a
+factory defined here, and never change numerics. ``tests/cpu/test_training_loop.py`` removes each
+group and watches the loop fail.
+
+Example::
+
+    from megatron_ext.cpu.training_loop import enable_cpu_training
+    enable_cpu_training()      # before megatron.training.pretrain; implies enable_cpu_mode()
+"""
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megatron_ext import compat
+from megatron_ext.cpu.model_stack import enable_cpu_mode
+
+#: The ``cpu_loop.*`` groups of the compatibility table, in the order applied.
+PATCHES: tuple[str, ...] = (
+    "initialize",
+    "training",
+    "timers",
+    "optimizer",
+    "rng_checkpoint",
+    "checkpoint_dist",
+    "grad_norm",
+    "common_utils",
+)
+
+
+def allowing_no_cuda(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``pretrain``'s ``initialize_megatron`` with ``allow_no_cuda=True`` (it asserts CUDA otherwise)."""
+    return functools.partial(original, allow_no_cuda=True)
+
+
+def model_left_on_host(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``get_model`` whose ``model.cuda(current_device)`` of each stage leaves the stage on the host."""
+
+    @functools.wraps(original)
+    def get_model(model_provider_func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        def provider(*p_args: Any, **p_kwargs: Any) -> Any:
+            model = model_provider_func(*p_args, **p_kwargs)
+            model.cuda = lambda *a, **k: model
+            return model
+
+        return original(provider, *args, **kwargs)
+
+    return get_model
+
+
+def iterators_leaving_the_generator(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``build_train_valid_test_data_iterators`` with the CPU generator's state put back afterwards.
+
+    With the CUDA RNG mapped onto the CPU generator, the iterators (built by ``pretrain`` after
+    ``load_checkpoint`` restored the RNG) would move the generator dropout draws from: each
+    ``DataLoader`` iterator draws its workers' base seed from it. On GPU that draw never reaches the
+    CUDA generator, so a resumed run's dropout masks are those of an uninterrupted run; so here too.
+    """
+
+    @functools.wraps(original)
+    def build_iterators(*args: Any, **kwargs: Any) -> Any:
+        with torch.random.fork_rng(devices=[]):
+            return original(*args, **kwargs)
+
+    return build_iterators
+
+
+def clip_by_total_norm(original: Callable[..., Any]) -> Callable[..., None]:
+    """``clip_grads.clip_grad_by_total_norm_fp32``: Megatron's body (copied from megatron-core
+    0.19.2, fingerprinted in the table), with its ``torch.cuda.FloatTensor`` type assertion read as
+    "fp32 grad"."""
+    from megatron.core.optimizer import clip_grads
+
+    @functools.wraps(original)
+    def clip_by_total_norm(
+        parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
+    ) -> None:
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        attr = "decoupled_grad" if use_decoupled_grad else "grad"
+        grads = []
+        for param in parameters:
+            grad = getattr(param, attr, None)
+            if grad is not None:
+                assert grad.dtype == torch.float32, f"{attr} of dtype {grad.dtype}, not fp32"
+                grads.append(clip_grads.to_local_if_dtensor(grad).detach())
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        dummy_overflow_buf = torch.zeros(1, dtype=torch.int)
+        if isinstance(clip_coeff, torch.Tensor):
+            clip_coeff.clamp_max_(1.0)
+            scale = clip_grads.multi_tensor_scale_tensor_impl
+        elif clip_coeff < 1.0:
+            scale = clip_grads.multi_tensor_scale_impl
+        else:
+            return
+        clip_grads.multi_tensor_applier(scale, dummy_overflow_buf, [grads, grads], clip_coeff)
+
+    return clip_by_total_norm
+
+
+def enable_cpu_training(skip: tuple[str, ...] = ()) -> bool:
+    """Patches Megatron's training loop (and, first, its model stack) for CPU / gloo. Idempotent.
+
+    Args:
+        skip: ``cpu_loop`` groups to leave out (tests prove each is needed by removing it).
+
+    Returns:
+        True if patched, False when CUDA is available (nothing is patched).
+    """
+    if not enable_cpu_mode():
+        return False
+    compat.apply(*(f"cpu_loop.{name}" for name in PATCHES if name not in skip))
+    return True
