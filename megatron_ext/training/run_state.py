@@ -49,6 +49,9 @@ class RunState:
     rehearsal: dict[str, Any] | None = None
     rehearsal_log: Any = None
     replay_check: Any = None
+    #: Replay: the training packs' route coverage was checked (and logged) by this launch. Megatron
+    #: builds the datasets once per virtual pipeline stage; the data is the same each time.
+    route_coverage_checked: bool = False
     #: ``--moe-pad-routing`` resolved for this run, with the per-micro-batch real-token counts.
     pad_routing: Any = None
     #: This rank's host token counts since the last log, the interval's start, the last record.
