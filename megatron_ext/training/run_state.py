@@ -126,7 +126,11 @@ def bind_replay(model: Any, replay: ReplayConfig) -> Any:
     if replay.route_replay_check:
         from megatron_ext.replay.replay_check import ReplayCheck
 
-        run.replay_check = run.replay_check or ReplayCheck(replay.replay_missing_route_policy)
+        if run.replay_check is None:  # pads skipped: the MoE layer clears their routes
+            pads = pad_routing(get_args())
+            run.replay_check = ReplayCheck(
+                replay.replay_missing_route_policy, pads_skipped=pads is not None and pads.skip
+            )
         run.replay_check.attach(binding)
     return binding
 
