@@ -128,8 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tokens-prefix",
         help="token IndexedDataset: check document count, lengths and (where records carry them) "
-        "token ids against it and record its digest (without it the dataset warns that "
-        "rewritten tokens cannot be caught)",
+        "token ids against it and record its digest (without it rewritten tokens cannot be "
+        "caught, and replay refuses the routes unless --route-replay-allow-undigested)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_common_flags(p)

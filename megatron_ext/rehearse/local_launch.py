@@ -95,7 +95,8 @@ def launch(
     which joins no process group).
 
     Raises:
-        subprocess.TimeoutExpired: The ranks ran past ``timeout`` seconds (all are killed).
+        subprocess.TimeoutExpired: The ranks ran past ``timeout`` seconds (all are killed); its
+            ``output`` holds what they printed until then.
     """
     port = str(free_port())
     argv = [sys.executable, "-m", module, *args]
@@ -115,7 +116,12 @@ def launch(
                 )
                 for e in rank_envs
             ]
-        returncode = _wait_first_failure(procs, argv, timeout)
+        try:
+            returncode = _wait_first_failure(procs, argv, timeout)
+        except subprocess.TimeoutExpired as err:
+            out.seek(0)
+            err.output = out.read()  # what the ranks printed before they were stopped
+            raise
         out.seek(0)
         return LoopRun(
             argv=argv,

@@ -20,6 +20,10 @@ line's, so a line's own flags win, and ``--example SCRIPT`` puts the flags a lau
     trained  alltoall   losses 5.972 5.801 5.629  step 140 ms  (9.8 s)
     trained  allgather  losses 5.972 5.801 5.629  step 150 ms  (4.1 s)
     refused  bad ep     megatron_ext: invalid arguments: ...
+
+A launch that exits 0 without training (its ``--load`` checkpoint is already at ``--train-iters``)
+is ``idle``, not trained; with ``--log-dir`` every configuration's output is kept, a stopped one's
+(``--timeout``) up to where it was stopped.
 """
 
 import argparse
@@ -41,6 +45,8 @@ if TYPE_CHECKING:  # the launcher (and torch) only when a configuration runs: no
 _REFUSAL = re.compile(r"megatron_ext: invalid arguments: .*")
 _ERROR = re.compile(r"^(?:[A-Za-z_][\w.]*)?(?:Error|Exception|Interrupt)\b(?::.*)?$")
 _STEP_FIELD = "elapsed time per iteration (ms)"
+#: Megatron's checkpointing.load_checkpoint, on rank 0.
+_LOADED = re.compile(r"successfully loaded checkpoint from .* at iteration (\d+)$", re.M)
 _OWN_OPTIONS = ("--nproc", "--timeout", "--log-dir", "--example")
 
 
@@ -54,7 +60,8 @@ class Configuration:
 
 @dataclass
 class Outcome:
-    """What one configuration did: ``trained``, ``refused`` or ``crashed``, and how."""
+    """What one configuration did: ``trained``, ``idle`` (exit 0, nothing trained), ``refused`` or
+    ``crashed``, and how."""
 
     name: str
     status: str
@@ -65,9 +72,11 @@ class Outcome:
 
     def line(self, width: int) -> str:
         """The configuration's one-line report."""
+        if self.status == "idle":
+            return f"idle     {self.name:<{width}}  {self.message}  ({self.seconds:.1f} s)"
         if self.status != "trained":
             return f"{self.status:<8} {self.name:<{width}}  {self.message}"
-        losses = " ".join(repr(v) for _, v in sorted(self.losses.items()))  # as logged
+        losses = " ".join(repr(v) for _, v in sorted(self.losses.items())) or "(none logged)"
         step = f"  step {self.step_ms:.0f} ms" if self.step_ms is not None else ""
         return f"trained  {self.name:<{width}}  losses {losses}{step}  ({self.seconds:.1f} s)"
 
@@ -101,8 +110,17 @@ def read_configurations(path: str) -> list[Configuration]:
 
 
 def outcome_of(name: str, run: "LoopRun", seconds: float) -> Outcome:
-    """Classifies a finished launch: trained, refused (its message) or crashed (its first error)."""
+    """Classifies a finished launch: trained, idle (exit 0 from a checkpoint already at
+    ``--train-iters``), refused (its message) or crashed (its first error)."""
     lines = run.output.splitlines()
+    if run.returncode == 0 and not run.iterations:
+        loaded, train_iters = _LOADED.search(run.output), _last_int_flag(run.argv, "--train-iters")
+        if loaded and train_iters is not None and int(loaded.group(1)) >= train_iters:
+            message = (
+                f"nothing trained: the checkpoint loaded is at iteration {loaded.group(1)}, "
+                f"--train-iters is {train_iters}"
+            )
+            return Outcome(name, "idle", message, seconds=seconds)
     if run.returncode == 0:
         steps = [f[_STEP_FIELD] for f in run.iterations.values() if _STEP_FIELD in f]
         step = statistics.median(steps[1:] or steps) if steps else None  # the first one warms up
@@ -114,6 +132,20 @@ def outcome_of(name: str, run: "LoopRun", seconds: float) -> Outcome:
     if error is None:
         error = next((line.strip() for line in reversed(lines) if line.strip()), "no output")
     return Outcome(name, "crashed", f"exit {run.returncode}: {error}", seconds=seconds)
+
+
+def _last_int_flag(argv: list[str], flag: str) -> int | None:
+    """The value of the last ``flag N`` / ``flag=N`` in ``argv`` (argparse's last one wins)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None
 
 
 _FLAGS_SHIM = """#!/usr/bin/env bash
@@ -183,16 +215,18 @@ def rehearse(
         start = time.perf_counter()
         try:
             run = launch(args, nproc=nproc, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            run = None
+            output = run.output
+        except subprocess.TimeoutExpired as err:  # launch attaches what the ranks printed
+            run, stopped = None, f"megatron-ext rehearse: stopped after {timeout:g} s (--timeout)\n"
+            output = (err.output or "") + stopped
         seconds = time.perf_counter() - start
         if run is None:
             outcome = Outcome(configuration.name, "crashed", f"timed out after {timeout:g} s")
         else:
             outcome = outcome_of(configuration.name, run, seconds)
-            if log_dir is not None:
-                safe = re.sub(r"[^\w.-]+", "_", configuration.name)
-                (log_dir / f"{safe}.log").write_text(run.output)
+        if log_dir is not None:
+            safe = re.sub(r"[^\w.-]+", "_", configuration.name)
+            (log_dir / f"{safe}.log").write_text(output)
         outcomes.append(outcome)
         if echo:
             print(outcome.line(width), flush=True)
@@ -204,7 +238,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "rehearse",
         help="check a matrix of launch configurations on CPU before booking GPUs",
-        description=__doc__.split("\n\n")[0] + " Exits 1 if any configuration did not train.",
+        description=__doc__.split("\n\n")[0]
+        + " Exits 1 if any configuration did not train (refused, crashed, stopped or idle).",
     )
     parser.add_argument("configs", metavar="FILE", help="configurations, one 'NAME: FLAGS' a line")
     parser.add_argument(

@@ -46,6 +46,12 @@ class ReplayConfig:
     has more is refused when its datasets are built (the fraction is logged either way). 1
     accepts any coverage."""
 
+    route_replay_allow_undigested: bool = False
+    """With --route-replay-mode replay: replay route sidecars that record no tokens digest
+    (converted without tools/convert_routes.py --tokens-prefix, or without a header), whose routes
+    cannot be told from routes left beside rewritten token data of the same lengths. Without it
+    such a sidecar is refused at launch (and in the dry run)."""
+
     def __post_init__(self) -> None:
         if self.route_replay_check and self.route_replay_mode != "replay":
             raise ValueError(
@@ -74,6 +80,11 @@ class ReplayConfig:
         if self.route_replay_mode != "replay" and self.route_replay_max_missing != 0.05:
             _replay_warnings.warn(
                 "--route-replay-max-missing has no effect without --route-replay-mode replay",
+                stacklevel=2,
+            )
+        if self.route_replay_mode != "replay" and self.route_replay_allow_undigested:
+            _replay_warnings.warn(
+                "--route-replay-allow-undigested has no effect without --route-replay-mode replay",
                 stacklevel=2,
             )
         unused = {
@@ -117,6 +128,7 @@ class ReplayConfig:
                                 f"{path} for {flag} prefix {prefix} does not exist"
                             )
                     self._check_header(prefix + self.route_data_suffix, args)
+                    self._check_tokens_digest(prefix + self.route_data_suffix, prefix)
 
     @staticmethod
     def _check_header(route_prefix: str, args: _argparse.Namespace) -> None:
@@ -144,6 +156,28 @@ class ReplayConfig:
             num_experts=getattr(args, "num_experts", None),
         )
         check_layer_ids(header, header_path, [n - 1 for n in moe_layers])  # 1-based -> 0-based
+
+    def _check_tokens_digest(self, route_prefix: str, tokens_prefix: str) -> None:
+        """Refuses a route file that records no tokens digest unless
+        --route-replay-allow-undigested: only the digest tells its routes from routes left
+        beside rewritten tokens of the same lengths (the dataset compares it when built)."""
+        from megatron_ext.replay.route_file import HEADER_EXTENSION, read_header
+
+        header_path = route_prefix + HEADER_EXTENSION
+        if self.route_replay_allow_undigested:
+            return
+        if not _os.path.isfile(header_path):
+            why = f"has no header {header_path}, so no tokens digest"
+        elif "tokens_digest" in read_header(header_path):
+            return
+        else:
+            why = "records no tokens digest (converted without --tokens-prefix)"
+        raise ValueError(
+            f"route file {route_prefix} {why}: routes left beside rewritten tokens of the same "
+            "lengths could not be caught; convert the routes again with tools/convert_routes.py "
+            f"--tokens-prefix {tokens_prefix}, or replay it anyway with "
+            "--route-replay-allow-undigested"
+        )
 
     def _check_record_path(self, args: _argparse.Namespace) -> None:
         from megatron_ext.common.safe_files import check_output_prefix

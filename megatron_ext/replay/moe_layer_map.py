@@ -86,6 +86,11 @@ def moe_layer_ids_from_config(config: dict, name: str) -> tuple[int, ...]:
         )
     block_types = config.get("layers_block_type")
     if isinstance(block_types, list):
+        if len(block_types) != num_layers:  # the engines dump one row per hidden layer
+            raise ValueError(
+                f"{name}: 'layers_block_type' lists {len(block_types)} layers, "
+                f"'num_hidden_layers' is {num_layers}"
+            )
         return tuple(i for i, kind in enumerate(block_types) if kind == "moe")
     if "first_k_dense_replace" in config:
         first = config["first_k_dense_replace"]

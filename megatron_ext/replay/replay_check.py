@@ -11,7 +11,9 @@ row is one of:
   routed exactly as the policy decided;
 
 and ``natural_differs`` counts the recorded rows where the router's own top-k of the same scores
-(computed once more, for this diagnostic only) would have chosen another set. The forward is
+(computed once more, for this diagnostic only) would have chosen another set. When pads are
+skipped (``--moe-pad-routing skip``) the MoE layer clears a pad's route after routing, so a pad
+reaches no expert: its rows are not replayed rows and are not counted. The forward is
 counted whether or not it runs with grad (activation recompute runs it without), never its
 recompute in backward, and never an evaluation forward, so each micro-batch's rows count once.
 All counts are device tensors, read (one device-to-host copy) only when Megatron logs.
@@ -88,15 +90,18 @@ class ReplayCheck:
 
     Args:
         policy: ``--replay-missing-route-policy`` (named in the report).
+        pads_skipped: ``--moe-pad-routing`` resolved to ``skip``: the rows of the tokens the
+            router's ``padding_mask`` marks as pads reach no expert and are not counted.
     """
 
     #: Order of the counters in :attr:`counts`.
     FIELDS = ("recorded", "recorded_exact", "missing", "missing_as_decided", "natural_differs")
 
-    def __init__(self, policy: str = "native") -> None:
+    def __init__(self, policy: str = "native", *, pads_skipped: bool = False) -> None:
         if policy not in POLICY_DECIDES:
             raise ValueError(f"--replay-missing-route-policy: unknown policy {policy!r}")
         self.policy = policy
+        self.pads_skipped = pads_skipped
         #: The counters, in :attr:`FIELDS` order (None until a routing is counted).
         self.counts: torch.Tensor | None = None
         self._counted_key: Hashable | None = None
@@ -111,7 +116,7 @@ class ReplayCheck:
         for router, _ in binding._restore:  # (router, previous RouterReplay) pairs
             assert isinstance(router, TopKRouter)
             self._device = router.weight.device
-            self._hooks.append(router.register_forward_hook(self._compare))
+            self._hooks.append(router.register_forward_hook(self._compare, with_kwargs=True))
         binding.on_replay = self._observe
 
     def count(self, key: Hashable | None) -> None:
@@ -134,8 +139,8 @@ class ReplayCheck:
         differs_N = ~_same_sets(natural(), idx_NK, scores_NE.shape[-1])
         self._pending = (idx_NK, missing_N, differs_N)
 
-    def _compare(self, router: torch.nn.Module, args: Any, output: Any) -> None:
-        del router, args
+    def _compare(self, router: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        del router
         pending = self._pending
         if pending is None:  # not counted (evaluation, a recompute in backward)
             return
@@ -147,6 +152,10 @@ class ReplayCheck:
         if missing_N is None:
             missing_N = torch.zeros_like(hit_N)
         recorded_N = ~missing_N
+        pad_N = self._skipped_pads(args, kwargs)
+        if pad_N is not None:  # rows that reached no expert: neither recorded nor missing
+            assert pad_N.shape == hit_N.shape, (pad_N.shape, hit_N.shape)
+            recorded_N, missing_N = recorded_N & ~pad_N, missing_N & ~pad_N
         row = torch.stack(
             [
                 recorded_N.sum(),
@@ -160,6 +169,14 @@ class ReplayCheck:
             self.counts = row
         else:
             self.counts += row
+
+    def _skipped_pads(self, args: Any, kwargs: Any) -> torch.Tensor | None:
+        """The router's ``padding_mask`` as rows (True = pad) when pads are skipped, else None."""
+        if not self.pads_skipped:
+            return None
+        # Megatron's MoELayer.route calls router(hidden_states, padding_mask).
+        pad = kwargs.get("padding_mask", args[1] if len(args) > 1 else None)
+        return None if pad is None else pad.reshape(-1).bool()
 
     def take(self, group: Any = None) -> ReplayCounts:
         """The counts summed over ``group``; resets the counters.

@@ -157,12 +157,19 @@ def _build_datasets(train_val_test_num_samples: list[int]) -> tuple[Any, Any, An
         # An absent split (a 0 weight) was refused at argument time (eval_args); this one rounded
         # to no documents, which only the built datasets show.
         raise empty_split.full_validation_error(args.split, args.data_path, view.data_args_path)
-    replay = run_state.configs(args)[ReplayConfig]
+    replay, run = run_state.configs(args)[ReplayConfig], run_state.state(args)
     if replay.route_replay_mode == "record":
-        run_state.state(args).record_dataset = datasets[0]
-    if replay.route_replay_mode == "replay" and datasets[0] is not None:
+        run.record_dataset = datasets[0]
+    # Megatron builds the datasets once per virtual pipeline stage, of the same data: checked and
+    # logged once per launch (a second line would say an earlier launch counted what this one did).
+    if (
+        replay.route_replay_mode == "replay"
+        and datasets[0] is not None
+        and not run.route_coverage_checked
+    ):
         from megatron_ext.replay.route_coverage import check_route_coverage
 
+        run.route_coverage_checked = True
         check_route_coverage(  # the samples this run trains on: from a resume's to the last
             datasets[0],
             TrainingProgress.from_args(args).consumed_train_samples,

@@ -49,6 +49,9 @@ class RunState:
     rehearsal: dict[str, Any] | None = None
     rehearsal_log: Any = None
     replay_check: Any = None
+    #: Replay: the training packs' route coverage was checked (and logged) by this launch. Megatron
+    #: builds the datasets once per virtual pipeline stage; the data is the same each time.
+    route_coverage_checked: bool = False
     #: ``--moe-pad-routing`` resolved for this run, with the per-micro-batch real-token counts.
     pad_routing: Any = None
     #: This rank's host token counts since the last log, the interval's start, the last record.
@@ -123,7 +126,11 @@ def bind_replay(model: Any, replay: ReplayConfig) -> Any:
     if replay.route_replay_check:
         from megatron_ext.replay.replay_check import ReplayCheck
 
-        run.replay_check = run.replay_check or ReplayCheck(replay.replay_missing_route_policy)
+        if run.replay_check is None:  # pads skipped: the MoE layer clears their routes
+            pads = pad_routing(get_args())
+            run.replay_check = ReplayCheck(
+                replay.replay_missing_route_policy, pads_skipped=pads is not None and pads.skip
+            )
         run.replay_check.attach(binding)
     return binding
 

@@ -55,8 +55,9 @@ def build_splits(dataset_cls: type, config: Any, sizes: list[int | None]) -> lis
 def write_documents_with_random_routes(
     prefix: str, docs: list, rng: Any, *, num_layers: int, topk: int, num_experts: int
 ) -> str:
-    """``prefix.bin/.idx`` (int32 tokens) plus a ``prefix_routes`` sidecar (with its header) of
-    random valid routes: per token and layer, ``topk`` distinct experts drawn from ``rng``."""
+    """``prefix.bin/.idx`` (int32 tokens) plus a ``prefix_routes`` sidecar (with its header and the
+    tokens' digest) of random valid routes: per token and layer, ``topk`` distinct experts drawn
+    from ``rng``."""
     import numpy as np
 
     from megatron_ext.data.indexed_writer import write_documents
@@ -70,8 +71,9 @@ def write_documents_with_random_routes(
         for d in docs
     ]
     write_route_sidecar(
-        prefix + "_routes", routes, num_layers=num_layers, topk=topk, num_experts=num_experts
-    )
+        prefix + "_routes", routes, num_layers=num_layers, topk=topk, num_experts=num_experts,
+        tokens_prefix=prefix,
+    )  # fmt: skip
     return prefix
 
 

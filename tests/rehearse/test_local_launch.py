@@ -7,6 +7,7 @@ the one its imports left."""
 
 import os
 import re
+import subprocess
 import time
 
 import pytest
@@ -51,6 +52,14 @@ def test_an_uncaught_exception_exits_1_with_its_traceback_when_forked():
     assert run.preloaded and run.returncode == 1
     assert "Traceback (most recent call last):" in run.output
     assert re.search(r"ValueError: rank [01] raised", run.output), run.output
+
+
+def test_a_timeout_stops_the_ranks_and_keeps_what_they_printed():
+    """Rank 0 of 2, started alone, waits in the rendezvous for rank 1 until the timeout stops it;
+    the ``TimeoutExpired`` carries what it printed (``rehearse --log-dir`` writes it)."""
+    with pytest.raises(subprocess.TimeoutExpired) as err:
+        launch(["pass"], nproc=2, ranks=(0,), module=PROBE, timeout=3)
+    assert "rank 0 joining" in err.value.output and "rank 0 of 2" not in err.value.output
 
 
 def test_an_import_time_variable_starts_fresh_interpreters():

@@ -66,22 +66,44 @@ def test_a_crash_is_reported_by_its_first_error():
     assert (outcome.status, outcome.message) == ("crashed", "exit 2: usage: x")
 
 
+def test_a_stopped_configuration_keeps_its_log(tmp_path, monkeypatch):
+    """``--timeout``: the configuration is reported as crashed and, with ``--log-dir``, its log
+    holds what the ranks printed until they were stopped, and says so."""
+    from megatron_ext.testing import real_loop
+
+    def launch(args, *, nproc, timeout):
+        raise subprocess.TimeoutExpired(args, timeout, output="rank 0 joining\n")
+
+    monkeypatch.setattr(real_loop, "launch", launch)
+    configurations = [rehearse.Configuration("slow one", ("--train-iters", "2"))]
+    (outcome,) = rehearse.rehearse(configurations, [], timeout=5, log_dir=tmp_path, echo=False)
+    assert (outcome.status, outcome.message) == ("crashed", "timed out after 5 s")
+    assert (tmp_path / "slow_one.log").read_text() == (
+        "rank 0 joining\nmegatron-ext rehearse: stopped after 5 s (--timeout)\n"
+    )
+
+
 def test_a_sweep_reports_trained_and_refused_configurations(
     corpus_prefix, tmp_path, capsys, monkeypatch
 ):
     """``megatron-ext rehearse``'s ``main`` in this process (its ranks fork from the tests' server;
-    the command's own interpreter runs in the test below)."""
+    the command's own interpreter runs in the test below). ``again`` loads the checkpoint ``tiny``
+    saved at iteration 2 with ``--train-iters 2``: Megatron trains nothing and exits 0, which is
+    said as such, not counted as trained."""
     from megatron_ext.cli.main import main
 
+    ckpt = f"--ckpt-format torch --save-interval 2 --save {tmp_path / 'ckpt'}"
     path = _write(
         tmp_path,
-        "tiny: --train-iters 2\nbad ep: --expert-model-parallel-size 3 --train-iters 2\n",
+        f"tiny: --train-iters 2 {ckpt}\n"
+        "bad ep: --expert-model-parallel-size 3 --train-iters 2\n"
+        f"again: --train-iters 2 --ckpt-format torch --load {tmp_path / 'ckpt'}\n",
     )
     common = [*TINY_MOE_TEST_ARGS, "--data-path", corpus_prefix]
     monkeypatch.chdir(ROOT)
     status = main(["rehearse", "--log-dir", str(tmp_path / "logs"), path, "--", *common])
     printed = capsys.readouterr()
-    assert status == 1, printed.out + printed.err[-3000:]  # one did not train
+    assert status == 1, printed.out + printed.err[-3000:]  # two did not train
     lines = printed.out.splitlines()
     trained = re.fullmatch(
         r"trained  tiny    losses (\S+) (\S+)  step \d+ ms  \(\d+\.\d s\)", lines[0]
@@ -94,7 +116,11 @@ def test_a_sweep_reports_trained_and_refused_configurations(
         2: float(trained.group(2)),
     }
     assert re.fullmatch(r"refused  bad ep  megatron_ext: invalid arguments: .+", lines[1]), lines
-    assert lines[2:] == ["rehearse: 1/2 configurations trained"]
+    assert re.fullmatch(
+        r"idle     again   nothing trained: the checkpoint loaded is at iteration 2, "
+        r"--train-iters is 2  \(\d+\.\d s\)", lines[2]
+    ), lines  # fmt: skip
+    assert lines[3:] == ["rehearse: 1/3 configurations trained"]
 
 
 def test_rehearse_options_after_the_file_are_refused(tmp_path):

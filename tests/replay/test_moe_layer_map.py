@@ -47,6 +47,13 @@ def test_moe_layers_of_configs(config, ids):
     assert moe_layer_ids_from_config(config, "c") == tuple(ids)
 
 
+def test_block_types_of_another_length_than_the_layers_are_refused():
+    for blocks in (["moe"] * 3, ["moe"] * 5):  # fewer, more: neither says what the engines dump
+        with pytest.raises(ValueError, match=rf"^c: 'layers_block_type' lists {len(blocks)} "
+                           r"layers, 'num_hidden_layers' is 4$"):  # fmt: skip
+            moe_layer_ids_from_config({"num_hidden_layers": 4, "layers_block_type": blocks}, "c")
+
+
 def test_read_model_config(tmp_path):
     path = tmp_path / "config.json"
     text = {"num_hidden_layers": 4, "first_k_dense_replace": 1, "n_routed_experts": 64,

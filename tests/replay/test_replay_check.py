@@ -39,7 +39,7 @@ def test_counts_recorded_and_missing_rows_apart():
     used[3] = torch.tensor([4, 6])
     routing_map = _routing_map(used, 8)
     routing_map[4, 7] = True
-    check._compare(None, None, (None, routing_map))
+    check._compare(None, (), {}, (None, routing_map))
     counts = check.take()
     assert _fields(counts) == (4, 2, 1, 1, 2)
     assert _fields(check.take()) == (0, 0, 0, 0, 0)  # take() resets
@@ -54,9 +54,28 @@ def test_no_missing_mask_means_every_row_recorded():
     decided = torch.tensor([[0, 1], [2, 3]])
     check.count(7)
     check._observe(7, torch.rand(2, 4), decided, None, lambda: decided)
-    check._compare(None, None, (None, _routing_map(decided, 4)))
+    check._compare(None, (), {}, (None, _routing_map(decided, 4)))
     counts = check.take()
     assert _fields(counts) == (2, 2, 0, 0, 0) and counts.problems() == []
+
+
+def test_skipped_pads_are_not_replayed_rows():
+    """``--moe-pad-routing skip``: the MoE layer clears a pad's route after routing, so the pad
+    reaches no expert. 4 rows, 2 and 3 pads (3 missing, as a constant pad is); all routed as
+    decided, natural differs on rows 0 and 2: counted are rows 0 and 1 only (2, 2, 0, 0, 1). With
+    pads routed (dispatch) every row counts: (3, 3, 1, 1, 2)."""
+    decided = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])
+    natural = torch.tensor([[0, 2], [3, 2], [4, 7], [6, 7]])
+    missing = torch.tensor([False, False, False, True])
+    pad_SB = torch.tensor([[False, False, True, True]]).T  # Megatron's [S, B] padding mask
+    got = {}
+    for skipped in (True, False):
+        check = ReplayCheck("native", pads_skipped=skipped)
+        check.count("a")
+        check._observe("a", torch.rand(4, 8), decided, missing, lambda: natural)
+        check._compare(None, (torch.rand(4, 1, 8), pad_SB), {}, (None, _routing_map(decided, 8)))
+        got[skipped] = _fields(check.take())
+    assert got == {True: (2, 2, 0, 0, 1), False: (3, 3, 1, 1, 2)}
 
 
 def test_only_the_counted_micro_batch_and_its_first_routing_count():
@@ -68,14 +87,14 @@ def test_only_the_counted_micro_batch_and_its_first_routing_count():
     for counted, key in ((None, ("eval", 1)), ((3, 0), (3, 1))):
         check.count(counted)
         check._observe(key, torch.rand(1, 4), decided, None, lambda: decided)
-        check._compare(None, None, routing)
-    check._compare(None, None, routing)  # a recompute
+        check._compare(None, (), {}, routing)
+    check._compare(None, (), {}, routing)  # a recompute
     assert _fields(check.take()) == (0, 0, 0, 0, 0)
     check.count((3, 1))
     with torch.no_grad():  # a checkpointed forward runs without grad: counted
         check._observe((3, 1), torch.rand(1, 4), decided, None, lambda: decided)
-        check._compare(None, None, routing)
-    check._compare(None, None, routing)  # its recompute
+        check._compare(None, (), {}, routing)
+    check._compare(None, (), {}, routing)  # its recompute
     assert _fields(check.take()) == (1, 1, 0, 0, 0)
 
 
@@ -149,7 +168,7 @@ def _checked_replay(recompute: bool, policy: str) -> dict:
             binding.replays[0], scores, 2, None, None, lambda s, k, *_: torch.topk(s, k, dim=1)
         )
         used = torch.zeros_like(scores, dtype=torch.bool).scatter(1, idx, True)
-        check._compare(None, None, (probs, used))
+        check._compare(None, (), {}, (probs, used))
 
     _, syncs = count_host_syncs(checked_routing)
     observed = _fields(check.take())

@@ -92,6 +92,7 @@ def _route_file_for_layers(prefix: str, moe_layer_ids: list[int]) -> None:
         num_experts=8,
         moe_layer_ids=moe_layer_ids,
         overwrite=True,
+        tokens_prefix=prefix,
     )
 
 

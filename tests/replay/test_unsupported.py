@@ -6,6 +6,7 @@ and (for the settings a CPU reaches) Megatron's own router is shown not to repla
 """
 
 import argparse
+import dataclasses
 
 import numpy as np
 import pytest
@@ -87,7 +88,11 @@ def test_replay_with_missing_route_file_names_the_file(tmp_path):
     with pytest.raises(ValueError, match=r"route file .*tokens_routes\.bin .* does not exist"):
         cfg.check_megatron_args(_args(data_path=["1.0", prefix]))
     write_documents(prefix + "_routes", [np.zeros((3, 2, 2), np.uint8)], dtype=np.uint8)
-    cfg.check_megatron_args(_args(data_path=["1.0", prefix]))
+    # No header, so no tokens digest: replayed only when allowed.
+    with pytest.raises(ValueError, match=r"tokens_routes has no header .*undigested$"):
+        cfg.check_megatron_args(_args(data_path=["1.0", prefix]))
+    allowed = dataclasses.replace(cfg, route_replay_allow_undigested=True)
+    allowed.check_megatron_args(_args(data_path=["1.0", prefix]))
 
 
 def test_replay_needs_the_packed_dataset():

@@ -1,4 +1,4 @@
-"""Ranks for tests/testing/test_real_loop_launch.py: ``python -m tests.testing.launch_probe MODE``.
+"""Ranks for tests/rehearse/test_local_launch.py: ``python -m tests.testing.launch_probe MODE``.
 
 ``pass``: every rank joins a gloo group, meets the others in a barrier and prints its rank, a draw
 of numpy's global random state, and whether Megatron was imported before it started (a rank forked

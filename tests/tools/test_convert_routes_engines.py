@@ -368,3 +368,17 @@ def test_records_in_another_order_than_the_tokens_are_refused(tmp_path):
         load_tool().main([*argv, str(tmp_path / "right"), "--output-prefix", str(tmp_path / "o")])
         == 0
     )
+
+
+def test_a_config_whose_block_types_outnumber_its_layers_is_refused_naming_the_file(tmp_path):
+    """``layers_block_type`` longer than ``num_hidden_layers``: the config's own inconsistency,
+    named with the file (it was refused as "--moe-layer-ids names layer 5", a flag never given)."""
+    argv = _sglang_dump(tmp_path, 0) + ["--model-config", str(tmp_path / "config.json")]
+    config = tmp_path / "config.json"
+    blocks = ["attention", "attention", "moe", "moe", "moe", "moe"]  # 6 entries, layers 0-5
+    config.write_text(json.dumps({**json.loads(config.read_text()), "layers_block_type": blocks}))
+    with pytest.raises(ValueError) as err:
+        load_tool().main(argv)
+    assert str(err.value) == (
+        f"--model-config {config}: 'layers_block_type' lists 6 layers, 'num_hidden_layers' is 5"
+    )

@@ -79,3 +79,46 @@ def test_megatrons_own_argument_errors_are_one_line_and_exit_2() -> None:
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "megatron_ext: invalid arguments: " in proc.stderr and "(7)" in proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_routes_without_a_tokens_digest_are_refused_unless_the_flag_named_allows_them(
+    data_prefix, tmp_path, monkeypatch, capsys
+) -> None:
+    """A route sidecar without a tokens digest cannot be told from routes left beside rewritten
+    tokens of the same lengths: the launch (here its dry run) refuses it in one line naming the
+    route file and the opt-out flag; doing exactly what the line says (adding that flag) passes.
+    Writing the routes with the digest (what ``convert_routes.py --tokens-prefix`` does) passes
+    without the flag. (A file without a header is refused alike: test_unsupported.py.)"""
+    import re
+    import shutil
+
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_ext.replay.route_dataset import write_route_sidecar
+    from tests.training.entry_args import EXPERTS, NUM_LAYERS, REPLAY_ARGS, TOPK
+
+    prefix = str(tmp_path / "docs")
+    for ext in (".bin", ".idx"):
+        shutil.copy(data_prefix + ext, prefix + ext)
+    tokens = IndexedDataset(prefix)  # held: its lengths are a view of its memory map
+    lengths = tokens.sequence_lengths.tolist()
+
+    def write_routes(tokens_prefix: str | None) -> None:
+        routes = [np.tile(np.arange(TOPK, dtype=np.uint8), (n, NUM_LAYERS, 1)) for n in lengths]
+        write_route_sidecar(
+            prefix + "_routes", routes, num_layers=NUM_LAYERS, topk=TOPK, num_experts=EXPERTS,
+            overwrite=True, tokens_prefix=tokens_prefix,
+        )  # fmt: skip
+
+    write_routes(None)
+    argv = ["--data-path", prefix, *REPLAY_ARGS, "--eval-iters", "0", "--eval-interval", "9"]
+    assert dry_run_main(argv, monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"route file {prefix}_routes " in err, err
+    flag = re.search(r"replay it anyway with (--[a-z-]+)$", err.strip())
+    assert flag and flag.group(1) == "--route-replay-allow-undigested", err
+    assert dry_run_main([*argv, flag.group(1)], monkeypatch) == 0, capsys.readouterr().err
+    write_routes(prefix)  # with its tokens digest: no flag needed
+    capsys.readouterr()
+    assert dry_run_main(argv, monkeypatch) == 0, capsys.readouterr().err

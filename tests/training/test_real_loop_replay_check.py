@@ -3,10 +3,12 @@ and ``--route-replay-max-missing`` in the real loop.
 
 The sidecar is written so that what the data says is known without the pack plan: at MoE layer 0
 a token's row is missing when its id is even, at layer 1 when it is odd, every other row holds a
-random distinct top-2. Self pads copy a token with its route rows, and ``--pad-to-seq-len`` fills
-every pack, so each position has exactly one missing row: per iteration 8 packs x 128 positions
-give 1024 rows with a recorded route and 1024 without, whatever the packs hold, and the real
-tokens of the training packs are exactly half missing.
+random distinct top-2. Each real token has exactly one missing row, so per iteration its N real
+tokens (of 8 packs x 128 positions, ``--pad-to-seq-len`` pads the rest) give N rows with a
+recorded route and N without, whatever the packs hold, and the real tokens of the training packs
+are exactly half missing. Pads are skipped (every launch here resolves ``--moe-pad-routing auto``
+to ``skip``): they reach no expert and are not counted as replayed; N comes from the expert-load
+records (pads count 0 there), N < 1024 where pads occurred (iteration 1: 992).
 
 | launch                                  | proves                                                   |
 |-----------------------------------------|----------------------------------------------------------|
@@ -81,6 +83,23 @@ def _check_records(log: Path) -> list[dict]:
     return [line for line in lines if "replay_check" in line]
 
 
+def _real_tokens(log: Path) -> dict[int, int]:
+    """Per iteration: the real tokens the MoE layers routed (each layer's real expert load / top-k;
+    the same at every layer), fewer than the 1024 positions where pads occurred."""
+    per_layer: dict[int, set[int]] = {}
+    for line in log.read_text().splitlines():
+        record = json.loads(line)
+        for key, value in record.items():
+            if key.endswith("/real_tokens"):
+                per_layer.setdefault(record["iteration"], set()).add(sum(value) // TOPK)
+    assert sorted(per_layer) == list(range(1, ITERATIONS + 1)), per_layer
+    assert all(len(n) == 1 for n in per_layer.values()), per_layer
+    real = {i: n.pop() for i, n in per_layer.items()}
+    assert all(0 < n <= ROWS_PER_LAYER for n in real.values()), real
+    assert min(real.values()) < ROWS_PER_LAYER, real  # pads occurred (iteration 1's packs)
+    return real
+
+
 def test_replay_check_counts_what_the_data_says_with_and_without_recompute(
     parity_prefix, tmp_path
 ) -> None:
@@ -97,13 +116,13 @@ def test_replay_check_counts_what_the_data_says_with_and_without_recompute(
         runs[name] = _checked_run(parity_prefix, log, ["--route-replay-max-missing", "0.5", *extra])
         assert_trains(runs[name])
         records[name] = _check_records(log)
-    plain = records["plain"]
+    plain, real = records["plain"], _real_tokens(tmp_path / "plain.jsonl")
     assert [r["iteration"] for r in plain] == list(range(1, ITERATIONS + 1)), plain
     for r in plain:
-        counts = r["replay_check"]
-        assert counts["recorded"] == counts["missing"] == ROWS_PER_LAYER, counts
-        assert counts["recorded_exact"] == counts["missing_as_decided"] == ROWS_PER_LAYER, counts
-        assert 0 < counts["natural_differs"] <= ROWS_PER_LAYER, counts  # random routes
+        counts, n = r["replay_check"], real[r["iteration"]]
+        assert counts["recorded"] == counts["missing"] == n, (counts, n)  # pads not counted
+        assert counts["recorded_exact"] == counts["missing_as_decided"] == n, (counts, n)
+        assert 0 < counts["natural_differs"] <= n, counts  # random routes
         assert counts["policy"] == "native"
     # Recompute changes neither a count nor a loss.
     assert records["full"] == plain and records["selective"] == plain
@@ -115,10 +134,9 @@ def test_replay_check_counts_what_the_data_says_with_and_without_recompute(
     assert startup == ["50.00"], runs["plain"].output[-3000:]
     lines = re.findall(r"megatron_ext replay check: (.*)", runs["plain"].output)
     assert len(lines) == ITERATIONS, lines
-    assert all(line.startswith(f"{ROWS_PER_LAYER} (token, layer) rows with a recorded route, "
-                               f"{ROWS_PER_LAYER} used exactly; {ROWS_PER_LAYER} without one, "
-                               f"{ROWS_PER_LAYER} routed by the model's own router (native)")
-               for line in lines), lines  # fmt: skip
+    assert all(line.startswith(f"{n} (token, layer) rows with a recorded route, {n} used exactly; "
+                               f"{n} without one, {n} routed by the model's own router (native)")
+               for line, n in zip(lines, real.values(), strict=True)), lines  # fmt: skip
 
 
 def test_replay_check_tells_balanced_fills_from_recorded_rows(parity_prefix, tmp_path) -> None:
@@ -129,15 +147,13 @@ def test_replay_check_tells_balanced_fills_from_recorded_rows(parity_prefix, tmp
         "--route-replay-max-missing", "0.5", "--replay-missing-route-policy", "balanced",
     ])  # fmt: skip
     assert_trains(run)
-    records = _check_records(log)
+    records, real = _check_records(log), _real_tokens(log)
     assert len(records) == ITERATIONS, records
     for r in records:
-        c = r["replay_check"]
-        assert c["policy"] == "balanced" and c["missing"] == ROWS_PER_LAYER, c
-        assert (c["recorded"], c["recorded_exact"], c["missing_as_decided"]) == (
-            ROWS_PER_LAYER,
-        ) * 3
-    assert "1024 filled with a balanced top-k (balanced), routed as filled" in run.output
+        c, n = r["replay_check"], real[r["iteration"]]
+        assert c["policy"] == "balanced" and c["missing"] == n, (c, n)
+        assert (c["recorded"], c["recorded_exact"], c["missing_as_decided"]) == (n,) * 3, (c, n)
+    assert f"{n} filled with a balanced top-k (balanced), routed as filled" in run.output
 
 
 def test_replay_check_counts_each_pipeline_stage_once(parity_prefix, tmp_path) -> None:
@@ -152,14 +168,15 @@ def test_replay_check_counts_each_pipeline_stage_once(parity_prefix, tmp_path) -
     for r in _check_records(log):
         by_iteration.setdefault(r["iteration"], {})[r["pipeline_stage"]] = r["replay_check"]
     assert sorted(by_iteration) == list(range(1, ITERATIONS + 1)), by_iteration
-    for stages in by_iteration.values():
+    real = _real_tokens(log)
+    for iteration, stages in by_iteration.items():
         first, second = stages[0], stages[1]
-        for c in (first, second):  # each micro-batch's rows once: one row per position
-            assert c["recorded"] + c["missing"] == ROWS_PER_LAYER, stages
+        for c in (first, second):  # each micro-batch's rows once: one row per real token
+            assert c["recorded"] + c["missing"] == real[iteration], stages
             assert (c["recorded_exact"], c["missing_as_decided"]) == (c["recorded"], c["missing"])
         # A position is missing at exactly one of the two layers.
         assert first["recorded"] == second["missing"] and first["missing"] == second["recorded"]
-        assert 0 < first["recorded"] < ROWS_PER_LAYER, stages  # both parities occurred
+        assert 0 < first["recorded"] < real[iteration], stages  # both parities occurred
 
 
 def test_a_run_whose_data_has_too_many_missing_routes_is_refused(parity_prefix, tmp_path) -> None:
@@ -185,12 +202,12 @@ def test_a_sidecar_without_any_route_is_not_reported_as_replayed(corpus_prefix, 
     log = tmp_path / "missing.jsonl"
     run = _checked_run(prefix, log, ["--route-replay-max-missing", "1"])
     assert_trains(run)
-    records = _check_records(log)
+    records, real = _check_records(log), _real_tokens(log)
     assert len(records) == ITERATIONS, records
     for r in records:
-        c = r["replay_check"]
+        c, n = r["replay_check"], real[r["iteration"]]
         assert (c["recorded"], c["recorded_exact"], c["natural_differs"]) == (0, 0, 0), c
-        assert c["missing"] == c["missing_as_decided"] == MOE_LAYERS * ROWS_PER_LAYER, c
+        assert c["missing"] == c["missing_as_decided"] == MOE_LAYERS * n, (c, n)
     warnings = re.findall(r"megatron_ext replay check: WARNING: no row of this interval had a "
                           r"recorded route: nothing was replayed", run.output)  # fmt: skip
     assert len(warnings) == ITERATIONS, run.output[-3000:]

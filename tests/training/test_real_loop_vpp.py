@@ -13,6 +13,7 @@ every replayed row and each layer's expert load.
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,13 @@ def test_virtual_pipeline_stages_train_as_the_plain_pipeline(resumed_runs) -> No
         assert all(c["recorded_exact"] == c["recorded"] for c in checks), checks
         assert all(c["missing_as_decided"] == c["missing"] for c in checks), checks
     assert "replay check: ERROR" not in vpp.output + pp2.output
+    # The training packs' route coverage, logged once per launch and its origin told truly: pp2
+    # counted its samples (16 to 32, after the resume) first, pp2_vpp2 read that count back.
+    # Megatron builds the datasets once per virtual stage; a second line said "counted at an
+    # earlier launch" of what this launch had just counted.
+    earlier = " [counted at an earlier launch of the same data]"
+    for run, suffix in ((pp2, ""), (vpp, earlier)):
+        lines = re.findall(r"^> megatron_ext: route replay: .*$", run.output, re.M)
+        assert len(lines) == 1 and lines[0].endswith(
+            f"(0.00%; --route-replay-max-missing 0.05){suffix}"
+        ), lines
