@@ -89,6 +89,7 @@ def startup_checks(args: argparse.Namespace) -> dict[str, Any]:
         ValueError: In one line, with Megatron's message where Megatron has one.
     """
     from megatron_ext.training.checkpoint_checks import find_load_checkpoint
+    from megatron_ext.training.launch_args import builds_optimizer
     from megatron_ext.training.model_provider import model_config_from_args
     from megatron_ext.training.resume_checks import build_scheduler, check_resume, megatron_args
     from megatron_ext.training.vocab_check import padded_vocab_size
@@ -103,8 +104,9 @@ def startup_checks(args: argparse.Namespace) -> dict[str, Any]:
     except (AssertionError, ValueError) as err:
         raise ValueError(f"Megatron's TransformerConfig: {one_line(err)}") from None
     try:
-        with megatron_args(args) as run_args:
-            build_scheduler(run_args)
+        if builds_optimizer(args):  # --skip-train: Megatron builds no optimizer, no schedule
+            with megatron_args(args) as run_args:
+                build_scheduler(run_args)
     except AssertionError as err:
         failed = one_line(err)
         hint = next((h for check, h in SCHEDULE_HINTS.items() if check in failed), None)

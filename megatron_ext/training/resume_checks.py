@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from megatron_ext.training.checkpoint_checks import Checkpoint
+from megatron_ext.training.launch_args import builds_optimizer
 
 #: Flags of the LR/weight-decay schedule (argparse dest), in the order they are named.
 SCHEDULE_FLAGS = (
@@ -133,7 +134,12 @@ def check_resume(args: argparse.Namespace, checkpoint: Checkpoint) -> list[str]:
             "'Could not find parameter group'); pass --no-load-optim to load the weights and "
             "the iteration and restart the optimizer (Adam moments and LR schedule)"
         )
-    refusal, effective = _scheduler_refusal(args, state.get("opt_param_scheduler"))
+    # --skip-train builds no optimizer (and may have no --lr): the schedule is not compared.
+    refusal, effective = (
+        _scheduler_refusal(args, state.get("opt_param_scheduler"))
+        if builds_optimizer(args)
+        else (None, args)
+    )
     # As saved: Megatron's scheduler set the defaults (--lr-decay-iters from --train-iters).
     schedule = _changed(effective, saved_args, SCHEDULE_FLAGS)
     if loads_optimizer and "opt_param_scheduler" in state:
