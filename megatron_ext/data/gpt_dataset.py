@@ -23,7 +23,8 @@ Example: text ``[a b c]`` (3 real tokens, sequence_length 5, so 6 text slots)::
                                                                    [F F F T T]
 
 Unlike Megatron's, the index cache is keyed by the data's identity (document count and lengths
-fingerprint), and a ``.bin`` whose size differs from what its ``.idx`` indexes is refused.
+fingerprint) and its files are renamed into place whole (:mod:`~megatron_ext.data.gpt_index_cache`),
+and a ``.bin`` whose size differs from what its ``.idx`` indexes is refused.
 
 Megatron's batch-padding sample (``idx=None``) is all pads: ``padding_mask`` all True, loss mask
 all 0, its content self-padded from sample 0 so it does not form one constant-id run.
@@ -43,6 +44,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.object_storage_utils import is_object_storage_path
 
 from megatron_ext.data.empty_split import empty_split_error
+from megatron_ext.data.gpt_index_cache import build_indices_whole
 from megatron_ext.data.indexed_checks import (
     add_data_identity,
     check_dataset_config,
@@ -101,7 +103,8 @@ class SelfPaddedGPTDataset(GPTDataset):
         # Megatron keys its index cache by the flags only; the sample index depends on the
         # document lengths, so rewritten data at the same prefix must not reuse it.
         add_data_identity(self, data_identity(self.dataset))
-        return super()._build_document_sample_shuffle_indices()
+        # Its cache files are renamed into place whole (a full disk leaves no partial file).
+        return build_indices_whole(self, super()._build_document_sample_shuffle_indices)
 
     def _get_num_epochs(self, num_tokens_per_epoch: int) -> int:
         # Megatron's loop adds epochs until they hold the samples asked for (plus its extra label

@@ -9,6 +9,10 @@ trains from random weights with one warning among ~950 lines; a corrupt tracker 
 built, as Megatron looks (tracker, ``--ckpt-step``, the iteration directory and its format), and refuses
 in one line what Megatron would not load; :func:`exit_nonzero_on_failed_load` turns any bare
 ``sys.exit()`` left inside ``load_checkpoint`` into exit status 1, with Megatron's message above it.
+Before anything is built too: :func:`check_save_directory` (an unwritable ``--save`` trained until
+the first save), :func:`check_checkpoint_files` (a missing ``.metadata``, a truncated ``.distcp``:
+``EOFError`` naming no file) and :func:`check_checkpoint_model` (a checkpoint of another model: a
+``KeyError`` or shape mismatch on every rank after the model is built), each one line.
 
 Example::
 
@@ -19,6 +23,7 @@ Example::
 
 import argparse
 import functools
+import glob
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -177,3 +182,214 @@ def exiting_nonzero(original: Callable[..., Any]) -> Callable[..., Any]:
             ) from None
 
     return load_checkpoint
+
+
+def check_save_directory(args: argparse.Namespace) -> None:
+    """Refuses a ``--save`` Megatron could not write: Megatron creates it at the first save, so an
+    unwritable one trains until then and fails there on every rank (``OSError``). The directory,
+    or where it would be created (its first existing ancestor), must be a writable directory.
+    ``os.access`` asks the kernel, so a read-only mount is refused for root too."""
+    from megatron_ext.config.megatron_view import MegatronView
+
+    save = MegatronView.from_args(args).save
+    if not save:
+        return
+    probe = os.path.abspath(save)
+    while not os.path.exists(probe):  # the first existing ancestor decides
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ValueError(f"--save {save}: {probe} is a file, not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        made = "" if probe == os.path.abspath(save) else f" (where {save} would be created)"
+        raise ValueError(
+            f"--save {save}: directory {probe}{made} is not writable: Megatron would train until "
+            "the first save and fail there; name a writable directory"
+        )
+
+
+def check_checkpoint_files(checkpoint: Checkpoint) -> None:
+    """Refuses a checkpoint whose files Megatron would fail to read, naming the file: without
+    reading a tensor, from the sizes its index promises. ``torch_dist``: the ``.metadata`` index
+    (missing: Megatron's ``metadata is None``) and every ``.distcp`` file it indexes, present and
+    as long as its last item (a truncated one: ``EOFError: Ran out of input``, naming no file);
+    ``torch``: every rank's ``model_optim_rng.pt`` is a whole zip archive (``torch.save``'s).
+
+    Raises:
+        ValueError: In one line naming the file and what is wrong with it.
+    """
+    where = f"{checkpoint.flag} {checkpoint.directory} (iteration {checkpoint.iteration})"
+    if checkpoint.format == "torch_dist":
+        _check_distcp_files(checkpoint.path, where)
+    elif checkpoint.format == "torch":
+        import glob
+        import zipfile
+
+        for path in sorted(glob.glob(os.path.join(checkpoint.path, "mp_rank_*", "*.pt"))):
+            try:
+                with zipfile.ZipFile(path):
+                    pass
+            except (OSError, zipfile.BadZipFile) as err:
+                raise ValueError(
+                    f"{where}: {path} cannot be read ({_cause(err)}; a torch.save file cut short "
+                    "or overwritten?)"
+                ) from None
+
+
+def _check_distcp_files(path: str, where: str) -> None:
+    """``torch_dist``: the ``.metadata`` index and the storage files it names (see above)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    index = os.path.join(path, ".metadata")
+    if not os.path.isfile(index):
+        raise ValueError(
+            f"{where}: {index} is missing (the index of every tensor in {path}; a copy that left "
+            "out hidden files, or a save that never finished): Megatron cannot load it"
+        )
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as err:  # noqa: BLE001 -- an unpickling failure may be any exception
+        raise ValueError(f"{where}: {index} cannot be read ({_cause(err)})") from None
+    needed: dict[str, int] = {}
+    for item in metadata.storage_data.values():
+        end = item.offset + item.length
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        try:
+            found = os.path.getsize(file)
+        except OSError as err:
+            raise ValueError(
+                f"{where}: {file} cannot be read ({_cause(err)}); {index} indexes "
+                f"{size} bytes of it"
+            ) from None
+        if found < size:
+            raise ValueError(
+                f"{where}: {file} is truncated ({found} bytes; {index} indexes {size}): "
+                "Megatron would stop with 'EOFError: Ran out of input'"
+            )
+
+
+def _cause(err: BaseException) -> str:
+    """An exception as ``Type: message`` on one line (``strerror`` for an ``OSError``)."""
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    message = " ".join(str(err).split())
+    return f"{type(err).__name__}: {message}" if message else type(err).__name__
+
+
+def check_checkpoint_model(
+    args: argparse.Namespace, checkpoint: Checkpoint, padded_vocab: int | None
+) -> None:
+    """Refuses a checkpoint of another model than the run builds, naming the first difference:
+    its class (GPTModel / HybridModel), layers, hidden size, experts, and for a ``torch``
+    checkpoint the padded vocabulary (``padded_vocab`` None: unknown here, not compared;
+    ``torch_dist`` loads into another padded vocabulary). Read from the arguments the checkpoint
+    was saved with (``torch_dist``'s common state, a ``torch`` rank file memory-mapped), no tensor.
+    Megatron would fail loading it, on every rank, after building the model (``KeyError``, shape
+    mismatches, ``CheckpointException``). A GPTModel checkpoint into a HybridModel is what
+    Megatron 0.19.2's ``_maybe_setup_gpt_to_hybrid_load`` accepts: ``torch_dist``, a
+    ``--hybrid-layer-pattern`` pairing one attention and one MLP position with each GPT layer,
+    and Transformer Engine layers (with local modules, every ``--cpu`` run, the layer norms'
+    keys differ and the load fails with ``KeyError``).
+
+    Raises:
+        ValueError: In one line: the flag, the checkpoint's value and this run's.
+    """
+    try:
+        state = saved_state(checkpoint)
+    except ValueError:
+        raise
+    except Exception as err:  # noqa: BLE001 -- Megatron's reader raises what its storage does
+        raise ValueError(
+            f"{checkpoint.flag} {checkpoint.directory}: the saved arguments in {checkpoint.path} "
+            f"cannot be read ({_cause(err)})"
+        ) from None
+    saved = None if state is None else state.get("args")
+    if saved is None:
+        return
+    difference = _model_difference(args, saved, checkpoint.format, padded_vocab)
+    if difference is not None:
+        raise ValueError(
+            f"{checkpoint.flag} {checkpoint.directory} (iteration {checkpoint.iteration}) holds "
+            f"another model: {difference}; Megatron would fail loading it after building the "
+            "model. Name a checkpoint of this model, or match its flags"
+        )
+
+
+def _pattern(args: Any) -> str | None:
+    """The hybrid layer pattern (Megatron's older name too), pipeline separators left out."""
+    pattern = getattr(args, "hybrid_layer_pattern", None) or getattr(
+        args, "hybrid_override_pattern", None
+    )
+    return pattern.replace("|", "") if pattern else None
+
+
+def _model_difference(
+    args: argparse.Namespace, saved: Any, ckpt_format: str, padded_vocab: int | None
+) -> str | None:
+    """The first difference between the saved model and this run's, as ``what (the checkpoint's
+    -> this run's)``; None when they match."""
+    before, now = _pattern(saved), _pattern(args)
+    if before and not now:
+        return f"class HybridModel --hybrid-layer-pattern '{before}' -> GPTModel"
+    if now and not before:
+        gpt_layers = getattr(saved, "num_layers", None)
+        if ckpt_format != "torch_dist":
+            return "class GPTModel -> HybridModel (Megatron maps GPT layers only from torch_dist)"
+        from megatron.core.dist_checkpointing.gpt_checkpoint_interop import (
+            gpt_compatible_layer_maps,
+        )
+
+        try:
+            pairs = gpt_compatible_layer_maps(now).num_gpt_layers
+        except ValueError as err:
+            return f"class GPTModel -> HybridModel ({_cause(err)})"
+        if gpt_layers is not None and gpt_layers != pairs:
+            return (
+                f"--num-layers {gpt_layers} -> --hybrid-layer-pattern '{now}' (it pairs with a "
+                f"GPTModel of {pairs} layers)"
+            )
+        if getattr(args, "transformer_impl", None) != "transformer_engine":
+            return (
+                f"class GPTModel -> HybridModel with --transformer-impl {args.transformer_impl} "
+                "(Megatron 0.19.2 maps a GPT checkpoint's layers onto Transformer Engine ones "
+                "only: the local layer norms' keys differ)"
+            )
+    elif now and before != now:
+        return f"--hybrid-layer-pattern '{before}' -> '{now}'"
+    elif not now and getattr(saved, "num_layers", None) != args.num_layers:
+        return f"--num-layers {getattr(saved, 'num_layers', None)} -> {args.num_layers}"
+    for dest, flag in (("hidden_size", "--hidden-size"), ("num_experts", "--num-experts")):
+        if hasattr(saved, dest) and getattr(saved, dest) != getattr(args, dest, None):
+            return f"{flag} {getattr(saved, dest)} -> {getattr(args, dest, None)}"
+    # torch_dist loads the embedding and output layer into another padded vocabulary (Megatron
+    # saves them with allow_shape_mismatch); a torch file's load_state_dict is strict.
+    saved_vocab = getattr(saved, "padded_vocab_size", None) if ckpt_format == "torch" else None
+    if padded_vocab is not None and saved_vocab is not None and saved_vocab != padded_vocab:
+        return f"padded vocabulary {saved_vocab} -> {padded_vocab} (--vocab-size / tokenizer)"
+    return None
+
+
+def saved_state(checkpoint: Checkpoint) -> dict[str, Any] | None:
+    """The checkpoint's non-sharded part (``args``, ``iteration``, ``opt_param_scheduler``) without
+    its tensors: ``torch_dist``'s common state dict, or a ``torch`` rank file memory-mapped. None for
+    the other formats (not checked)."""
+    import torch
+
+    if checkpoint.format == "torch_dist":
+        from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+        return load_common_state_dict(checkpoint.path)
+    if checkpoint.format != "torch":
+        return None
+    files = sorted(glob.glob(os.path.join(checkpoint.path, "mp_rank_*", "model_optim_rng.pt")))
+    if not files:
+        raise ValueError(f"{checkpoint.flag} {checkpoint.directory}: no model_optim_rng.pt under "
+                         f"{checkpoint.path}")  # fmt: skip
+    try:
+        return torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
+    except Exception as err:  # noqa: BLE001 -- Megatron's own load catches any (and exits 0)
+        raise ValueError(
+            f"{checkpoint.flag} {checkpoint.directory}: {files[0]} cannot be read "
+            f"({type(err).__name__}: {' '.join(str(err).split())})"
+        ) from None

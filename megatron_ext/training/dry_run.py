@@ -4,7 +4,8 @@ Megatron's ``validate_args`` passes configurations its ``pretrain`` then fails o
 traceback: ``TransformerConfig.__post_init__`` (``--moe-router-topk 1`` without
 ``--moe-router-pre-softmax``, expert bias under the softmax score function, ...), the
 ``OptimizerParamScheduler`` (``--lr-warmup-iters`` not below the decay iterations: a bare ``assert``),
-the checkpoint to load (:mod:`.checkpoint_checks`, :mod:`.resume_checks`). :func:`startup_checks`
+the checkpoint to load (:mod:`.checkpoint_checks`: ``--save`` writable, the checkpoint's files whole
+and of this model; :mod:`.resume_checks`). :func:`startup_checks`
 builds each of them from the arguments as the launch will, before any process group, and raises
 ``ValueError`` with the message the launch would fail with. The dry run (``--dry-run``) also
 builds the layer spec and the model itself on the meta device (:func:`build_on_meta_device`), as
@@ -88,7 +89,13 @@ def startup_checks(args: argparse.Namespace) -> dict[str, Any]:
     Raises:
         ValueError: In one line, with Megatron's message where Megatron has one.
     """
-    from megatron_ext.training.checkpoint_checks import find_load_checkpoint
+    from megatron_ext.training.checkpoint_checks import (
+        check_checkpoint_files,
+        check_checkpoint_model,
+        check_save_directory,
+        find_load_checkpoint,
+    )
+    from megatron_ext.training.launch_args import builds_optimizer
     from megatron_ext.training.model_provider import model_config_from_args
     from megatron_ext.training.resume_checks import build_scheduler, check_resume, megatron_args
     from megatron_ext.training.vocab_check import padded_vocab_size
@@ -103,8 +110,9 @@ def startup_checks(args: argparse.Namespace) -> dict[str, Any]:
     except (AssertionError, ValueError) as err:
         raise ValueError(f"Megatron's TransformerConfig: {one_line(err)}") from None
     try:
-        with megatron_args(args) as run_args:
-            build_scheduler(run_args)
+        if builds_optimizer(args):  # --skip-train: Megatron builds no optimizer, no schedule
+            with megatron_args(args) as run_args:
+                build_scheduler(run_args)
     except AssertionError as err:
         failed = one_line(err)
         hint = next((h for check, h in SCHEDULE_HINTS.items() if check in failed), None)
@@ -112,8 +120,12 @@ def startup_checks(args: argparse.Namespace) -> dict[str, Any]:
             f"Megatron's OptimizerParamScheduler refuses the LR schedule ({failed})"
             + (f": {hint}" if hint else "")
         ) from None
+    check_save_directory(args)
     loading = find_load_checkpoint(args)
     found = loading.checkpoint
+    if found is not None:  # the files whole, then the model they hold, before the resume
+        check_checkpoint_files(found)
+        check_checkpoint_model(args, found, padded)
     report: dict[str, Any] = {
         "transformer_config": type(model_cfg.transformer).__name__,
         "vocabulary": padded or "unknown here (the tokenizer loads on the target)",

@@ -12,6 +12,16 @@ def check_launch_args(args: argparse.Namespace) -> None:
     """Raises ``ValueError`` naming the flags of the first combination Megatron would fail on."""
     _check_expert_grid(args)
     _check_eval_interval(args)
+    _check_learning_rate(args)
+
+
+def builds_optimizer(args: argparse.Namespace) -> bool:
+    """Whether Megatron's ``setup_model_and_optimizer`` builds the optimizer and its LR scheduler:
+    not under ``--skip-train`` (evaluation only), unless an RL step loads the optimizer."""
+    rl_optimizer = getattr(args, "perform_rl_step", False) and not getattr(
+        args, "no_load_optim", False
+    )
+    return not getattr(args, "skip_train", False) or rl_optimizer
 
 
 def _check_expert_grid(args: argparse.Namespace) -> None:
@@ -44,4 +54,15 @@ def _check_eval_interval(args: argparse.Namespace) -> None:
             "--eval-interval is required when training (Megatron 0.19.2 has no default and "
             "divides by it to size the validation samples, even with --eval-iters 0): e.g. "
             "--eval-interval 1000"
+        )
+
+
+def _check_learning_rate(args: argparse.Namespace) -> None:
+    """Megatron 0.19.2 has no default ``--lr``; its ``OptimizerParamScheduler`` takes
+    ``float(None)`` (a ``TypeError`` on every rank) wherever the optimizer is built."""
+    if getattr(args, "lr", None) is None and builds_optimizer(args):
+        raise ValueError(
+            "--lr is required when training (Megatron 0.19.2 has no default learning rate; its "
+            "OptimizerParamScheduler fails on none): e.g. --lr 3e-4 (--skip-train evaluates "
+            "without one)"
         )

@@ -19,12 +19,11 @@ Example::
 import argparse
 import contextlib
 import copy
-import glob
-import os
 from collections.abc import Iterator
 from typing import Any
 
-from megatron_ext.training.checkpoint_checks import Checkpoint
+from megatron_ext.training.checkpoint_checks import Checkpoint, saved_state
+from megatron_ext.training.launch_args import builds_optimizer
 
 #: Flags of the LR/weight-decay schedule (argparse dest), in the order they are named.
 SCHEDULE_FLAGS = (
@@ -44,31 +43,6 @@ PARALLEL_FLAGS = {
 
 def _flag(dest: str) -> str:
     return PARALLEL_FLAGS.get(dest) or "--" + dest.replace("_", "-")
-
-
-def saved_state(checkpoint: Checkpoint) -> dict[str, Any] | None:
-    """The checkpoint's non-sharded part (``args``, ``iteration``, ``opt_param_scheduler``) without
-    its tensors: ``torch_dist``'s common state dict, or a ``torch`` rank file memory-mapped. None for
-    the other formats (not checked)."""
-    import torch
-
-    if checkpoint.format == "torch_dist":
-        from megatron.core.dist_checkpointing.serialization import load_common_state_dict
-
-        return load_common_state_dict(checkpoint.path)
-    if checkpoint.format != "torch":
-        return None
-    files = sorted(glob.glob(os.path.join(checkpoint.path, "mp_rank_*", "model_optim_rng.pt")))
-    if not files:
-        raise ValueError(f"{checkpoint.flag} {checkpoint.directory}: no model_optim_rng.pt under "
-                         f"{checkpoint.path}")  # fmt: skip
-    try:
-        return torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
-    except Exception as err:  # noqa: BLE001 -- Megatron's own load catches any (and exits 0)
-        raise ValueError(
-            f"{checkpoint.flag} {checkpoint.directory}: {files[0]} cannot be read "
-            f"({type(err).__name__}: {' '.join(str(err).split())})"
-        ) from None
 
 
 def _loads_optimizer(args: argparse.Namespace, checkpoint: Checkpoint, saved_args: Any) -> bool:
@@ -133,7 +107,12 @@ def check_resume(args: argparse.Namespace, checkpoint: Checkpoint) -> list[str]:
             "'Could not find parameter group'); pass --no-load-optim to load the weights and "
             "the iteration and restart the optimizer (Adam moments and LR schedule)"
         )
-    refusal, effective = _scheduler_refusal(args, state.get("opt_param_scheduler"))
+    # --skip-train builds no optimizer (and may have no --lr): the schedule is not compared.
+    refusal, effective = (
+        _scheduler_refusal(args, state.get("opt_param_scheduler"))
+        if builds_optimizer(args)
+        else (None, args)
+    )
     # As saved: Megatron's scheduler set the defaults (--lr-decay-iters from --train-iters).
     schedule = _changed(effective, saved_args, SCHEDULE_FLAGS)
     if loads_optimizer and "opt_param_scheduler" in state:

@@ -2,6 +2,7 @@
 GPTDataset, BlendedMegatronDatasetBuilder; no process group)."""
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -10,8 +11,10 @@ from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from megatron_ext.data.gpt_dataset import SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig
+from megatron_ext.data.gpt_index_cache import AFFIXES
 from megatron_ext.data.indexed_writer import write_documents
 from tests.data.dataset_helpers import build_splits, gpt_config_kwargs, null_tokenizer
+from tests.filesystems import read_only_dir, tiny_tmpfs
 
 SEQ = 5
 EOD = 127  # the null tokenizer's eod at vocab 128
@@ -228,3 +231,45 @@ def test_bad_pad_constant_id_via_the_python_api(prefixes: list[str], pad_id, mat
         build(
             SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig, prefixes[:1], pad_constant_id=pad_id
         )
+
+
+def test_a_full_disk_leaves_no_partial_index_cache_file(prefixes, tmp_path) -> None:
+    """Megatron's GPTDataset wrote its index cache straight into place: a full disk stopped
+    ``numpy.save`` partway with an OSError traceback and left a partial ``.npy`` there (and a
+    killed writer, one a later run loads). Now the files are built in a temporary directory and
+    renamed in whole; the failed write is one ValueError naming the file and the cause."""
+    with tiny_tmpfs(tmp_path / "full", size="4k") as cache:
+        with pytest.raises(ValueError) as err:
+            build(SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig, prefixes[:1],
+                  split="100,0,0", path_to_cache=str(cache))  # fmt: skip
+        assert os.listdir(cache) == []  # nothing partial, no temporary directory
+    line = str(err.value)
+    assert re.match(
+        rf"cannot write the index cache {cache}/\w+-SelfPaddedGPTDataset-train-"
+        r"(document|sample|shuffle)_index\.npy \(No space left on device\); point "
+        "--data-cache-path at a writable directory",
+        line,
+    ), line
+    assert "\n" not in line
+
+
+def test_an_unwritable_cache_directory_is_one_error_naming_it(prefixes, tmp_path) -> None:
+    with read_only_dir(tmp_path / "ro") as ro:
+        with pytest.raises(ValueError, match=f"cannot write the index cache directory {ro}/c "):
+            build(SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig, prefixes[:1],
+                  split="100,0,0", path_to_cache=str(ro / "c"))  # fmt: skip
+
+
+def test_the_index_cache_renamed_into_place_is_megatrons_own(prefixes, tmp_path) -> None:
+    """Built once (renamed into place), then loaded by Megatron's own cache-hit path: the same
+    samples, and nothing but its four files per split in the directory."""
+    kw = dict(split="100,0,0", path_to_cache=str(tmp_path / "c"))
+    first = build(SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig, prefixes[:1], **kw)[0]
+    files = sorted(os.listdir(tmp_path / "c"))
+    assert [f.split("-", 1)[1] for f in files] == [
+        f"SelfPaddedGPTDataset-train-{a}" for a in sorted(AFFIXES)
+    ]
+    again = build(SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig, prefixes[:1], **kw)[0]
+    assert sorted(os.listdir(tmp_path / "c")) == files
+    for i in range(len(first)):
+        assert torch.equal(first[i]["tokens"], again[i]["tokens"])

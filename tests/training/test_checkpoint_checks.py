@@ -104,3 +104,25 @@ def test_a_bare_sys_exit_in_load_checkpoint_exits_1(monkeypatch) -> None:
         training.load_checkpoint()
     assert isinstance(stop.value.code, str)  # Python prints it and exits with status 1
     assert stop.value.code.startswith("megatron_ext: Megatron stopped while loading")
+
+
+def test_an_unwritable_save_directory_is_refused_at_startup(tmp_path) -> None:
+    """Megatron creates --save at the first save: an unwritable one trained until then and
+    failed there with an OSError traceback on every rank."""
+    from megatron_ext.training.checkpoint_checks import check_save_directory
+    from tests.filesystems import read_only_dir
+
+    check_save_directory(_args())  # no --save: nothing to check
+    check_save_directory(_args(save=str(tmp_path / "new" / "deeper")))  # creatable
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=f"^--save {tmp_path}/file/c: {tmp_path}/file is a file"):
+        check_save_directory(_args(save=str(tmp_path / "file" / "c")))
+    with read_only_dir(tmp_path / "ro") as ro:
+        with pytest.raises(ValueError) as err:
+            check_save_directory(_args(save=str(ro / "run")))
+        assert str(err.value) == (
+            f"--save {ro}/run: directory {ro} (where {ro}/run would be created) is not writable: "
+            "Megatron would train until the first save and fail there; name a writable directory"
+        )
+        with pytest.raises(ValueError, match=f"^--save {ro}: directory {ro} is not writable"):
+            check_save_directory(_args(save=str(ro)))

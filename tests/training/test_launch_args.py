@@ -9,7 +9,7 @@ import pytest
 from megatron_ext.training.launch_args import check_launch_args
 
 OK = dict(num_experts=8, world_size=8, tensor_model_parallel_size=1, expert_model_parallel_size=8)
-OK.update(pipeline_model_parallel_size=1, eval_interval=1000)
+OK.update(pipeline_model_parallel_size=1, eval_interval=1000, lr=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -20,6 +20,9 @@ OK.update(pipeline_model_parallel_size=1, eval_interval=1000)
         ({"expert_tensor_parallel_size": 2}, "--expert-tensor-parallel-size 2"),
         ({"pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size 2 = 16"),
         ({"eval_interval": None}, "--eval-interval is required when training"),
+        # Megatron's OptimizerParamScheduler took float(None): a TypeError traceback, dry run too
+        ({"lr": None}, "--lr is required when training"),
+        ({"lr": None, "skip_train": True, "perform_rl_step": True}, "--lr is required"),
     ],
 )
 def test_refused_naming_the_flags(change, named):
@@ -38,6 +41,7 @@ def test_refused_naming_the_flags(change, named):
         {"num_experts": None, "expert_model_parallel_size": 16},  # dense: no expert grid
         {"eval_interval": None, "skip_train": True},  # evaluation only: no interval needed
         {"eval_interval": None, "full_validation": True},  # Megatron counts no samples then
+        {"lr": None, "skip_train": True},  # no optimizer: Megatron's launch runs without --lr
     ],
 )
 def test_launchable_configurations_pass(change):

@@ -14,6 +14,7 @@ The checkpoints are Megatron's own: the tiny model trained 2 iterations and save
 foresees (an RNG state missing from the checkpoint) exits 1, after Megatron's message.
 """
 
+import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -187,3 +188,130 @@ def test_a_load_failure_no_startup_check_foresees_exits_1_after_megatrons_messag
     assert "Unable to load rng state from checkpoint" in run.output
     assert "megatron_ext: Megatron stopped while loading the checkpoint" in run.output
     assert not run.iterations
+
+
+#: The tiny model's arguments as the model check reads them (TINY_MOE_ARGS).
+TINY_MODEL = dict(hybrid_layer_pattern=None, num_layers=2, hidden_size=64, num_experts=8,
+                  transformer_impl="local")  # fmt: skip
+
+
+def _found(directory: Path):
+    import argparse
+
+    from megatron_ext.training.checkpoint_checks import find_checkpoint
+
+    return find_checkpoint(str(directory), "--load", None, argparse.Namespace())
+
+
+def _broken_copy(ckpt: Path, name: str, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of one of the fixture's checkpoints and its iteration directory."""
+    shutil.copytree(ckpt / name, tmp_path / name)
+    return tmp_path / name, tmp_path / name / f"iter_{K:07d}"
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("truncate __1_0.distcp", r"__1_0\.distcp is truncated \(1000 bytes; .*/\.metadata "
+                                  r"indexes \d+\): Megatron would stop with 'EOFError"),
+        ("truncate __0_0.distcp", r"__0_0\.distcp is truncated \(1000 bytes"),
+        ("remove __1_0.distcp", r"__1_0\.distcp cannot be read \(No such file or directory\)"),
+        ("remove .metadata", r"iter_0000002/\.metadata is missing \(the index of every tensor"),
+        ("truncate .metadata", r"iter_0000002/\.metadata cannot be read \("),
+    ],
+)  # fmt: skip
+def test_a_damaged_torch_dist_checkpoint_is_refused_naming_the_file(
+    damage, message, ckpt, tmp_path
+) -> None:
+    """Megatron's own torch_dist checkpoint, damaged: the load died on every rank with
+    ``EOFError: Ran out of input`` (naming no file) or ``metadata is None``; the dry run said OK.
+    Now one line names the file, read from the ``.metadata`` index without a tensor."""
+    from megatron_ext.training.checkpoint_checks import check_checkpoint_files
+
+    directory, iteration = _broken_copy(ckpt, "torch_dist", tmp_path)
+    action, name = damage.split()
+    if action == "remove":
+        (iteration / name).unlink()
+    else:
+        os.truncate(iteration / name, 1000)
+    found = _found(directory)
+    with pytest.raises(ValueError, match=message) as err:
+        check_checkpoint_files(found)
+    assert str(err.value).startswith(f"--load {directory} (iteration {K}): ")
+    assert "\n" not in str(err.value)
+
+
+def test_a_truncated_torch_checkpoint_file_is_refused_naming_it(ckpt, tmp_path) -> None:
+    from megatron_ext.training.checkpoint_checks import check_checkpoint_files
+
+    directory, iteration = _broken_copy(ckpt, "torch", tmp_path)
+    check_checkpoint_files(_found(directory))  # whole: passes
+    cut = iteration / "mp_rank_00_001" / "model_optim_rng.pt"
+    os.truncate(cut, cut.stat().st_size // 2)
+    with pytest.raises(ValueError, match=f"{cut} cannot be read \\(BadZipFile: "):
+        check_checkpoint_files(_found(directory))
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "message"),
+    [
+        ("torch_dist", {}, None),
+        ("torch", {}, None),
+        ("torch_dist", {"num_layers": 4}, "--num-layers 2 -> 4"),
+        ("torch_dist", {"hidden_size": 128}, "--hidden-size 64 -> 128"),
+        ("torch_dist", {"num_experts": 4}, "--num-experts 8 -> 4"),
+        ("torch_dist", {"num_experts": None}, "--num-experts 8 -> None"),
+        ("torch_dist", {"hybrid_layer_pattern": "*E*E*E*E"},
+         "--num-layers 2 -> --hybrid-layer-pattern '*E*E*E*E' (it pairs with a GPTModel of 4"),
+        ("torch_dist", {"hybrid_layer_pattern": "*E*E"},
+         "class GPTModel -> HybridModel with --transformer-impl local"),
+        ("torch_dist", {"hybrid_layer_pattern": "*E*E", "transformer_impl": "transformer_engine"},
+         None),  # Megatron 0.19.2 maps the GPT layers onto TE's (not run here)
+        ("torch", {"hybrid_layer_pattern": "*E*E"}, "class GPTModel -> HybridModel (Megatron "
+         "maps GPT layers only from torch_dist)"),
+        ("torch", {"padded_vocab": 512}, "padded vocabulary 384 -> 512"),
+        ("torch_dist", {"padded_vocab": 512}, None),  # loads into another padded vocabulary
+    ],
+)  # fmt: skip
+def test_a_checkpoint_of_another_model_is_refused_naming_the_first_difference(
+    name, change, message, ckpt
+) -> None:
+    """The tiny GPTModel's own checkpoints under other model flags. Each refused one was run
+    for real when this check was written: Megatron failed after building the model (shape
+    mismatches; GPT into HybridModel: RuntimeError, or KeyError with local modules; a torch
+    file's load_state_dict size mismatch); the unrefused ones trained."""
+    import argparse
+
+    from megatron_ext.training.checkpoint_checks import check_checkpoint_model
+
+    model = {**TINY_MODEL, **change}
+    padded = model.pop("padded_vocab", 384)
+    found = _found(ckpt / name)
+    if message is None:
+        check_checkpoint_model(argparse.Namespace(**model), found, padded)
+        return
+    with pytest.raises(ValueError) as err:
+        check_checkpoint_model(argparse.Namespace(**model), found, padded)
+    line = str(err.value)
+    assert line.startswith(f"--load {ckpt / name} (iteration {K}) holds another model: "), line
+    assert message in line and "\n" not in line, line
+
+
+def test_a_base_checkpoint_of_another_model_fails_the_dry_run_in_one_line(
+    ckpt, corpus_prefix
+) -> None:
+    """The issue's case on the tiny model: a GPTModel checkpoint as the base of a HybridModel
+    run. The dry run said OK; the launch printed about 180 lines ending in KeyError."""
+    argv = [*_base(corpus_prefix), "--hybrid-layer-pattern", "*E*E", "--pretrained-checkpoint",
+            str(ckpt / "torch_dist"), "--dry-run"]  # fmt: skip
+    dry = launch(argv, ranks=(0,))
+    refusals = [line for line in dry.output.splitlines() if line.startswith(PREFIX)]
+    assert dry.returncode == 2 and len(refusals) == 1, dry.output[-3000:]
+    assert refusals[0] == (
+        f"{PREFIX}--pretrained-checkpoint {ckpt / 'torch_dist'} (iteration {K}) holds another "
+        "model: class GPTModel -> HybridModel with --transformer-impl local (Megatron 0.19.2 maps "
+        "a GPT checkpoint's layers onto Transformer Engine ones only: the local layer norms' keys "
+        "differ); Megatron would fail loading it after building the model. Name a checkpoint of "
+        "this model, or match its flags"
+    )
+    assert "Traceback" not in dry.output
