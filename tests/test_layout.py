@@ -134,7 +134,7 @@ def test_what_a_user_runs_imports_no_test_harness_or_benchmark() -> None:
     assert not [m for m in reached if _package(m) in ("megatron_ext.testing", "megatron_ext.bench")]
     bench_users = {m for m, imported in GRAPH.items() if any(
         _package(i) == "megatron_ext.bench" for i in imported) and _package(m) != "megatron_ext.bench"}  # fmt: skip
-    assert bench_users == {"megatron_ext.cli.main"}
+    assert bench_users == {"megatron_ext.cli.command"}
 
 
 def test_the_architecture_names_every_module_in_its_package_row() -> None:

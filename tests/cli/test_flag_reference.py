@@ -8,8 +8,8 @@ docstring as help. After changing a feature config: ``megatron-ext flags --markd
 import dataclasses
 from pathlib import Path
 
+from megatron_ext.cli.command import main
 from megatron_ext.cli.flag_reference import markdown
-from megatron_ext.cli.main import main
 from megatron_ext.training import feature_configs as config
 from megatron_ext.training.arguments import megatron_ext_option_strings
 

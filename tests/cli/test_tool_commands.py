@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.cli.main import main
+from megatron_ext.cli.command import main
 from megatron_ext.cli.tool_commands import tool_command
 from megatron_ext.common.shipped_files import TOOL_SCRIPTS, shipped_file
 

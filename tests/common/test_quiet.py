@@ -11,7 +11,7 @@ NOT_APPLICABLE = "Transformer Engine and Apex are not installed"
 
 
 #: Each tool with flags that parse and then stop at the first thing that needs Megatron's
-#: IndexedDataset (their --help imports no Megatron at all: tests/cli/test_main.py): a missing input,
+#: IndexedDataset (their --help imports no Megatron at all: tests/cli/test_command.py): a missing input,
 #: refused in one line with exit status 2, after Megatron's import warnings would have shown.
 RUNS = {
     "preprocess_data": ["--input", "{tmp}/missing.jsonl", "--output-prefix", "{tmp}/out"],

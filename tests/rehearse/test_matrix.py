@@ -90,7 +90,7 @@ def test_a_sweep_reports_trained_and_refused_configurations(
     the command's own interpreter runs in the test below). ``again`` loads the checkpoint ``tiny``
     saved at iteration 2 with ``--train-iters 2``: Megatron trains nothing and exits 0, which is
     said as such, not counted as trained."""
-    from megatron_ext.cli.main import main
+    from megatron_ext.cli.command import main
 
     ckpt = f"--ckpt-format torch --save-interval 2 --save {tmp_path / 'ckpt'}"
     path = _write(
@@ -126,7 +126,7 @@ def test_a_sweep_reports_trained_and_refused_configurations(
 def test_rehearse_options_after_the_file_are_refused(tmp_path):
     path = _write(tmp_path, "a: --lr 1\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_ext.cli.main", "rehearse", path, "--nproc", "1"],
+        [sys.executable, "-m", "megatron_ext.cli.command", "rehearse", path, "--nproc", "1"],
         capture_output=True, text=True, cwd=ROOT, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2 and "--nproc after FILE" in proc.stderr, proc.stderr

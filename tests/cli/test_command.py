@@ -13,7 +13,7 @@ import sys
 
 _PROBE = """
 import contextlib, io, json, sys
-from megatron_ext.cli.main import main
+from megatron_ext.cli.command import main
 from megatron_ext.common.shipped_files import TOOL_SCRIPTS
 
 TOOLS = [[name] for name in TOOL_SCRIPTS]
