@@ -30,24 +30,36 @@ def _cpu_smoke(*flags: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.fixture(scope="module")
-def smokes() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
-    """Both CPU smoke runs (with and without the alignment table), side by side: each is one
-    single-threaded process, and the machine has 2 cores (their timings are not checked)."""
-    variants = [(), ("--skip-alignment-table",)]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(
-            zip(variants, pool.map(lambda flags: _cpu_smoke(*flags), variants), strict=True)
-        )
-
-
-def test_launch_check_runs_the_startup_check_and_a_real_launch() -> None:
-    """tools/gpu/launch_check.py --cpu-smoke: the GPU script's startup check (a launch's rows) and
-    its torchrun launch of megatron_ext.pretrain_gpt, here with --cpu on one gloo rank."""
-    run = subprocess.run(
+def _launch_check() -> subprocess.CompletedProcess:
+    """``tools/gpu/launch_check.py --cpu-smoke`` (its torchrun on a free port)."""
+    return subprocess.run(
         [sys.executable, "tools/gpu/launch_check.py", "--cpu-smoke"], cwd=ROOT,
         env={**ENV, "MASTER_PORT": str(free_port())}, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
+
+
+#: The key of the launch check's run among the smoke runs.
+LAUNCH = ("launch_check",)
+
+
+@pytest.fixture(scope="module")
+def smokes() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
+    """Both CPU smoke runs (with and without the alignment table) and the launch check, side by
+    side: each is mostly one single-threaded process, and the machine has 2 cores (their timings
+    are not checked)."""
+    variants = [(), ("--skip-alignment-table",)]
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        launch = pool.submit(_launch_check)
+        runs = dict(
+            zip(variants, pool.map(lambda flags: _cpu_smoke(*flags), variants), strict=True)
+        )
+        return {**runs, LAUNCH: launch.result()}
+
+
+def test_launch_check_runs_the_startup_check_and_a_real_launch(smokes) -> None:
+    """tools/gpu/launch_check.py --cpu-smoke: the GPU script's startup check (a launch's rows) and
+    its torchrun launch of megatron_ext.pretrain_gpt, here with --cpu on one gloo rank."""
+    run = smokes[LAUNCH]
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     check, launched = result["startup_check"], result["launch"]
