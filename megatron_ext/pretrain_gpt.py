@@ -302,6 +302,9 @@ def destroy_process_groups() -> None:
 
 
 if __name__ == "__main__":
+    from megatron_ext.common.process_exit import die_with_the_agent
+
+    die_with_the_agent()  # first: a rank under torchrun ends with its agent (a kill -9 included)
     status = main()
     if "--cpu" in sys.argv[1:]:
         # A rehearsal rank skips the interpreter's teardown of torch and Megatron (about 2 s of a

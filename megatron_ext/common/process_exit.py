@@ -8,6 +8,10 @@ buffers are written then. :func:`exit_like_the_interpreter` runs the observable 
 interpreter's order, flushes every file object still open for writing (about 0.1 s in a rank that
 imported Megatron: one pass over the garbage collector's objects), and ends the process with
 ``os._exit``. The kernel closes the descriptors; process groups are destroyed before (the caller's).
+
+Beside it, the parent-death signal (Linux's ``PR_SET_PDEATHSIG``) that ends a process with the one
+that started it: :func:`die_with_parent` in a forked child, :func:`die_with_the_agent` at the start
+of a rank that torchrun's agent started.
 """
 
 import atexit
@@ -27,6 +31,26 @@ def die_with_parent() -> None:
     """This process gets SIGKILL when the thread that forked it exits (Linux's ``PR_SET_PDEATHSIG``;
     call it in the child, right after the fork)."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def die_with_the_agent(environ: dict[str, str] | os._Environ = os.environ) -> bool:
+    """A rank started by torchrun's agent (``torchrun`` or ``python -m megatron_ext.launcher``,
+    which set ``TORCHELASTIC_RUN_ID`` and ``LOCAL_RANK``) gets SIGKILL when the agent dies, so a
+    ``kill -9`` of the launcher leaves no rank training unsupervised (Linux; elsewhere nothing).
+
+    The agent starts the rank from its main thread (``Popen``), so the signal comes when the agent
+    process ends. If the agent died before the signal was armed, the rank has already been handed
+    to another parent: it then kills itself as the signal would have. Returns whether it armed.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    if "TORCHELASTIC_RUN_ID" not in environ or "LOCAL_RANK" not in environ:
+        return False
+    agent = os.getppid()
+    die_with_parent()
+    if os.getppid() != agent:  # the agent died between the two reads: no signal will come
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
 
 
 def flush_c_streams() -> None:

@@ -4,17 +4,25 @@ The file is read in chunks of lines (:func:`read_chunks`); each chunk is encoded
 (:func:`~megatron_ext.data.jsonl_documents.encode_chunk`) and the chunks come back in input order,
 so the output is the same for any number of workers. At most ``2 * workers`` chunks are in flight:
 memory does not grow with the input (``multiprocessing.Pool.imap``, which Megatron-LM's script
-uses, reads ahead without bound while the writer is slower than the reader)::
+uses, reads ahead without bound while the writer is slower than the reader).
+
+A worker that dies (killed, or out of memory) ends the encoding: the chunk it held is lost, so the
+``ChildProcessError`` raised names the first chunk not encoded. ``multiprocessing.Pool`` would start
+a new worker and wait for the lost chunk forever; ``ProcessPoolExecutor`` marks itself broken. The
+workers die with the process that started them (``PR_SET_PDEATHSIG``), even by ``kill -9``::
 
     for chunk, nbytes in encode_file("in.jsonl", spec, fmt, workers=4):
         ...  # chunk 0, 1, 2, ... in order
 """
 
 import collections
-import multiprocessing
+import sys
 from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import BinaryIO
 
+from megatron_ext.common.process_exit import die_with_parent
 from megatron_ext.data.jsonl_documents import EncodedChunk, RecordFormat, encode_chunk
 from megatron_ext.data.text_tokenizers import TextTokenizer, TokenizerSpec, load_tokenizer
 
@@ -41,6 +49,8 @@ def read_chunks(f: BinaryIO) -> Iterator[tuple[int, list[bytes]]]:
 
 
 def _init_worker(spec: TokenizerSpec, fmt: RecordFormat) -> None:
+    if sys.platform.startswith("linux"):
+        die_with_parent()  # forked by the thread that submits (the caller), which outlives the pool
     _WORKER["tok"], _WORKER["fmt"] = load_tokenizer(spec), fmt
 
 
@@ -71,11 +81,27 @@ def encode_file(
             for first, lines in read_chunks(f):
                 yield encode_chunk(lines, first, fmt, tok), sum(map(len, lines))
             return
-        with multiprocessing.Pool(workers, initializer=_init_worker, initargs=(spec, fmt)) as pool:
-            pending: collections.deque = collections.deque()
-            for task in read_chunks(f):
-                pending.append(pool.apply_async(_encode_in_worker, (task,)))
+        pool = ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(spec, fmt))
+        try:
+            pending: collections.deque[tuple[int, int, Future]] = collections.deque()
+            for first, lines in read_chunks(f):
+                task = pool.submit(_encode_in_worker, (first, lines))
+                pending.append((first, first + len(lines) - 1, task))
                 if len(pending) >= 2 * workers:
-                    yield pending.popleft().get()
+                    yield _result(pending.popleft(), path)
             while pending:
-                yield pending.popleft().get()
+                yield _result(pending.popleft(), path)
+        finally:  # an error, or the caller stopped early: no chunk is started any more
+            pool.shutdown(cancel_futures=True)
+
+
+def _result(chunk: tuple[int, int, Future], path: str) -> tuple[EncodedChunk, int]:
+    """A chunk's encoding; a worker's death raised as ``ChildProcessError`` naming the chunk."""
+    first, last, task = chunk
+    try:
+        return task.result()
+    except BrokenProcessPool as err:
+        raise ChildProcessError(
+            f"{path} lines {first}-{last}: a worker process died before they were encoded "
+            "(killed, or out of memory?)"
+        ) from err
