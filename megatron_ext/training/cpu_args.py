@@ -14,7 +14,7 @@ _GPU_ONLY: tuple[tuple[str, object, str, str], ...] = (
     ("distributed_backend", "nccl", "--distributed-backend nccl",
      "--cpu implies --distributed-backend gloo"),
     ("tp_comm_overlap", True, "--tp-comm-overlap", "drop it (Transformer Engine userbuffers)"),
-    ("use_te_rng_tracker", True, "--te-rng-tracker", "drop it (Transformer Engine)"),
+    ("te_rng_tracker", True, "--te-rng-tracker", "drop it (Transformer Engine)"),
     ("use_transformer_engine_op_fuser", True, "--use-transformer-engine-op-fuser", "drop it"),
     ("enable_cuda_graph", True, "--enable-cuda-graph", "drop it (CUDA graphs)"),
     ("external_cuda_graph", True, "--external-cuda-graph", "drop it (CUDA graphs)"),
