@@ -311,7 +311,8 @@ def main(args: argparse.Namespace) -> int:
     """Runs the demo; exit status 1 if a check fails."""
     from megatron_ext.common.safe_files import atomic_write_bytes, check_output_file
 
-    png = getattr(args, "png", None) or "out/demo_load.png"
+    png = args.png or "out/demo_load.png"
+    # megatron-ext demo's own parser (not Megatron's) sets it; a caller's namespace may omit it.
     overwrite = getattr(args, "overwrite", False)
     if args.steps < 2:  # the step-time median and "loss falls" compare iterations 2.. with 1
         print(f"megatron-ext demo: --steps must be at least 2, got {args.steps}", file=sys.stderr)
@@ -323,7 +324,7 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    keep = getattr(args, "workdir", None)
+    keep = args.workdir
     if keep and os.path.exists(keep) and not os.path.isdir(keep):
         print(f"megatron-ext demo: --workdir {keep} is a file, not a directory", file=sys.stderr)
         return 2
