@@ -1,11 +1,12 @@
-"""One typed view of the Megatron arguments megatron_ext reads below its entry point.
+"""One typed view of the Megatron arguments megatron_ext reads.
 
-Megatron hands its callbacks (datasets provider, forward step) its parsed ``argparse.Namespace``;
-megatron_ext's own flags become feature configs (``megatron_ext/training/feature_configs.py``), and the Megatron flags
-the code below the entry reads come through :class:`MegatronView`: one frozen dataclass, each field
-with one default (Megatron-Core 0.19.2's parser default, which a test checks) and a docstring naming
-the flag. A namespace that lacks a field (a test's hand-built one) reads as that default, the same
-everywhere.
+Megatron hands its callbacks (datasets provider, forward step) its parsed ``argparse.Namespace``,
+and megatron_ext's argument checks read the same; megatron_ext's own flags become feature configs
+(``megatron_ext/training/feature_configs.py``), and the Megatron flags megatron_ext's checks and
+callbacks read come through :class:`MegatronView`: one frozen dataclass, each field with one default
+(Megatron-Core 0.19.2's parser default, which a test checks) and a docstring naming the flag (or
+saying it is not one: a value Megatron sets on its arguments itself). A namespace that lacks a field
+(a test's hand-built one) reads as that default, the same everywhere.
 
 The view is a snapshot, not cached: Megatron sets some of these on its arguments after parsing
 (``padded_vocab_size`` when it builds the tokenizer), so each reader builds it where it starts
@@ -27,9 +28,66 @@ from typing import Any
 
 @dataclass(frozen=True, kw_only=True)
 class MegatronView:
-    """The Megatron flags megatron_ext reads below its entry point (argparse dest = field name)."""
+    """The Megatron flags megatron_ext reads (argparse dest = field name)."""
 
+    # Parallelism
+    world_size: int = 1
+    """Not a flag: the launch's processes, set on the arguments by Megatron's ``parse_args`` from
+    ``WORLD_SIZE`` (1 when unset)."""
+    tensor_model_parallel_size: int = 1
+    """``--tensor-model-parallel-size``: tensor-parallel ranks."""
+    pipeline_model_parallel_size: int = 1
+    """``--pipeline-model-parallel-size``: pipeline stages."""
+    context_parallel_size: int = 1
+    """``--context-parallel-size``: context-parallel ranks."""
+    expert_model_parallel_size: int = 1
+    """``--expert-model-parallel-size``: expert-parallel ranks."""
+    expert_tensor_parallel_size: int | None = None
+    """``--expert-tensor-parallel-size``: the experts' tensor-parallel ranks (None: as
+    ``--tensor-model-parallel-size``; ``validate_args`` fills it in)."""
+    sequence_parallel: bool = False
+    """``--sequence-parallel``: activations split over the tensor-parallel ranks along the sequence."""
+    use_distributed_optimizer: bool = False
+    """``--use-distributed-optimizer``: optimizer state sharded over data-parallel ranks."""
+    overlap_moe_expert_parallel_comm: bool = False
+    """``--overlap-moe-expert-parallel-comm``: Megatron's combined 1F1B schedule."""
+    # Batches and schedule
+    seq_length: int | None = None
+    """``--seq-length``: tokens per sample."""
+    micro_batch_size: int | None = None
+    """``--micro-batch-size``: samples per micro-batch."""
+    eval_micro_batch_size: int | None = None
+    """``--eval-micro-batch-size``: samples per evaluation micro-batch (None: the training one)."""
+    rampup_batch_size: Any = None
+    """``--rampup-batch-size``: Megatron's deprecated batch-size ramp-up (start, increment, samples)."""
+    train_iters: int | None = None
+    """``--train-iters``: training iterations."""
+    train_samples: int | None = None
+    """``--train-samples``: training samples (instead of ``--train-iters``)."""
+    skip_train: bool = False
+    """``--skip-train``: evaluate without training."""
+    perform_rl_step: bool = False
+    """``--perform-rl-step``: Megatron's RL training step."""
+    lr: float | None = None
+    """``--lr``: the learning rate (Megatron 0.19.2 has no default)."""
+    eval_interval: int | None = None
+    """``--eval-interval``: iterations between evaluations (Megatron 0.19.2 has no default)."""
+    eval_iters: int = 100
+    """``--eval-iters``: iterations per evaluation."""
     # Data
+    data_path: Any = None
+    """``--data-path``: the blend (weights and prefixes) split by ``--split``."""
+    train_data_path: Any = None
+    """``--train-data-path``: the training blend, without ``--split``."""
+    valid_data_path: Any = None
+    """``--valid-data-path``: the validation blend, without ``--split``."""
+    test_data_path: Any = None
+    """``--test-data-path``: the test blend, without ``--split``."""
+    per_split_data_args_path: str | None = None
+    """``--per-split-data-args-path``: a JSON file of the train, valid and test blends."""
+    split: str | None = None
+    """``--split``: the train, validation and test weights of ``--data-path`` (None:
+    ``validate_args`` sets Megatron's legacy ``969, 30, 1``)."""
     data_args_path: str | None = None
     """``--data-args-path``: a file listing the blend (prefixes and weights)."""
     mock_data: bool = False
@@ -48,6 +106,16 @@ class MegatronView:
     """``--mid-level-dataset-surplus``: extra samples a blended dataset asks of its parts."""
     object_storage_cache_path: str | None = None
     """``--object-storage-cache-path``: local cache of object-storage datasets."""
+    sft: bool = False
+    """``--sft``: Megatron's SFTDataset."""
+    fim_data: bool = False
+    """``--fim-data``: Megatron's GPTFIMDataset."""
+    dataloader_fast_cache_load: bool = False
+    """``--dataloader-fast-cache-load``: dataset index caches loaded without their checks."""
+    dataloader_defer_npy_index_mmap: bool = False
+    """``--dataloader-defer-npy-index-mmap``: dataset indices memory-mapped on first use."""
+    per_dataset_sequences_path: str | None = None
+    """``--per-dataset-sequences-path``: each dataset's sequence counts, precomputed."""
     # Tokenizer
     tokenizer_type: str | None = None
     """``--tokenizer-type``: Megatron's tokenizer class (``NullTokenizer``, ...)."""
@@ -78,9 +146,19 @@ class MegatronView:
     """``--finetune``: load the weights only (no optimizer, iteration 0)."""
     no_load_optim: bool | None = None
     """``--no-load-optim``: do not load the optimizer state (Megatron's default is None)."""
+    ckpt_fully_parallel_load: bool = False
+    """``--ckpt-fully-parallel-load``: checkpoint shards loaded by every data-parallel rank."""
     # Model
     num_layers: int | None = None
     """``--num-layers``: decoder layers."""
+    hidden_size: int | None = None
+    """``--hidden-size``: the model's width."""
+    transformer_impl: str = "transformer_engine"
+    """``--transformer-impl``: ``transformer_engine`` or ``local`` modules."""
+    multi_latent_attention: bool = False
+    """``--multi-latent-attention``: MLA instead of multi-head attention."""
+    mtp_num_layers: int | None = None
+    """``--mtp-num-layers``: multi-token-prediction layers."""
     num_experts: int | None = None
     """``--num-experts``: experts per MoE layer (None: a dense model)."""
     moe_layer_freq: Any = 1
@@ -90,6 +168,24 @@ class MegatronView:
     hybrid_override_pattern: str | None = None
     """``--hybrid-override-pattern``: the deprecated name of ``--hybrid-layer-pattern`` (Megatron's
     ``validate_args`` copies it over)."""
+    # MoE
+    moe_router_topk: int = 2
+    """``--moe-router-topk``: experts each token is routed to."""
+    moe_grouped_gemm: bool = False
+    """``--moe-grouped-gemm``: the experts as one grouped GEMM."""
+    moe_token_dispatcher_type: str = "allgather"
+    """``--moe-token-dispatcher-type``: ``allgather``, ``alltoall`` or ``flex``."""
+    moe_router_padding_for_quantization: bool = False
+    """``--moe-router-padding-for-quantization``: Megatron's own fp8/fp4 group padding (in the
+    routing map)."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """``--moe-pad-expert-input-to-capacity``: every expert's group padded to its capacity."""
+    moe_expert_capacity_factor: float | None = None
+    """``--moe-expert-capacity-factor``: tokens over an expert's capacity dropped (None: dropless)."""
+    moe_router_enable_expert_bias: bool = False
+    """``--moe-router-enable-expert-bias``: aux-loss-free balancing by a per-expert bias."""
+    moe_permute_fusion: bool = False
+    """``--moe-permute-fusion``: Transformer Engine's fused permute."""
     # Loss guards
     check_for_nan_in_loss_and_grad: bool = True
     """``--no-check-for-nan-in-loss-and-grad``: NaN / Inf in a local loss or gradient is fatal."""
@@ -104,10 +200,41 @@ class MegatronView:
     """``--fp4-format``: fp4 GEMMs (``e2m1``; None: off)."""
     fp4_recipe: str = "nvfp4"
     """``--fp4-recipe``: the fp4 scaling recipe (read only with ``--fp4-format``)."""
+    bf16: bool = False
+    """``--bf16``: bf16 parameters and compute."""
+    fp16: bool = False
+    """``--fp16``: fp16 parameters and compute."""
+    fp8_param_gather: bool = False
+    """``--fp8-param-gather``: parameters kept and gathered in fp8."""
+    fp4_param_gather: bool = False
+    """``--fp4-param-gather``: parameters kept and gathered in fp4."""
+    # GPU-only machinery (a --cpu launch refuses it)
+    distributed_backend: str = "nccl"
+    """``--distributed-backend``: ``nccl`` or ``gloo``."""
+    tp_comm_overlap: bool = False
+    """``--tp-comm-overlap``: Transformer Engine's userbuffers overlap of tensor-parallel comms."""
+    te_rng_tracker: bool = False
+    """``--te-rng-tracker``: Transformer Engine's RNG tracker."""
+    use_transformer_engine_op_fuser: bool = False
+    """``--use-transformer-engine-op-fuser``: Transformer Engine's fused ops (its grouped GEMM
+    needs groups of 256 rows under fp8/fp4)."""
+    enable_cuda_graph: bool = False
+    """``--enable-cuda-graph``: Megatron's CUDA graphs (deprecated form)."""
+    external_cuda_graph: bool = False
+    """``--external-cuda-graph``: CUDA graphs captured outside the layers (deprecated form)."""
+    cuda_graph_impl: str = "none"
+    """``--cuda-graph-impl``: which CUDA graphs capture the model (``none``: no graphs)."""
+    cuda_graph_modules: list = dataclasses.field(default_factory=list)
+    """``--cuda-graph-modules``: the modules a CUDA graph captures (empty: the whole layer)."""
+    use_torch_fsdp2: bool = False
+    """``--use-torch-fsdp2``: PyTorch's FSDP2."""
+    use_megatron_fsdp: bool = False
+    """``--use-megatron-fsdp``: Megatron's FSDP."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "MegatronView":
-        """The view of Megatron's parsed ``args``; an attribute they lack reads as the default."""
+        """The view of Megatron's parsed ``args`` (or of a ``TransformerConfig``, whose fields
+        share the names); an attribute they lack reads as the default."""
         return cls(**_read(cls, args))
 
 
@@ -128,5 +255,11 @@ class TrainingProgress:
         return cls(**{name: value or 0 for name, value in _read(cls, args).items()})
 
 
+def field_default(f: dataclasses.Field) -> Any:
+    """A field's default (a fresh one for a ``default_factory`` field)."""
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+
+
 def _read(cls: type, args: argparse.Namespace) -> dict[str, Any]:
-    return {f.name: getattr(args, f.name, f.default) for f in dataclasses.fields(cls)}
+    # The one read of Megatron's namespace field by field: an absent attribute is the default.
+    return {f.name: getattr(args, f.name, field_default(f)) for f in dataclasses.fields(cls)}

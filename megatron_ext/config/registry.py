@@ -2,11 +2,17 @@
 
 A feature config is ``@feature_config("title")`` above ``@dataclass(frozen=True, kw_only=True)``; it lives
 beside its feature (``megatron_ext/<feature>/config.py``) and :mod:`megatron_ext.training.feature_configs` imports them all.
+
+A check that reads one of megatron_ext's flags off Megatron's arguments before (or beside) the feature
+configs are built reads it with :func:`flag_value`: the one default is the config field's, as
+:class:`~megatron_ext.config.megatron_view.MegatronView` has one for each Megatron flag.
 """
 
 import dataclasses
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
+
+from megatron_ext.config.megatron_view import field_default
 
 _C = TypeVar("_C")
 
@@ -36,3 +42,18 @@ def feature_config(title: str) -> Callable[[type[_C]], type[_C]]:
 def flag(field_name: str) -> str:
     """Returns the command-line flag of a config field: ``pad_policy`` -> ``--pad-policy``."""
     return "--" + field_name.replace("_", "-")
+
+
+def flag_value(args: Any, name: str) -> Any:
+    """megatron_ext's flag ``name`` (a registered config's field) as set on Megatron's ``args``,
+    unvalidated; where ``args`` lacks it (a hand-built namespace), the field's default.
+
+    For the checks that run before the feature configs are built (``--cpu``'s) or are handed only
+    Megatron's arguments (Megatron's print hooks, a feature reading another's flag).
+    """
+    fields = [
+        f for cls in FEATURE_CONFIGS for f in dataclasses.fields(cls) if f.name == name and f.init
+    ]
+    assert len(fields) == 1, f"{name} is not the field of one registered feature config"
+    # The one read of megatron_ext's own flags off Megatron's namespace (not Megatron's: no view).
+    return getattr(args, name, field_default(fields[0]))

@@ -4,6 +4,7 @@ import argparse
 import warnings
 from dataclasses import dataclass, field
 
+from megatron_ext.config.megatron_view import MegatronView
 from megatron_ext.config.registry import feature_config, flag
 from megatron_ext.data.pack_planning import OverlongPolicy, PackingAlgorithm
 from megatron_ext.data.padding import PadPolicy, derive_pad_multiple
@@ -123,10 +124,11 @@ class PaddingConfig:
         """Checks the padding multiple against Megatron's CP / TP+SP / fp8/fp4 and --seq-length."""
         from megatron_ext.data.quantization_align import quantization_align_from_args
 
+        view = MegatronView.from_args(args)
         multiple = self.pad_multiple(
-            context_parallel_size=getattr(args, "context_parallel_size", 1) or 1,
-            tensor_parallel_size=getattr(args, "tensor_model_parallel_size", 1) or 1,
-            sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+            context_parallel_size=view.context_parallel_size or 1,
+            tensor_parallel_size=view.tensor_model_parallel_size or 1,
+            sequence_parallel=bool(view.sequence_parallel),
             quantization_align=quantization_align_from_args(args),
         )
         if not self.pack_documents:
@@ -144,20 +146,20 @@ class PaddingConfig:
             ]
             if unused:
                 warnings.warn(f"{unused} have no effect without --pack-documents", stacklevel=2)
-        self._check_data(args)
-        seq_length = getattr(args, "seq_length", None)
+        self._check_data(args, view)
+        seq_length = view.seq_length
         if seq_length is not None and seq_length % multiple:
             raise ValueError(
                 f"--seq-length {seq_length} is not a multiple of the pack-length multiple "
                 f"{multiple} (--pad-to-multiple-of / derived from CP, TP+SP, fp8/fp4)"
             )
 
-    def _check_data(self, args: argparse.Namespace) -> None:
+    def _check_data(self, args: argparse.Namespace, view: MegatronView) -> None:
         """Data files, blend weights and the pad id, checked at argument time (so by --dry-run)."""
         from megatron_ext.data.data_args import check_data_args
 
         check_data_args(args, self.pack_loss_mask_suffix if self.pack_documents else None)
-        vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None)
+        vocab = view.padded_vocab_size or view.vocab_size
         if isinstance(vocab, int) and self.pad_constant_id >= vocab:
             raise ValueError(
                 f"--pad-constant-id {self.pad_constant_id} is outside the vocabulary (size {vocab})"

@@ -14,6 +14,8 @@ import os
 
 from megatron.core.datasets.utils import get_blend_from_list
 
+from megatron_ext.config.megatron_view import MegatronView
+
 DATA_PATH_ARGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
 
 
@@ -26,28 +28,29 @@ def data_prefixes(args: argparse.Namespace) -> list[tuple[str, list[str], list[f
         ValueError: A local list file that is missing or not what Megatron expects, naming it.
     """
     found = []
+    view = MegatronView.from_args(args)
     for name in DATA_PATH_ARGS:
-        value = getattr(args, name, None)
+        value = getattr(view, name)
         if value:
             prefixes, weights = get_blend_from_list(list(value))
             found.append(("--" + name.replace("_", "-"), prefixes, weights))
-    for flag, entries in _listed_data_paths(args):
+    for flag, entries in _listed_data_paths(view):
         prefixes, weights = get_blend_from_list(entries)
         found.append((flag, prefixes, weights))
     return found
 
 
-def _listed_data_paths(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+def _listed_data_paths(view: MegatronView) -> list[tuple[str, list[str]]]:
     """The data paths inside ``--data-args-path`` (whitespace-separated) and
     ``--per-split-data-args-path`` (JSON ``{"train": ..., "valid": ..., "test": ...}``)."""
     import json
 
     listed = []
-    path = getattr(args, "data_args_path", None)
+    path = view.data_args_path
     if path and not _is_remote(path):
         entries = _read_list_file(path, "--data-args-path").split()
         listed.append((f"--data-args-path {path}", entries))
-    path = getattr(args, "per_split_data_args_path", None)
+    path = view.per_split_data_args_path
     if path and not _is_remote(path):
         flag = "--per-split-data-args-path"
         try:
@@ -82,7 +85,7 @@ def check_data_args(args: argparse.Namespace, loss_mask_suffix: str | None) -> N
     Raises:
         ValueError: The first problem found.
     """
-    if getattr(args, "mock_data", False):
+    if MegatronView.from_args(args).mock_data:
         return
     for flag, prefixes, weights in data_prefixes(args):
         if weights is not None:

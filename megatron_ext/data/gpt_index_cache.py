@@ -28,6 +28,8 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+from megatron_ext.common.safe_files import put_in_place
+
 #: What Megatron writes per dataset split, in its order (each ``<hash>-<Class>-<split>-<affix>``).
 AFFIXES = ("description.txt", "document_index.npy", "sample_index.npy", "shuffle_index.npy")
 
@@ -107,7 +109,7 @@ def build_indices_whole[T](dataset: Any, build: Callable[[], T]) -> T:
         finally:
             dataset.config = config
         for affix in (*AFFIXES[1:], AFFIXES[0]):  # whole files, each renamed (same filesystem)
-            os.replace(
+            put_in_place(
                 os.path.join(temp, f"{base}-{affix}"), os.path.join(directory, f"{base}-{affix}")
             )
         return built

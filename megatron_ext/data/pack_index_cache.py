@@ -9,8 +9,9 @@ so rewritten data at the same prefix gets a new plan, never the old one, and an 
 layout is never misread. The full description is stored inside and compared on load: a
 file whose description differs (copied, or a hash collision) is rebuilt, not reused. The file is
 written to a temporary file in the same directory (mode 0o666 minus the umask, readable by the
-group like Megatron's own caches) and then ``os.replace``d into place: a killed writer leaves
-only a stray ``.tmp`` file, and concurrent writers (all ranks build the same plan from the same
+group like Megatron's own caches) and then renamed into place by
+:func:`~megatron_ext.common.safe_files.put_in_place`, megatron_ext's one publish: a killed writer
+leaves only a stray temporary file (removed by the next writer), and concurrent writers (all ranks build the same plan from the same
 seed) each publish a complete, identical file.
 
 Checks that read a whole file once (route ids, loss-mask values) leave a small marker keyed by the
@@ -34,7 +35,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from megatron_ext.common.safe_files import atomic_write_bytes, create_temp
+from megatron_ext.common.safe_files import atomic_write_bytes, create_temp, put_in_place
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def save_atomically(path: str, arrays: dict[str, np.ndarray], description: str) 
             np.savez(f, description=np.array(description), **arrays)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        put_in_place(tmp, path)
     except OSError as err:  # a full disk or quota, mid-write: nothing is left behind
         raise ValueError(
             f"cannot write the index cache {path} ({err.strerror}); free space there or point "

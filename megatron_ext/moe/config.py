@@ -5,7 +5,8 @@ import warnings as _moe_warnings
 from dataclasses import dataclass as _moe_dataclass
 from typing import Literal as _MoeLiteral
 
-from megatron_ext.config.registry import feature_config
+from megatron_ext.config.megatron_view import MegatronView
+from megatron_ext.config.registry import feature_config, flag_value
 
 
 @feature_config("moe: grouped-GEMM alignment after dispatch and expert load metrics")
@@ -76,7 +77,8 @@ class MoEAlignmentConfig:
         Raises:
             ValueError: Naming both flags of the refused combination.
         """
-        if self.moe_expert_load_metrics and not getattr(args, "num_experts", None):
+        view = MegatronView.from_args(args)
+        if self.moe_expert_load_metrics and not view.num_experts:
             raise ValueError(
                 "--moe-expert-load-metrics needs an MoE model: set --num-experts (a dense model "
                 "has no routing to count)"
@@ -88,7 +90,8 @@ class MoEAlignmentConfig:
         quantized = self.refuse_unalignable(args)
         override = self.moe_dispatch_align_size
         # A --cpu rehearsal (megatron_ext.training.cpu_rehearsal) took fp8/fp4 out of the
-        # arguments after checking them; its expert groups are still aligned.
+        # arguments after checking them; its expert groups are still aligned. Not Megatron's:
+        # megatron_ext's own mark on the arguments, absent unless a rehearsal set it.
         if not quantized and not getattr(args, "rehearsed_precision", None):
             # A setting with no effect on the current path warns once.
             if override:
@@ -114,22 +117,23 @@ class MoEAlignmentConfig:
         Raises:
             ValueError: Naming both flags of the refused combination.
         """
-        if getattr(args, "moe_router_padding_for_quantization", False):
+        view = MegatronView.from_args(args)
+        if view.moe_router_padding_for_quantization:
             raise ValueError(
                 "--moe-dispatch-align and --moe-router-padding-for-quantization both pad expert "
                 "groups; use only --moe-dispatch-align (no extra all-to-all rows, no host sync)"
             )
-        if getattr(args, "moe_pad_expert_input_to_capacity", False):
+        if view.moe_pad_expert_input_to_capacity:
             raise ValueError(
                 "--moe-dispatch-align cannot be combined with --moe-pad-expert-input-to-capacity: "
                 "capacity padding already fixes every group's size; choose a capacity whose "
                 "per-expert rows are a multiple of the alignment instead"
             )
         precision = {
-            "fp8": getattr(args, "fp8", None),
-            "fp8_recipe": getattr(args, "fp8_recipe", None),
-            "fp4": getattr(args, "fp4", None),
-            "fp4_recipe": getattr(args, "fp4_recipe", None),
+            "fp8": view.fp8,
+            "fp8_recipe": view.fp8_recipe,
+            "fp4": view.fp4,
+            "fp4_recipe": view.fp4_recipe,
         }
         quantized = bool(precision["fp8"] or precision["fp4"])
         override = self.moe_dispatch_align_size
@@ -143,8 +147,7 @@ class MoEAlignmentConfig:
                     f"group to be a multiple of {required} (Megatron's "
                     "get_align_size_for_quantization); use a multiple of it or drop the override"
                 )
-        dispatcher = getattr(args, "moe_token_dispatcher_type", "allgather")
-        if dispatcher == "flex" and override is not None and quantized:
+        if view.moe_token_dispatcher_type == "flex" and override is not None and quantized:
             derived = _moe_required_align(args)
             if self.align_size(**precision) != derived:
                 raise ValueError(
@@ -209,34 +212,36 @@ class MoEPadRoutingConfig:
         """
         from megatron_ext.moe.pad_routing import resolve_pad_routing
 
+        view = MegatronView.from_args(args)
+        cpu = bool(flag_value(args, "cpu"))
         return resolve_pad_routing(
             self.moe_pad_routing,
-            capacity_factor=getattr(args, "moe_expert_capacity_factor", None),
-            pad_to_capacity=bool(getattr(args, "moe_pad_expert_input_to_capacity", False)),
-            cuda_graph_over_moe=_cuda_graph_over_moe(args),
-            dispatcher=getattr(args, "moe_token_dispatcher_type", "allgather"),
-            router_padding=bool(getattr(args, "moe_router_padding_for_quantization", False)),
-            gloo_expert_tp=bool(getattr(args, "cpu", False)) and _expert_tp(args) > 1,
+            capacity_factor=view.moe_expert_capacity_factor,
+            pad_to_capacity=bool(view.moe_pad_expert_input_to_capacity),
+            cuda_graph_over_moe=_cuda_graph_over_moe(view),
+            dispatcher=view.moe_token_dispatcher_type,
+            router_padding=bool(view.moe_router_padding_for_quantization),
+            gloo_expert_tp=cpu and _expert_tp(view) > 1,
         )
 
     def check_megatron_args(self, args: _moe_argparse.Namespace) -> None:
         """Refuses ``skip`` where static shapes or another padding need the pads' rows."""
-        if getattr(args, "num_experts", None):
+        if MegatronView.from_args(args).num_experts:
             self.resolve(args)
 
 
-def _expert_tp(args: _moe_argparse.Namespace) -> int:
+def _expert_tp(view: MegatronView) -> int:
     """Megatron's expert tensor-parallel size (it defaults to the tensor-parallel size)."""
-    etp = getattr(args, "expert_tensor_parallel_size", None)
-    return int(etp if etp is not None else getattr(args, "tensor_model_parallel_size", 1) or 1)
+    etp = view.expert_tensor_parallel_size
+    return int(etp if etp is not None else view.tensor_model_parallel_size or 1)
 
 
-def _cuda_graph_over_moe(args: _moe_argparse.Namespace) -> bool:
+def _cuda_graph_over_moe(view: MegatronView) -> bool:
     """Whether Megatron's CUDA graphs capture the MoE layer or part of it (router, preprocess)."""
-    impl = getattr(args, "cuda_graph_impl", "none")
+    impl = view.cuda_graph_impl
     if impl in (None, "none"):
         return False
-    modules = getattr(args, "cuda_graph_modules", None) or []
+    modules = view.cuda_graph_modules or []
     names = {str(getattr(m, "name", m)) for m in modules}
     return not names or bool(names & {"moe", "moe_router", "moe_preprocess"})
 

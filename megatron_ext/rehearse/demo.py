@@ -25,6 +25,7 @@ Exit status 1 if a check fails.
 
 import argparse
 import importlib.util
+import io
 import json
 import os
 import re
@@ -38,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_ext.common.safe_files import atomic_write_bytes
 from megatron_ext.common.shipped_files import PACKAGE, shipped_file
 from megatron_ext.rehearse import rank_server as preloaded
 from megatron_ext.rehearse.local_launch import LoopRun, launch
@@ -266,11 +268,10 @@ def plot_load(summary: dict[str, Any], path: str) -> None:
     ax.set_title(f"Per-expert load at {summary['pad_fraction']:.0%} padding (Megatron's loop)")
     ax.legend()
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    temp = f"{path}.tmp-{os.getpid()}.png"
-    fig.savefig(temp, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, dpi=110, format="png")
     plt.close(fig)
-    os.replace(temp, path)  # written whole, or not at all
+    atomic_write_bytes(path, png.getvalue())  # written whole, or not at all
 
 
 def run_demo(steps: int, workdir: Path) -> tuple[dict[str, LoopRun], dict[str, Any]]:
@@ -309,9 +310,10 @@ def run_demo(steps: int, workdir: Path) -> tuple[dict[str, LoopRun], dict[str, A
 
 def main(args: argparse.Namespace) -> int:
     """Runs the demo; exit status 1 if a check fails."""
-    from megatron_ext.common.safe_files import atomic_write_bytes, check_output_file
+    from megatron_ext.common.safe_files import check_output_file
 
-    png = getattr(args, "png", None) or "out/demo_load.png"
+    png = args.png or "out/demo_load.png"
+    # megatron-ext demo's own parser (not Megatron's) sets it; a caller's namespace may omit it.
     overwrite = getattr(args, "overwrite", False)
     if args.steps < 2:  # the step-time median and "loss falls" compare iterations 2.. with 1
         print(f"megatron-ext demo: --steps must be at least 2, got {args.steps}", file=sys.stderr)
@@ -323,7 +325,7 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    keep = getattr(args, "workdir", None)
+    keep = args.workdir
     if keep and os.path.exists(keep) and not os.path.isdir(keep):
         print(f"megatron-ext demo: --workdir {keep} is a file, not a directory", file=sys.stderr)
         return 2

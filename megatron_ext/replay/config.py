@@ -6,7 +6,8 @@ import warnings as _replay_warnings
 from dataclasses import dataclass as _dataclass
 from typing import Literal as _Literal
 
-from megatron_ext.config.registry import feature_config, flag
+from megatron_ext.config.megatron_view import MegatronView
+from megatron_ext.config.registry import feature_config, flag, flag_value
 from megatron_ext.replay.unsupported import check_replay_supported
 
 
@@ -111,7 +112,7 @@ class ReplayConfig:
         if self.route_replay_mode == "record":
             self._check_record_path(args)
         if self.route_replay_mode == "replay":
-            if not getattr(args, "pack_documents", False):
+            if not flag_value(args, "pack_documents"):
                 raise ValueError(
                     "--route-replay-mode replay reads route sidecars through the packed dataset: "
                     "add --pack-documents"
@@ -148,12 +149,13 @@ class ReplayConfig:
         if not _os.path.isfile(header_path):
             return
         header, moe_layers = read_header(header_path), moe_layer_numbers_for_args(args)
+        view = MegatronView.from_args(args)
         check_written_for(
             header,
             header_path,
             num_layers=len(moe_layers),
-            topk=getattr(args, "moe_router_topk", None),
-            num_experts=getattr(args, "num_experts", None),
+            topk=view.moe_router_topk,
+            num_experts=view.num_experts,
         )
         check_layer_ids(header, header_path, [n - 1 for n in moe_layers])  # 1-based -> 0-based
 
@@ -185,7 +187,7 @@ class ReplayConfig:
         from megatron_ext.replay.route_file import HEADER_EXTENSION
 
         inputs = []
-        suffix = getattr(args, "pack_loss_mask_suffix", None)
+        suffix = flag_value(args, "pack_loss_mask_suffix")
         for _flag, prefixes, _weights in data_prefixes(args):
             inputs += prefixes + ([p + suffix for p in prefixes] if suffix else [])
         check_output_prefix(

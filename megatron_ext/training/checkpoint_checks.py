@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_ext.config.megatron_view import MegatronView
+
 #: Megatron's tracker file (``checkpointing.get_checkpoint_tracker_filename``).
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -118,8 +120,6 @@ def find_load_checkpoint(args: argparse.Namespace) -> LoadCheck:
     Raises:
         ValueError: In one line naming the flag and the directory.
     """
-    from megatron_ext.config.megatron_view import MegatronView
-
     view = MegatronView.from_args(args)
     load, pretrained, step = view.load, view.pretrained_checkpoint, view.ckpt_step
     if pretrained and not (load and os.path.isfile(os.path.join(load, TRACKER))):
@@ -189,8 +189,6 @@ def check_save_directory(args: argparse.Namespace) -> None:
     unwritable one trains until then and fails there on every rank (``OSError``). The directory,
     or where it would be created (its first existing ancestor), must be a writable directory.
     ``os.access`` asks the kernel, so a read-only mount is refused for root too."""
-    from megatron_ext.config.megatron_view import MegatronView
-
     save = MegatronView.from_args(args).save
     if not save:
         return
@@ -307,7 +305,8 @@ def check_checkpoint_model(
     saved = None if state is None else state.get("args")
     if saved is None:
         return
-    difference = _model_difference(args, saved, checkpoint.format, padded_vocab)
+    view = MegatronView.from_args(args)
+    difference = _model_difference(view, saved, checkpoint.format, padded_vocab)
     if difference is not None:
         raise ValueError(
             f"{checkpoint.flag} {checkpoint.directory} (iteration {checkpoint.iteration}) holds "
@@ -316,20 +315,23 @@ def check_checkpoint_model(
         )
 
 
-def _pattern(args: Any) -> str | None:
+def _pattern(layer_pattern: str | None, override_pattern: str | None) -> str | None:
     """The hybrid layer pattern (Megatron's older name too), pipeline separators left out."""
-    pattern = getattr(args, "hybrid_layer_pattern", None) or getattr(
-        args, "hybrid_override_pattern", None
-    )
+    pattern = layer_pattern or override_pattern
     return pattern.replace("|", "") if pattern else None
 
 
 def _model_difference(
-    args: argparse.Namespace, saved: Any, ckpt_format: str, padded_vocab: int | None
+    view: MegatronView, saved: Any, ckpt_format: str, padded_vocab: int | None
 ) -> str | None:
-    """The first difference between the saved model and this run's, as ``what (the checkpoint's
-    -> this run's)``; None when they match."""
-    before, now = _pattern(saved), _pattern(args)
+    """The first difference between the saved model (``saved``: the arguments the checkpoint
+    recorded, of any Megatron version) and this run's, as ``what (the checkpoint's -> this
+    run's)``; None when they match."""
+    before = _pattern(
+        getattr(saved, "hybrid_layer_pattern", None),
+        getattr(saved, "hybrid_override_pattern", None),
+    )
+    now = _pattern(view.hybrid_layer_pattern, view.hybrid_override_pattern)
     if before and not now:
         return f"class HybridModel --hybrid-layer-pattern '{before}' -> GPTModel"
     if now and not before:
@@ -349,19 +351,19 @@ def _model_difference(
                 f"--num-layers {gpt_layers} -> --hybrid-layer-pattern '{now}' (it pairs with a "
                 f"GPTModel of {pairs} layers)"
             )
-        if getattr(args, "transformer_impl", None) != "transformer_engine":
+        if view.transformer_impl != "transformer_engine":
             return (
-                f"class GPTModel -> HybridModel with --transformer-impl {args.transformer_impl} "
+                f"class GPTModel -> HybridModel with --transformer-impl {view.transformer_impl} "
                 "(Megatron 0.19.2 maps a GPT checkpoint's layers onto Transformer Engine ones "
                 "only: the local layer norms' keys differ)"
             )
     elif now and before != now:
         return f"--hybrid-layer-pattern '{before}' -> '{now}'"
-    elif not now and getattr(saved, "num_layers", None) != args.num_layers:
-        return f"--num-layers {getattr(saved, 'num_layers', None)} -> {args.num_layers}"
+    elif not now and getattr(saved, "num_layers", None) != view.num_layers:
+        return f"--num-layers {getattr(saved, 'num_layers', None)} -> {view.num_layers}"
     for dest, flag in (("hidden_size", "--hidden-size"), ("num_experts", "--num-experts")):
-        if hasattr(saved, dest) and getattr(saved, dest) != getattr(args, dest, None):
-            return f"{flag} {getattr(saved, dest)} -> {getattr(args, dest, None)}"
+        if hasattr(saved, dest) and getattr(saved, dest) != getattr(view, dest):
+            return f"{flag} {getattr(saved, dest)} -> {getattr(view, dest)}"
     # torch_dist loads the embedding and output layer into another padded vocabulary (Megatron
     # saves them with allow_shape_mismatch); a torch file's load_state_dict is strict.
     saved_vocab = getattr(saved, "padded_vocab_size", None) if ckpt_format == "torch" else None

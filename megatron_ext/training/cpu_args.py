@@ -7,6 +7,9 @@ in the middle of model construction.
 
 import argparse
 
+from megatron_ext.config.megatron_view import MegatronView
+from megatron_ext.config.registry import flag_value
+
 #: Megatron flags (dest, value that needs a GPU, flag, what to use instead).
 _GPU_ONLY: tuple[tuple[str, object, str, str], ...] = (
     ("transformer_impl", "transformer_engine", "--transformer-impl transformer_engine",
@@ -14,7 +17,7 @@ _GPU_ONLY: tuple[tuple[str, object, str, str], ...] = (
     ("distributed_backend", "nccl", "--distributed-backend nccl",
      "--cpu implies --distributed-backend gloo"),
     ("tp_comm_overlap", True, "--tp-comm-overlap", "drop it (Transformer Engine userbuffers)"),
-    ("use_te_rng_tracker", True, "--te-rng-tracker", "drop it (Transformer Engine)"),
+    ("te_rng_tracker", True, "--te-rng-tracker", "drop it (Transformer Engine)"),
     ("use_transformer_engine_op_fuser", True, "--use-transformer-engine-op-fuser", "drop it"),
     ("enable_cuda_graph", True, "--enable-cuda-graph", "drop it (CUDA graphs)"),
     ("external_cuda_graph", True, "--external-cuda-graph", "drop it (CUDA graphs)"),
@@ -39,44 +42,45 @@ _GPU_ONLY: tuple[tuple[str, object, str, str], ...] = (
 
 def check_cpu_args(args: argparse.Namespace) -> None:
     """Raises ``ValueError`` naming the first flag ``--cpu`` cannot run with."""
+    view = MegatronView.from_args(args)
     for dest, gpu_value, flag, instead in _GPU_ONLY:
-        if getattr(args, dest, None) == gpu_value:
+        if getattr(view, dest) == gpu_value:
             raise ValueError(f"--cpu cannot run {flag}: {instead}")
-    if getattr(args, "fp8", None) or getattr(args, "fp4", None):
-        flag = "--fp8-format" if getattr(args, "fp8", None) else "--fp4-format"
-        for dest, needed in (
-            ("moe_dispatch_align", "--moe-dispatch-align"),
-            ("moe_grouped_gemm", "--moe-grouped-gemm"),
+    if view.fp8 or view.fp4:
+        flag = "--fp8-format" if view.fp8 else "--fp4-format"
+        for is_set, needed in (
+            (flag_value(args, "moe_dispatch_align"), "--moe-dispatch-align"),
+            (view.moe_grouped_gemm, "--moe-grouped-gemm"),
         ):
-            if not getattr(args, dest, False):
+            if not is_set:
                 raise ValueError(
                     f"--cpu with {flag} rehearses the quantized run's expert-group alignment on "
                     f"grouped-GEMM experts: it needs {needed} (the model itself computes "
                     "unquantized on CPU)"
                 )
-    for dest, flag in (("bf16", "--bf16"), ("fp16", "--fp16")):
-        if getattr(args, dest, False):
+    for is_set, flag in ((view.bf16, "--bf16"), (view.fp16, "--fp16")):
+        if is_set:
             raise ValueError(
                 f"--cpu cannot run {flag} yet: Megatron's Float16OptimizerWithFloat16Params accepts "
                 "only torch.cuda parameter types; drop it (the CPU run computes in fp32)"
             )
-    if getattr(args, "use_distributed_optimizer", False):
+    if view.use_distributed_optimizer:
         raise ValueError(
             "--cpu cannot run --use-distributed-optimizer: Megatron's distributed optimizer "
             "accepts only torch.cuda parameter types; drop it"
         )
-    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
-    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
-    if getattr(args, "moe_grouped_gemm", False) and getattr(args, "num_experts", None) and etp > 1:
+    tp = view.tensor_model_parallel_size or 1
+    etp = view.expert_tensor_parallel_size or tp
+    if view.moe_grouped_gemm and view.num_experts and etp > 1:
         raise ValueError(
             f"--cpu with --moe-grouped-gemm needs --expert-tensor-parallel-size 1 (got {etp}; it "
             "defaults to --tensor-model-parallel-size): megatron_ext's CPU grouped-GEMM experts "
             "do not shard the experts over tensor-parallel ranks"
         )
-    if getattr(args, "mtp_num_layers", None):
+    if view.mtp_num_layers:
         raise ValueError(
             "--cpu cannot run --mtp-num-layers: Megatron's MTP loss logging calls torch.cuda"
         )
-    impl = getattr(args, "cuda_graph_impl", "none") or "none"
+    impl = view.cuda_graph_impl or "none"
     if impl != "none":
         raise ValueError(f"--cpu cannot run --cuda-graph-impl {impl} (CUDA graphs): drop it")

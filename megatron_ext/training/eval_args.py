@@ -24,6 +24,8 @@ import argparse
 import json
 import os
 
+from megatron_ext.config.megatron_view import MegatronView
+
 
 def empty_validation_source(args: argparse.Namespace) -> str | None:
     """The flag that leaves Megatron's validation split empty (``"--split 100,0,0"``), else None."""
@@ -32,22 +34,17 @@ def empty_validation_source(args: argparse.Namespace) -> str | None:
         parse_and_normalize_split,
     )
 
-    if getattr(args, "data_path", None) or getattr(args, "data_args_path", None):
-        split = getattr(args, "split", None)
+    view = MegatronView.from_args(args)
+    if view.data_path or view.data_args_path:
+        split = view.split
         if split is None:  # validate_args sets Megatron's legacy default "969, 30, 1"
             return None
         if convert_split_vector_to_split_matrix(parse_and_normalize_split(split))[1] is None:
             return f"--split {split}"
         return None
-    if any(
-        getattr(args, n, None) for n in ("train_data_path", "valid_data_path", "test_data_path")
-    ):
-        return (
-            None
-            if getattr(args, "valid_data_path", None)
-            else "--train-data-path without --valid-data-path"
-        )
-    per_split = getattr(args, "per_split_data_args_path", None)
+    if view.train_data_path or view.valid_data_path or view.test_data_path:
+        return None if view.valid_data_path else "--train-data-path without --valid-data-path"
+    per_split = view.per_split_data_args_path
     if per_split and os.path.isfile(per_split):  # a remote (msc://) file is left to Megatron
         with open(per_split) as f:
             valid = json.load(f).get("valid")
@@ -85,14 +82,13 @@ def check_split(args: argparse.Namespace) -> None:
     Raises:
         ValueError: Naming ``--split`` and what is wrong.
     """
-    split = getattr(args, "split", None)
-    if split is None or not (
-        getattr(args, "data_path", None) or getattr(args, "data_args_path", None)
-    ):
+    view = MegatronView.from_args(args)
+    split = view.split
+    if split is None or not (view.data_path or view.data_args_path):
         return  # Megatron's default, or a per-split data path (--split is not used)
     weights = split_weights(split)
-    training = (getattr(args, "train_iters", None) or getattr(args, "train_samples", None) or 0) > 0
-    if weights[0] == 0 and training and not getattr(args, "skip_train", False):
+    training = (view.train_iters or view.train_samples or 0) > 0
+    if weights[0] == 0 and training and not view.skip_train:
         raise ValueError(
             f"--split {split} gives the training split no data, so nothing would be trained: give "
             "it a non-zero first weight (or --skip-train to only evaluate)"
@@ -105,10 +101,11 @@ def check_evaluation_data(args: argparse.Namespace) -> None:
     Raises:
         ValueError: Naming the evaluation flag, the data flag that empties the split and the fix.
     """
-    if getattr(args, "perform_rl_step", False) or getattr(args, "mock_data", False):
+    view = MegatronView.from_args(args)
+    if view.perform_rl_step or view.mock_data:
         return  # RL evaluates without these datasets; mock data splits evenly
-    eval_iters = getattr(args, "eval_iters", None) or 0
-    full_validation = bool(getattr(args, "full_validation", False))
+    eval_iters = view.eval_iters or 0
+    full_validation = bool(view.full_validation)
     if eval_iters <= 0 and not full_validation:
         return
     source = empty_validation_source(args)

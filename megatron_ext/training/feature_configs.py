@@ -2,7 +2,12 @@
 
 Flags are derived mechanically by Megatron's own ``ArgumentGroupFactory``: field ``pad_policy`` becomes
 ``--pad-policy`` with the docstring under the field as help, one argument group per feature (see
-:mod:`megatron_ext.training.arguments`). Code below ``arguments.py`` receives these dataclasses, never ``args``.
+:mod:`megatron_ext.training.arguments`). The model, dataset and MoE code receives these dataclasses;
+Megatron's ``args`` reach only the argument checks (each feature's ``check_megatron_args``,
+:mod:`megatron_ext.training.launch_rules`) and the callbacks Megatron hands them to (the providers,
+the forward step, its print hooks), and those read Megatron's flags through
+:class:`~megatron_ext.config.megatron_view.MegatronView` and megatron_ext's own through these
+configs (or :func:`~megatron_ext.config.registry.flag_value`, where no config is built yet).
 
 Rules for a feature config:
 - ``@feature_config("title")`` above ``@dataclass(frozen=True, kw_only=True)``.

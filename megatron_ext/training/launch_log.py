@@ -34,7 +34,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from megatron_ext.config.megatron_view import MegatronView
+from megatron_ext.config.megatron_view import MegatronView, field_default
+from megatron_ext.config.registry import flag_value
 
 #: Seconds a rank other than the first waits before printing its refusal: every rank checks the same
 #: arguments, so the first refuses too, the launcher stops the others and the refusal prints once.
@@ -81,7 +82,7 @@ def dump_only_when_asked(original: Any) -> Any:
 
     @functools.wraps(original)
     def print_args(title: str, args: Any) -> None:
-        if getattr(args, "log_arguments", False) or getattr(args, "verbose", False):
+        if flag_value(args, "log_arguments") or flag_value(args, "verbose"):
             original(title, args)
 
     return print_args
@@ -95,7 +96,7 @@ def _run_args() -> Any:
 
 
 def _quiet(args: Any) -> bool:
-    return args is not None and not getattr(args, "verbose", False)
+    return args is not None and not flag_value(args, "verbose")
 
 
 def memory_report_where_it_applies(original: Any) -> Any:
@@ -193,9 +194,8 @@ def changed_flags(args: Any) -> list[str]:
     out = []
     for cls in FEATURE_CONFIGS:
         for f in dataclasses.fields(cls):
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
-            value = getattr(args, f.name, default)
-            if value == default or f.name in ("verbose", "log_arguments"):
+            value = flag_value(args, f.name)
+            if value == field_default(f) or f.name in ("verbose", "log_arguments"):
                 continue
             written = flag(f.name)
             if value is not True:

@@ -17,6 +17,8 @@ import dataclasses
 import weakref
 from typing import Any
 
+from megatron_ext.config.megatron_view import MegatronView
+from megatron_ext.config.registry import flag_value
 from megatron_ext.training import feature_configs as _config
 
 #: The arguments :func:`validate` last checked and what it returned (checked once per launch).
@@ -40,7 +42,7 @@ def validate(args: argparse.Namespace, *, launch: bool = False) -> dict[type, An
     global _LAST
     if _LAST is not None and _LAST[0]() is args:
         return _LAST[1]
-    if getattr(args, "cpu", False):  # what --cpu cannot run is named first
+    if flag_value(args, "cpu"):  # what --cpu cannot run is named first
         from megatron_ext.training.cpu_args import check_cpu_args
 
         check_cpu_args(args)
@@ -66,7 +68,7 @@ def feature_configs(args: argparse.Namespace) -> dict[type, Any]:
     its ``check_megatron_args``); raises ``ValueError`` naming the flag."""
     configs: dict[type, Any] = {}
     for cls in _config.FEATURE_CONFIGS:
-        kwargs = {
+        kwargs = {  # the builder of the feature configs: a flag missing from args is refused
             f.name: getattr(args, f.name, _MISSING) for f in dataclasses.fields(cls) if f.init
         }
         missing = [_config.flag(name) for name, value in kwargs.items() if value is _MISSING]
@@ -96,39 +98,39 @@ def check_combinations(args: argparse.Namespace) -> None:
     from megatron_ext.replay.unsupported import check_virtual_pipeline
 
     check_virtual_pipeline(args)
-    packs_vary = getattr(args, "pack_documents", False) and not getattr(
-        args, "pad_to_seq_len", False
-    )
-    if (getattr(args, "context_parallel_size", 1) or 1) > 1:
+    view = MegatronView.from_args(args)
+    pack_documents = flag_value(args, "pack_documents")
+    packs_vary = pack_documents and not flag_value(args, "pad_to_seq_len")
+    if (view.context_parallel_size or 1) > 1:
         raise ValueError(
             "megatron_ext.pretrain_gpt does not support --context-parallel-size > 1 yet: its "
             "forward step does not slice megatron_ext's batches (pad mask, document boundaries, "
             "routes) for context parallelism"
         )
-    if getattr(args, "route_replay_mode", "off") == "record":
+    if flag_value(args, "route_replay_mode") == "record":
         from megatron_ext.data.data_args import data_prefixes
 
         found = data_prefixes(args)
         prefixes = [p for _flag, group, _weights in found for p in group]
         per_split = [f for f, _, _ in found if not f.startswith(("--data-path", "--data-args"))]
-        if not getattr(args, "pack_documents", False) or len(prefixes) != 1 or per_split:
+        if not pack_documents or len(prefixes) != 1 or per_split:
             raise ValueError(
                 "--route-replay-mode record writes one route sidecar aligned with one token "
                 "dataset: it needs --pack-documents and exactly one --data-path prefix "
                 f"(got {len(prefixes)} prefixes)"
             )
-    for dest, flag in (
-        ("micro_batch_size", "--micro-batch-size"),
-        ("eval_micro_batch_size", "--eval-micro-batch-size"),
+    for size, flag in (
+        (view.micro_batch_size, "--micro-batch-size"),
+        (view.eval_micro_batch_size, "--eval-micro-batch-size"),
     ):
-        size = getattr(args, dest, None) or 1
+        size = size or 1
         if packs_vary and size > 1:
             raise ValueError(
                 "--pack-documents without --pad-to-seq-len gives packs of different lengths, "
                 "which Megatron's data loader cannot stack into one micro-batch: use "
                 f"--pad-to-seq-len or {flag} 1 (got {size})"
             )
-    _refuse_unsupported(args)
+    _refuse_unsupported(args, view)
 
 
 #: Megatron flags the entry point cannot honour: (dest, flag, why). Each is refused when set.
@@ -151,62 +153,62 @@ _ENTRY_UNSUPPORTED: tuple[tuple[str, str, str], ...] = (
 )  # fmt: skip
 
 
-def _refuse_unsupported(args: argparse.Namespace) -> None:
+def _refuse_unsupported(args: argparse.Namespace, view: MegatronView) -> None:
     """Refuses the Megatron flags and combinations ``megatron_ext.pretrain_gpt`` cannot run."""
     for dest, flag, why in _ENTRY_UNSUPPORTED:
-        if getattr(args, dest, False):
+        if getattr(view, dest):
             raise ValueError(f"megatron_ext.pretrain_gpt does not support {flag}: {why}")
-    train_iters = getattr(args, "train_iters", None)
-    if train_iters is not None and train_iters < 1 and not getattr(args, "skip_train", False):
+    train_iters = view.train_iters
+    if train_iters is not None and train_iters < 1 and not view.skip_train:
         raise ValueError(
             f"--train-iters must be at least 1, got {train_iters} (Megatron fails after building "
             "the model otherwise; --skip-train evaluates without training)"
         )
     from megatron_ext.replay.unsupported import load_balancing_types
 
-    moe = bool(getattr(args, "num_experts", None))
+    moe = bool(view.num_experts)
     if moe and "quantile_balancing" in load_balancing_types(args):
         raise ValueError(
             "--moe-router-load-balancing-type quantile_balancing is not supported: Megatron 0.19.2's "
             "quantile balancing refuses a padding mask, and megatron_ext hands every router one"
         )
-    if getattr(args, "mock_data", False):
+    if view.mock_data:
         for dest, flag in (
             ("pack_documents", "--pack-documents"),
             ("pad_to_seq_len", "--pad-to-seq-len"),
         ):
-            if getattr(args, dest, False):
+            if flag_value(args, dest):
                 raise ValueError(
                     f"--mock-data cannot be combined with {flag}: megatron_ext's datasets read "
                     "real token files (Megatron's mock dataset is used with --mock-data alone)"
                 )
-    if (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1 and getattr(
-        args, "route_replay_mode", "off"
-    ) == "record":
+    recording = flag_value(args, "route_replay_mode") == "record"
+    if (view.pipeline_model_parallel_size or 1) > 1 and recording:
         raise ValueError(
             "--route-replay-mode record with --pipeline-model-parallel-size > 1 is not supported "
             "yet: gathering each micro-batch's routes over the pipeline stages inside the "
             "schedule would deadlock (record at PP=1, then replay at any PP)"
         )
-    if moe and getattr(args, "mtp_num_layers", None):
-        _refuse_with_mtp(args)
+    if moe and view.mtp_num_layers:
+        _refuse_with_mtp(args, view)
 
 
-def _refuse_with_mtp(args: argparse.Namespace) -> None:
+def _refuse_with_mtp(args: argparse.Namespace, view: MegatronView) -> None:
     """Megatron builds the MTP block's layers from its own specs, so megatron_ext's MoE layer and
     router never reach them: what needs them there is refused, naming both flags. (Pad skipping
     still applies to the decoder's MoE layers; the MTP layers route pads as Megatron does.)"""
     needs_ours = (
-        ("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias",
+        (view.moe_router_enable_expert_bias, "--moe-router-enable-expert-bias",
          "Megatron's own router counts fail on the pad mask in MTP layers"),
-        ("moe_dispatch_align", "--moe-dispatch-align", "MTP layers would not be aligned by it"),
-        ("moe_expert_load_metrics", "--moe-expert-load-metrics",
+        (flag_value(args, "moe_dispatch_align"), "--moe-dispatch-align",
+         "MTP layers would not be aligned by it"),
+        (flag_value(args, "moe_expert_load_metrics"), "--moe-expert-load-metrics",
          "MTP layers would not be counted"),
     )  # fmt: skip
-    for dest, flag, why in needs_ours:
-        if getattr(args, dest, False):
+    for is_set, flag, why in needs_ours:
+        if is_set:
             raise ValueError(f"--mtp-num-layers with {flag} is not supported: {why}")
-    if getattr(args, "route_replay_mode", "off") != "off":
+    if flag_value(args, "route_replay_mode") != "off":
         raise ValueError(
             "--mtp-num-layers with --route-replay-mode is not supported: MTP layers' routers "
             "would route natively"

@@ -196,3 +196,19 @@ def test_a_single_file_output_is_not_replaced_either_but_overwrite_replaces(tmp_
     assert (tmp_path / "report.json").read_bytes() == b"mine"
     atomic_write_bytes(path, b"again")  # published once: later writes replace, as caches do
     assert (tmp_path / "report.json").read_bytes() == b"again"
+
+
+def test_every_rename_into_place_goes_through_put_in_place() -> None:
+    """One publish: outside common/ no module renames a file into place itself (``os.replace``
+    or ``os.rename``); each calls put_in_place, directly or through atomic_write_bytes/publish."""
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[2] / "megatron_ext"
+    sources = sorted(package.rglob("*.py"))
+    assert len(sources) > 50  # the package, not an empty directory
+    renaming = {
+        path.relative_to(package).as_posix()
+        for path in sources
+        if "os.replace(" in path.read_text() or "os.rename(" in path.read_text()
+    }
+    assert renaming == {"common/safe_files.py", "common/temp_names.py"}

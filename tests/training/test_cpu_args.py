@@ -19,6 +19,7 @@ OK = dict(transformer_impl="local", distributed_backend="gloo", cuda_graph_impl=
         ({"cuda_graph_impl": "local"}, "--cuda-graph-impl local"),
         ({"enable_cuda_graph": True}, "--enable-cuda-graph"),
         ({"tp_comm_overlap": True}, "--tp-comm-overlap"),
+        ({"te_rng_tracker": True}, "--te-rng-tracker"),  # Megatron's dest for it
         ({"ckpt_fully_parallel_load": True}, "--ckpt-fully-parallel-load"),
         ({"async_save": True}, "--async-save"),
         ({"fp8": "e4m3", "moe_grouped_gemm": True}, "--moe-dispatch-align"),
@@ -70,3 +71,17 @@ def test_megatrons_parser_default_transformer_engine_is_refused(monkeypatch):
     monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(ValueError, match="--cpu cannot run --transformer-impl transformer_engine"):
         configs_from_args(parse_args(extra_args_provider=add_megatron_ext_args))
+
+
+def test_every_gpu_only_row_reads_its_flags_dest():
+    """Each refused flag is read at the dest Megatron's parser stores it under (a row reading
+    another name would never refuse: ``--te-rng-tracker`` is ``te_rng_tracker``)."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    from megatron_ext.training.cpu_args import _GPU_ONLY
+
+    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    dest_of = {option: a.dest for a in parser._actions for option in a.option_strings}
+    assert {dest: dest_of.get(flag.split()[0]) for dest, _, flag, _ in _GPU_ONLY} == {
+        dest: dest for dest, _, _, _ in _GPU_ONLY
+    }
