@@ -145,34 +145,17 @@ def resolved_configuration(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    """Entry point (``python -m megatron_ext.pretrain_gpt``)."""
+    """Entry point (``python -m megatron_ext.pretrain_gpt``): before Megatron's import, the startup
+    check; then Megatron's arguments and ours, validated once; what the launch builds before data;
+    then the dry run's report or Megatron's training loop. A refusal is one line, exit 2."""
     argv = sys.argv[1:]
     dry_run, cpu = "--dry-run" in argv, "--cpu" in argv
-    from megatron_ext.training.launch_log import configuration_lines, quiet_megatron_info, refuse
+    from megatron_ext.training.launch_log import configuration_lines, refuse
 
-    if "--verbose" not in argv:
-        quiet_warnings()
-    quiet_megatron_info(argv, os.environ)  # before Megatron's import: it logs at import time
-    if cpu:
-        from megatron_ext.cpu.training_loop import enable_cpu_training
-        from megatron_ext.training.startup import prepare_cpu_launch
-
-        # Before Megatron's import: it compiles at import (the flag is read before parsing too).
-        caching = not {"--no-cpu-caching-malloc", "--disable-cpu-caching-malloc"} & set(argv)
-        prepared = prepare_cpu_launch(caching)
-        if os.environ.get("RANK", "0") == "0":
-            print(prepared, flush=True)
-    from megatron_ext.compat.check import check_megatron, launch_groups
-
-    # Before anything is patched: Megatron's own sources are hashed, for the rows this launch applies.
-    untested = check_megatron(groups=launch_groups(cpu=cpu, dry_run=dry_run))
-    if untested and "--allow-untested-megatron" not in argv:
+    untested = _start(argv, cpu, dry_run)
+    if untested:
         print(untested, file=sys.stderr)
         return 2
-    if cpu:
-        enable_cpu_training()
-        # validate_args asserts it under TP/CP (a CUDA stream setting; nothing to tune on CPU).
-        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     from megatron_ext.training.dry_run import one_line
 
     try:
@@ -182,34 +165,7 @@ def main() -> int:
             raise
         return refuse(f"invalid arguments: {one_line(err)}")
     try:
-        from megatron_ext.training.launch_rules import validate
-
-        validate(args, launch=True)  # every check once; the providers reuse its configs
-        resolved = resolved_configuration(args)
-    except ValueError as err:
-        return refuse(f"invalid arguments: {err}")
-    if cpu:
-        from megatron_ext.training import run_state
-        from megatron_ext.training.cpu_rehearsal import describe, take_quantization
-
-        precision = take_quantization(args)
-        run_state.state(args).rehearsal = precision
-        if precision is not None:
-            resolved["cpu_rehearsal"] = describe(precision)
-        if precision is not None and os.environ.get("RANK", "0") == "0":
-            print(
-                f"megatron_ext: --cpu rehearsal of {describe(precision)}: the model computes "
-                f"unquantized; expert groups are aligned to {resolved['expert_group_alignment']} "
-                "and checked by the grouped-GEMM backend as the quantized kernels would",
-                flush=True,
-            )
-    try:  # what the launch builds before data: Megatron's model config, LR schedule, checkpoint
-        from megatron_ext.training.dry_run import build_on_meta_device, startup_checks, target
-
-        with target(dry_run and not cpu) as assumed:
-            resolved.update(startup_checks(args), **assumed)
-            if dry_run:
-                resolved["built_on_meta_device"] = build_on_meta_device(args)
+        resolved = _validated(args, cpu, dry_run)
     except ValueError as err:
         return refuse(f"invalid arguments: {err}")
     if not dry_run and os.environ.get("RANK", "0") == "0":
@@ -225,6 +181,79 @@ def main() -> int:
         print("megatron_ext: dry run OK, exiting without training")
         return 0
     return train(args)
+
+
+def _start(argv: list[str], cpu: bool, dry_run: bool) -> str | None:
+    """What runs before Megatron parses anything: quiet imports, the ``--cpu`` preparation and the
+    startup check. Returns the check's refusal (None: go on; ``--allow-untested-megatron`` too)."""
+    from megatron_ext.training.launch_log import quiet_megatron_info
+
+    if "--verbose" not in argv:
+        quiet_warnings()
+    quiet_megatron_info(argv, os.environ)  # before Megatron's import: it logs at import time
+    if cpu:
+        from megatron_ext.training.startup import prepare_cpu_launch
+
+        # Before Megatron's import: it compiles at import (the flag is read before parsing too).
+        caching = not {"--no-cpu-caching-malloc", "--disable-cpu-caching-malloc"} & set(argv)
+        prepared = prepare_cpu_launch(caching)
+        if os.environ.get("RANK", "0") == "0":
+            print(prepared, flush=True)
+    from megatron_ext.compat.check import check_megatron, launch_groups
+
+    # Before anything is patched: Megatron's own sources are hashed, for the rows this launch applies.
+    untested = check_megatron(groups=launch_groups(cpu=cpu, dry_run=dry_run))
+    if untested and "--allow-untested-megatron" not in argv:
+        return untested
+    if cpu:
+        from megatron_ext.cpu.training_loop import enable_cpu_training
+
+        enable_cpu_training()
+        # validate_args asserts it under TP/CP (a CUDA stream setting; nothing to tune on CPU).
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    return None
+
+
+def _validated(args: argparse.Namespace, cpu: bool, dry_run: bool) -> dict[str, Any]:
+    """Every check of the launch, once (the providers reuse its configs), and what the launch
+    builds before data (Megatron's model config, LR schedule, checkpoint; the model itself on the
+    meta device in a dry run). Returns the resolved configuration.
+
+    Raises:
+        ValueError: The one line a refusal prints.
+    """
+    from megatron_ext.training.dry_run import build_on_meta_device, startup_checks, target
+    from megatron_ext.training.launch_rules import validate
+
+    validate(args, launch=True)
+    resolved = resolved_configuration(args)
+    if cpu:
+        _announce_rehearsal(args, resolved)
+    with target(dry_run and not cpu) as assumed:
+        resolved.update(startup_checks(args), **assumed)
+        if dry_run:
+            resolved["built_on_meta_device"] = build_on_meta_device(args)
+    return resolved
+
+
+def _announce_rehearsal(args: argparse.Namespace, resolved: dict[str, Any]) -> None:
+    """Under ``--cpu``, a quantized run's rehearsal: taken off Megatron's arguments (the model
+    computes unquantized), kept on the run's state, reported."""
+    from megatron_ext.training import run_state
+    from megatron_ext.training.cpu_rehearsal import describe, take_quantization
+
+    precision = take_quantization(args)
+    run_state.state(args).rehearsal = precision
+    if precision is None:
+        return
+    resolved["cpu_rehearsal"] = describe(precision)
+    if os.environ.get("RANK", "0") == "0":
+        print(
+            f"megatron_ext: --cpu rehearsal of {describe(precision)}: the model computes "
+            f"unquantized; expert groups are aligned to {resolved['expert_group_alignment']} "
+            "and checked by the grouped-GEMM backend as the quantized kernels would",
+            flush=True,
+        )
 
 
 def train(args: argparse.Namespace) -> int:
