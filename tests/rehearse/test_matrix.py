@@ -69,12 +69,12 @@ def test_a_crash_is_reported_by_its_first_error():
 def test_a_stopped_configuration_keeps_its_log(tmp_path, monkeypatch):
     """``--timeout``: the configuration is reported as crashed and, with ``--log-dir``, its log
     holds what the ranks printed until they were stopped, and says so."""
-    from megatron_ext.testing import real_loop
+    from megatron_ext.rehearse import local_launch
 
     def launch(args, *, nproc, timeout):
         raise subprocess.TimeoutExpired(args, timeout, output="rank 0 joining\n")
 
-    monkeypatch.setattr(real_loop, "launch", launch)
+    monkeypatch.setattr(local_launch, "launch", launch)
     configurations = [rehearse.Configuration("slow one", ("--train-iters", "2"))]
     (outcome,) = rehearse.rehearse(configurations, [], timeout=5, log_dir=tmp_path, echo=False)
     assert (outcome.status, outcome.message) == ("crashed", "timed out after 5 s")
