@@ -34,6 +34,11 @@ OTHER_ROWS: list[Patch] = [
     Patch("launch", T + "training", "load_checkpoint",
           "megatron_ext.training.checkpoint_checks:exiting_nonzero",
           "a failed load exits with a bare sys.exit() (status 0)", "8f460d583f0bbf80"),
+    Patch("launch", M + "optimizer.optimizer", "MegatronOptimizer._filter_and_reorder_param_groups",
+          "megatron_ext.training.resume_checks:matching_groups_across_lr",
+          "keys the saved param groups by max_lr/min_lr too: a resume with another --lr finds no "
+          "group ('Could not find parameter group') even with the scheduler flags",
+          "dc405c26824a0b9d"),
     Patch("validate_on_target", T + "arguments", "validate_args",
           HostTorch(cuda=("get_device_capability",)),
           "--moe-grouped-gemm asks the CUDA device's capability: the target's (9.0) instead",
