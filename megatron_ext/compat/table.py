@@ -44,6 +44,11 @@ OTHER_ROWS: list[Patch] = [
           "megatron_ext.training.checkpoint_save:recording_write_errors",
           "the torch_dist writer keeps only the class of a failed write's OSError (no file, no "
           "errno: a full disk never says so)", "8364a85920565d66"),
+    Patch("launch", M + "optimizer.optimizer", "MegatronOptimizer._filter_and_reorder_param_groups",
+          "megatron_ext.training.resume_checks:matching_groups_across_lr",
+          "keys the saved param groups by max_lr/min_lr too: a resume with another --lr finds no "
+          "group ('Could not find parameter group') even with the scheduler flags",
+          "dc405c26824a0b9d"),
     Patch("validate_on_target", T + "arguments", "validate_args",
           HostTorch(cuda=("get_device_capability",)),
           "--moe-grouped-gemm asks the CUDA device's capability: the target's (9.0) instead",

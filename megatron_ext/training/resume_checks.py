@@ -8,8 +8,16 @@ values fails late in Megatron, on every rank, with a traceback (after the model 
 parameter group"); with ``torch`` (one file per TP/PP/EP rank) a changed TP, PP or EP size finds no
 file and stops with exit status 0 ("could not load the checkpoint"). :func:`check_resume` compares
 first, refusing in one line that names the flag which makes the resume work, and returns a line
-for each change Megatron does resume. The scheduler check is Megatron's own: the run's
+for each change Megatron does resume: the schedule and parallel sizes, and every data and model flag
+the checkpoint recorded (:func:`flag_changes`). The scheduler check is Megatron's own: the run's
 ``OptimizerParamScheduler`` (built by ``get_optimizer_param_scheduler``) loads the saved state.
+
+A changed ``--lr`` (or ``--min-lr``, ``--decoupled-lr``) also stopped in the optimizer's load:
+Megatron keys each param group by its hyperparameters, ``max_lr``/``min_lr`` (this run's LR)
+included, and finds no saved group with the new LR, whichever scheduler flag is passed.
+:func:`matching_groups_across_lr` (a ``launch`` row of the compatibility table) pairs them by the
+other keys, so the Adam moments load; the groups then carry this run's LR, or with
+``--use-checkpoint-opt_param-scheduler`` the checkpoint's, as the scheduler does.
 
 Example::
 
@@ -39,6 +47,42 @@ PARALLEL_FLAGS = {
     "expert_tensor_parallel_size": "--expert-tensor-parallel-size",
     "data_parallel_size": "data-parallel size",
 }
+#: Flags Megatron's optimizer builds its param groups' ``max_lr``/``min_lr`` from.
+LR_FLAGS = ("lr", "min_lr", "decoupled_lr", "decoupled_min_lr")
+#: The schedule flags whose values a resume with --use-checkpoint-opt_param-scheduler takes from
+#: the checkpoint's scheduler instead (the iterations and the batch are still this run's).
+SCHEDULER_HELD = frozenset(SCHEDULE_FLAGS) - {"train_iters", "train_samples", "global_batch_size"}
+#: The groups of Megatron's parser (and every megatron_ext feature group but the entry's) whose
+#: flags say what is trained: the model and its routing, the data and its sample order.
+DATA_MODEL_GROUPS = (
+    "transformer configuration", "network size", "moe", "mla", "experimental_attention_variant",
+    "heterogeneous architecture", "regularization", "RNG and initialization",
+    "data and dataloader", "tokenizer",
+)  # fmt: skip
+#: Recorded arguments no resume line names: set by Megatron after startup or from other flags
+#: (compared through those), where files go, what is logged, how the data loads; the parallel
+#: sizes and schedule (above); the model's shape (layers, hidden size, experts, vocabulary:
+#: checkpoint_checks refuses a model the checkpoint's weights do not fit).
+NOT_NAMED = frozenset({
+    "encoder_seq_length", "decoder_seq_length", "num_query_groups", "kv_channels",
+    "padded_vocab_size", "num_workers", "data_cache_path", "dataloader_fast_cache_load",
+    "dataloader_defer_npy_index_mmap", "mmap_bin_files", "num_dataset_builder_threads",
+    "object_storage_cache_path", "config_logger_dir", "init_model_with_meta_device",
+    "use_cpu_initialization", "perform_initialization", "moe_per_layer_logging",
+    "route_record_path", "moe_expert_load_metrics", "moe_expert_load_log", "route_replay_check",
+    "weight_decay", "num_layers", "hidden_size", "num_experts", "vocab_size",
+    *SCHEDULE_FLAGS, *PARALLEL_FLAGS,
+})  # fmt: skip
+#: Flags the sample order depends on (Megatron's GPTDataset index, the pack plan): a resume
+#: continues at the checkpoint's consumed-samples count in this run's order.
+SAMPLE_ORDER_FLAGS = frozenset({
+    "seq_length", "seed", "split", "data_path", "train_data_path", "valid_data_path",
+    "test_data_path", "data_args_path", "per_split_data_args_path", "mock_data", "pack_documents",
+    "packing_algorithm", "packing_window", "pack_overlong_policy",
+})  # fmt: skip
+#: Hyperparameters a loaded optimizer keeps from the checkpoint's param groups (torch's
+#: ``Optimizer.load_state_dict`` takes the saved groups' values).
+OPTIMIZER_HELD = frozenset({"adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum"})
 
 
 def _flag(dest: str) -> str:
@@ -107,6 +151,7 @@ def check_resume(args: argparse.Namespace, checkpoint: Checkpoint) -> list[str]:
             "'Could not find parameter group'); pass --no-load-optim to load the weights and "
             "the iteration and restart the optimizer (Adam moments and LR schedule)"
         )
+    check_lr_change(args, saved_args, where, loads_optimizer)
     # --skip-train builds no optimizer (and may have no --lr): the schedule is not compared.
     refusal, effective = (
         _scheduler_refusal(args, state.get("opt_param_scheduler"))
@@ -123,10 +168,110 @@ def check_resume(args: argparse.Namespace, checkpoint: Checkpoint) -> list[str]:
                 "--override-opt_param-scheduler to follow this run's schedule from here, or "
                 "--use-checkpoint-opt_param-scheduler to keep the checkpoint's"
             )
-    # Without the optimizer (--finetune, --no-load-optim, ...) the schedule starts afresh.
-    changes = parallel + (schedule if loads_optimizer else [])
     verb = "resuming" if loads_optimizer else "loading the weights of"
-    return [f"{verb} {where}: {change} (the checkpoint's -> this run's)" for change in changes]
+    lines = [f"{verb} {where}: {change} (the checkpoint's -> this run's)" for change in parallel]
+    # Without the optimizer (--finetune, --no-load-optim, ...) the schedule starts afresh.
+    kept = loads_optimizer and getattr(args, "use_checkpoint_opt_param_scheduler", False)
+    for dest, change in _changes(effective, saved_args, SCHEDULE_FLAGS) if loads_optimizer else []:
+        held = kept and dest in SCHEDULER_HELD
+        why = ("not applied: --use-checkpoint-opt_param-scheduler keeps the checkpoint's"
+               if held else "the checkpoint's -> this run's")  # fmt: skip
+        lines.append(f"{verb} {where}: {change} ({why})")
+    # --finetune (and a release or --pretrained-checkpoint) starts at iteration 0: no samples
+    # were consumed.
+    restarts = (
+        checkpoint.release
+        or checkpoint.flag == "--pretrained-checkpoint"
+        or getattr(args, "finetune", False)
+    )
+    consumed = None if restarts else getattr(saved_args, "consumed_train_samples", 0)
+    changes = flag_changes(args, saved_args, consumed, loads_optimizer)
+    return lines + [f"{verb} {where}: {line}" for line in changes]
+
+
+def check_lr_change(
+    args: argparse.Namespace, saved_args: Any, where: str, loads_optimizer: bool
+) -> None:
+    """Refuses an LR change whose optimizer state :func:`matching_groups_across_lr` cannot pair:
+    the distributed optimizer matches the saved groups itself (by ``max_lr`` too), MuP's groups
+    may differ by their LR alone, and a --decoupled-lr set or unset adds or removes groups."""
+    lr = _changed(args, saved_args, LR_FLAGS)
+    if not (lr and loads_optimizer):
+        return
+    decoupled = [d for d in ("decoupled_lr", "decoupled_min_lr") if hasattr(saved_args, d)
+                 and (getattr(saved_args, d) is None) != (getattr(args, d, None) is None)]  # fmt: skip
+    why = (
+        "Megatron 0.19.2's distributed optimizer matches the saved param groups by their LR"
+        if getattr(args, "use_distributed_optimizer", False)
+        else "under --use-mup the param groups may differ by their LR alone"
+        if getattr(args, "use_mup", False)
+        else f"{_flag(decoupled[0])} adds or removes param groups"
+        if decoupled
+        else None
+    )
+    if why is None:
+        return
+    saved = " ".join(f"{_flag(d)} {getattr(saved_args, d)}" for d in LR_FLAGS
+                     if hasattr(saved_args, d) and getattr(saved_args, d) is not None)  # fmt: skip
+    raise ValueError(
+        f"{where}: {', '.join(lr)} cannot resume the optimizer state ({why}: 'Could not find "
+        f"parameter group'); launch with the checkpoint's {saved}, or pass --no-load-optim to "
+        "load the weights and the iteration and restart the optimizer (Adam moments and LR "
+        "schedule)"
+    )
+
+
+def flag_changes(
+    args: argparse.Namespace, saved_args: Any, consumed: int | None, loads_optimizer: bool
+) -> list[str]:
+    """``--flag saved -> now (...)`` for each data or model flag (:data:`DATA_MODEL_GROUPS` and
+    megatron_ext's features) the checkpoint recorded with another value, in parser order.
+    ``consumed``: the samples the run continues after (None: it starts at iteration 0)."""
+    differing = {
+        dest
+        for dest, before in vars(saved_args).items()
+        if dest not in NOT_NAMED and hasattr(args, dest) and getattr(args, dest) != before
+    }
+    if not differing:  # the usual resume: no parser built (0.4 s)
+        return []
+    lines = []
+    for dest in _data_model_dests():
+        if dest not in differing:
+            continue
+        differing.discard(dest)  # a dest some groups list twice
+        change = f"{_flag(dest)} {getattr(saved_args, dest)} -> {getattr(args, dest)}"
+        if dest in OPTIMIZER_HELD and loads_optimizer:
+            why = "not applied: the loaded optimizer keeps the checkpoint's; --no-load-optim "
+            why += "restarts it with this run's"
+        elif dest in SAMPLE_ORDER_FLAGS and consumed is not None:
+            why = (f"the checkpoint's -> this run's; the samples continue after the "
+                   f"{consumed} consumed in this run's sample order, not the checkpoint's")  # fmt: skip
+        else:
+            why = "the checkpoint's -> this run's"
+        lines.append(f"{change} ({why})")
+    return lines
+
+
+def _data_model_dests() -> list[str]:
+    """The dests of :data:`DATA_MODEL_GROUPS` and megatron_ext's feature groups, in parser order."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    from megatron_ext.training.arguments import add_megatron_ext_args
+
+    parser = add_megatron_ext_args(add_megatron_arguments(argparse.ArgumentParser(add_help=False)))
+    return [
+        action.dest
+        for group in parser._action_groups
+        if group.title in DATA_MODEL_GROUPS
+        or (group.title or "").startswith("megatron_ext: ")
+        and not group.title.startswith("megatron_ext: entry")
+        for action in group._group_actions
+    ]
+
+
+def _changes(args: argparse.Namespace, saved_args: Any, dests: Any) -> list[tuple[str, str]]:
+    """``(dest, "--flag saved -> now")`` for each of ``dests`` whose value differs."""
+    return [(d, c) for d in dests for c in _changed(args, saved_args, [d])]
 
 
 def _scheduler_refusal(
@@ -143,6 +288,56 @@ def _scheduler_refusal(
         except AssertionError as err:
             return " ".join(str(err).split()) or "assertion", run_args
     return None, run_args
+
+
+def matching_groups_across_lr(original: Any) -> staticmethod:
+    """``MegatronOptimizer._filter_and_reorder_param_groups`` that also pairs the saved param groups
+    with this run's after an LR change.
+
+    Megatron keys a group by its hyperparameters (``param_group_identifier_keys``), ``max_lr`` and
+    ``min_lr`` included: this run's ``--lr``/``--min-lr`` (``--decoupled-lr``/``--decoupled-min-lr``
+    for the embedding's group). When some group has no saved match, each is matched by the other
+    keys instead, where that pairing is one to one (otherwise Megatron's own error stands). A
+    matched group takes this run's ``max_lr``/``min_lr`` unless --use-checkpoint-opt_param-scheduler
+    keeps the checkpoint's (as the scheduler, which reads them from the groups, does). Which saved
+    state goes to which parameter is Megatron's as before.
+    """
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    lr_keys = ("max_lr", "min_lr")
+
+    def identifier(group: dict, leave_out: tuple[str, ...] = ()) -> tuple:
+        # As Megatron's: a NeMo "pre_" alias stands for the key; missing and None are alike.
+        return tuple(
+            group[key] if key in group else group.get(f"pre_{key}")
+            for key in param_group_identifier_keys
+            if key not in leave_out
+        )
+
+    def filter_and_reorder(current_groups: list[dict], state_dict_groups: list[dict]) -> list[dict]:
+        saved_keys = {identifier(g) for g in state_dict_groups}
+        if all(identifier(g) in saved_keys for g in current_groups):
+            return original(current_groups, state_dict_groups)
+        needed = [identifier(g, lr_keys) for g in current_groups]
+        saved = {identifier(g, lr_keys): g for g in state_dict_groups}
+        if not (len(set(needed)) == len(needed) == len(saved) == len(state_dict_groups)
+                and set(needed) == set(saved)):  # fmt: skip
+            return original(current_groups, state_dict_groups)  # Megatron's error
+        from megatron.training import global_vars
+
+        run_args = global_vars._GLOBAL_ARGS
+        keep_saved = getattr(run_args, "use_checkpoint_opt_param_scheduler", False)
+        final = []
+        params_in_saved_order = [g["params"] for g in state_dict_groups]
+        for current, key, params in zip(current_groups, needed, params_in_saved_order, strict=True):
+            group = saved[key]
+            if not keep_saved:
+                group.update({k: current[k] for k in lr_keys if k in current})
+            group["params"] = params  # as Megatron's: the saved order of the state stays
+            final.append(group)
+        return final
+
+    return staticmethod(filter_and_reorder)
 
 
 def build_scheduler(args: argparse.Namespace) -> Any:

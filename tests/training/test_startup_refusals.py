@@ -10,16 +10,22 @@ one. Now the dry run and the launch refuse each in the same one line, exit 2
 (``megatron_ext/training/dry_run.py``, ``checkpoint_checks.py``, ``resume_checks.py``).
 
 The checkpoints are Megatron's own: the tiny model trained 2 iterations and saved in ``torch``
-(without its RNG state) and ``torch_dist`` format. A ``sys.exit()`` inside Megatron's ``load_checkpoint`` that no startup check
+(without its RNG state) and ``torch_dist`` format (at iterations 1 and 2). Each flag a refusal of a
+changed ``--lr`` names is then passed, as it says, and the resume from iteration 1 trains with the
+optimizer state it loaded; a resume's changed data and model flags are printed, one line each. A ``sys.exit()`` inside Megatron's ``load_checkpoint`` that no startup check
 foresees (an RNG state missing from the checkpoint) exits 1, after Megatron's message.
 """
 
+import json
 import os
+import re
 import shutil
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_ext.testing.real_loop import TINY_MOE_TEST_ARGS, LoopRun, launch
 
@@ -117,8 +123,8 @@ def ckpt(saved) -> Path:
 
 
 def _load_and_save(prefix: str, directory: Path) -> list[str]:
-    """A job whose ``--load`` is its ``--save``, saving a torch_dist checkpoint at iteration K."""
-    return [*_base(prefix), "--save-interval", str(K), "--ckpt-format", "torch_dist",
+    """A job whose ``--load`` is its ``--save``, saving a torch_dist checkpoint at iterations 1..K."""
+    return [*_base(prefix), "--save-interval", "1", "--ckpt-format", "torch_dist",
             "--load", str(directory), "--save", str(directory)]  # fmt: skip
 
 
@@ -173,6 +179,7 @@ def test_a_load_directory_that_is_also_save_starts_from_iteration_0(
     shutil.copytree(root / "torch_dist", tmp_path / "c")
     again = launch(_load_and_save(corpus_prefix, tmp_path / "c")).check()
     assert "holds no checkpoint yet" not in again.output
+    assert "megatron_ext: resuming" not in again.output  # the same flags: no change to name
     assert f"checkpoint from {tmp_path / 'c'} at iteration {K}" in again.output
 
 
@@ -315,3 +322,99 @@ def test_a_base_checkpoint_of_another_model_fails_the_dry_run_in_one_line(
         "this model, or match its flags"
     )
     assert "Traceback" not in dry.output
+def test_each_flag_an_lr_change_refusal_names_resumes_with_the_optimizer_state(
+    ckpt, corpus_prefix, tmp_path
+) -> None:
+    """A resume from iteration 1 with --lr doubled is refused naming two flags; passed as the
+    refusal says, each resumes (Megatron 0.19.2 stopped in the optimizer's load with 'Could not
+    find parameter group' under either) and trains iteration 2 with the Adam moments it loaded.
+    --use-checkpoint-opt_param-scheduler keeps the checkpoint's LR: its iteration-2 checkpoint is
+    the uninterrupted run's (the fixture's), bit for bit. --override-opt_param-scheduler trains at
+    the new LR: the moments are the uninterrupted run's bit for bit (iteration 2's gradient does
+    not depend on its LR; moments restarted from zero would differ), and the weights took twice
+    its step (AdamW's step, weight decay included, is linear in the LR)."""
+    loaded = ckpt / "torch_dist"
+    # --adam-beta2 too: its line says the loaded optimizer keeps the checkpoint's, and the
+    # moments below (exp_avg_sq is beta2's) show it.
+    argv = [*_base(corpus_prefix), "--ckpt-format", "torch_dist", "--load", str(loaded),
+            "--ckpt-step", "1", "--lr", "2e-3", "--adam-beta2", "0.95"]  # fmt: skip
+    dry = launch([*argv, "--dry-run"], ranks=(0,))
+    refusals = [line for line in dry.output.splitlines() if line.startswith(PREFIX)]
+    assert dry.returncode == 2 and len(refusals) == 1, dry.output[-3000:]
+    named = re.findall(r"(?:pass|or) (--[\w-]+) to ", refusals[0])
+    assert named == ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"]
+    saves = {flag: [*argv, flag, "--save", str(tmp_path / flag), "--save-interval", str(K)]
+             for flag in named}  # fmt: skip
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = dict(zip(named, pool.map(launch, saves.values()), strict=True))
+    for flag, run in runs.items():
+        run.check()
+        assert sorted(run.iterations) == [K], flag
+    override, kept = (runs[f] for f in named)
+    assert override.iterations[K]["learning rate"] == 2e-3
+    assert kept.iterations[K]["learning rate"] == 1e-3
+    where = f"megatron_ext: resuming --load {loaded} (iteration 1): "
+    assert (
+        f"{where}--lr 0.001 -> 0.002 (not applied: --use-checkpoint-opt_param-scheduler "
+        "keeps the checkpoint's)" in kept.output.splitlines()
+    )
+    assert f"{where}--lr 0.001 -> 0.002 (the checkpoint's -> this run's)" in override.output
+    for run in runs.values():
+        assert (
+            f"{where}--adam-beta2 0.999 -> 0.95 (not applied: the loaded optimizer keeps the "
+            "checkpoint's; --no-load-optim restarts it with this run's)" in run.output.splitlines()
+        )
+    at_1, at_k = (_torch_dist_state(loaded / f"iter_{i:07d}", tmp_path / f"{i}.pt") for i in (1, K))
+    kept_state = _torch_dist_state(tmp_path / named[1] / f"iter_{K:07d}", tmp_path / "kept.pt")
+    assert kept_state.keys() == at_k.keys()
+    assert [k for k in at_k if not _equal(at_k[k], kept_state[k])] == []
+    new = _torch_dist_state(tmp_path / named[0] / f"iter_{K:07d}", tmp_path / "override.pt")
+    weights = [k for k in at_k if not k.startswith("optimizer.")]
+    moments = [k for k in at_k if ".exp_avg" in k]
+    assert len(moments) == 2 * len(weights) >= 20  # both Adam moments of every weight
+    assert [k for k in moments if not _equal(at_k[k], new[k])] == []
+    # Not vacuous: the moments loaded at iteration 1 are not zero (a restart would drop them).
+    assert all(at_1[k].abs().sum() > 0 for k in moments if "exp_avg_sq" not in k)
+    for k in weights:
+        # Float32 weights near 1 (norms) hold a step of ~1e-3 to about 1e-7.
+        torch.testing.assert_close(at_1[k] - new[k], 2 * (at_1[k] - at_k[k]), rtol=1e-3, atol=5e-7)
+
+
+def _torch_dist_state(iter_dir: Path, scratch: Path) -> dict[str, torch.Tensor]:
+    """A torch_dist checkpoint's tensors, by flat key, read with torch alone."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with warnings.catch_warnings():  # "no process group: loading in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp_to_torch_save(iter_dir, scratch)
+    state = torch.load(scratch, map_location="cpu", weights_only=False)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_a_resume_names_each_data_and_model_flag_it_changes(ckpt, corpus_prefix) -> None:
+    """Megatron resumes with another top-k, pad policy, sequence length or seed and said nothing;
+    now each changed flag the checkpoint recorded is one line (the launch prints the dry run's
+    notes), and nothing else is: paths, intervals and what Megatron derives after startup are not
+    flags the run changed."""
+    loaded = ckpt / "torch_dist"
+    changes = ["--moe-router-topk", "3", "--pad-policy", "constant", "--seq-length", "64",
+               "--seed", "8", "--save", str(ckpt / "elsewhere"), "--save-interval", "5",
+               "--log-interval", "2"]  # fmt: skip
+    dry = launch([*_base(corpus_prefix), "--ckpt-format", "torch_dist", "--load", str(loaded),
+                  *changes, "--dry-run"], ranks=(0,))  # fmt: skip
+    assert dry.returncode == 0, dry.output[-3000:]
+    out = dry.output
+    start = out.index("megatron_ext resolved configuration:\n")
+    notes = json.loads(out[start:].split("\n", 1)[1].split("megatron_ext: dry run OK")[0])["notes"]
+    where = f"resuming --load {loaded} (iteration {K})"
+    order = f"the samples continue after the {K * 8} consumed in this run's sample order, not the "
+    assert notes == [
+        f"{where}: --moe-router-topk 2 -> 3 (the checkpoint's -> this run's)",
+        f"{where}: --seed 7 -> 8 (the checkpoint's -> this run's; {order}checkpoint's)",
+        f"{where}: --seq-length 128 -> 64 (the checkpoint's -> this run's; {order}checkpoint's)",
+        f"{where}: --pad-policy self -> constant (the checkpoint's -> this run's)",
+    ]
