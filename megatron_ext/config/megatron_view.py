@@ -144,6 +144,10 @@ class MegatronView:
     """``--async-save``: checkpoints saved in the background."""
     finetune: bool = False
     """``--finetune``: load the weights only (no optimizer, iteration 0)."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """``--use-checkpoint-opt-param-scheduler``: a resume keeps the checkpoint's LR schedule."""
+    use_mup: bool = False
+    """``--use-mup``: MuP's per-group learning rates."""
     no_load_optim: bool | None = None
     """``--no-load-optim``: do not load the optimizer state (Megatron's default is None)."""
     ckpt_fully_parallel_load: bool = False

@@ -30,6 +30,7 @@ import copy
 from collections.abc import Iterator
 from typing import Any
 
+from megatron_ext.config.megatron_view import MegatronView
 from megatron_ext.training.checkpoint_checks import Checkpoint, saved_state
 from megatron_ext.training.launch_args import builds_optimizer
 
@@ -103,13 +104,19 @@ def _loads_optimizer(args: argparse.Namespace, checkpoint: Checkpoint, saved_arg
     )
 
 
+def _now(args: argparse.Namespace, dest: str) -> Any:
+    """This run's value of any ``dest`` the checkpoint saved (compared dest by dest, so not a
+    :class:`MegatronView` field; None where this run's arguments lack it)."""
+    return getattr(args, dest, None)
+
+
 def _changed(args: argparse.Namespace, saved_args: Any, dests: Any) -> list[str]:
     """``--flag saved -> now`` for each of ``dests`` whose value differs."""
     out = []
     for dest in dests:
         if not hasattr(saved_args, dest):
             continue
-        before, now = getattr(saved_args, dest), getattr(args, dest, None)
+        before, now = getattr(saved_args, dest), _now(args, dest)
         if dest == "expert_tensor_parallel_size":  # None means "as --tensor-model-parallel-size"
             before = before or saved_args.tensor_model_parallel_size
             now = now or args.tensor_model_parallel_size
@@ -171,7 +178,7 @@ def check_resume(args: argparse.Namespace, checkpoint: Checkpoint) -> list[str]:
     verb = "resuming" if loads_optimizer else "loading the weights of"
     lines = [f"{verb} {where}: {change} (the checkpoint's -> this run's)" for change in parallel]
     # Without the optimizer (--finetune, --no-load-optim, ...) the schedule starts afresh.
-    kept = loads_optimizer and getattr(args, "use_checkpoint_opt_param_scheduler", False)
+    kept = loads_optimizer and MegatronView.from_args(args).use_checkpoint_opt_param_scheduler
     for dest, change in _changes(effective, saved_args, SCHEDULE_FLAGS) if loads_optimizer else []:
         held = kept and dest in SCHEDULER_HELD
         why = ("not applied: --use-checkpoint-opt_param-scheduler keeps the checkpoint's"
@@ -182,7 +189,7 @@ def check_resume(args: argparse.Namespace, checkpoint: Checkpoint) -> list[str]:
     restarts = (
         checkpoint.release
         or checkpoint.flag == "--pretrained-checkpoint"
-        or getattr(args, "finetune", False)
+        or MegatronView.from_args(args).finetune
     )
     consumed = None if restarts else getattr(saved_args, "consumed_train_samples", 0)
     changes = flag_changes(args, saved_args, consumed, loads_optimizer)
@@ -199,12 +206,13 @@ def check_lr_change(
     if not (lr and loads_optimizer):
         return
     decoupled = [d for d in ("decoupled_lr", "decoupled_min_lr") if hasattr(saved_args, d)
-                 and (getattr(saved_args, d) is None) != (getattr(args, d, None) is None)]  # fmt: skip
+                 and (getattr(saved_args, d) is None) != (_now(args, d) is None)]  # fmt: skip
+    view = MegatronView.from_args(args)
     why = (
         "Megatron 0.19.2's distributed optimizer matches the saved param groups by their LR"
-        if getattr(args, "use_distributed_optimizer", False)
+        if view.use_distributed_optimizer
         else "under --use-mup the param groups may differ by their LR alone"
-        if getattr(args, "use_mup", False)
+        if view.use_mup
         else f"{_flag(decoupled[0])} adds or removes param groups"
         if decoupled
         else None
@@ -230,7 +238,7 @@ def flag_changes(
     differing = {
         dest
         for dest, before in vars(saved_args).items()
-        if dest not in NOT_NAMED and hasattr(args, dest) and getattr(args, dest) != before
+        if dest not in NOT_NAMED and hasattr(args, dest) and _now(args, dest) != before
     }
     if not differing:  # the usual resume: no parser built (0.4 s)
         return []
@@ -239,7 +247,7 @@ def flag_changes(
         if dest not in differing:
             continue
         differing.discard(dest)  # a dest some groups list twice
-        change = f"{_flag(dest)} {getattr(saved_args, dest)} -> {getattr(args, dest)}"
+        change = f"{_flag(dest)} {getattr(saved_args, dest)} -> {_now(args, dest)}"
         if dest in OPTIMIZER_HELD and loads_optimizer:
             why = "not applied: the loaded optimizer keeps the checkpoint's; --no-load-optim "
             why += "restarts it with this run's"
