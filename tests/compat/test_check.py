@@ -43,8 +43,8 @@ def test_an_edited_source_is_refused_and_layout_is_not(tmp_path, monkeypatch) ->
     path = tmp_path / "fake_megatron_module.py"
     path.write_text(FUNCTION)
     module = importlib.import_module("fake_megatron_module")
-    row = Patch("launch", "fake_megatron_module", "patched_function", None, "test",
-                fingerprint(module.patched_function))  # fmt: skip
+    row = Patch(group="launch", module="fake_megatron_module", attribute="patched_function",
+                replacement=None, reason="test", fingerprint=fingerprint(module.patched_function))  # fmt: skip
     assert check.changed_rows([row]) == []
     # Indentation, blank lines and comment lines are not code: the fingerprint stays.
     path.write_text(
