@@ -12,6 +12,10 @@ Groups (what applies them):
 - ``owned``: applied by the object named in the reason (per model, undone by it); ``copied``: a
   Megatron body copied and edited in megatron_ext, fingerprinted so an upstream change is noticed.
 
+Each row is keyword data (:class:`~megatron_ext.compat.patch.Patch`); a factory is named as a string
+(``"megatron_ext.training.checkpoint_checks:exiting_nonzero"``) and lives beside the feature it
+belongs to, so this table imports none of them and ``compat/`` imports no feature (docs/compat.md).
+
 :func:`megatron_ext.compat.check.check_megatron` compares, at startup, the fingerprint of every row the
 launch applies (a value that is not Megatron's code, such as an optional Transformer Engine kernel,
 by what the row needs of it: :class:`~megatron_ext.compat.patch.Needs`).
