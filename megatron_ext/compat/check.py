@@ -14,11 +14,13 @@ Example::
     #  megatron.core.transformer.moe.router.Router.gating"
 """
 
+import argparse
+import collections
 import importlib.metadata
 import importlib.util
 from collections.abc import Iterable
 
-from megatron_ext.compat.patch import TESTED_MEGATRON, Needs, Patch, fingerprint, original
+from megatron_ext.compat.patch import TESTED_MEGATRON, Needs, Patch, original, row_fingerprint
 from megatron_ext.compat.table import TABLE
 
 #: Rows every launch may apply, GPU included: the launch's own, those applied by an object the
@@ -59,8 +61,9 @@ def _in_groups(row: Patch, groups: Iterable[str] | None) -> bool:
 
 
 def found_fingerprint(row: Patch) -> str:
-    """The fingerprint of the installed Megatron source of ``row`` (``gone (why)`` if it is not
-    there); for a row checked by what it needs, that need when met, else the kind found."""
+    """The fingerprint of the installed Megatron source of ``row`` over the span that matters to
+    it (:func:`~megatron_ext.compat.patch.row_fingerprint`; ``gone (why)`` if it is not there);
+    for a row checked by what it needs, that need when met, else the kind found."""
     try:
         value = original(row)
     except (RuntimeError, AttributeError, ImportError, OSError, TypeError) as err:
@@ -68,8 +71,8 @@ def found_fingerprint(row: Patch) -> str:
     if isinstance(row.fingerprint, Needs):
         return str(row.fingerprint) if row.fingerprint.met_by(value) else type(value).__qualname__
     try:
-        return fingerprint(value)
-    except (OSError, TypeError) as err:
+        return row_fingerprint(row, value)
+    except (OSError, TypeError, RuntimeError) as err:
         return f"gone ({err})"
 
 
@@ -114,18 +117,37 @@ def check_megatron(
     )
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     """``python -m megatron_ext.compat.check``: each row whose Megatron source changed, with the
-    fingerprint it was checked with and the one found (for a new megatron-core version)."""
+    fingerprint it was checked with and the one found, and whether what it replaces is still there
+    (:func:`~megatron_ext.compat.triage.triage`: still needed, moved, gone); ``--fingerprints``
+    lists every row's fingerprint found (to put in the table once a version is checked)."""
+    from megatron_ext.compat.triage import triage
+
+    parser = argparse.ArgumentParser(prog="python -m megatron_ext.compat.check")
+    parser.add_argument("--fingerprints", action="store_true",
+                        help="print every row's fingerprint on the installed Megatron")  # fmt: skip
+    if parser.parse_args(argv).fingerprints:
+        for row in TABLE:
+            print(f"{row.group:28s} {row.name}: {found_fingerprint(row)}")
+        return 0
     version = installed_megatron()
     print(f"megatron-core {version} (tested: {', '.join(TESTED_MEGATRON)}); {len(TABLE)} rows")
-    changed = 0
+    verdicts: collections.Counter[str] = collections.Counter()
     for row in TABLE:
         found = found_fingerprint(row)
         if found != _expected(row):
-            changed += 1
+            found = "gone" if found.startswith("gone") else found  # the triage says where
+            verdict = triage(row, TABLE)
+            verdicts[verdict.verdict] += 1
             print(f"changed  {row.group:28s} {row.name}: checked {_expected(row)}, found {found}")
-    print(f"{changed} row(s) changed" if changed else "every row's source is as tested")
+            print(f"         {verdict}")
+    changed = sum(verdicts.values())
+    if changed:
+        print(f"{changed} row(s) changed: "
+              + ", ".join(f"{n} {verdict}" for verdict, n in verdicts.most_common()))  # fmt: skip
+    else:
+        print("every row's source is as tested")
     return 1 if changed or version not in TESTED_MEGATRON else 0
 
 

@@ -13,15 +13,16 @@ _LOOP = ("current_device", "synchronize", "empty_cache")
 _RNG = ("get_rng_state", "set_rng_state")
 
 
-def _rows(
-    group: str, module: str, host: HostTorch, reason: str, fps: dict[str, str]
+def _host_rows(
+    *, group: str, module: str, replacement: HostTorch, reason: str, fingerprints: dict[str, str]
 ) -> list[Patch]:
-    """One :class:`HostTorch` row per function of ``module`` (``{attribute: fingerprint}``)."""
-    return [Patch(group, module, attr, host, reason, fp) for attr, fp in fps.items()]
-
-
-def _one(group: str, module: str, attribute: str, factory: str, reason: str, fp: str) -> Patch:
-    return Patch(group, module, attribute, factory, reason, fp)
+    """One :class:`HostTorch` row per function of ``module`` (``{attribute: fingerprint}``), the
+    rest of each row shared."""
+    return [
+        Patch(group=group, module=module, attribute=attribute, replacement=replacement,
+              reason=reason, fingerprint=fingerprint)
+        for attribute, fingerprint in fingerprints.items()
+    ]  # fmt: skip
 
 
 M = "megatron.core."
@@ -30,179 +31,330 @@ CPU = "megatron_ext.cpu.model_stack:"
 LOOP = "megatron_ext.cpu.training_loop:"
 
 CPU_ROWS: list[Patch] = [
-    _one("cpu.rng_tracker", M + "tensor_parallel.random", "_get_cuda_rng_state", CPU + "cpu_rng_state",
-         "reads CUDA RNG state (fork, checkpointing): the CPU generator instead", "de1366f01102a03f"),
-    _one("cpu.rng_tracker", M + "tensor_parallel.random", "_set_cuda_rng_state", CPU + "set_cpu_rng_state",
-         "writes CUDA RNG state: the CPU generator instead", "5a49a6e91b14818e"),
-    *_rows("cpu.rng_tracker", M + "tensor_parallel.random", HostTorch(cuda=(*_RNG, "manual_seed")),
-           "per-TP/EP-rank seeding and forked streams seed and read the CUDA generator", {
-               "CudaRNGStatesTracker.add": "8da82893ff102dd6",
-               "model_parallel_cuda_manual_seed": "40faa191065121d1"}),
-    *_rows("cpu.null_streams", M + "transformer.moe.token_dispatcher", HostTorch(cuda=STREAMS),
-           "a side stream for the batched device-to-host copies of the all-to-all splits", {
-               "MoEAlltoAllTokenDispatcher.__init__": "fe0fbc2b07889a17",
-               "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize": "16d689899261ad81"}),
-    *_rows("cpu.null_streams", M + "distributed.param_and_grad_buffer", HostTorch(cuda=STREAMS),
-           "DDP orders its gradient all-reduce against the current CUDA stream", {
-               "_ParamAndGradBucketGroup.start_grad_sync": "8686bdc99a75bc87",
-               "_ParamAndGradBucketGroup.finish_grad_sync": "997baa31828cc388"}),
-    *_rows("cpu.null_streams", M + "transformer.moe.shared_experts", HostTorch(cuda=STREAMS),
-           "--moe-shared-expert-overlap runs the shared experts on a side CUDA stream", {
-               "_BackwardStreamWait.backward": "aea249d024b7d8ae",
-               "SharedExpertMLP.__init__": "d6fcc82621743c73",
-               "SharedExpertMLP.wait_current_stream": "3f1b17c5087ff6df",
-               "SharedExpertMLP.pre_forward_comm": "957d64575ca937e7",
-               "SharedExpertMLP.linear_fc1_forward_and_act": "43b530a263b08ec3",
-               "SharedExpertMLP.linear_fc2_forward": "471309f99d4f87f4",
-               "SharedExpertMLP.post_forward_comm": "dff1146397c0128f",
-               "SharedExpertMLP.get_output": "a7fb41b99e9d19a7",
-               "FusedSharedExpertMLP.linear_fc1_forward_and_act": "ea064d56707e301f"}),
-    *_rows("cpu.current_device", M + "pipeline_parallel.p2p_communication",
-           HostTorch(cuda=(*STREAMS, "current_device")),
-           "pipeline receive buffers on the current CUDA device; synchronize after send/recv", {
-               "P2PCommunicator._communicate_shapes": "50581397092ea1c7",
-               "P2PCommunicator._communicate": "9d9acc963c0f9589"}),
-    *_rows("cpu.current_device", M + "transformer.moe.router", HostTorch(cuda=("current_device",)),
-           "router weights and aux-loss / expert-bias buffers moved to the current CUDA device", {
-               "Router.gating": "dd6bc5214864dbb4",
-               "TopKRouter.__init__": "98b3f6afb64af96d"}),
-    *_rows("cpu.current_device", M + "models.common.embeddings.rotary_pos_embedding",
-           HostTorch(cuda=("current_device",)), "inv_freq placed on the current CUDA device", {
-               "RotaryEmbedding.__init__": "50a8dbbe6e4ccbec",
-               "RotaryEmbedding.get_emb": "d39f0bd2c2db4733",
-               "MultimodalRotaryEmbedding.__init__": "8b136d6541ebc0c7"}),
-    *_rows("cpu.current_device", M + "utils", HostTorch(cuda=("current_device",)),
-           "scratch buffers and broadcast batches on the current CUDA device", {
-               "GlobalMemoryBuffer.get_tensor": "467ee60cce19d324",
-               "StragglerDetector.configure": "4d20bd5323e59aa7",
-               "get_batch_on_this_tp_rank": "ec8f9840622daed1"}),
-    *_rows("cpu.current_device", M + "tensor_parallel.mappings", HostTorch(cuda=("current_device",)),
-           "TP/EP gather, reduce-scatter and all-to-all outputs on the current CUDA device", {
-               "_gather_along_last_dim": "25a6dd6c38abe2cd",
-               "_gather_along_first_dim": "9ca7b839235cfbc3",
-               "_reduce_scatter_along_first_dim": "f85c2232842ad481",
-               "_AllToAll.forward": "8396805b35bc0341"}),
-    *_rows("cpu.current_device", M + "tensor_parallel.layers", HostTorch(cuda=("current_device",)),
-           "TP layers' weights and sequence-parallel backward buffers on the current CUDA device", {
-               "VocabParallelEmbedding.__init__": "ddc07130f80a8f9e",
-               "LinearWithGradAccumulationAndAsyncCommunication.backward": "034d10a93552d91a",
-               "ColumnParallelLinear.__init__": "fa67d433a1559526",
-               "RowParallelLinear.__init__": "942fb77dd815d97f"}),
-    *_rows("cpu.current_device", M + "distributed.param_and_grad_buffer",
-           HostTorch(cuda=("current_device",)), "DDP gradient buffers on the current CUDA device", {
-               "_ParamAndGradBuffer.__init__": "d9bfbb54b1953b40"}),
-    _one("cpu.split_sizes", M + "transformer.moe.moe_utils", "maybe_move_tensor_to_cpu",
-         CPU + "split_sizes_as_numpy", "converts only CUDA split sizes: gloo's all_to_all_single "
-         "rejects the CPU tensors it leaves at EP >= 2", "d48cb2407326de4b"),
-    _one("cpu.split_sizes", M + "transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu",
-         CPU + "split_sizes_as_numpy", "the dispatcher's own import of the same function",
-         "d48cb2407326de4b"),
-    _one("cpu.default_causal_mask", M + "fusions.fused_softmax", "get_default_causal_mask",
-         CPU + "causal_mask_on_host", 'the local softmax\'s default causal mask has device="cuda"',
-         "0a154dc8d30d1ba6"),
-    *_rows("cpu.schedule_buffers", M + "pipeline_parallel.schedules", HostTorch(factories=True),
-           'the schedules\' token counter is allocated with device="cuda"', {
-               "forward_step": "991fac83a5760919",
-               "forward_backward_no_pipelining": "d2b16e8505301b48",
-               "forward_backward_pipelining_with_interleaving": "e367ab1392a2d872",
-               "forward_backward_pipelining_without_interleaving": "c0443610099bbad6"}),
-    _one("cpu.checkpoint_without_output", M + "tensor_parallel.random",
-         "CheckpointWithoutOutput.__init__", CPU + "checkpoint_without_fp8_state",
-         "fp8=False still sets self.fp8 (fp8 is not None): asks Transformer Engine, absent on CPU",
-         "a09f1ea5661fe43e"),
+    Patch(
+        group="cpu.rng_tracker", module=M + "tensor_parallel.random",
+        attribute="_get_cuda_rng_state", replacement=CPU + "cpu_rng_state",
+        reason="reads CUDA RNG state (fork, checkpointing): the CPU generator instead",
+        fingerprint="de1366f01102a03f",
+    ),
+    Patch(
+        group="cpu.rng_tracker", module=M + "tensor_parallel.random",
+        attribute="_set_cuda_rng_state", replacement=CPU + "set_cpu_rng_state",
+        reason="writes CUDA RNG state: the CPU generator instead", fingerprint="5a49a6e91b14818e",
+    ),
+    *_host_rows(
+        group="cpu.rng_tracker", module=M + "tensor_parallel.random",
+        replacement=HostTorch(cuda=(*_RNG, "manual_seed")),
+        reason="per-TP/EP-rank seeding and forked streams seed and read the CUDA generator",
+        fingerprints={
+            "CudaRNGStatesTracker.add": "9e37f32a754ae1b8",
+            "model_parallel_cuda_manual_seed": "b9c06dfe827c3aa2",
+        },
+    ),
+    *_host_rows(
+        group="cpu.null_streams", module=M + "transformer.moe.token_dispatcher",
+        replacement=HostTorch(cuda=STREAMS),
+        reason="a side stream for the batched device-to-host copies of the all-to-all splits",
+        fingerprints={
+            "MoEAlltoAllTokenDispatcher.__init__": "9e8007d08e514b3b",
+            "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize": "d1fb25bde2c98026",
+        },
+    ),
+    *_host_rows(
+        group="cpu.null_streams", module=M + "distributed.param_and_grad_buffer",
+        replacement=HostTorch(cuda=STREAMS),
+        reason="DDP orders its gradient all-reduce against the current CUDA stream",
+        fingerprints={
+            "_ParamAndGradBucketGroup.start_grad_sync": "9a97123a8533faf3",
+            "_ParamAndGradBucketGroup.finish_grad_sync": "31be343dc9a98d4e",
+        },
+    ),
+    *_host_rows(
+        group="cpu.null_streams", module=M + "transformer.moe.shared_experts",
+        replacement=HostTorch(cuda=STREAMS),
+        reason="--moe-shared-expert-overlap runs the shared experts on a side CUDA stream",
+        fingerprints={
+            "_BackwardStreamWait.backward": "2cf227ed89802b84",
+            "SharedExpertMLP.__init__": "b940156246897d1d",
+            "SharedExpertMLP.wait_current_stream": "5ed1b87063e9df7c",
+            "SharedExpertMLP.pre_forward_comm": "e58f10a30fa87464",
+            "SharedExpertMLP.linear_fc1_forward_and_act": "e58f10a30fa87464",
+            "SharedExpertMLP.linear_fc2_forward": "e58f10a30fa87464",
+            "SharedExpertMLP.post_forward_comm": "e58f10a30fa87464",
+            "SharedExpertMLP.get_output": "2a361f4186b8da09",
+            "FusedSharedExpertMLP.linear_fc1_forward_and_act": "e58f10a30fa87464",
+        },
+    ),
+    *_host_rows(
+        group="cpu.current_device", module=M + "pipeline_parallel.p2p_communication",
+        replacement=HostTorch(cuda=(*STREAMS, "current_device")),
+        reason="pipeline receive buffers on the current CUDA device; synchronize after send/recv",
+        fingerprints={
+            "P2PCommunicator._communicate_shapes": "ee0cc8fb8ec43d0a",
+            "P2PCommunicator._communicate": "d57c8bb1fe2c07f1",
+        },
+    ),
+    *_host_rows(
+        group="cpu.current_device", module=M + "transformer.moe.router",
+        replacement=HostTorch(cuda=("current_device",)),
+        reason="router weights and aux-loss / expert-bias buffers moved to the current CUDA "
+               "device",
+        fingerprints={
+            "Router.gating": "ce6c2be554547dc2",
+            "TopKRouter.__init__": "847894ef2e08c2f9",
+        },
+    ),
+    *_host_rows(
+        group="cpu.current_device", module=M + "models.common.embeddings.rotary_pos_embedding",
+        replacement=HostTorch(cuda=("current_device",)),
+        reason="inv_freq placed on the current CUDA device",
+        fingerprints={
+            "RotaryEmbedding.__init__": "1df6f21e70c44c53",
+            "RotaryEmbedding.get_emb": "79bc993836b95a61",
+            "MultimodalRotaryEmbedding.__init__": "1619faf194bba9f0",
+        },
+    ),
+    *_host_rows(
+        group="cpu.current_device", module=M + "utils",
+        replacement=HostTorch(cuda=("current_device",)),
+        reason="scratch buffers and broadcast batches on the current CUDA device",
+        fingerprints={
+            "GlobalMemoryBuffer.get_tensor": "37b46187c8687035",
+            "StragglerDetector.configure": "64a59ba3f4194114",
+            "get_batch_on_this_tp_rank": "c0f3e6393bd5c9cc",
+        },
+    ),
+    *_host_rows(
+        group="cpu.current_device", module=M + "tensor_parallel.mappings",
+        replacement=HostTorch(cuda=("current_device",)),
+        reason="TP/EP gather, reduce-scatter and all-to-all outputs on the current CUDA device",
+        fingerprints={
+            "_gather_along_last_dim": "24bc5a8163af6f25",
+            "_gather_along_first_dim": "134fb51b273a6356",
+            "_reduce_scatter_along_first_dim": "24bc5a8163af6f25",
+            "_AllToAll.forward": "f1eb4a62a2cab13d",
+        },
+    ),
+    *_host_rows(
+        group="cpu.current_device", module=M + "tensor_parallel.layers",
+        replacement=HostTorch(cuda=("current_device",)),
+        reason="TP layers' weights and sequence-parallel backward buffers on the current CUDA "
+               "device",
+        fingerprints={
+            "VocabParallelEmbedding.__init__": "0f6799a4048669c0",
+            "LinearWithGradAccumulationAndAsyncCommunication.backward": "617a2e3a6959b413",
+            "ColumnParallelLinear.__init__": "ba499b8f6c6ee295",
+            "RowParallelLinear.__init__": "187fcd81ca8e92e7",
+        },
+    ),
+    *_host_rows(
+        group="cpu.current_device", module=M + "distributed.param_and_grad_buffer",
+        replacement=HostTorch(cuda=("current_device",)),
+        reason="DDP gradient buffers on the current CUDA device",
+        fingerprints={
+            "_ParamAndGradBuffer.__init__": "ab01ecf87c1546f2",
+        },
+    ),
+    Patch(
+        group="cpu.split_sizes", module=M + "transformer.moe.moe_utils",
+        attribute="maybe_move_tensor_to_cpu", replacement=CPU + "split_sizes_as_numpy",
+        reason="converts only CUDA split sizes: gloo's all_to_all_single rejects the CPU tensors "
+               "it leaves at EP >= 2",
+        fingerprint="d48cb2407326de4b",
+    ),
+    Patch(
+        group="cpu.split_sizes", module=M + "transformer.moe.token_dispatcher",
+        attribute="maybe_move_tensor_to_cpu", replacement=CPU + "split_sizes_as_numpy",
+        reason="the dispatcher's own import of the same function", fingerprint="d48cb2407326de4b",
+    ),
+    Patch(
+        group="cpu.default_causal_mask", module=M + "fusions.fused_softmax",
+        attribute="get_default_causal_mask", replacement=CPU + "causal_mask_on_host",
+        reason="the local softmax's default causal mask has "
+               "device=\"cuda\"", fingerprint="0a154dc8d30d1ba6",
+    ),
+    *_host_rows(
+        group="cpu.schedule_buffers", module=M + "pipeline_parallel.schedules",
+        replacement=HostTorch(factories=True),
+        reason="the schedules' token counter is allocated with device=\"cuda\"",
+        fingerprints={
+            "forward_step": "585763aef20d0ec3",
+            "forward_backward_no_pipelining": "39364e8e83adeb15",
+            "forward_backward_pipelining_with_interleaving": "39364e8e83adeb15",
+            "forward_backward_pipelining_without_interleaving": "39364e8e83adeb15",
+        },
+    ),
+    Patch(
+        group="cpu.checkpoint_without_output", module=M + "tensor_parallel.random",
+        attribute="CheckpointWithoutOutput.__init__",
+        replacement=CPU + "checkpoint_without_fp8_state",
+        reason="fp8=False still sets self.fp8 (fp8 is not None): asks Transformer Engine, absent "
+               "on CPU",
+        depends_on=("fp8 is not None",), fingerprint="77372a149cf3adb8",
+    ),
 ]  # fmt: skip
 
 LOOP_ROWS: list[Patch] = [
-    *_rows("cpu_loop.initialize", T + "initialize", HostTorch(cuda=(*_LOOP, "device_count", "set_device"),
-           factories=True), "initialisation skips model parallelism and seeding without a CUDA "
-           "device and places tensors on it", {
-               "initialize_megatron": "8fe56d11efb14104",
-               "_initialize_distributed": "25f36f186cd6415a",
-               "_set_random_seed": "cfac9806e33722ab",
-               "_warmup_jit_function": "6309e1dddc2c502b"}),
-    _one("cpu_loop.initialize", T + "training", "initialize_megatron", LOOP + "allowing_no_cuda",
-         "pretrain's initialize_megatron asserts CUDA unless allow_no_cuda", "8fe56d11efb14104"),
-    *_rows("cpu_loop.training", T + "training", HostTorch(cuda=(*_LOOP, "Stream", "current_stream",
-           "stream"), factories=True), 'start-time all-reduces, loss dictionaries and data-loader '
-           'flags on device="cuda"; synchronize / empty_cache; get_model\'s side stream', {
-               "update_seqlen_stats_from_cu_seqlens": "697a4f86585a27bc",
-               "pretrain": "cf3a4792ac4963c5",
-               "get_model": "5eddcbc2b0bf91da",
-               "get_megatron_ddp_config": "06d441fcb741f952",
-               "setup_model_and_optimizer": "32168fc86eab12a1",
-               "dummy_train_step": "54aa1881a6f80bd4",
-               "train_step": "24a1feeb0a08d846",
-               "training_log": "2da9e48509db96c4",
-               "save_checkpoint_and_time": "d526e97cbdb6bf51",
-               "post_training_step_callbacks": "187c2edb40138930",
-               "checkpoint_and_decide_exit": "9698928544cfed9c",
-               "train": "075c9c627c6f197a",
-               "evaluate": "0531c445cb0eea0f",
-               "evaluate_and_print_results": "3f2914b37a4096bb",
-               "build_train_valid_test_data_loaders": "73358ab15a927c18",
-               "build_train_valid_test_data_iterators": "e9cb1d9938fbbce7"}),
-    _one("cpu_loop.training", T + "training", "get_model", LOOP + "model_left_on_host",
-         "get_model moves each stage with model.cuda(current_device)", "5eddcbc2b0bf91da"),
-    *_rows("cpu_loop.timers", M + "timers", HostTorch(cuda=_LOOP, factories=True),
-           "synchronize around timed regions; the all-gather buffer on the current device", {
-               "Timer.start": "9320ba926eedaf20",
-               "Timer.stop": "6f214274e2cd305d",
-               "Timers._get_elapsed_time_all_ranks": "777e0dca123d470c"}),
-    *_rows("cpu_loop.optimizer", M + "optimizer.optimizer", HostTorch(cuda=_LOOP, factories=True),
-           'loss-scale and found_inf buffers with device="cuda"', {
-               "MegatronOptimizer.has_grad_norm_group": "183a0ed9e6514f73",
-               "MegatronOptimizer.offload_to_cpu": "35c369ba60564512",
-               "MegatronOptimizer.restore_from_cpu": "fa1e409dc0e2c4c7",
-               "MixedPrecisionOptimizer.__init__": "01123f834a0ac05b",
-               "FP32Optimizer.__init__": "49454dd5196cd8c8",
-               "ChainedOptimizer.get_loss_scale": "49cb70a26d3c6d3a"}),
-    *_rows("cpu_loop.rng_checkpoint", M + "rerun_state_machine", HostTorch(cuda=(*_LOOP, *_RNG),
-           factories=True), "the rerun state machine captures CUDA RNG state and reduces on the "
-           "current device", {
-               "RerunStateMachine._reduce_any": "14be74e3dbf7e7fd",
-               "RerunStateMachine.validate_result": "53f746ba2f9f5640",
-               "RerunStateMachine._save_state": "ffb8b39b8cf5df4b",
-               "RerunStateMachine._restore_state": "cc9795e0974e7f19",
-               "RerunStateMachine._log_validation_error_to_file": "7d03d5a6b56cb055"}),
-    *_rows("cpu_loop.rng_checkpoint", T + "checkpointing", HostTorch(cuda=(*_LOOP, *_RNG),
-           factories=True), "checkpoints save and restore CUDA RNG state", {
-               "read_metadata": "80c8505f8c7a46b4",
-               "get_rng_state": "1bbe2c2b1ae41011",
-               "load_checkpoint": "8f460d583f0bbf80"}),
-    _one("cpu_loop.rng_checkpoint", T + "training", "build_train_valid_test_data_iterators",
-         LOOP + "iterators_leaving_the_generator",
-         "with CUDA RNG on the CPU generator, data-loader seeds would move dropout's draws",
-         "e9cb1d9938fbbce7"),
-    *_rows("cpu_loop.checkpoint_dist", M + "dist_checkpointing.strategies.filesystem_async",
-           HostTorch(cuda=_LOOP, factories=True), "torch_dist saves synchronize after copying to the host", {
-               "FileSystemWriterAsync.prepare_write_data": "6ba80eae1cf40d9b",
-               "FileSystemWriterAsync.preload_tensors": "27be0f958fb1057b"}),
-    *_rows("cpu_loop.checkpoint_dist", M + "dist_checkpointing.strategies.state_dict_saver",
-           HostTorch(cuda=_LOOP, factories=True), "the save's failure flag on the current device", {
-               "verify_global_md_reuse": "35910b35ef7f8f7c",
-               "save_state_dict_async_finalize": "46bcb6be1e096e97"}),
-    *_rows("cpu_loop.grad_norm", M + "optimizer.clip_grads", HostTorch(cuda=_LOOP, factories=True),
-           'gradient norms allocated with device="cuda"', {
-               "get_grad_norm_fp32": "9a16025900adb637",
-               "count_zeros_fp32": "8aaa23e506d1effd"}),
-    *_rows("cpu_loop.grad_norm", M + "utils", HostTorch(cuda=_LOOP, factories=True),
-           'the local multi-tensor L2 norm returns its norm on "cuda"', {
-               "local_multi_tensor_l2_norm": "afdb0d1778923660",
-               "check_param_hashes_across_dp_replicas": "60066b8294cefbc8",
-               "drain_embedding_wgrad_compute": "31c8285dcf95f32d",
-               "StragglerDetector.start_method": "bcb26a2d92b96d69",
-               "StragglerDetector.stop_method": "590b72c7fe842e37",
-               "StragglerDetector.elapsed": "c38b6791b852bc90"}),
-    _one("cpu_loop.grad_norm", M + "optimizer.clip_grads", "clip_grad_by_total_norm_fp32",
-         LOOP + "clip_by_total_norm", "asserts grad.type() == 'torch.cuda.FloatTensor': a copy of "
-         "its body reads it as fp32", "786426254ea8f52b"),
-    _one("cpu_loop.grad_norm", M + "optimizer.optimizer", "clip_grad_by_total_norm_fp32",
-         LOOP + "clip_by_total_norm", "the optimizer's own import of the same function",
-         "786426254ea8f52b"),
-    *_rows("cpu_loop.common_utils", T + "utils.common_utils", HostTorch(cuda=_LOOP, factories=True),
-           'parameter norms, loss averaging and max-stat reductions on "cuda"', {
-               "_compute_norm_2": "91135cb7c5bf3fb8",
-               "calc_dtensor_params_l2_norm": "bacf938aec75c0e4",
-               "reduce_max_stat_across_model_parallel_group": "8ab40e5c08c5f1ac",
-               "logical_and_across_model_parallel_group": "9dbc211532df8b59"}),
+    *_host_rows(
+        group="cpu_loop.initialize", module=T + "initialize",
+        replacement=HostTorch(cuda=(*_LOOP, "device_count", "set_device"),
+                    factories=True),
+        reason="initialisation skips model parallelism and seeding without a CUDA device and "
+               "places tensors on it",
+        fingerprints={
+            "initialize_megatron": "c200e93b2b7d3430",
+            "_initialize_distributed": "a91bf896eab37d88",
+            "_set_random_seed": "7d6fdbed55259f3e",
+            "_warmup_jit_function": "b4a8a7deb5e886d8",
+        },
+    ),
+    Patch(
+        group="cpu_loop.initialize", module=T + "training", attribute="initialize_megatron",
+        replacement=LOOP + "allowing_no_cuda",
+        reason="pretrain's initialize_megatron asserts CUDA unless allow_no_cuda",
+        depends_on=("allow_no_cuda",), fingerprint="9ead1367c28de2ab",
+    ),
+    *_host_rows(
+        group="cpu_loop.training", module=T + "training",
+        replacement=HostTorch(cuda=(*_LOOP, "Stream", "current_stream",
+                    "stream"), factories=True),
+        reason="start-time all-reduces, loss dictionaries and data-loader flags on device=\"cuda\";"
+               " synchronize / empty_cache; get_model's side stream",
+        fingerprints={
+            "update_seqlen_stats_from_cu_seqlens": "95798100ac67b6d5",
+            "pretrain": "9d25dd9a13ff826f",
+            "get_model": "7055fe72c8a7696d",
+            "train_step": "0f1198c0530c7957",
+            "training_log": "2e3af6928160a254",
+            "save_checkpoint_and_time": "e2167366234935e1",
+            "post_training_step_callbacks": "ec9a2c24c76143a3",
+            "checkpoint_and_decide_exit": "03ea3a82b13f1f2a",
+            "train": "abb637e3fe328d65",
+            "evaluate": "83f283b158108289",
+            "evaluate_and_print_results": "e8b85f9f8f68187f",
+            "build_train_valid_test_data_loaders": "741f84a181ebe929",
+            "build_train_valid_test_data_iterators": "d39d42eca95ca3fe",
+        },
+    ),
+    Patch(
+        group="cpu_loop.training", module=T + "training", attribute="get_model",
+        replacement=LOOP + "model_left_on_host",
+        reason="get_model moves each stage with "
+               "model.cuda(current_device)", depends_on=(".cuda(",),
+        fingerprint="aeceb50349c68e1c",
+    ),
+    *_host_rows(
+        group="cpu_loop.timers", module=M + "timers",
+        replacement=HostTorch(cuda=_LOOP, factories=True),
+        reason="synchronize around timed regions; the all-gather buffer on the current device",
+        fingerprints={
+            "Timer.start": "193e9af8222a4985",
+            "Timer.stop": "193e9af8222a4985",
+            "Timers._get_elapsed_time_all_ranks": "86b8d3a16149a7bc",
+        },
+    ),
+    *_host_rows(
+        group="cpu_loop.optimizer", module=M + "optimizer.optimizer",
+        replacement=HostTorch(cuda=_LOOP, factories=True),
+        reason="loss-scale and found_inf buffers with device=\"cuda\"",
+        fingerprints={
+            "MegatronOptimizer.has_grad_norm_group": "5d8c5a1fe4d2c752",
+            "MegatronOptimizer.offload_to_cpu": "e2167366234935e1",
+            "MixedPrecisionOptimizer.__init__": "7b114b7ace23147b",
+            "FP32Optimizer.__init__": "53b51070ca3c79d5",
+            "ChainedOptimizer.get_loss_scale": "2f5bd36b600350b8",
+        },
+    ),
+    *_host_rows(
+        group="cpu_loop.rng_checkpoint", module=M + "rerun_state_machine",
+        replacement=HostTorch(cuda=(*_LOOP, *_RNG),
+                    factories=True),
+        reason="the rerun state machine captures CUDA RNG state and reduces on the current device",
+        fingerprints={
+            "RerunStateMachine._reduce_any": "de5eb0b1cb82428c",
+            "RerunStateMachine.validate_result": "9a4c5b2f0118bbdf",
+            "RerunStateMachine._save_state": "9609eab7986b7dc1",
+            "RerunStateMachine._restore_state": "762d2832b88a20d8",
+            "RerunStateMachine._log_validation_error_to_file": "16e5efbed60c2449",
+        },
+    ),
+    *_host_rows(
+        group="cpu_loop.rng_checkpoint", module=T + "checkpointing",
+        replacement=HostTorch(cuda=(*_LOOP, *_RNG),
+                    factories=True),
+        reason="checkpoints save and restore CUDA RNG state",
+        fingerprints={
+            "read_metadata": "060f18f3460d80c0",
+            "get_rng_state": "53c8efafc8795f32",
+            "load_checkpoint": "e9a41e69786c378f",
+        },
+    ),
+    Patch(
+        group="cpu_loop.rng_checkpoint", module=T + "training",
+        attribute="build_train_valid_test_data_iterators",
+        replacement=LOOP + "iterators_leaving_the_generator",
+        reason="with CUDA RNG on the CPU generator, data-loader seeds would move dropout's draws",
+        fingerprint="e9cb1d9938fbbce7",
+    ),
+    *_host_rows(
+        group="cpu_loop.checkpoint_dist",
+        module=M + "dist_checkpointing.strategies.filesystem_async",
+        replacement=HostTorch(cuda=_LOOP, factories=True),
+        reason="torch_dist saves synchronize after copying to the host",
+        fingerprints={
+            "FileSystemWriterAsync.prepare_write_data": "39f5a4a38751487f",
+            "FileSystemWriterAsync.preload_tensors": "193e9af8222a4985",
+        },
+    ),
+    *_host_rows(
+        group="cpu_loop.checkpoint_dist",
+        module=M + "dist_checkpointing.strategies.state_dict_saver",
+        replacement=HostTorch(cuda=_LOOP, factories=True),
+        reason="the save's failure flag on the current device",
+        fingerprints={
+            "verify_global_md_reuse": "9db98f4868b4b8f0",
+            "save_state_dict_async_finalize": "b7286e8c243c177f",
+        },
+    ),
+    *_host_rows(
+        group="cpu_loop.grad_norm", module=M + "optimizer.clip_grads",
+        replacement=HostTorch(cuda=_LOOP, factories=True),
+        reason="gradient norms allocated with device=\"cuda\"",
+        fingerprints={
+            "get_grad_norm_fp32": "cc6e9be7411f610a",
+            "count_zeros_fp32": "ec1fe0449e88d56c",
+        },
+    ),
+    *_host_rows(
+        group="cpu_loop.grad_norm", module=M + "utils",
+        replacement=HostTorch(cuda=_LOOP, factories=True),
+        reason="the local multi-tensor L2 norm returns its norm on \"cuda\"",
+        fingerprints={
+            "local_multi_tensor_l2_norm": "72982f1de13a0114",
+            "StragglerDetector.elapsed": "274f7dfb65583eaf",
+        },
+    ),
+    Patch(
+        group="cpu_loop.grad_norm", module=M + "optimizer.clip_grads",
+        attribute="clip_grad_by_total_norm_fp32", replacement=LOOP + "clip_by_total_norm",
+        reason="asserts grad.type() == 'torch.cuda.FloatTensor': a copy of its body reads it as "
+               "fp32",
+        fingerprint="786426254ea8f52b",
+    ),
+    Patch(
+        group="cpu_loop.grad_norm", module=M + "optimizer.optimizer",
+        attribute="clip_grad_by_total_norm_fp32", replacement=LOOP + "clip_by_total_norm",
+        reason="the optimizer's own import of the same function", fingerprint="786426254ea8f52b",
+    ),
+    *_host_rows(
+        group="cpu_loop.common_utils", module=T + "utils.common_utils",
+        replacement=HostTorch(cuda=_LOOP, factories=True),
+        reason="parameter norms, loss averaging and max-stat reductions on \"cuda\"",
+        fingerprints={
+            "_compute_norm_2": "85d578259008e097",
+            "calc_dtensor_params_l2_norm": "8d0ed32ad1d5a76d",
+            "reduce_max_stat_across_model_parallel_group": "1579a7f30c61cc8f",
+            "logical_and_across_model_parallel_group": "b00a0975cc41f663",
+        },
+    ),
 ]  # fmt: skip

@@ -1,10 +1,11 @@
 """One row of the compatibility table (:class:`Patch`), its fingerprint, and applying rows reversibly.
 
 A row names a Megatron attribute (``module`` + dotted ``attribute``), what replaces it and why, the
-megatron-core versions it was checked on and a fingerprint of the source it replaces: the sha256 of
-the attribute's source lines without indentation, blank or comment-only lines, so a change of code
-or docstring (not of layout) changes the fingerprint. :func:`patched` applies rows for the length of a block and
-puts every original back; :func:`apply` keeps them (a launch). Applying is idempotent per row.
+megatron-core versions it was checked on and a fingerprint of the narrowest span of source that
+matters to it (:func:`row_fingerprint`): the sha256 of those source lines without indentation,
+blank or comment-only lines, so a change of code (not of layout) there changes the fingerprint.
+:func:`patched_rows` applies rows for the length of a block and puts every original back;
+:func:`apply` keeps them (a launch). Applying is idempotent per row.
 
 Example::
 
@@ -17,13 +18,13 @@ import contextlib
 import hashlib
 import importlib
 import inspect
-import linecache
 import types
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from megatron_ext.compat.host_torch import HostTorch, innermost_function, rebind, renamed_code
+from megatron_ext.compat.span import cuda_span, fragment_span, function_lines, span_text
 
 #: The megatron-core versions every row of the table was checked on.
 TESTED_MEGATRON = ("0.19.2",)
@@ -54,9 +55,9 @@ class Needs:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Patch:
-    """One change megatron_ext makes to Megatron's behaviour.
+    """One change megatron_ext makes to Megatron's behaviour (keyword data: one row of table.py).
 
     Attributes:
         group: What applies it (``cpu.*``, ``cpu_loop.*``, ``launch``, ...); see table.py.
@@ -66,8 +67,13 @@ class Patch:
             host), ``"package.module:factory"`` (``factory(original)`` returns the new value), or
             ``None`` for a row applied by its owner (named in ``reason``) or a body copied from it.
         reason: Why Megatron's own behaviour does not do.
-        fingerprint: :func:`fingerprint` of the original on the versions in ``checked_on``, or
-            the :class:`Needs` of a value that is not Megatron-defined code.
+        fingerprint: :func:`row_fingerprint` of the original on the versions in ``checked_on``,
+            or the :class:`Needs` of a value that is not Megatron-defined code.
+        depends_on: Fragments of the lines of Megatron's function the replacement exists for
+            (``"sys.exit()"``): the row fingerprints only the statements holding them, and the
+            check says whether they are still there. Empty: a :class:`HostTorch` row's are its
+            CUDA calls; any other row's the whole function or class (a factory that replaces the
+            body, a copy).
         checked_on: megatron-core versions the row was checked on.
     """
 
@@ -77,7 +83,13 @@ class Patch:
     replacement: HostTorch | str | None
     reason: str
     fingerprint: "str | Needs"
+    depends_on: tuple[str, ...] = ()
     checked_on: tuple[str, ...] = TESTED_MEGATRON
+
+    def __post_init__(self) -> None:
+        assert not (self.depends_on and isinstance(self.replacement, HostTorch)), (
+            f"{self.name}: a HostTorch row depends on the CUDA calls it reroutes"
+        )
 
     @property
     def name(self) -> str:
@@ -110,15 +122,14 @@ def original(row: Patch) -> Any:
     return owner.__dict__.get(name, getattr(owner, name))
 
 
-def _last_line(code: types.CodeType) -> int:
-    """The last source line of ``code`` and the code nested in it (closing brackets included)."""
-    ends = [end for _, end, _, _ in code.co_positions() if end is not None]
-    nested = [_last_line(c) for c in code.co_consts if isinstance(c, types.CodeType)]
-    return max([code.co_firstlineno, *ends, *nested])
+def _digest(lines: list[str]) -> str:
+    """sha256 (16 hex digits) of ``lines``, each stripped, blank and comment-only lines dropped."""
+    kept = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+    return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
 
 
 def fingerprint(obj: Any) -> str:
-    """sha256 (16 hex digits) of ``obj``'s source lines, each stripped, blank and comment-only lines
+    """The digest of all of ``obj``'s source lines, each stripped, blank and comment-only lines
     dropped: a change of code or docstring changes it, a change of indentation or comments does not.
 
     A function's lines are read off its code object (no tokenizing: a launch hashes ~100 of them in
@@ -127,15 +138,36 @@ def fingerprint(obj: Any) -> str:
     obj = getattr(obj, "__func__", obj)
     obj = inspect.unwrap(obj) if callable(obj) and not isinstance(obj, type) else obj
     if isinstance(obj, types.FunctionType):
-        code = obj.__code__
-        linecache.checkcache(code.co_filename)  # one stat: a file edited since it was read
-        lines = linecache.getlines(code.co_filename)[code.co_firstlineno - 1 : _last_line(code)]
+        lines = function_lines(obj)[1]
     elif isinstance(obj, type):
         lines = inspect.getsource(obj).splitlines()
     else:  # None where an optional kernel is not installed, a number: a row's Needs checks those
         raise TypeError(f"a {type(obj).__qualname__} has no source to fingerprint")
-    kept = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
-    return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
+    return _digest(lines)
+
+
+def replaced_function(row: Patch, value: Any) -> types.FunctionType:
+    """The Megatron function behind ``value`` (the row's original) whose source the row reads: the
+    body a :class:`HostTorch` row rebinds, else the innermost function of a decorator chain."""
+    if isinstance(row.replacement, HostTorch):
+        return innermost_function(value, importlib.import_module(row.module).__file__)
+    function = inspect.unwrap(getattr(value, "__func__", value))
+    if not isinstance(function, types.FunctionType):
+        raise TypeError(f"a {type(function).__qualname__} has no lines to depend on")
+    return function
+
+
+def row_fingerprint(row: Patch, value: Any) -> str:
+    """The fingerprint of ``value`` (the row's original) over the span that matters to ``row``: a
+    :class:`HostTorch` row's statements that touch CUDA, the statements holding a row's
+    ``depends_on``, else the whole function or class (:func:`fingerprint`)."""
+    if isinstance(row.replacement, HostTorch):
+        function = replaced_function(row, value)
+        return _digest(span_text(function, cuda_span(function)))
+    if row.depends_on:
+        function = replaced_function(row, value)
+        return _digest(span_text(function, fragment_span(function, row.depends_on)))
+    return fingerprint(value)
 
 
 def _alias(row: Patch) -> str:

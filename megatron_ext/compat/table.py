@@ -12,6 +12,10 @@ Groups (what applies them):
 - ``owned``: applied by the object named in the reason (per model, undone by it); ``copied``: a
   Megatron body copied and edited in megatron_ext, fingerprinted so an upstream change is noticed.
 
+Each row is keyword data (:class:`~megatron_ext.compat.patch.Patch`); a factory is named as a string
+(``"megatron_ext.training.checkpoint_checks:exiting_nonzero"``) and lives beside the feature it
+belongs to, so this table imports none of them and ``compat/`` imports no feature (docs/compat.md).
+
 :func:`megatron_ext.compat.check.check_megatron` compares, at startup, the fingerprint of every row the
 launch applies (a value that is not Megatron's code, such as an optional Transformer Engine kernel,
 by what the row needs of it: :class:`~megatron_ext.compat.patch.Needs`).
@@ -25,82 +29,137 @@ M = "megatron.core."
 T = "megatron.training."
 
 OTHER_ROWS: list[Patch] = [
-    Patch("launch", M + "datasets.utils", "compile_helpers",
-          "megatron_ext.training.startup:compile_only_without_prebuilt",
-          "runs make on every launch; the 0.19.2 wheel ships helpers_cpp but no Makefile",
-          "6891d190987884a0"),
-    Patch("launch", T + "training", "training_log",
-          "megatron_ext.training.loss_log:resetting_after_regular_first_line",
-          "a first logged iteration on the schedule does not reset the loss sums",
-          "2da9e48509db96c4"),
-    Patch("launch", T + "training", "load_checkpoint",
-          "megatron_ext.training.checkpoint_checks:exiting_nonzero",
-          "a failed load exits with a bare sys.exit() (status 0)", "8f460d583f0bbf80"),
-    Patch("launch", T + "training", "save_checkpoint",
-          "megatron_ext.training.checkpoint_save:failing_in_one_line",
-          "a failed save ends in tracebacks on every rank", "ce51bc5c0ad82c65"),
-    Patch("launch", M + "dist_checkpointing.strategies.filesystem_async",
-          "FileSystemWriterAsync.write_preloaded_data",
-          "megatron_ext.training.checkpoint_save:recording_write_errors",
-          "the torch_dist writer keeps only the class of a failed write's OSError (no file, no "
-          "errno: a full disk never says so)", "8364a85920565d66"),
-    Patch("launch", M + "optimizer.optimizer", "MegatronOptimizer._filter_and_reorder_param_groups",
-          "megatron_ext.training.resume_checks:matching_groups_across_lr",
-          "keys the saved param groups by max_lr/min_lr too: a resume with another --lr finds no "
-          "group ('Could not find parameter group') even with the scheduler flags",
-          "dc405c26824a0b9d"),
-    Patch("validate_on_target", T + "arguments", "validate_args",
-          HostTorch(cuda=("get_device_capability",)),
-          "--moe-grouped-gemm asks the CUDA device's capability: the target's (9.0) instead",
-          "a6b2fd0a77a7ceec"),
-    Patch("validate_on_target", T + "arguments", "get_device_arch_version",
-          "megatron_ext.cpu.model_stack:target_arch_version", "TP/CP > 1 asks the CUDA device's architecture",
-          "2727950b6827d63b"),
-    Patch("fp4_rehearsal", T + "arguments", "is_te_min_version",
-          "megatron_ext.pretrain_gpt:passing_nvfp4_te_check",
-          "--fp4-format requires Transformer Engine >= 2.7, which a --cpu rehearsal never runs",
-          "50cbdaa14235331a"),
-    Patch("dry_run_target", M + "transformer.transformer_config", "is_te_min_version",
-          "megatron_ext.training.dry_run:current_te",
-          "a dry run without Transformer Engine validates as the target with a current one",
-          "50cbdaa14235331a"),
-    Patch("dry_run_target", M + "models.common.embeddings.rope_utils",
-          "fused_apply_rotary_pos_emb", "megatron_ext.training.dry_run:on_the_target_only",
-          "a dry run's checks ask whether the fused RoPE kernel is there (Megatron binds it to "
-          "Transformer Engine's kernel where TE imports, else None: checked by kind)",
-          Needs(("callable", "None"))),
-    Patch("owned", M + "transformer.moe.router_replay", "RouterReplay",
-          None, "route replay swaps KeyedRouterReplay into RouterReplay.global_router_replay_instances "
-          "(megatron_ext.replay.keyed_router_replay.swap_in; RouteReplayBinding.remove undoes it)",
-          "66dce7a4db535981"),
-    Patch("owned", T + "global_vars", "get_args", None,
-          "the resume checks set _GLOBAL_ARGS, which get_args returns, to a copy of the run's "
-          "arguments for the length of a check (megatron_ext.training.resume_checks.megatron_args)",
-          "6d17a5a434280b25"),
-    Patch("owned", T + "training", "_TRAIN_START_TIME", None,
-          "a rank forked from the tests' preloaded server sets Megatron's start clocks "
-          "(_TRAIN_START_TIME, _LEGACY_TRAIN_START_TIME) to its own start "
-          "(megatron_ext.rehearse.rank_server)", Needs(("float",))),
-    Patch("launch", T + "arguments", "_print_args",
-          "megatron_ext.training.launch_log:dump_only_when_asked",
-          "the argument dump (about 840 lines) prints only with --log-arguments or --verbose "
-          "(also for the length of parsing: megatron_ext.training.launch_log.argument_dump_when_asked)",
-          "8a36ca04315ab55f"),
-    Patch("launch", T + "training", "report_memory",
-          "megatron_ext.training.launch_log:memory_report_where_it_applies",
-          "without CUDA every number is 0.00: left out unless --log-memory-interval asks for it",
-          "b06092c071ec7d17"),
-    Patch("launch", T + "training", "report_theoretical_memory",
-          "megatron_ext.training.launch_log:estimate_where_there_is_one",
-          "a HybridModel only prints that it has no estimate: left out for one", "bc3e9d955cf15308"),
-    Patch("launch", M + "dist_checkpointing.strategies.torch", "TorchDistSaveShardedStrategy.save",
-          "megatron_ext.training.launch_log:save_without_async_deprecation",
-          "logs the async-save deprecation on every synchronous save: that one record is dropped "
-          "while it saves when --async-save is off", "e49585f4e59242fe"),
-    Patch("copied", M + "transformer.moe.token_dispatcher",
-          "MoEAlltoAllTokenDispatcher.dispatch_preprocess", None,
-          "copied and edited in megatron_ext.moe.token_dispatcher (the pad folded into the permute)",
-          "a4ba9a56bc9e95e0"),
+    Patch(
+        group="launch", module=M + "datasets.utils", attribute="compile_helpers",
+        replacement="megatron_ext.training.startup:compile_only_without_prebuilt",
+        reason="runs make on every launch; the 0.19.2 wheel ships helpers_cpp but no Makefile",
+        depends_on=('"make"',), fingerprint="87a7db118f42b6c2",
+    ),
+    Patch(
+        group="launch", module=T + "training", attribute="training_log",
+        replacement="megatron_ext.training.loss_log:resetting_after_regular_first_line",
+        reason="a first logged iteration on the schedule does not reset the loss sums",
+        depends_on=("should_reset = not is_first_iteration",), fingerprint="64581b1cedb54973",
+    ),
+    Patch(
+        group="launch", module=T + "training", attribute="load_checkpoint",
+        replacement="megatron_ext.training.checkpoint_checks:exiting_nonzero",
+        reason="a failed load exits with a bare sys.exit() (status 0)", depends_on=("sys.exit()",),
+        fingerprint="0308bfe5a29362e4",
+    ),
+    Patch(
+        group="launch", module=T + "training", attribute="save_checkpoint",
+        replacement="megatron_ext.training.checkpoint_save:failing_in_one_line",
+        reason="a failed save ends in tracebacks on every rank", fingerprint="ce51bc5c0ad82c65",
+    ),
+    Patch(
+        group="launch", module=M + "dist_checkpointing.strategies.filesystem_async",
+        attribute="FileSystemWriterAsync.write_preloaded_data",
+        replacement="megatron_ext.training.checkpoint_save:recording_write_errors",
+        reason="the torch_dist writer keeps only the class of a failed write's OSError (no file, "
+               "no errno: a full disk never says so)",
+        depends_on=("except Exception as e", "local_output = (local_proc_idx, e)"),
+        fingerprint="4e62711da13049b0",
+    ),
+    Patch(
+        group="launch", module=M + "optimizer.optimizer",
+        attribute="MegatronOptimizer._filter_and_reorder_param_groups",
+        replacement="megatron_ext.training.resume_checks:matching_groups_across_lr",
+        reason="keys the saved param groups by max_lr/min_lr too: a resume with another --lr finds "
+               "no group ('Could not find parameter group') even with the scheduler flags",
+        fingerprint="dc405c26824a0b9d",
+    ),
+    Patch(
+        group="validate_on_target", module=T + "arguments", attribute="validate_args",
+        replacement=HostTorch(cuda=("get_device_capability",)),
+        reason="--moe-grouped-gemm asks the CUDA device's capability: the target's (9.0) instead",
+        fingerprint="3fc0e5b77700f3a4",
+    ),
+    Patch(
+        group="validate_on_target", module=T + "arguments", attribute="get_device_arch_version",
+        replacement="megatron_ext.cpu.model_stack:target_arch_version",
+        reason="TP/CP > 1 asks the CUDA device's architecture", fingerprint="2727950b6827d63b",
+    ),
+    Patch(
+        group="fp4_rehearsal", module=T + "arguments", attribute="is_te_min_version",
+        replacement="megatron_ext.pretrain_gpt:passing_nvfp4_te_check",
+        reason="--fp4-format requires Transformer Engine >= 2.7, which a --cpu rehearsal never "
+               "runs",
+        fingerprint="50cbdaa14235331a",
+    ),
+    Patch(
+        group="dry_run_target", module=M + "transformer.transformer_config",
+        attribute="is_te_min_version", replacement="megatron_ext.training.dry_run:current_te",
+        reason="a dry run without Transformer Engine validates as the target with a current one",
+        fingerprint="50cbdaa14235331a",
+    ),
+    Patch(
+        group="dry_run_target", module=M + "models.common.embeddings.rope_utils",
+        attribute="fused_apply_rotary_pos_emb",
+        replacement="megatron_ext.training.dry_run:on_the_target_only",
+        reason="a dry run's checks ask whether the fused RoPE kernel is there (Megatron binds it "
+               "to Transformer Engine's kernel where TE imports, else None: checked by kind)",
+        fingerprint=Needs(("callable", "None")),
+    ),
+    Patch(
+        group="owned", module=M + "transformer.moe.router_replay", attribute="RouterReplay",
+        replacement=None,
+        reason="route replay swaps KeyedRouterReplay into "
+               "RouterReplay.global_router_replay_instances "
+               "(megatron_ext.replay.keyed_router_replay.swap_in; RouteReplayBinding.remove undoes"
+               " it)",
+        fingerprint="66dce7a4db535981",
+    ),
+    Patch(
+        group="owned", module=T + "global_vars", attribute="get_args", replacement=None,
+        reason="the resume checks set _GLOBAL_ARGS, which get_args returns, to a copy of the "
+               "run's arguments for the length of a check "
+               "(megatron_ext.training.resume_checks.megatron_args)",
+        fingerprint="6d17a5a434280b25",
+    ),
+    Patch(
+        group="owned", module=T + "training", attribute="_TRAIN_START_TIME", replacement=None,
+        reason="a rank forked from the tests' preloaded server sets Megatron's start clocks "
+               "(_TRAIN_START_TIME, _LEGACY_TRAIN_START_TIME) to its own start "
+               "(megatron_ext.rehearse.rank_server)",
+        fingerprint=Needs(("float",)),
+    ),
+    Patch(
+        group="launch", module=T + "arguments", attribute="_print_args",
+        replacement="megatron_ext.training.launch_log:dump_only_when_asked",
+        reason="the argument dump (about 840 lines) prints only with --log-arguments or --verbose"
+               " (also for the length of parsing: "
+               "megatron_ext.training.launch_log.argument_dump_when_asked)",
+        fingerprint="8a36ca04315ab55f",
+    ),
+    Patch(
+        group="launch", module=T + "training", attribute="report_memory",
+        replacement="megatron_ext.training.launch_log:memory_report_where_it_applies",
+        reason="without CUDA every number is 0.00: left out unless --log-memory-interval asks for"
+               " it",
+        depends_on=("torch.cuda.memory_allocated()",), fingerprint="fc3dbf9bd4d981d6",
+    ),
+    Patch(
+        group="launch", module=T + "training", attribute="report_theoretical_memory",
+        replacement="megatron_ext.training.launch_log:estimate_where_there_is_one",
+        reason="a HybridModel only prints that it has no estimate: left out for one",
+        fingerprint="bc3e9d955cf15308",
+    ),
+    Patch(
+        group="launch", module=M + "dist_checkpointing.strategies.torch",
+        attribute="TorchDistSaveShardedStrategy.save",
+        replacement="megatron_ext.training.launch_log:save_without_async_deprecation",
+        reason="logs the async-save deprecation on every synchronous save: that one record is "
+               "dropped while it saves when --async-save is off",
+        fingerprint="e49585f4e59242fe",
+    ),
+    Patch(
+        group="copied", module=M + "transformer.moe.token_dispatcher",
+        attribute="MoEAlltoAllTokenDispatcher.dispatch_preprocess", replacement=None,
+        reason="copied and edited in megatron_ext.moe.token_dispatcher (the pad folded into the "
+               "permute)",
+        fingerprint="a4ba9a56bc9e95e0",
+    ),
 ]  # fmt: skip
 
 #: Every row, in the order applied.

@@ -87,8 +87,9 @@ def test_missing_symbol_fails_loudly() -> None:
     from megatron_ext.compat import Patch, apply_rows
     from megatron_ext.compat.host_torch import HostTorch
 
-    moved = Patch("cpu.current_device", "megatron.core.transformer.moe.router",
-                  "TopKRouter.no_such_method", HostTorch(cuda=("current_device",)), "", "")  # fmt: skip
+    moved = Patch(group="cpu.current_device", module="megatron.core.transformer.moe.router",
+                  attribute="TopKRouter.no_such_method", replacement=HostTorch(cuda=("current_device",)),
+                  reason="", fingerprint="")  # fmt: skip
     with pytest.raises(RuntimeError, match="TopKRouter.no_such_method is gone"):
         apply_rows([moved])
 
