@@ -16,7 +16,6 @@ Example::
 
 import argparse
 import collections
-import importlib.metadata
 import importlib.util
 from collections.abc import Iterable
 
@@ -29,8 +28,13 @@ EVERY_LAUNCH = ("launch", "owned", "copied")
 
 
 def installed_megatron() -> str:
-    """The installed megatron-core's version."""
-    return importlib.metadata.version("megatron-core")
+    """The version of the Megatron-Core this process imports, from ``megatron.core.package_info``
+    (in the megatron-core wheel and in a Megatron-LM source checkout on ``PYTHONPATH`` alike, with
+    or without an installed distribution beside it), without a checkout's ``+<commit>`` suffix."""
+    from megatron.core import package_info
+
+    major, minor, patch, pre_release = package_info.VERSION
+    return f"{major}.{minor}.{patch}{pre_release}"
 
 
 def launch_groups(

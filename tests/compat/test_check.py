@@ -7,8 +7,11 @@ line naming both, exit 2, unless ``--allow-untested-megatron``; the installed 0.
 import dataclasses
 import importlib
 import inspect
+import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -179,3 +182,24 @@ def test_every_fingerprinted_row_is_megatron_defined_code() -> None:
         value = original(row)
         value = inspect.unwrap(getattr(value, "__func__", value))
         assert value.__module__.startswith("megatron."), (row.name, value.__module__)
+
+
+def test_the_version_is_the_imported_megatrons_not_an_installed_distributions(tmp_path) -> None:
+    """A Megatron-LM source checkout first on PYTHONPATH (its ``megatron/core/package_info.py``,
+    no distribution metadata) is what the process imports: its version is reported, not the
+    installed megatron-core wheel's, and a checkout's ``+<commit>`` suffix is not part of it.
+    (Before: the distribution's metadata, so the wheel's 0.19.2, or a traceback without one.)"""
+    core = tmp_path / "megatron" / "core"
+    core.mkdir(parents=True)
+    (tmp_path / "megatron" / "__init__.py").write_text("")
+    (core / "__init__.py").write_text("")
+    (core / "package_info.py").write_text(
+        "VERSION = (0, 20, 0, 'rc1')\n__version__ = '0.20.0rc1+0123abc'\n"
+    )
+    probe = "from megatron_ext.compat.check import installed_megatron; print(installed_megatron())"
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{root}"}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0.20.0rc1"
+    assert check.installed_megatron() == "0.19.2"  # this process: the installed wheel's code
