@@ -62,6 +62,8 @@ def probes(corpus_prefix, tmp_path_factory) -> dict[str, tuple[LoopRun, Path]]:
         fmt = "torch_dist" if patch == "checkpoint_dist" else "torch"
         workdir = tmp_path_factory.mktemp(name)
         args = _args(corpus_prefix, workdir, fmt)
+        if patch == "checkpoint_dist":  # a failed save is one line unless --verbose (its frames)
+            args.append("--verbose")
         return name, (launch([patch, *args] if patch else args, nproc=1, module=module), workdir)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
