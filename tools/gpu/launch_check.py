@@ -9,7 +9,8 @@
    and the JSON line says which ran.
 
 Prints one JSON line; exit 1 if the check refused or the launch failed. ``--cpu-smoke``: the same
-path on CPU (``--cpu``, 1 gloo rank), for CI.
+path on CPU (``--cpu``, 1 gloo rank). CI runs its checks and flags with the tests' forked launcher
+(tests/moe/test_gpu_check.py), not its torchrun.
 """
 
 import argparse
@@ -56,8 +57,28 @@ def startup_check(cpu: bool) -> dict:
     }
 
 
+def pretrain_flags(cpu: bool, te: bool, prefix: str) -> list[str]:
+    """The launch's ``pretrain_gpt`` flags: Transformer Engine's modules where TE imports (not
+    under ``--cpu``), else Megatron's local ones."""
+    impl = "transformer_engine" if te and not cpu else "local"
+    device = ["--cpu"] if cpu else ["--bf16"]
+    return [*MODEL, *device, "--transformer-impl", impl, "--data-path", prefix]
+
+
+def result(flags: list[str], returncode: int, output: str) -> dict:
+    """What a launch of ``flags`` did: its exit status and the losses it logged."""
+    losses = {int(i): float(v) for i, v in _LOSS.findall(output)}
+    return {
+        "transformer_impl": flags[flags.index("--transformer-impl") + 1],
+        "returncode": returncode,
+        "losses": [losses[i] for i in sorted(losses)],
+        "ok": returncode == 0 and sorted(losses) == list(range(1, ITERATIONS + 1)),
+        "tail": "" if returncode == 0 else output[-1500:],
+    }
+
+
 def launch(cpu: bool, te: bool, work: Path) -> dict:
-    """One ``pretrain_gpt`` launch under torchrun; its exit status and logged losses."""
+    """One ``pretrain_gpt`` launch under torchrun on the shipped corpus."""
     prefix = work / "corpus_text_document"
     subprocess.run(
         [sys.executable, str(ROOT / "tools/preprocess_data.py"), "--input",
@@ -65,25 +86,15 @@ def launch(cpu: bool, te: bool, work: Path) -> dict:
          "--append-eod"],
         check=True, capture_output=True,
     )  # fmt: skip
-    impl = "transformer_engine" if te and not cpu else "local"
-    device = ["--cpu"] if cpu else ["--bf16"]
+    flags = pretrain_flags(cpu, te, str(prefix))
     port = os.environ.get("MASTER_PORT", "29534")
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-        "--master-port", port, "-m", "megatron_ext.pretrain_gpt", *MODEL, *device,
-        "--transformer-impl", impl, "--data-path", str(prefix),
+        "--master-port", port, "-m", "megatron_ext.pretrain_gpt", *flags,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300, cwd=work)
-    output = done.stdout + done.stderr
-    losses = {int(i): float(v) for i, v in _LOSS.findall(output)}
-    return {
-        "transformer_impl": impl,
-        "returncode": done.returncode,
-        "losses": [losses[i] for i in sorted(losses)],
-        "ok": done.returncode == 0 and sorted(losses) == list(range(1, ITERATIONS + 1)),
-        "tail": "" if done.returncode == 0 else output[-1500:],
-    }
+    return result(flags, done.returncode, done.stdout + done.stderr)
 
 
 def main() -> int:
