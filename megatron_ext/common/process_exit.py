@@ -27,10 +27,13 @@ import threading
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
+def die_with_parent() -> bool:
     """This process gets SIGKILL when the thread that forked it exits (Linux's ``PR_SET_PDEATHSIG``;
-    call it in the child, right after the fork)."""
+    call it in the child, right after the fork). Returns whether it armed (elsewhere: nothing)."""
+    if not sys.platform.startswith("linux"):
+        return False
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    return True
 
 
 def die_with_the_agent(environ: dict[str, str] | os._Environ = os.environ) -> bool:
@@ -42,12 +45,11 @@ def die_with_the_agent(environ: dict[str, str] | os._Environ = os.environ) -> bo
     process ends. If the agent died before the signal was armed, the rank has already been handed
     to another parent: it then kills itself as the signal would have. Returns whether it armed.
     """
-    if not sys.platform.startswith("linux"):
-        return False
     if "TORCHELASTIC_RUN_ID" not in environ or "LOCAL_RANK" not in environ:
         return False
     agent = os.getppid()
-    die_with_parent()
+    if not die_with_parent():
+        return False
     if os.getppid() != agent:  # the agent died between the two reads: no signal will come
         os.kill(os.getpid(), signal.SIGKILL)
     return True

@@ -16,7 +16,6 @@ workers die with the process that started them (``PR_SET_PDEATHSIG``), even by `
 """
 
 import collections
-import sys
 from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -49,8 +48,7 @@ def read_chunks(f: BinaryIO) -> Iterator[tuple[int, list[bytes]]]:
 
 
 def _init_worker(spec: TokenizerSpec, fmt: RecordFormat) -> None:
-    if sys.platform.startswith("linux"):
-        die_with_parent()  # forked by the thread that submits (the caller), which outlives the pool
+    die_with_parent()  # forked by the thread that submits (the caller), which outlives the pool
     _WORKER["tok"], _WORKER["fmt"] = load_tokenizer(spec), fmt
 
 

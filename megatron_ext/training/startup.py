@@ -204,5 +204,5 @@ def _manager_dies_with_the_rank() -> None:
     """In the forked manager: killed when the rank that forked it dies (Linux). Made at startup,
     it would otherwise outlive a rank stopped by a signal (torchrun's SIGTERM after a peer failed)
     for the whole run, not only after the first save as Megatron's spawned one can."""
-    if _FORKING_THE_QUEUE and sys.platform.startswith("linux"):
+    if _FORKING_THE_QUEUE:
         die_with_parent()
