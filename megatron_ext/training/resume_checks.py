@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from megatron_ext.config.megatron_view import MegatronView
+from megatron_ext.config.registry import flag
 from megatron_ext.training.checkpoint_checks import Checkpoint, saved_state
 from megatron_ext.training.launch_args import builds_optimizer
 
@@ -87,14 +88,11 @@ OPTIMIZER_HELD = frozenset({"adam_beta1", "adam_beta2", "adam_eps", "sgd_momentu
 
 
 def _flag(dest: str) -> str:
-    return PARALLEL_FLAGS.get(dest) or "--" + dest.replace("_", "-")
+    return PARALLEL_FLAGS.get(dest) or flag(dest)
 
 
-def _loads_optimizer(args: argparse.Namespace, checkpoint: Checkpoint, saved_args: Any) -> bool:
+def _loads_optimizer(view: MegatronView, checkpoint: Checkpoint, saved_args: Any) -> bool:
     """Whether Megatron's ``load_checkpoint`` loads the optimizer and its scheduler."""
-    from megatron_ext.config.megatron_view import MegatronView
-
-    view = MegatronView.from_args(args)
     return not (
         checkpoint.release
         or view.finetune
@@ -125,8 +123,11 @@ def _changed(args: argparse.Namespace, saved_args: Any, dests: Any) -> list[str]
     return out
 
 
-def check_resume(args: argparse.Namespace, checkpoint: Checkpoint) -> list[str]:
-    """Compares the run with what ``checkpoint`` was saved with.
+def check_resume(
+    args: argparse.Namespace, checkpoint: Checkpoint, state: dict[str, Any] | None = None
+) -> list[str]:
+    """Compares the run with what ``checkpoint`` was saved with (``state``: its saved state as
+    :func:`~megatron_ext.training.checkpoint_checks.saved_state` read it; None: read here).
 
     Returns:
         One line per change Megatron resumes (empty when nothing changed, or for a format not read).
@@ -135,7 +136,7 @@ def check_resume(args: argparse.Namespace, checkpoint: Checkpoint) -> list[str]:
         ValueError: In one line, for a change Megatron would fail on, naming the flag that makes
             the resume work.
     """
-    state = saved_state(checkpoint)
+    state = saved_state(checkpoint) if state is None else state
     saved_args = None if state is None else state.get("args")
     if saved_args is None:
         return []
@@ -150,7 +151,8 @@ def check_resume(args: argparse.Namespace, checkpoint: Checkpoint) -> list[str]:
             f"parallel sizes ({', '.join(_changed(args, saved_args, files))}): Megatron finds no "
             f"file for this run's ranks. Launch with {sizes}, or save in --ckpt-format torch_dist"
         )
-    loads_optimizer = _loads_optimizer(args, checkpoint, saved_args)
+    view = MegatronView.from_args(args)
+    loads_optimizer = _loads_optimizer(view, checkpoint, saved_args)
     ep = _changed(args, saved_args, ["expert_model_parallel_size"])
     if ep and loads_optimizer and checkpoint.format == "torch_dist":
         raise ValueError(
@@ -166,7 +168,8 @@ def check_resume(args: argparse.Namespace, checkpoint: Checkpoint) -> list[str]:
         else (None, args)
     )
     # As saved: Megatron's scheduler set the defaults (--lr-decay-iters from --train-iters).
-    schedule = _changed(effective, saved_args, SCHEDULE_FLAGS)
+    schedule_changes = _changes(effective, saved_args, SCHEDULE_FLAGS)
+    schedule = [change for _, change in schedule_changes]
     if loads_optimizer and "opt_param_scheduler" in state:
         if refusal is not None:
             raise ValueError(
@@ -178,8 +181,8 @@ def check_resume(args: argparse.Namespace, checkpoint: Checkpoint) -> list[str]:
     verb = "resuming" if loads_optimizer else "loading the weights of"
     lines = [f"{verb} {where}: {change} (the checkpoint's -> this run's)" for change in parallel]
     # Without the optimizer (--finetune, --no-load-optim, ...) the schedule starts afresh.
-    kept = loads_optimizer and MegatronView.from_args(args).use_checkpoint_opt_param_scheduler
-    for dest, change in _changes(effective, saved_args, SCHEDULE_FLAGS) if loads_optimizer else []:
+    kept = loads_optimizer and view.use_checkpoint_opt_param_scheduler
+    for dest, change in schedule_changes if loads_optimizer else []:
         held = kept and dest in SCHEDULER_HELD
         why = ("not applied: --use-checkpoint-opt_param-scheduler keeps the checkpoint's"
                if held else "the checkpoint's -> this run's")  # fmt: skip
@@ -189,7 +192,7 @@ def check_resume(args: argparse.Namespace, checkpoint: Checkpoint) -> list[str]:
     restarts = (
         checkpoint.release
         or checkpoint.flag == "--pretrained-checkpoint"
-        or MegatronView.from_args(args).finetune
+        or view.finetune
     )
     consumed = None if restarts else getattr(saved_args, "consumed_train_samples", 0)
     changes = flag_changes(args, saved_args, consumed, loads_optimizer)
