@@ -22,6 +22,7 @@ Example::
 """
 
 import argparse
+import errno
 import functools
 import glob
 import os
@@ -219,7 +220,6 @@ def check_checkpoint_files(checkpoint: Checkpoint) -> None:
     if checkpoint.format == "torch_dist":
         _check_distcp_files(checkpoint.path, where)
     elif checkpoint.format == "torch":
-        import glob
         import zipfile
 
         for path in sorted(glob.glob(os.path.join(checkpoint.path, "mp_rank_*", "*.pt"))):
@@ -228,7 +228,7 @@ def check_checkpoint_files(checkpoint: Checkpoint) -> None:
                     pass
             except (OSError, zipfile.BadZipFile) as err:
                 raise ValueError(
-                    f"{where}: {path} cannot be read ({_cause(err)}; a torch.save file cut short "
+                    f"{where}: {path} cannot be read ({error_cause(err)}; a torch.save file cut short "
                     "or overwritten?)"
                 ) from None
 
@@ -246,7 +246,7 @@ def _check_distcp_files(path: str, where: str) -> None:
     try:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as err:  # noqa: BLE001 -- an unpickling failure may be any exception
-        raise ValueError(f"{where}: {index} cannot be read ({_cause(err)})") from None
+        raise ValueError(f"{where}: {index} cannot be read ({error_cause(err)})") from None
     needed: dict[str, int] = {}
     for item in metadata.storage_data.values():
         end = item.offset + item.length
@@ -257,7 +257,7 @@ def _check_distcp_files(path: str, where: str) -> None:
             found = os.path.getsize(file)
         except OSError as err:
             raise ValueError(
-                f"{where}: {file} cannot be read ({_cause(err)}); {index} indexes "
+                f"{where}: {file} cannot be read ({error_cause(err)}); {index} indexes "
                 f"{size} bytes of it"
             ) from None
         if found < size:
@@ -267,17 +267,19 @@ def _check_distcp_files(path: str, where: str) -> None:
             )
 
 
-def _cause(err: BaseException) -> str:
-    """An exception as ``Type: message`` on one line (``strerror`` for an ``OSError``)."""
+def error_cause(err: BaseException, errno_name: bool = False) -> str:
+    """An exception as ``Type: message`` on one line; an ``OSError`` as its ``strerror`` (with
+    ``errno_name``, followed by its ``(ENOSPC)``)."""
     if isinstance(err, OSError) and err.strerror:
-        return err.strerror
+        name = errno.errorcode.get(err.errno or 0) if errno_name else None
+        return f"{err.strerror} ({name})" if name else err.strerror
     message = " ".join(str(err).split())
     return f"{type(err).__name__}: {message}" if message else type(err).__name__
 
 
 def check_checkpoint_model(
     args: argparse.Namespace, checkpoint: Checkpoint, padded_vocab: int | None
-) -> None:
+) -> dict[str, Any] | None:
     """Refuses a checkpoint of another model than the run builds, naming the first difference:
     its class (GPTModel / HybridModel), layers, hidden size, experts, and for a ``torch``
     checkpoint the padded vocabulary (``padded_vocab`` None: unknown here, not compared;
@@ -290,6 +292,9 @@ def check_checkpoint_model(
     and Transformer Engine layers (with local modules, every ``--cpu`` run, the layer norms'
     keys differ and the load fails with ``KeyError``).
 
+    Returns:
+        The checkpoint's saved state (:func:`saved_state`), for the resume check to read again.
+
     Raises:
         ValueError: In one line: the flag, the checkpoint's value and this run's.
     """
@@ -300,11 +305,11 @@ def check_checkpoint_model(
     except Exception as err:  # noqa: BLE001 -- Megatron's reader raises what its storage does
         raise ValueError(
             f"{checkpoint.flag} {checkpoint.directory}: the saved arguments in {checkpoint.path} "
-            f"cannot be read ({_cause(err)})"
+            f"cannot be read ({error_cause(err)})"
         ) from None
     saved = None if state is None else state.get("args")
     if saved is None:
-        return
+        return state
     view = MegatronView.from_args(args)
     difference = _model_difference(view, saved, checkpoint.format, padded_vocab)
     if difference is not None:
@@ -313,6 +318,7 @@ def check_checkpoint_model(
             f"another model: {difference}; Megatron would fail loading it after building the "
             "model. Name a checkpoint of this model, or match its flags"
         )
+    return state
 
 
 def _pattern(layer_pattern: str | None, override_pattern: str | None) -> str | None:
@@ -345,7 +351,7 @@ def _model_difference(
         try:
             pairs = gpt_compatible_layer_maps(now).num_gpt_layers
         except ValueError as err:
-            return f"class GPTModel -> HybridModel ({_cause(err)})"
+            return f"class GPTModel -> HybridModel ({error_cause(err)})"
         if gpt_layers is not None and gpt_layers != pairs:
             return (
                 f"--num-layers {gpt_layers} -> --hybrid-layer-pattern '{now}' (it pairs with a "

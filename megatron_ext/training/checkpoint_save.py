@@ -24,6 +24,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from megatron_ext.training.checkpoint_checks import error_cause
+
 #: The writes that failed in this process since the current save began: ``(file, error)``.
 #: The writer's threads append; :func:`failing_in_one_line` clears it before each save.
 WRITE_FAILURES: list[tuple[str, BaseException]] = []
@@ -77,23 +79,15 @@ def failed_save_line(
     head = f"saving the checkpoint of iteration {iteration} to {save} failed: "
     tail = _last_whole(save)
     for file, cause in failures:
-        return head + f"writing {file}: {_os_cause(cause)}" + _free_space(save, cause) + tail
+        return head + f"writing {file}: {error_cause(cause, errno_name=True)}" + _free_space(save, cause) + tail
     chained: BaseException | None = err
     while chained is not None:
         if isinstance(chained, OSError) and chained.strerror:
             where = f"{chained.filename}: " if chained.filename else ""
-            return head + where + _os_cause(chained) + _free_space(save, chained) + tail
+            return head + where + error_cause(chained, errno_name=True) + _free_space(save, chained) + tail
         chained = chained.__cause__ or chained.__context__
     message = " ".join(str(err).split())[:300]
     return head + f"{type(err).__name__}: {message}" + _free_space(save, err) + tail
-
-
-def _os_cause(err: BaseException) -> str:
-    """``strerror (ENAME)`` of an ``OSError``, else ``Type: message``."""
-    if isinstance(err, OSError) and err.strerror:
-        name = errno.errorcode.get(err.errno or 0)
-        return f"{err.strerror} ({name})" if name else err.strerror
-    return f"{type(err).__name__}: {' '.join(str(err).split())}"
 
 
 def _free_space(save: str, err: BaseException) -> str:

@@ -123,9 +123,10 @@ def startup_checks(args: argparse.Namespace) -> dict[str, Any]:
     check_save_directory(args)
     loading = find_load_checkpoint(args)
     found = loading.checkpoint
+    saved = None
     if found is not None:  # the files whole, then the model they hold, before the resume
         check_checkpoint_files(found)
-        check_checkpoint_model(args, found, padded)
+        saved = check_checkpoint_model(args, found, padded)
     report: dict[str, Any] = {
         "transformer_config": type(model_cfg.transformer).__name__,
         "vocabulary": padded or "unknown here (the tokenizer loads on the target)",
@@ -135,7 +136,7 @@ def startup_checks(args: argparse.Namespace) -> dict[str, Any]:
         "notes": [loading.note] if loading.note else [],
     }
     if found is not None:
-        report["notes"] += check_resume(args, found)
+        report["notes"] += check_resume(args, found, saved)
     return report
 
 
