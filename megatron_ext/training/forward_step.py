@@ -60,7 +60,7 @@ def loss_func(
     losses = output_tensor.reshape(-1).float()
     mask = loss_mask.reshape(-1).float()
     loss = torch.sum(losses * mask)
-    validate_loss(loss, MegatronView.from_args(get_args()))
+    validate_loss(loss, run_state.state(get_args()).parsed)  # the flags, read once per run
     num_tokens = mask.sum().detach().to(torch.int)
     report = {"lm loss": torch.cat([loss.detach().view(1), num_tokens.view(1)])}
     return loss, num_tokens, report

@@ -29,6 +29,9 @@ class RunState:
 
     args_id: int
     configs: dict[type, Any]
+    #: Megatron's flags as parsed, for what reads them per micro-batch (the loss guards); what
+    #: Megatron sets later (the padded vocabulary, the iteration) is read where it is needed.
+    parsed: MegatronView = field(default_factory=MegatronView)
     load_metrics: Any = None
     #: One replay binding per model chunk (virtual pipeline stage) that holds a MoE router.
     replay_bindings: list[Any] = field(default_factory=list)
@@ -67,7 +70,9 @@ def state(args: argparse.Namespace) -> RunState:
     """The run's state, built (and validated) from ``args`` on first use."""
     global _STATE
     if _STATE is None or _STATE.args_id != id(args):
-        _STATE = RunState(args_id=id(args), configs=configs_from_args(args))
+        _STATE = RunState(
+            args_id=id(args), configs=configs_from_args(args), parsed=MegatronView.from_args(args)
+        )
     return _STATE
 
 
