@@ -6,7 +6,7 @@ in its module; the factories named in ``replacement`` live in :mod:`megatron_ext
 """
 
 from megatron_ext.compat.host_torch import HostTorch
-from megatron_ext.compat.patch import Patch
+from megatron_ext.compat.patch import Needs, Patch
 
 STREAMS = ("Stream", "Event", "current_stream", "stream", "synchronize")
 _LOOP = ("current_device", "synchronize", "empty_cache")
@@ -191,6 +191,15 @@ CPU_ROWS: list[Patch] = [
         reason="fp8=False still sets self.fp8 (fp8 is not None): asks Transformer Engine, absent "
                "on CPU",
         depends_on=("fp8 is not None",), fingerprint="77372a149cf3adb8",
+    ),
+    Patch(
+        group="cpu.te_partition", module=M + "utils", attribute="tex",
+        replacement=CPU + "te_partition_stand_in",
+        reason="a rehearsal stand-in: get_batch_on_this_cp_rank splits a packed micro-batch over "
+               "the CP ranks with Transformer Engine's thd_get_partitioned_indices (tex is None "
+               "without TE, and TE's kernel takes CUDA tensors): the pure-torch "
+               "megatron_ext.common.thd_partition instead",
+        fingerprint=Needs(("None", "module")),
     ),
 ]  # fmt: skip
 

@@ -21,6 +21,7 @@ import contextlib
 import functools
 import importlib
 import logging
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,6 +39,7 @@ PATCHES: tuple[str, ...] = (
     "default_causal_mask",
     "schedule_buffers",
     "checkpoint_without_output",
+    "te_partition",
 )
 
 
@@ -133,6 +135,21 @@ def checkpoint_without_fp8_state(original: Callable[..., None]) -> Callable[...,
         self.fp8 = False
 
     return __init__
+
+
+def te_partition_stand_in(original: Any) -> Any:
+    """``megatron.core.utils.tex`` under ``--cpu``: Transformer Engine's torch extension, of which
+    Megatron 0.19.2 calls only ``thd_get_partitioned_indices`` (``get_batch_on_this_cp_rank`` of a
+    packed micro-batch under context parallelism), stood in by the pure-torch
+    :func:`~megatron_ext.common.thd_partition.thd_partitioned_indices` (checked against TE's
+    kernel's definition in tests/common/test_thd_partition.py). Without TE ``tex`` is ``None``;
+    with TE its kernel takes CUDA tensors only: either way the rehearsal's host tensors need this.
+    A rehearsal stand-in, never bound on a GPU launch.
+    """
+    del original
+    from megatron_ext.common.thd_partition import thd_partitioned_indices
+
+    return types.SimpleNamespace(thd_get_partitioned_indices=thd_partitioned_indices)
 
 
 def target_arch_version(original: Callable[[], int]) -> Callable[[], int]:

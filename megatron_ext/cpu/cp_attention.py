@@ -1,0 +1,160 @@
+"""A CPU stand-in for context-parallel attention, so Megatron's real loop trains CP > 1 on gloo ranks
+(a rehearsal module: ``--cpu`` only, never built on a GPU launch).
+
+Megatron-Core 0.19.2 runs context parallelism only in Transformer Engine's attention; its local
+``DotProductAttention`` asserts ``context_parallel_size == 1``. :class:`ContextParallelDotProductAttention`
+keeps ``DotProductAttention``'s constructor and forward signature (its softmax scale, head counts
+and dropout) and computes what TE's CP attention computes, plainly: each rank all-gathers K and V
+over the CP group with Megatron's differentiable collective (``gather_from_sequence_parallel_region``
+with the CP group: forward all-gather, backward reduce-scatter), puts them in global order with the
+positions every CP rank holds, and attends its own queries at their global positions
+(:mod:`megatron_ext.cpu.document_attention`):
+
+- packed THD (``packed_seq_params.qkv_format == "thd"``, query ``[t, np, hn]``): positions from
+  Transformer Engine's partition index, the very function Megatron's ``get_batch_on_this_cp_rank``
+  sliced the batch with (``megatron.core.utils.tex``, stood in under ``--cpu``:
+  :mod:`megatron_ext.common.thd_partition`), over the GLOBAL ``cu_seqlens`` of the packed params;
+  causal within each segment.
+- ``sbhd`` (query ``[s, b, np, hn]``): Megatron's per-sequence zigzag; causal, or the batch's own
+  ``attention_mask`` (``get_batch_on_this_cp_rank`` slices its query dimension only, so its keys
+  are already global).
+
+Not modelled (refused at argument time under ``--cpu``, training/cpu_args.py): hybrid CP,
+``--cp-comm-type`` other than Megatron's default ``p2p``, ``--softmax-type`` other than vanilla,
+sliding-window attention. :func:`with_context_parallel_attention` swaps the class into a spec.
+
+Example::
+
+    spec = with_context_parallel_attention(get_gpt_layer_local_spec(num_experts=8))
+"""
+
+import copy
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_ext.common.token_positions import cp_zigzag_positions
+from megatron_ext.cpu.document_attention import (
+    attend,
+    causal_allowed,
+    document_causal_allowed,
+    global_order,
+    segment_ids,
+)
+
+
+class ContextParallelDotProductAttention(DotProductAttention):
+    """``DotProductAttention`` over the whole sequence of the CP group (``--cpu`` rehearsal)."""
+
+    def __init__(self, config: Any, *args: Any, pg_collection: Any = None, **kwargs: Any) -> None:
+        view = copy.copy(config)  # Megatron's setup, except the CP assertion this class exists for
+        view.context_parallel_size = 1
+        super().__init__(view, *args, pg_collection=pg_collection, **kwargs)
+        cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        self.cp_group = cp_group or parallel_state.get_context_parallel_group()
+        if self.config.softmax_type != "vanilla" or self.scale_mask_softmax.window_size:
+            raise ValueError(
+                "the --cpu context-parallel attention models --softmax-type vanilla without "
+                "--window-size only"
+            )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> torch.Tensor:
+        """Attention of this rank's queries; ``[t, hp]`` (THD) or ``[s, b, hp]``."""
+        del attn_mask_type  # causal, as the GPT layer specs build it
+        assert attention_bias is None, "Attention bias is not supported for DotProductAttention."
+        cp_size = self.cp_group.size()
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if thd:  # [t, np, hn] -> one sample
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        total = query.shape[0] * cp_size
+        if thd:
+            cu = packed_seq_params.cu_seqlens_q_padded
+            cu = packed_seq_params.cu_seqlens_q if cu is None else cu
+            positions_RN = torch.stack([_thd_index(cu, total, cp_size, r) for r in range(cp_size)])
+            allowed_QK = document_causal_allowed(
+                positions_RN[self.cp_group.rank()], segment_ids(cu, total)
+            )
+        else:
+            positions_RN = torch.stack(
+                [cp_zigzag_positions(total, cp_size, r) for r in range(cp_size)]
+            ).to(query.device)
+            allowed_QK = causal_allowed(positions_RN[self.cp_group.rank()], total)
+        allowed_BQK = allowed_QK.unsqueeze(0)
+        if attention_mask is not None and not thd:  # [b, 1, s_local, S], True = masked
+            allowed_BQK = ~attention_mask[:, 0].to(torch.bool)
+        key, value = (
+            global_order(
+                tensor_parallel.gather_from_sequence_parallel_region(t, group=self.cp_group),
+                positions_RN,
+            )
+            for t in (key, value)
+        )
+        out_BQHD = attend(
+            query.transpose(0, 1),
+            key.transpose(0, 1),
+            value.transpose(0, 1),
+            allowed_BQK,
+            self.softmax_scale * (self.scale_mask_softmax.scale or 1.0),
+            dropout=self._dropout,
+        )
+        out = out_BQHD.transpose(0, 1).reshape(*out_BQHD.shape[1::-1], -1)  # [s, b, hp]
+        return out[:, 0] if thd else out
+
+    def _dropout(self, probs: torch.Tensor) -> torch.Tensor:
+        """Megatron's attention dropout, in the same RNG-tracker fork as its local attention."""
+        if self.config.sequence_parallel:
+            return self.attention_dropout(probs)
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            return self.attention_dropout(probs)
+
+
+def _thd_index(cu_seqlens: torch.Tensor, total: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """The positions CP rank ``cp_rank`` holds: the function Megatron's per-document
+    ``get_batch_on_this_cp_rank`` sliced the batch with."""
+    from megatron.core import utils
+
+    return utils.tex.thd_get_partitioned_indices(cu_seqlens, total, cp_size, cp_rank).long()
+
+
+def with_context_parallel_attention(node: Any) -> Any:
+    """``node`` (a layer, block or stack spec) with every ``DotProductAttention`` replaced by
+    :class:`ContextParallelDotProductAttention`; parts without one are returned as they are."""
+    if node is DotProductAttention:
+        return ContextParallelDotProductAttention
+    if isinstance(node, ModuleSpec):
+        module = with_context_parallel_attention(node.module)
+        submodules = with_context_parallel_attention(node.submodules)
+        if module is node.module and submodules is node.submodules:
+            return node
+        return dataclasses.replace(node, module=module, submodules=submodules)
+    if isinstance(node, functools.partial):
+        args = [with_context_parallel_attention(a) for a in node.args]
+        keywords = {k: with_context_parallel_attention(v) for k, v in node.keywords.items()}
+        return functools.partial(node.func, *args, **keywords)
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        changes = {}
+        for f in dataclasses.fields(node):
+            if f.init:
+                value = getattr(node, f.name)
+                new = with_context_parallel_attention(value)
+                if new is not value:
+                    changes[f.name] = new
+        return dataclasses.replace(node, **changes) if changes else node
+    if isinstance(node, (list, tuple)):
+        return type(node)(with_context_parallel_attention(n) for n in node)
+    return node
