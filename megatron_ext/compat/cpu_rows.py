@@ -218,6 +218,14 @@ LOOP_ROWS: list[Patch] = [
         },
     ),
     Patch(
+        group="cpu_loop.initialize", module=T + "initialize", attribute="_warmup_jit_function",
+        replacement=LOOP + "warmup_leaving_the_generator",
+        reason="the JIT warm-up's random inputs (sized by --seq-length / CP / TP) come from the "
+               "CPU generator standing in for CUDA's: the routers' initial weights would depend "
+               "on the parallel layout",
+        fingerprint="6309e1dddc2c502b",
+    ),
+    Patch(
         group="cpu_loop.initialize", module=T + "training", attribute="initialize_megatron",
         replacement=LOOP + "allowing_no_cuda",
         reason="pretrain's initialize_megatron asserts CUDA unless allow_no_cuda",

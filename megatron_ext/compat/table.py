@@ -69,6 +69,19 @@ OTHER_ROWS: list[Patch] = [
                "no group ('Could not find parameter group') even with the scheduler flags",
         fingerprint="dc405c26824a0b9d",
     ),
+    *[
+        Patch(
+            group="launch", module=M + module, attribute="get_tokens_per_expert_and_token_count",
+            replacement="megatron_ext.moe.router:local_count_before_the_reduce",
+            reason="with a padding mask, this rank's token count is read after the in-place "
+                   "all-reduce over TP x CP: the per-token-loss aux-loss gradient is CP (SP: TP) "
+                   "times too large" + (" (the router's own import)" if module.endswith("router")
+                                        else ""),
+            depends_on=("local_num_tokens = local_tokens_per_expert.sum() / topk",),
+            fingerprint="fd19e6136b12d6c9",
+        )
+        for module in ("transformer.moe.moe_utils", "transformer.moe.router")
+    ],
     Patch(
         group="validate_on_target", module=T + "arguments", attribute="validate_args",
         replacement=HostTorch(cuda=("get_device_capability",)),

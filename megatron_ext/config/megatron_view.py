@@ -40,6 +40,12 @@ class MegatronView:
     """``--pipeline-model-parallel-size``: pipeline stages."""
     context_parallel_size: int = 1
     """``--context-parallel-size``: context-parallel ranks."""
+    hybrid_context_parallel: bool = False
+    """``--hybrid-context-parallel``: a CP size chosen per micro-batch (Megatron's hybrid CP)."""
+    cp_comm_type: list = dataclasses.field(default_factory=lambda: ["p2p"])
+    """``--cp-comm-type``: how TE's attention exchanges K/V over the CP group, per layer."""
+    hierarchical_context_parallel_sizes: list | None = None
+    """``--hierarchical-context-parallel-sizes``: the CP group split for ``a2a+p2p``."""
     expert_model_parallel_size: int = 1
     """``--expert-model-parallel-size``: expert-parallel ranks."""
     expert_tensor_parallel_size: int | None = None
@@ -230,6 +236,12 @@ class MegatronView:
     """``--cuda-graph-impl``: which CUDA graphs capture the model (``none``: no graphs)."""
     cuda_graph_modules: list = dataclasses.field(default_factory=list)
     """``--cuda-graph-modules``: the modules a CUDA graph captures (empty: the whole layer)."""
+    position_embedding_type: str = "learned_absolute"
+    """``--position-embedding-type``: ``learned_absolute``, ``rope``, ``yarn``, ``mrope``, ``none``."""
+    softmax_type: str = "vanilla"
+    """``--softmax-type``: the attention softmax (``vanilla``, ``off-by-one``, ``learnable``)."""
+    window_size: Any = None
+    """``--window-size``: sliding-window attention (None: full causal attention)."""
     use_torch_fsdp2: bool = False
     """``--use-torch-fsdp2``: PyTorch's FSDP2."""
     use_megatron_fsdp: bool = False

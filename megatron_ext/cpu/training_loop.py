@@ -74,6 +74,24 @@ def iterators_leaving_the_generator(original: Callable[..., Any]) -> Callable[..
     return build_iterators
 
 
+def warmup_leaving_the_generator(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``initialize._warmup_jit_function`` with the CPU generator's state put back afterwards.
+
+    The JIT warm-up draws random inputs sized ``--seq-length / CP / TP`` from the CUDA generator;
+    here that is the CPU generator, from which Megatron then draws each MoE router's initial
+    weights (``Router.reset_parameters``, outside any RNG fork): the routers would start from other
+    weights at another context- or tensor-parallel size. On GPU the warm-up's draws never reach the
+    CPU generator, so the initial weights do not depend on the layout; so here too.
+    """
+
+    @functools.wraps(original)
+    def warmup(*args: Any, **kwargs: Any) -> Any:
+        with torch.random.fork_rng(devices=[]):
+            return original(*args, **kwargs)
+
+    return warmup
+
+
 def clip_by_total_norm(original: Callable[..., Any]) -> Callable[..., None]:
     """``clip_grads.clip_grad_by_total_norm_fp32``: Megatron's body (copied from megatron-core
     0.19.2, fingerprinted in the table), with its ``torch.cuda.FloatTensor`` type assertion read as

@@ -51,16 +51,23 @@ def document_attention_mask(cu_seqlens_BC: torch.Tensor, seq_len: int) -> torch.
     return ~allowed_BSS.unsqueeze(1)
 
 
+def flat_cu_seqlens(cu_seqlens_BC: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The segment boundaries of the batch flattened to one row of ``B * S`` tokens: 1-D int32
+    ``[B * S + 1]`` on ``cu_seqlens_BC``'s device, without a host read (a sample's trailing repeats
+    stay, as empty segments)."""
+    batch = cu_seqlens_BC.shape[0]
+    offsets_B1 = torch.arange(batch, device=cu_seqlens_BC.device)[:, None] * seq_len
+    starts = (cu_seqlens_BC[:, :-1].to(torch.int64) + offsets_B1).reshape(-1)
+    total = torch.full((1,), batch * seq_len, dtype=torch.int64, device=cu_seqlens_BC.device)
+    return torch.cat([starts, total]).to(torch.int32)
+
+
 def packed_seq_params(cu_seqlens_BC: torch.Tensor, seq_len: int) -> PackedSeqParams:
     """THD ``PackedSeqParams`` for the batch flattened to one row of ``B * S`` tokens.
 
     ``max_seqlen`` is the static bound ``S`` (reading the true maximum would sync).
     """
-    batch = cu_seqlens_BC.shape[0]
-    offsets_B1 = torch.arange(batch, device=cu_seqlens_BC.device)[:, None] * seq_len
-    starts = (cu_seqlens_BC[:, :-1].to(torch.int64) + offsets_B1).reshape(-1)
-    total = torch.full((1,), batch * seq_len, dtype=torch.int64, device=cu_seqlens_BC.device)
-    cu = torch.cat([starts, total]).to(torch.int32)
+    cu = flat_cu_seqlens(cu_seqlens_BC, seq_len)
     return PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
@@ -119,6 +126,71 @@ def gpt_forward_kwargs(
         kwargs["attention_mask"] = None
         kwargs["packed_seq_params"] = packed_seq_params(batch["cu_seqlens"], seq_len)
     return kwargs if model is None else shard_padding_mask(kwargs, model)
+
+
+#: The tensors Megatron's ``get_batch_on_this_cp_rank`` slices per document.
+_MEGATRON_CP_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def context_parallel_inputs(
+    batch: dict[str, torch.Tensor], cp_group: Any
+) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor | None]:
+    """This context-parallel rank's share of a collated micro-batch, split by Megatron's own
+    ``get_batch_on_this_cp_rank`` (megatron/core/utils.py, 0.19.2), as model inputs (sync-free).
+
+    Packed samples (``cu_seqlens``): the micro-batch flattened to THD's one row ``[1, B*S]``
+    (:func:`flat_cu_seqlens`, not Megatron's ``flatten_batch_for_packed_sequences``, which reads
+    the device), Megatron's per-document split of ``tokens, labels, loss_mask, position_ids`` with
+    Transformer Engine's ``thd_get_partitioned_indices`` (``megatron.core.utils.tex``; stood in under
+    ``--cpu``), and the pad mask sliced with the same index. Every document boundary must be a
+    multiple of ``2 * cp`` (the packs pad each document so). The ``PackedSeqParams`` stay global:
+    TE's attention and Megatron's THD RoPE divide by the CP size themselves.
+    Otherwise (one sequence per sample): Megatron's per-sequence zigzag, of every ``[B, S]`` tensor.
+
+    Returns:
+        ``GPTModel.forward`` keyword arguments (as :func:`gpt_forward_kwargs`), this rank's loss
+        mask in the same layout, and the THD partition index (int32, positions of the flattened
+        row this rank holds: route replay slices the routes with it) or None.
+    """
+    from megatron.core import utils as mcore_utils
+
+    tokens_BS = batch["tokens"]
+    batch_size, seq_len = tokens_BS.shape
+    if "cu_seqlens" not in batch:
+        keys = (*_MEGATRON_CP_KEYS, "padding_mask", "attention_mask")
+        split = {k: batch[k] for k in keys if batch.get(k) is not None}
+        split = mcore_utils.get_batch_on_this_cp_rank(
+            {**split, "cu_seqlens": None}, is_hybrid_cp=False, cp_group=cp_group
+        )
+        kwargs = {
+            "input_ids": split["tokens"],
+            "position_ids": split["position_ids"],
+            "attention_mask": split.get("attention_mask"),
+            "labels": split["labels"],
+        }
+        if "padding_mask" in split:
+            kwargs["padding_mask"] = split["padding_mask"].to(torch.bool)
+        return kwargs, split["loss_mask"], None
+    params = packed_seq_params(batch["cu_seqlens"], seq_len)
+    row = {k: batch[k].reshape(1, -1) for k in _MEGATRON_CP_KEYS}
+    split = mcore_utils.get_batch_on_this_cp_rank(
+        {**row, "cu_seqlens": params.cu_seqlens_q[None], "cu_seqlens_padded": None},
+        is_hybrid_cp=False,
+        cp_group=cp_group,
+    )
+    # The same index Megatron sliced with (its kernel is deterministic): for every other token.
+    index_N = mcore_utils.tex.thd_get_partitioned_indices(
+        params.cu_seqlens_q, batch_size * seq_len, cp_group.size(), cp_group.rank()
+    )
+    kwargs = {
+        "input_ids": split["tokens"],
+        "position_ids": split["position_ids"],
+        "labels": split["labels"],
+        "padding_mask": batch["padding_mask"].reshape(1, -1).index_select(1, index_N).bool(),
+        "attention_mask": None,
+        "packed_seq_params": params,
+    }
+    return kwargs, split["loss_mask"], index_N
 
 
 def shard_padding_mask(kwargs: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:

@@ -172,6 +172,7 @@ def count_router_tokens(
     tp_size: int = 1,
     tp_rank: int = 0,
     sequence_parallel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[int, int]:
     """``(router rows, real among them)`` on this rank, from a host pad mask (no device read).
 
@@ -183,6 +184,8 @@ def count_router_tokens(
         pad_mask: The micro-batch's pad mask on the host (True = pad), any shape with B*S elements.
         model_shape: The model's ``[batch, seq]``.
         cp_size, cp_rank, tp_size, tp_rank, sequence_parallel: This rank's parallel layout.
+        cu_seqlens: A THD row's flattened segment boundaries on the host: CP splits it per document,
+            as Megatron's ``get_batch_on_this_cp_rank`` does on the device; None: the zigzag.
     """
     from megatron_ext.common.token_positions import router_row_positions
 
@@ -194,6 +197,7 @@ def count_router_tokens(
         tp_size=tp_size,
         tp_rank=tp_rank,
         sequence_parallel=sequence_parallel,
+        cu_seqlens=cu_seqlens,
     )
     pads = int(pad_mask.reshape(-1).bool()[positions_N].sum())
     return positions_N.numel(), positions_N.numel() - pads

@@ -31,17 +31,52 @@ left free (:func:`megatron_ext.moe.pad_routing.pads_first_keep`). With capacity 
 
 The aux-loss paths of 0.19.2 (``aux_loss``, ``seq_aux_loss``, ``global_aux_loss``) and the z-loss
 already apply the flattened mask with the right shapes (``valid[:, None]`` on ``[N, E]``, ``[N]`` on
-``[N]``), so they are left as they are.
+``[N]``), so they are left as they are, but for one count: with a padding mask, Megatron's
+``get_tokens_per_expert_and_token_count`` reads this rank's real-token count after an in-place
+all-reduce over the TP x CP group, so under context parallelism (or SP) the per-token-loss aux-loss
+gradient is scaled by the group's whole count, CP (TP) times too much
+(:func:`local_count_before_the_reduce`, a compat row for every launch).
 """
 
 import copy
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping, get_capacity
 from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_ext.moe.pad_routing import pads_first_keep
+
+
+def local_count_before_the_reduce(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``moe_utils.get_tokens_per_expert_and_token_count`` with a padding mask: this rank's count.
+
+    Megatron-Core 0.19.2 sums ``routing_map`` into ``local_tokens_per_expert``, all-reduces it over the
+    TP x CP group with ``reduce_from_tensor_model_parallel_region`` (in place on a contiguous tensor:
+    ``mappings._reduce``) and then reads ``local_num_tokens`` from it: the group's count, not this
+    rank's. Under ``--calculate-per-token-loss`` the router scales the aux loss by
+    ``local_num_tokens * tp_cp_size`` to cancel the per-token normalisation, so the aux-loss
+    gradient came out ``tp_cp_size`` times too large under CP (or SP) with a padding mask, which
+    megatron_ext always passes. The local count is ``routing_map``'s own sum (no sync).
+    """
+
+    @functools.wraps(original)
+    def get_tokens_per_expert_and_token_count(
+        routing_map: torch.Tensor,
+        reduce_group: Any,
+        topk: int | None = None,
+        with_padding_mask: bool = False,
+    ) -> tuple[torch.Tensor, Any, Any]:
+        global_per_expert, local_num_tokens, total = original(
+            routing_map, reduce_group, topk, with_padding_mask
+        )
+        if with_padding_mask:
+            local_num_tokens = routing_map.sum() / topk
+        return global_per_expert, local_num_tokens, total
+
+    return get_tokens_per_expert_and_token_count
 
 
 def real_tokens_per_expert(

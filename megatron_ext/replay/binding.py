@@ -8,7 +8,8 @@ router's instance with a :class:`~megatron_ext.replay.keyed_router_replay.KeyedR
 by ``(micro-batch key, MoE layer)``:
 
 - ``install(routes_BSLK, key)`` before a micro-batch's forward slices the pack's routes for this
-  rank (CP zigzag, then SP; :mod:`~megatron_ext.replay.layout`) in one gather, layer-major and
+  rank (CP: the zigzag, or a packed row's per-document index the forward step split the batch
+  with; then SP; :mod:`~megatron_ext.replay.layout`) in one gather, layer-major and
   narrow (uint8/uint16), for this stage's MoE ordinals; dense and MTP layers route natively. The
   first router of a pass widens them to int64 for all layers at once; each router then gathers.
 - Activation recompute reruns routers during backward, possibly after later micro-batches ran
@@ -120,8 +121,10 @@ class RouteReplayBinding:
         self._wide: tuple[torch.Tensor, torch.Tensor] | None = None
         self._recorded: dict[tuple[Hashable, int], torch.Tensor] = {}
         self._shapes: dict[Hashable, tuple[int, int]] = {}
+        #: Per recorded key under CP: the packed row's host cu_seqlens (the per-document split).
+        self._cu_seqlens: dict[Hashable, torch.Tensor] = {}
         self._positions: dict[tuple[int, int, int, int], torch.Tensor] = {}
-        self._device_positions: dict[tuple[torch.device, int, int], torch.Tensor] = {}
+        self._device_positions: dict[tuple[Any, ...], torch.Tensor] = {}
         #: MoE ordinals that routed in the forward begun at ``_routed_serial`` (the context's
         #: serial): one routing again is the next micro-batch's forward, which nobody installed
         #: (it must not replay these).
@@ -149,14 +152,19 @@ class RouteReplayBinding:
         self.clear()
 
     # ----- per micro-batch ---------------------------------------------------------------
-    def _row_positions(self, batch_size: int, seq_len: int, tp_rank: int, cp_rank: int):
-        cache_key = (batch_size, seq_len, tp_rank, cp_rank)
+    def _row_positions(
+        self, batch_size: int, seq_len: int, tp_rank: int, cp_rank: int, cp_size: int | None = None
+    ) -> torch.Tensor:
+        """Router rows' positions of a ``[batch_size, seq_len]`` micro-batch split by the zigzag
+        (``cp_size`` None: the run's CP size; 1: a sequence CP already split, SP only)."""
+        cp_size = parallel_state.get_context_parallel_world_size() if cp_size is None else cp_size
+        cache_key = (batch_size, seq_len, tp_rank, cp_rank if cp_size > 1 else -1)
         if cache_key not in self._positions:
             self._positions[cache_key] = router_row_positions(
                 batch_size,
                 seq_len,
-                cp_size=parallel_state.get_context_parallel_world_size(),
-                cp_rank=cp_rank,
+                cp_size=cp_size,
+                cp_rank=cp_rank if cp_size > 1 else 0,
                 tp_size=parallel_state.get_tensor_model_parallel_world_size(),
                 tp_rank=tp_rank,
                 sequence_parallel=self.config.sequence_parallel,
@@ -171,6 +179,26 @@ class RouteReplayBinding:
             parallel_state.get_context_parallel_rank(),
         )
 
+    def _device_rows(
+        self, like: torch.Tensor, batch_size: int, seq_len: int, cp_index: torch.Tensor | None
+    ) -> torch.Tensor:
+        """This rank's router rows' positions on ``like``'s device: the zigzag's, cached per
+        shape; or, given a packed row's CP index, that index sliced for SP (one small gather)."""
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        if cp_index is None:
+            local = (batch_size, seq_len, tp_rank, parallel_state.get_context_parallel_rank())
+        else:  # the CP rank's tokens, in its order: SP splits that local sequence
+            local = (1, cp_index.numel(), tp_rank, 0, 1)
+        device_key = (like.device, *local)
+        if device_key not in self._device_positions:  # one host-to-device copy per shape
+            # Pinned and asynchronous: a blocking copy would wait for the stream (a sync on the
+            # first micro-batch of every new shape).
+            self._device_positions[device_key] = host_to_device(self._row_positions(*local), like)
+        positions_N = self._device_positions[device_key]
+        if cp_index is None:
+            return positions_N
+        return cp_index.to(torch.int64).index_select(0, positions_N)
+
     def install(
         self,
         routes_BSLK: torch.Tensor,
@@ -178,6 +206,7 @@ class RouteReplayBinding:
         *,
         has_missing: bool | None = None,
         filled_BSL: torch.Tensor | None = None,
+        cp_index: torch.Tensor | None = None,
     ) -> None:
         """Stores a micro-batch's routes for the MoE layers of this stage and makes it current.
 
@@ -197,6 +226,10 @@ class RouteReplayBinding:
             filled_BSL: ``balanced`` only, optional: the rows the data filled because they had
                 no recorded route (``sample["route_filled"]``, same layout as the routes), so
                 the replay check tells them from recorded ones; not read for routing.
+            cp_index: THD under context parallelism: the positions of the ``[1, B*S]`` row this CP
+                rank holds, the index Megatron's per-document ``get_batch_on_this_cp_rank`` split
+                the batch with (on the routes' device; sequence parallelism then splits it). None:
+                Megatron's per-sequence zigzag (nothing at CP 1).
 
         Raises:
             ValueError: Wrong rank, MoE layer count or top-k; ``has_missing`` not a host bool.
@@ -221,36 +254,41 @@ class RouteReplayBinding:
                 f"routes have {num_layers} MoE layers x top-{topk}; the model has "
                 f"{self.num_moe_layers} MoE layers x top-{self.topk} (--moe-router-topk)"
             )
-        positions_N = self._my_positions(batch_size, seq_len)
-        device_key = (routes_BSLK.device, batch_size, seq_len)
-        if device_key not in self._device_positions:  # one host-to-device copy per shape
-            # Pinned and asynchronous: a blocking copy would wait for the stream (a sync on the
-            # first micro-batch of every new shape).
-            self._device_positions[device_key] = host_to_device(positions_N, routes_BSLK)
+        if cp_index is not None and (batch_size != 1 or seq_len % cp_index.numel()):
+            raise ValueError(
+                f"cp_index ({cp_index.numel()} positions) splits a THD row [1, B*S]: routes are "
+                f"[{batch_size}, {seq_len}]"
+            )
+        position_N = self._device_rows(routes_BSLK, batch_size, seq_len, cp_index)
         # This stage's layers [lo, hi) in one gather, layer-major: every layer's rows (and mask)
         # are then a contiguous slice, made by one kernel per micro-batch instead of one per layer.
         lo, hi = self._stage_range
-        rows_LNK = stage_rows_layer_major(routes_BSLK, self._device_positions[device_key], lo, hi)
+        rows_LNK = stage_rows_layer_major(routes_BSLK, position_N, lo, hi)
         missing_LN = filled_LN = None
         if self.native_missing and has_missing is not False:
             missing_LN = (rows_LNK == torch.iinfo(rows_LNK.dtype).max).all(-1)
         if filled_BSL is not None:
-            position_N = self._device_positions[device_key]
             filled_LN = stage_rows_layer_major(filled_BSL.unsqueeze(-1), position_N, lo, hi)[..., 0]
         # Kept narrow (K bytes per token per layer); widened to int64 once per pass (_wide_rows).
         self._targets[key] = (rows_LNK, missing_LN, filled_LN)
         self._shapes[key] = (batch_size, seq_len)
         self._make_current(key)
 
-    def begin_record(self, key: Hashable, batch_size: int, seq_len: int) -> None:
+    def begin_record(
+        self, key: Hashable, batch_size: int, seq_len: int, cu_seqlens: torch.Tensor | None = None
+    ) -> None:
         """Makes ``key`` current for a recording forward of a ``[batch_size, seq_len]`` batch.
 
         THD (tokens ``[1, B*S]``): pass ``batch_size=1, seq_len=B*S``; :meth:`recorded_routes`
         then returns ``[1, B*S, L, K]`` (reshape to ``[B, S, L, K]`` for per-sample routes).
+        ``cu_seqlens``: under context parallelism, the THD row's flattened segment boundaries on
+        the host: each CP rank's rows are put back by the per-document split (else the zigzag's).
         """
         if self.mode != "record":
             raise ValueError("begin_record() needs --route-replay-mode record")
         self._shapes[key] = (batch_size, seq_len)
+        if cu_seqlens is not None:
+            self._cu_seqlens[key] = cu_seqlens
         self._make_current(key)
 
     def _make_current(self, key: Hashable) -> None:
@@ -269,6 +307,7 @@ class RouteReplayBinding:
         self._wide = None
         self._recorded.clear()
         self._shapes.clear()
+        self._cu_seqlens.clear()
         self._routed, self._routed_serial = set(), -1
 
     def device_bytes(self) -> tuple[int, int]:
@@ -387,6 +426,22 @@ class RouteReplayBinding:
         """
         batch_size, seq_len = self._shapes[key]
         recorded = {ordinal: self._recorded[(key, ordinal)] for ordinal in self.stage_ordinals}
+        row_positions = self._row_positions
+        cu_seqlens = self._cu_seqlens.get(key)
+        if cu_seqlens is not None:  # a packed row under CP: split per document, not the zigzag
+
+            def row_positions(b: int, s: int, tp_rank: int, cp_rank: int) -> torch.Tensor:
+                return router_row_positions(
+                    b,
+                    s,
+                    cp_size=parallel_state.get_context_parallel_world_size(),
+                    cp_rank=cp_rank,
+                    tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+                    tp_rank=tp_rank,
+                    sequence_parallel=self.config.sequence_parallel,
+                    cu_seqlens=cu_seqlens,
+                )
+
         return gather_recorded_routes(
             recorded,
             batch_size,
@@ -395,5 +450,5 @@ class RouteReplayBinding:
             topk=self.topk,
             num_experts=self.config.num_moe_experts,
             sequence_parallel=self.config.sequence_parallel,
-            row_positions=self._row_positions,
+            row_positions=row_positions,
         )

@@ -81,6 +81,38 @@ def check_cpu_args(args: argparse.Namespace) -> None:
         raise ValueError(
             "--cpu cannot run --mtp-num-layers: Megatron's MTP loss logging calls torch.cuda"
         )
+    if (view.context_parallel_size or 1) > 1:
+        _check_cpu_context_parallel(view, flag_value(args, "pack_documents"))
     impl = view.cuda_graph_impl or "none"
     if impl != "none":
         raise ValueError(f"--cpu cannot run --cuda-graph-impl {impl} (CUDA graphs): drop it")
+
+
+def _check_cpu_context_parallel(view: MegatronView, packed: bool) -> None:
+    """What the ``--cpu`` context-parallel attention (megatron_ext/cpu/cp_attention.py) does not
+    model, refused naming the flag: it attends over the K/V of the whole CP group, causally."""
+    rope = view.position_embedding_type in ("rope", "yarn", "mrope")
+    if rope and not packed:
+        raise ValueError(
+            f"--cpu with --context-parallel-size > 1 and --position-embedding-type "
+            f"{view.position_embedding_type} needs --pack-documents: Megatron's per-sequence CP "
+            "path slices the rotary table with a CUDA index (get_pos_emb_on_this_cp_rank)"
+        )
+    kinds = set(view.cp_comm_type or ["p2p"])
+    refused = (
+        (view.hybrid_context_parallel, "--hybrid-context-parallel",
+         "a CP size chosen per micro-batch"),
+        (kinds != {"p2p"}, f"--cp-comm-type {' '.join(view.cp_comm_type)}",
+         "exchanges other than Megatron's default p2p (it gathers K/V over the CP group)"),
+        (view.hierarchical_context_parallel_sizes, "--hierarchical-context-parallel-sizes",
+         "hierarchical (a2a+p2p) CP groups"),
+        (view.softmax_type != "vanilla", f"--softmax-type {view.softmax_type}",
+         "softmax variants other than vanilla"),
+        (view.window_size is not None, "--window-size", "sliding-window attention"),
+    )  # fmt: skip
+    for is_set, flag, why in refused:
+        if is_set:
+            raise ValueError(
+                f"--cpu with --context-parallel-size > 1 cannot run {flag}: the CPU "
+                f"context-parallel attention does not model {why}"
+            )

@@ -150,9 +150,34 @@ def model_inputs(
 
     ``model``: the chunk the forward runs; under sequence parallelism the routers get their TP
     slice of the pad mask through it (:func:`~megatron_ext.data.batch.shard_padding_mask`).
+    Under context parallelism the kwargs are this CP rank's share (:func:`split_inputs`).
     """
-    from megatron_ext.data.batch import gpt_forward_kwargs, shard_padding_mask
+    return split_inputs(batch, args, model)[0]
 
+
+def split_inputs(
+    batch: dict[str, torch.Tensor], args: Any, model: torch.nn.Module | None = None
+) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor | None]:
+    """The model's keyword arguments, the loss mask in the model's token order, and (packed samples
+    under context parallelism) the partition index of this CP rank's tokens, or None.
+
+    Under ``--context-parallel-size > 1`` the micro-batch is split by Megatron's own
+    ``get_batch_on_this_cp_rank`` (:func:`~megatron_ext.data.batch.context_parallel_inputs`):
+    packed samples per document in THD, whatever ``--transformer-impl`` (under ``--cpu`` the
+    context-parallel attention stand-in reads THD), others by the per-sequence zigzag.
+    """
+    from megatron.core import parallel_state
+
+    from megatron_ext.data.batch import (
+        context_parallel_inputs,
+        gpt_forward_kwargs,
+        shard_padding_mask,
+    )
+
+    if parallel_state.get_context_parallel_world_size() > 1:
+        group = parallel_state.get_context_parallel_group()
+        kwargs, loss_mask, index = context_parallel_inputs(batch, group)
+        return (kwargs if model is None else shard_padding_mask(kwargs, model)), loss_mask, index
     if "padding_mask" not in batch:  # Megatron's own datasets (e.g. --mock-data)
         kwargs = {
             "input_ids": batch["tokens"],
@@ -160,10 +185,48 @@ def model_inputs(
             "attention_mask": batch.get("attention_mask"),
             "labels": batch["labels"],
         }
-        return kwargs
+        return kwargs, batch["loss_mask"], None
     layout = "mask" if args.transformer_impl == "local" or "cu_seqlens" not in batch else "thd"
     kwargs = gpt_forward_kwargs(batch, layout=layout)
-    return kwargs if model is None else shard_padding_mask(kwargs, model)
+    loss_mask = batch["loss_mask"].reshape(kwargs["input_ids"].shape)
+    return (kwargs if model is None else shard_padding_mask(kwargs, model)), loss_mask, None
+
+
+def layout_shape(batch: dict[str, Any], kwargs: dict[str, Any]) -> tuple[int, int]:
+    """The micro-batch's ``[batch, seq]`` in the model's token order before context parallelism
+    splits it: THD's ``[1, B*S]`` for packed samples, else ``[B, S]``. Route replay, record and the
+    pad count slice it for this rank themselves (CP, then SP)."""
+    if kwargs.get("packed_seq_params") is not None:
+        return (1, batch["tokens"].numel())
+    return tuple(batch["tokens"].shape)
+
+
+def host_cu_seqlens(host_batch: dict[str, Any], thd: bool) -> torch.Tensor | None:
+    """Under context parallelism, the packed row's segment boundaries on the host (flattened as
+    the device's, :func:`~megatron_ext.data.batch.flat_cu_seqlens`): the host computes the same
+    per-document split from them, without reading the device. None otherwise."""
+    from megatron.core import parallel_state
+
+    if not thd or parallel_state.get_context_parallel_world_size() == 1:
+        return None
+    from megatron_ext.data.batch import flat_cu_seqlens
+
+    cu_BC = host_batch["cu_seqlens"]
+    if cu_BC.device.type != "cpu":
+        raise ValueError(
+            "context parallelism splits packs on the host too: the data iterator must yield CPU "
+            "tensors"
+        )
+    cu = flat_cu_seqlens(cu_BC, host_batch["tokens"].shape[1])
+    multiple = 2 * parallel_state.get_context_parallel_world_size()
+    bad = cu[cu % multiple != 0]
+    if bad.numel():  # on the device, Transformer Engine's kernel would only assert
+        raise ValueError(
+            f"a pack's document boundary ({int(bad[0])}) is not a multiple of 2 * "
+            f"--context-parallel-size ({multiple}): Megatron splits packed samples per document, "
+            "so every document of a pack must be padded to that multiple"
+        )
+    return cu
 
 
 def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
@@ -177,11 +240,13 @@ def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tens
     training = key[0] != "eval"
     if training and model_chunk(model) == 0:  # once per micro-batch, not per virtual stage
         count_micro_batch(args, host_batch)  # host counts: tokens/s, real tokens/s, pad fraction
-    kwargs = model_inputs(batch, args, model)
-    # The model's [batch, seq] layout: THD flattens the micro-batch to one row of B*S tokens, so routes
-    # are installed (and recorded) in that layout too; router rows then follow the model's token order.
-    model_shape = tuple(kwargs["input_ids"].shape)
-    announce_real_tokens(args, host_batch.get("padding_mask"), model_shape, starts_step)
+    kwargs, loss_mask, cp_index = split_inputs(batch, args, model)
+    # The micro-batch's [batch, seq] before CP splits it: THD flattens it to one row of B*S tokens,
+    # so routes are installed (and recorded) in that layout too, with the CP split's index; router
+    # rows then follow the model's token order.
+    model_shape = layout_shape(batch, kwargs)
+    cu_host = host_cu_seqlens(host_batch, kwargs.get("packed_seq_params") is not None)
+    announce_real_tokens(args, host_batch.get("padding_mask"), model_shape, starts_step, cu_host)
     if starts_step:
         # Megatron finishes every backward of a step before the next step's (or an evaluation's)
         # first forward, so the routes kept for recompute can go (every chunk's).
@@ -199,13 +264,14 @@ def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tens
                 # Counted by the dataset on the host: packs without a missing row skip native top-k.
                 has_missing=has_missing_routes(host_batch),
                 filled_BSL=None if filled_BSL is None else filled_BSL.reshape(*model_shape, -1),
+                cp_index=cp_index,
             )
             check = run_state.state(args).replay_check
             if check is not None:  # counts training micro-batches only, each once
                 check.count(key if training else None)
         else:
-            binding.begin_record(key, *model_shape)
-    output = model(**kwargs, loss_mask=batch["loss_mask"].reshape(model_shape))
+            binding.begin_record(key, *model_shape, cu_seqlens=cu_host)
+    output = model(**kwargs, loss_mask=loss_mask)
     if binding is not None and binding.mode == "record" and training:
         # Only training packs: evaluation packs index another dataset (the validation split).
         # Skip mode: pads reached no expert, so what their routers computed is no route: missing.
@@ -214,19 +280,24 @@ def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tens
         run_state.record_routes(
             args, binding, key, batch["pack_index"], batch["tokens"].shape, pad_mask_BS=pads
         )
-    # loss_func flattens both: the per-token loss ([B, S] or THD's [1, B*S]) and the mask share one order.
-    # (On a non-last pipeline stage ``output`` is hidden states, which loss_func never sees.)
-    return output, partial(loss_func, batch["loss_mask"])
+    # loss_func flattens both: the per-token loss ([B, S], THD's [1, B*S] or this CP rank's share)
+    # and the mask share one order. (On a non-last pipeline stage ``output`` is hidden states.)
+    return output, partial(loss_func, loss_mask)
 
 
 def announce_real_tokens(
-    args: Any, host_pad_mask: torch.Tensor | None, model_shape: tuple[int, int], starts_step: bool
+    args: Any,
+    host_pad_mask: torch.Tensor | None,
+    model_shape: tuple[int, int],
+    starts_step: bool,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> None:
     """``--moe-pad-routing skip``: tells the MoE layers how many of their router rows are real.
 
     Counted on the host copy of the pad mask, before the batch reaches the device (so the dispatcher
     sizes its permute without reading the device): the rows this rank's routers see are the micro-batch
-    in the model's layout, sliced for CP and, under sequence parallelism, for this TP rank.
+    in the model's layout, sliced for CP (per document with the packed row's host ``cu_seqlens``, as
+    the device split; else the zigzag) and, under sequence parallelism, for this TP rank.
     """
     pad_routing = run_state.pad_routing(args)
     if pad_routing is None or not pad_routing.skip:
@@ -252,6 +323,7 @@ def announce_real_tokens(
             tp_size=parallel_state.get_tensor_model_parallel_world_size(),
             tp_rank=parallel_state.get_tensor_model_parallel_rank(),
             sequence_parallel=args.sequence_parallel,
+            cu_seqlens=cu_seqlens,
         )
     )
 

@@ -102,11 +102,7 @@ def check_combinations(args: argparse.Namespace) -> None:
     pack_documents = flag_value(args, "pack_documents")
     packs_vary = pack_documents and not flag_value(args, "pad_to_seq_len")
     if (view.context_parallel_size or 1) > 1:
-        raise ValueError(
-            "megatron_ext.pretrain_gpt does not support --context-parallel-size > 1 yet: its "
-            "forward step does not slice megatron_ext's batches (pad mask, document boundaries, "
-            "routes) for context parallelism"
-        )
+        _refuse_with_context_parallel(view)
     if flag_value(args, "route_replay_mode") == "record":
         from megatron_ext.data.data_args import data_prefixes
 
@@ -191,6 +187,24 @@ def _refuse_unsupported(args: argparse.Namespace, view: MegatronView) -> None:
         )
     if moe and view.mtp_num_layers:
         _refuse_with_mtp(args, view)
+
+
+def _refuse_with_context_parallel(view: MegatronView) -> None:
+    """What ``--context-parallel-size > 1`` cannot run with: the forward step splits each
+    micro-batch with Megatron's ``get_batch_on_this_cp_rank`` (packed samples per document, with
+    the document boundaries the packs pad to ``2 * CP``; others by the per-sequence zigzag)."""
+    if view.hybrid_context_parallel:
+        raise ValueError(
+            "--context-parallel-size > 1 with --hybrid-context-parallel is not supported: the "
+            "forward step splits micro-batches over the fixed CP group (Megatron's hybrid CP "
+            "schedule picks a CP size per micro-batch)"
+        )
+    if view.dataloader_inter_document_masking:
+        raise ValueError(
+            "--context-parallel-size > 1 with --dataloader-inter-document-masking is not "
+            "supported: Megatron splits document boundaries per document, which needs each "
+            "document padded to 2 * CP; use --pack-documents (its packs pad every document)"
+        )
 
 
 def _refuse_with_mtp(args: argparse.Namespace, view: MegatronView) -> None:

@@ -62,11 +62,18 @@ def _aligned(spec: Any, args: argparse.Namespace) -> Any:
 
 
 def _with_sp_norms(spec: Any, args: argparse.Namespace) -> Any:
+    """The local modules Megatron refuses a parallelism for, where the run uses it: SP norms, and
+    under ``--cpu`` the context-parallel attention rehearsal (Megatron's local attention refuses
+    CP; TE's is its CP path)."""
     if args.sequence_parallel and args.transformer_impl == "local":
         from megatron_ext.cpu.local_norms import with_sequence_parallel_norms
 
         # Megatron's local norms refuse SP (TE's are its SP path); ours mark params for TP reduce.
-        return with_sequence_parallel_norms(spec)
+        spec = with_sequence_parallel_norms(spec)
+    if args.context_parallel_size > 1 and run_state.configs(args)[EntryConfig].cpu:
+        from megatron_ext.cpu.cp_attention import with_context_parallel_attention
+
+        spec = with_context_parallel_attention(spec)
     return spec
 
 

@@ -1,7 +1,7 @@
 """Tier: Megatron's argument parser on one process (``parse_args``, then ``configs_from_args``).
 
 What ``megatron_ext.pretrain_gpt`` cannot run is refused at argument time, naming the flag:
-``megatron_ext.training.launch_rules`` (context parallelism, record mode's one data prefix, the
+``megatron_ext.training.launch_rules`` (what context parallelism cannot split, record mode's one data prefix, the
 Megatron flags and combinations the entry would crash on, hang on or silently ignore); and, among
 the same configs' checks, ``ReplayConfig``'s check of a route file's header against the model
 (L, K, E): a file written for another model is refused, the matching model passes.
@@ -14,14 +14,26 @@ import pytest
 from tests.training.entry_args import BASE_ARGS, EXPERTS, NUM_LAYERS, REPLAY_ARGS
 
 
-def test_context_parallelism_is_refused_at_argument_time(monkeypatch) -> None:
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ([], None),  # plain CP is accepted: the forward step splits with Megatron's own function
+        (["--hybrid-context-parallel"], "--hybrid-context-parallel is not supported"),
+        (["--dataloader-inter-document-masking"], "--dataloader-inter-document-masking is not"),
+    ],
+)
+def test_context_parallelism_refuses_what_it_cannot_split(monkeypatch, extra, match) -> None:
     from megatron.training.arguments import parse_args
 
     from megatron_ext.training.arguments import add_megatron_ext_args, configs_from_args
 
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt", *BASE_ARGS, "--context-parallel-size", "2"])
+    argv = ["pretrain_gpt", *BASE_ARGS, "--context-parallel-size", "2", *extra]
+    monkeypatch.setattr(sys, "argv", argv)
     args = parse_args(extra_args_provider=add_megatron_ext_args)
-    with pytest.raises(ValueError, match="--context-parallel-size > 1"):
+    if match is None:
+        assert configs_from_args(args)
+        return
+    with pytest.raises(ValueError, match=match):
         configs_from_args(args)
 
 

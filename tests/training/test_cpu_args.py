@@ -40,7 +40,16 @@ OK = dict(transformer_impl="local", distributed_backend="gloo", cuda_graph_impl=
             {"moe_grouped_gemm": True, "num_experts": 8, "tensor_model_parallel_size": 2},
             "--expert-tensor-parallel-size 1 (got 2",
         ),
-    ],
+        # --cpu with CP > 1: what its context-parallel attention stand-in does not model.
+        ({"context_parallel_size": 2, "hybrid_context_parallel": True},
+         "--hybrid-context-parallel"),
+        ({"context_parallel_size": 2, "cp_comm_type": ["a2a"]}, "--cp-comm-type a2a"),
+        ({"context_parallel_size": 2, "hierarchical_context_parallel_sizes": [2, 1]},
+         "--hierarchical-context-parallel-sizes"),
+        ({"context_parallel_size": 2, "softmax_type": "learnable"}, "--softmax-type learnable"),
+        ({"context_parallel_size": 2, "window_size": (4, 0)}, "--window-size"),
+        ({"context_parallel_size": 2, "position_embedding_type": "rope"}, "--pack-documents"),
+    ],  # fmt: skip
 )
 def test_refused_naming_the_flag(change, flag):
     with pytest.raises(ValueError, match="--cpu") as err:
@@ -50,6 +59,12 @@ def test_refused_naming_the_flag(change, flag):
 
 def test_cpu_runnable_configuration_passes():
     check_cpu_args(argparse.Namespace(**OK))
+    # CP = 2 on packed samples (per-document split, the CPU context-parallel attention).
+    check_cpu_args(
+        argparse.Namespace(
+            **OK, context_parallel_size=2, position_embedding_type="rope", pack_documents=True
+        )
+    )
     # TP=2 + sequence parallelism runs too (megatron_ext's SP local norms; test_real_loop_features
     # trains it).
     check_cpu_args(argparse.Namespace(**OK, sequence_parallel=True, tensor_model_parallel_size=2))
