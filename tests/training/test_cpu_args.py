@@ -41,15 +41,19 @@ OK = dict(transformer_impl="local", distributed_backend="gloo", cuda_graph_impl=
             "--expert-tensor-parallel-size 1 (got 2",
         ),
         # --cpu with CP > 1: what its context-parallel attention stand-in does not model.
-        ({"context_parallel_size": 2, "hybrid_context_parallel": True},
-         "--hybrid-context-parallel"),
+        (
+            {"context_parallel_size": 2, "hybrid_context_parallel": True},
+            "--hybrid-context-parallel",
+        ),
         ({"context_parallel_size": 2, "cp_comm_type": ["a2a"]}, "--cp-comm-type a2a"),
-        ({"context_parallel_size": 2, "hierarchical_context_parallel_sizes": [2, 1]},
-         "--hierarchical-context-parallel-sizes"),
+        (
+            {"context_parallel_size": 2, "hierarchical_context_parallel_sizes": [2, 1]},
+            "--hierarchical-context-parallel-sizes",
+        ),
         ({"context_parallel_size": 2, "softmax_type": "learnable"}, "--softmax-type learnable"),
         ({"context_parallel_size": 2, "window_size": (4, 0)}, "--window-size"),
         ({"context_parallel_size": 2, "position_embedding_type": "rope"}, "--pack-documents"),
-    ],  # fmt: skip
+    ],
 )
 def test_refused_naming_the_flag(change, flag):
     with pytest.raises(ValueError, match="--cpu") as err:
