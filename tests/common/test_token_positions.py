@@ -60,3 +60,24 @@ def test_every_rank_together_holds_each_position_once() -> None:
 def test_uneven_splits_are_refused_naming_the_flag(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
         router_row_positions(1, **kwargs)
+
+
+def test_a_packed_row_splits_per_document() -> None:
+    # THD row [0 4 8]: documents of 4 in chunks of 1; CP rank 1 keeps chunks 1 and 2 of each ->
+    # [1 2 5 6] (the zigzag of the whole row would be [2 3 4 5]); TP rank 0 with SP keeps [1 2].
+    cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+    assert router_row_positions(1, 8, cp_size=2, cp_rank=1, cu_seqlens=cu).tolist() == [1, 2, 5, 6]
+    sp = dict(cp_size=2, cp_rank=1, tp_size=2, tp_rank=0, sequence_parallel=True)
+    assert router_row_positions(1, 8, cu_seqlens=cu, **sp).tolist() == [1, 2]
+    # Every (CP, TP) rank together: each position once.
+    cu = torch.tensor([0, 8, 12, 12, 16, 24, 32], dtype=torch.int32)
+    rows = [
+        router_row_positions(
+            1, 32, cp_size=2, cp_rank=c, tp_size=2, tp_rank=t, sequence_parallel=True, cu_seqlens=cu
+        )
+        for c in range(2)
+        for t in range(2)
+    ]
+    assert torch.equal(torch.cat(rows).sort().values, torch.arange(32))
+    with pytest.raises(ValueError, match="batch size 1"):
+        router_row_positions(2, 16, cp_size=2, cu_seqlens=cu)

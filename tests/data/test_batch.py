@@ -311,3 +311,69 @@ def test_a_batch_of_one_sequence_per_sample_needs_no_document_boundaries():
     assert kwargs["attention_mask"] is None and kwargs["padding_mask"].dtype == torch.bool
     with pytest.raises(ValueError, match="layout='thd' needs packed samples"):
         gpt_forward_kwargs(batch, layout="thd")
+
+
+def _cp_batch(packed: bool) -> dict[str, torch.Tensor]:
+    """Two samples of S = 8: sample 0 = a document of 4 + a 4-token tail pad, sample 1 one of 8."""
+    tokens = torch.arange(16).reshape(2, 8)
+    batch = {
+        "tokens": tokens,
+        "labels": tokens + 100,
+        "loss_mask": (tokens % 3 != 0).float(),
+        "position_ids": tokens % 8,
+        "padding_mask": torch.zeros(2, 8, dtype=torch.bool),
+    }
+    batch["padding_mask"][0, 4:] = True
+    if packed:
+        batch["cu_seqlens"] = torch.tensor([[0, 4] + [8] * 7, [0] + [8] * 8], dtype=torch.int32)
+    return batch
+
+
+def _cp_split_worker() -> dict:
+    """This CP rank's share by context_parallel_inputs, against the flattened row indexed here."""
+    from megatron.core import parallel_state
+
+    from megatron_ext.common.thd_partition import thd_partitioned_indices
+    from megatron_ext.common.token_positions import cp_zigzag_positions
+    from megatron_ext.data.batch import context_parallel_inputs, flat_cu_seqlens
+
+    group, rank = (
+        parallel_state.get_context_parallel_group(),
+        parallel_state.get_context_parallel_rank(),
+    )
+    batch = _cp_batch(packed=True)
+    kwargs, loss_mask, index = context_parallel_inputs(batch, group)
+    cu = flat_cu_seqlens(batch["cu_seqlens"], 8)
+    want = thd_partitioned_indices(cu, 16, 2, rank).long()
+    flat = {k: v.reshape(1, -1)[:, want] for k, v in batch.items() if k != "cu_seqlens"}
+    packed_ok = (
+        torch.equal(index.long(), want)
+        and torch.equal(kwargs["input_ids"], flat["tokens"])
+        and torch.equal(kwargs["labels"], flat["labels"])
+        and torch.equal(kwargs["position_ids"], flat["position_ids"])
+        and torch.equal(kwargs["padding_mask"], flat["padding_mask"])
+        and torch.equal(loss_mask, flat["loss_mask"])
+        # The attention's params stay global: the whole row's boundaries, trailing repeats kept.
+        and torch.equal(kwargs["packed_seq_params"].cu_seqlens_q, cu)
+        and kwargs["packed_seq_params"].qkv_format == "thd"
+    )
+    plain = _cp_batch(packed=False)
+    kwargs, loss_mask, index = context_parallel_inputs(plain, group)
+    zig = cp_zigzag_positions(8, 2, rank)
+    plain_ok = (
+        index is None
+        and torch.equal(kwargs["input_ids"], plain["tokens"][:, zig])
+        and torch.equal(kwargs["padding_mask"], plain["padding_mask"][:, zig])
+        and torch.equal(loss_mask, plain["loss_mask"][:, zig])
+    )
+    return {"packed": packed_ok, "plain": plain_ok, "pads": int(flat["padding_mask"].sum())}
+
+
+def test_context_parallel_inputs_split_as_megatron_per_document_and_per_sequence() -> None:
+    """On 2 gloo ranks (CP=2): Megatron's get_batch_on_this_cp_rank splits the flattened packed row
+    per document (TE's index, stood in), and the pad mask follows the same index; samples without
+    document boundaries are split by Megatron's per-sequence zigzag, pad mask included."""
+    results = run_distributed(_cp_split_worker, 2, cp=2)
+    assert all(r["packed"] and r["plain"] for r in results), results
+    # The tail pad segment is split per document too: 2 of its 4 pads on each rank.
+    assert [r["pads"] for r in results] == [2, 2]

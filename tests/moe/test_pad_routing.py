@@ -236,3 +236,22 @@ def test_auto_follows_which_modules_cuda_graphs_capture(graphs: list[str], auto:
     args = _parse(["--num-experts", "8", "--moe-token-dispatcher-type", "alltoall", *graphs])
     mode, why = configs_from_args(args)[MoEPadRoutingConfig].resolve(args)
     assert (mode, why.startswith("auto")) == (auto, True), why
+
+
+def test_count_router_tokens_splits_a_packed_row_per_document() -> None:
+    """The host count of a CP rank's real rows: the pad mask sliced as Megatron's per-document
+    split slices it (TE's index), not as the zigzag of the whole row would."""
+    from megatron_ext.common.thd_partition import thd_partitioned_indices
+    from megatron_ext.moe.pad_routing import count_router_tokens
+
+    # Documents of 8 and 4, a 4-token tail pad (its own segment).
+    cu = torch.tensor([0, 8, 12, 16], dtype=torch.int32)
+    pads = torch.zeros(1, 16, dtype=torch.bool)
+    pads[0, 12:] = True
+    for rank in range(2):
+        rows, real = count_router_tokens(pads, (1, 16), cp_size=2, cp_rank=rank, cu_seqlens=cu)
+        index = thd_partitioned_indices(cu, 16, 2, rank).long()
+        assert (rows, real) == (8, 8 - int(pads[0, index].sum()))
+        assert real == 6  # the tail pad split evenly: 2 pads on each rank
+    # The zigzag of the whole row would give rank 0 all 4 pads (positions 12..15).
+    assert count_router_tokens(pads, (1, 16), cp_size=2, cp_rank=0) == (8, 4)

@@ -525,3 +525,29 @@ def test_with_padded_router_swaps_only_megatrons_topk_router():
         "off": ["TopKRouter"],
         "aligned_off": ["TopKRouter"],
     }
+
+
+def _token_count_worker() -> tuple[float, float, float]:
+    """Megatron's and megatron_ext's aux-loss token counts of this rank under a padding mask."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe import moe_utils
+
+    from megatron_ext.moe.router import local_count_before_the_reduce
+
+    group = parallel_state.get_context_parallel_group()
+    real = 1 + 2 * group.rank()  # rank 0 routes 1 real token, rank 1 routes 3 (pads: no row)
+    routing_map = torch.zeros(4, E, dtype=torch.bool)
+    routing_map[:real, :K] = True
+    original = moe_utils.get_tokens_per_expert_and_token_count
+    _, megatron_local, _ = original(routing_map, group, topk=K, with_padding_mask=True)
+    _, ours, total = local_count_before_the_reduce(original)(routing_map, group, K, True)
+    return float(megatron_local), float(ours), float(total)
+
+
+def test_aux_loss_token_count_is_this_ranks_not_the_groups() -> None:
+    """Megatron 0.19.2 reads the local count after the in-place all-reduce over the TP x CP group
+    (the group's 4 real tokens on both ranks); the compat row's count is each rank's own, the
+    total the group's."""
+    results = run_distributed(_token_count_worker, 2, cp=2)
+    assert [r[0] for r in results] == [4.0, 4.0]  # what the row exists for
+    assert [r[1] for r in results] == [1.0, 3.0] and [r[2] for r in results] == [4.0, 4.0]

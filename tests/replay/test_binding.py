@@ -225,6 +225,38 @@ def test_zigzag_cp_layout_matches_megatron():
     assert all(run_distributed(_zigzag_matches_megatron, 2, cp=2))
 
 
+def _per_document_cp_rows() -> dict:
+    """A packed THD row under CP=2: install slices the routes by the index the forward step split
+    the batch with; record puts each CP rank's rows back by the per-document split."""
+    from megatron.core import parallel_state
+
+    from megatron_ext.common.thd_partition import thd_partitioned_indices
+    from megatron_ext.replay.binding import RouteReplayBinding
+
+    rank = parallel_state.get_context_parallel_rank()
+    cu = torch.tensor([0, 8, 12, 12, 16, 24, 32], dtype=torch.int32)  # an empty segment too
+    routes = torch.randint(0, 8, (1, 32, 2, 2), dtype=torch.uint8, generator=torch.Generator())
+    index = thd_partitioned_indices(cu, 32, 2, rank)
+    model = tiny_replay_model(False)
+    binding = RouteReplayBinding(model, "replay")
+    binding.install(routes, key="k", cp_index=index)
+    rows_LNK = binding._targets["k"][0]
+    installed = torch.equal(rows_LNK, routes[0, index.long()].transpose(0, 1))
+    binding.remove()
+    binding = RouteReplayBinding(model, "record")
+    binding.begin_record("k", 1, 32, cu_seqlens=cu)
+    for ordinal in binding.stage_ordinals:  # what each router would have recorded on this rank
+        binding._recorded[("k", ordinal)] = routes[0, index.long(), ordinal].long()
+    recorded = binding.recorded_routes("k")
+    binding.remove()
+    return {"installed": installed, "recorded": torch.equal(recorded, routes)}
+
+
+def test_a_packed_row_is_sliced_and_gathered_per_document_under_cp():
+    results = run_distributed(_per_document_cp_rows, 2, cp=2)
+    assert all(r["installed"] and r["recorded"] for r in results), results
+
+
 def _thd_flattened_batch() -> dict:
     """THD: a [B, S] batch flattened to one row [1, B*S]. Router rows then run b*S+s, so routes
     reshaped to [1, B*S, L, K] replay exactly and recorded_routes returns that layout."""
