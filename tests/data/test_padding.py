@@ -413,3 +413,19 @@ def test_per_document_padding_keeps_every_real_token_its_label_and_boundaries(
         doc_of = np.searchsorted(np.cumsum(doc_lens), pack.src_index_S[:body], side="right")
         own = np.repeat(np.arange(doc_lens.size), padded_doc_lengths(doc_lens, 2 * cp))
         assert np.array_equal(doc_of, own) and starts.size == tokens.size
+
+
+def test_the_cp_picture_in_docs_data_md() -> None:
+    """docs/data.md's pack before slicing: documents [a b c] and [d e f g h], CP 2, S 16."""
+    ids = {ch: i + 1 for i, ch in enumerate("abcdefgh")}
+    tokens = np.array([ids[ch] for ch in "abcdefgh"])
+    pack = pad_pack(tokens, np.array([3, 5]), 16, doc_multiple=4)
+    names = {v: k for k, v in ids.items()}
+    shown = "".join(
+        names[t].upper() if pad else names[t]
+        for t, pad in zip(pack.tokens_S, pack.pad_mask_S, strict=True)
+    )
+    assert shown == "abcAdefghDEFABCD"
+    assert pack.cu_seqlens[: pack.num_segments + 1].tolist() == [0, 4, 12, 16]
+    trained = [names[t] for t, m in zip(pack.tokens_S, pack.loss_mask_S, strict=True) if m]
+    assert trained == list("abdefg")
