@@ -142,24 +142,9 @@ def check_resume(
         return []
     where = f"{checkpoint.flag} {checkpoint.directory} (iteration {checkpoint.iteration})"
     parallel = _changed(args, saved_args, PARALLEL_FLAGS)
-    files = {"tensor_model_parallel_size", "pipeline_model_parallel_size",
-             "expert_model_parallel_size"}  # fmt: skip
-    if checkpoint.format == "torch" and _changed(args, saved_args, files):
-        sizes = " ".join(f"{_flag(d)} {getattr(saved_args, d)}" for d in sorted(files))
-        raise ValueError(
-            f"{where} is a torch-format checkpoint, one file per TP/PP/EP rank, saved with other "
-            f"parallel sizes ({', '.join(_changed(args, saved_args, files))}): Megatron finds no "
-            f"file for this run's ranks. Launch with {sizes}, or save in --ckpt-format torch_dist"
-        )
     view = MegatronView.from_args(args)
     loads_optimizer = _loads_optimizer(view, checkpoint, saved_args)
-    ep = _changed(args, saved_args, ["expert_model_parallel_size"])
-    if ep and loads_optimizer and checkpoint.format == "torch_dist":
-        raise ValueError(
-            f"{where}: {ep[0]} cannot resume the optimizer state (Megatron 0.19.2 stops with "
-            "'Could not find parameter group'); pass --no-load-optim to load the weights and "
-            "the iteration and restart the optimizer (Adam moments and LR schedule)"
-        )
+    _check_parallel_change(args, saved_args, checkpoint, where, loads_optimizer)
     check_lr_change(args, saved_args, where, loads_optimizer)
     # --skip-train builds no optimizer (and may have no --lr): the schedule is not compared.
     refusal, effective = (
@@ -189,14 +174,37 @@ def check_resume(
         lines.append(f"{verb} {where}: {change} ({why})")
     # --finetune (and a release or --pretrained-checkpoint) starts at iteration 0: no samples
     # were consumed.
-    restarts = (
-        checkpoint.release
-        or checkpoint.flag == "--pretrained-checkpoint"
-        or view.finetune
-    )
+    restarts = checkpoint.release or checkpoint.flag == "--pretrained-checkpoint" or view.finetune
     consumed = None if restarts else getattr(saved_args, "consumed_train_samples", 0)
     changes = flag_changes(args, saved_args, consumed, loads_optimizer)
     return lines + [f"{verb} {where}: {line}" for line in changes]
+
+
+def _check_parallel_change(
+    args: argparse.Namespace,
+    saved_args: Any,
+    checkpoint: Checkpoint,
+    where: str,
+    loads_optimizer: bool,
+) -> None:
+    """Refuses the parallel-size changes Megatron cannot load: a torch-format checkpoint (one
+    file per TP/PP/EP rank) under other sizes, and a torch_dist optimizer state under another EP."""
+    files = {"tensor_model_parallel_size", "pipeline_model_parallel_size",
+             "expert_model_parallel_size"}  # fmt: skip
+    if checkpoint.format == "torch" and _changed(args, saved_args, files):
+        sizes = " ".join(f"{_flag(d)} {getattr(saved_args, d)}" for d in sorted(files))
+        raise ValueError(
+            f"{where} is a torch-format checkpoint, one file per TP/PP/EP rank, saved with other "
+            f"parallel sizes ({', '.join(_changed(args, saved_args, files))}): Megatron finds no "
+            f"file for this run's ranks. Launch with {sizes}, or save in --ckpt-format torch_dist"
+        )
+    ep = _changed(args, saved_args, ["expert_model_parallel_size"])
+    if ep and loads_optimizer and checkpoint.format == "torch_dist":
+        raise ValueError(
+            f"{where}: {ep[0]} cannot resume the optimizer state (Megatron 0.19.2 stops with "
+            "'Could not find parameter group'); pass --no-load-optim to load the weights and "
+            "the iteration and restart the optimizer (Adam moments and LR schedule)"
+        )
 
 
 def check_lr_change(
