@@ -131,6 +131,12 @@ class PaddingConfig:
             )
         return self.pad_to_multiple_of
 
+    @staticmethod
+    def doc_pad_multiple(context_parallel_size: int = 1) -> int:
+        """Every packed document's length multiple: 2*CP under context parallelism (TE's THD
+        partitioning cuts each document into 2*CP equal chunks, one pair per CP rank), else 1."""
+        return 2 * context_parallel_size if context_parallel_size > 1 else 1
+
     def check_megatron_args(self, args: argparse.Namespace) -> None:
         """Checks the padding multiple against Megatron's CP / TP+SP / fp8/fp4 and --seq-length."""
         from megatron_ext.data.quantization_align import quantization_align_from_args

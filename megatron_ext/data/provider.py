@@ -27,6 +27,7 @@ def dataset_class_and_config(
     padding: PaddingConfig,
     *,
     pad_multiple: int,
+    doc_pad_multiple: int = 1,
     sidecars: dict[str, Sidecar] | None = None,
     sft: bool = False,
     **gpt_kwargs: Any,
@@ -37,6 +38,8 @@ def dataset_class_and_config(
         padding: The run's data flags.
         pad_multiple: Resolved pack-length multiple (:meth:`PaddingConfig.pad_multiple`); used
             by packed data only (the self-padded ``GPTDataset`` always fills ``sequence_length``).
+        doc_pad_multiple: Every packed document padded to a multiple of this (2*CP under context
+            parallelism, :meth:`PaddingConfig.doc_pad_multiple`); packed data only.
         sidecars: Extra per-token sidecars for packed data (e.g. routes); refused otherwise.
         sft: Megatron's ``--sft``: the JSONL conversations of ``SelfPaddedSFTDataset`` (its
             per-conversation pad multiple comes from ``context_parallel_size`` in ``gpt_kwargs``).
@@ -74,6 +77,7 @@ def dataset_class_and_config(
         **common,
         pad_to_seq_len=padding.pad_to_seq_len,
         pad_to_multiple_of=pad_multiple,
+        doc_pad_multiple=doc_pad_multiple,
         packing_algorithm=padding.packing_algorithm,
         packing_window=padding.packing_window,
         pack_overlong_policy=padding.pack_overlong_policy,

@@ -44,6 +44,11 @@ def pad_multiple_from_args(args: argparse.Namespace) -> int:
     )
 
 
+def doc_pad_multiple_from_args(args: argparse.Namespace) -> int:
+    """Every packed document's length multiple for the run (2*CP under context parallelism)."""
+    return PaddingConfig.doc_pad_multiple(args.context_parallel_size or 1)
+
+
 def num_moe_layers(args: argparse.Namespace) -> int:
     """MoE layers in the main decoder (MTP excluded): ``--hybrid-layer-pattern``'s ``E`` layers for a
     HybridModel, else as ``--moe-layer-freq`` says."""
@@ -95,7 +100,10 @@ def dataset_config_from_args(args: argparse.Namespace, tokenizer: Any = None) ->
         from megatron_ext.replay.route_dataset import RoutedPackedDataset, RoutedPackedDatasetConfig
 
         _, packed = dataset_class_and_config(
-            padding, pad_multiple=pad_multiple_from_args(args), **common
+            padding,
+            pad_multiple=pad_multiple_from_args(args),
+            doc_pad_multiple=doc_pad_multiple_from_args(args),
+            **common,
         )
         fields = {f.name: getattr(packed, f.name) for f in dataclasses.fields(packed) if f.init}
         replaying = replay.route_replay_mode == "replay"
@@ -113,7 +121,11 @@ def dataset_config_from_args(args: argparse.Namespace, tokenizer: Any = None) ->
     if view.sft:  # Megatron's SFTDataset reads the CP size: each conversation padded to 2*CP
         common["context_parallel_size"] = view.context_parallel_size
     return dataset_class_and_config(
-        padding, pad_multiple=pad_multiple_from_args(args), sft=view.sft, **common
+        padding,
+        pad_multiple=pad_multiple_from_args(args),
+        doc_pad_multiple=doc_pad_multiple_from_args(args),
+        sft=view.sft,
+        **common,
     )
 
 
