@@ -12,7 +12,7 @@ on system and user turns), built by Megatron's ``BlendedMegatronDatasetBuilder``
   loss-masked by position and flagged in ``padding_mask``, the tail pad is its own segment
   (:func:`~megatron_ext.data.padding.pad_pack`);
 - packing (``--sft-packing``): ``packed`` packs whole conversations across lines
-  (``--packing-algorithm best_fit``, :func:`~megatron_ext.data.sft_packing.plan_sft_packs`), losing
+  (``--packing-algorithm best_fit``, :func:`~megatron_ext.data.pack_planning.plan_packs`), losing
   no token; ``megatron`` keeps Megatron's rule, one line per sample, the overflowing conversation cut
   (:func:`~megatron_ext.data.sft_packing.megatron_rule_kept`).
 
@@ -50,10 +50,15 @@ from megatron_ext.data.indexed_checks import (
     check_dataset_config,
     default_cache_dir,
 )
-from megatron_ext.data.pack_planning import OverlongPolicy, PackingAlgorithm, shuffle_packs
+from megatron_ext.data.pack_planning import (
+    OverlongPolicy,
+    PackingAlgorithm,
+    plan_packs,
+    shuffle_packs,
+)
 from megatron_ext.data.pad_fill import PadFillFields
 from megatron_ext.data.padding import pad_pack
-from megatron_ext.data.sft_packing import megatron_rule_kept, plan_sft_packs
+from megatron_ext.data.sft_packing import megatron_rule_kept
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +103,7 @@ class SFTDatasetConfig(PadFillFields, GPTDatasetConfig):
                 f"--seq-length {self.sequence_length} must be a multiple of 2*CP = "
                 f"{self.doc_multiple} (every conversation is padded to it)"
             )
-        plan_sft_packs(
+        plan_packs(
             np.zeros(0, dtype=np.int64),
             self.sequence_length,
             doc_multiple=self.doc_multiple,
@@ -237,7 +242,7 @@ class SelfPaddedSFTDataset(SFTDataset):
         while num_packs < target or epoch == 0:
             rng = np.random.default_rng((cfg.random_seed, epoch))
             convs_D = rng.permutation(convs)
-            plan = plan_sft_packs(
+            plan = plan_packs(
                 self.conv_lens_Q[convs_D],
                 cfg.sequence_length,
                 doc_multiple=cfg.doc_multiple,
@@ -348,7 +353,6 @@ class SelfPaddedSFTDataset(SFTDataset):
         )
         tokens_N = np.concatenate([t for t, _ in pieces]) if pieces else np.zeros(0, np.int64)
         targets_N = np.concatenate([g for _, g in pieces]) if pieces else np.zeros(0, np.int64)
-        pad_kwargs = {"doc_multiple": cfg.doc_multiple} if cfg.doc_multiple > 1 else {}
         pack = pad_pack(
             tokens_N,
             np.asarray([t.size for t, _ in pieces], dtype=np.int64),
@@ -357,7 +361,7 @@ class SelfPaddedSFTDataset(SFTDataset):
             pad_id=cfg.tokenizer.pad,  # Megatron's SFT pad id (its prompt format's)
             placeholder_ids=cfg.multimodal_placeholder_ids,
             target_mask_N=(targets_N != IGNORE_INDEX).astype(np.float32),
-            **pad_kwargs,
+            doc_multiple=cfg.doc_multiple,
         )
         return {
             "tokens": torch.from_numpy(pack.tokens_S),

@@ -12,11 +12,11 @@ tokens that rule keeps. Worked example (``seq_length`` 8, CP 1, one line of conv
     starts  0 3 7      kept  3 4 1      lost 0 0 4 (= 4 of 12 tokens)
     sample  a a a b b b b c             (no tail pad here)
 
-megatron_ext's packing (:func:`plan_sft_packs`) instead treats each conversation as a document and
-packs whole conversations across lines with :mod:`~megatron_ext.data.pack_planning`
-(``best_fit`` or ``sequential``), each counted at its length padded to the per-document multiple
-(``2*CP``): no conversation is cut unless it is longer than ``seq_length`` on its own
-(``--pack-overlong-policy``), so ``split`` loses no token. :func:`packing_stats` counts pads and
+megatron_ext's packing instead treats each conversation as a document and packs whole conversations
+across lines with :func:`~megatron_ext.data.pack_planning.plan_packs` (``best_fit`` or
+``sequential``), each counted at its length padded to the per-document multiple (``2*CP``): no
+conversation is cut unless it is longer than ``seq_length`` on its own (``--pack-overlong-policy``),
+so ``split`` loses no token. :func:`megatron_rule_stats` and :func:`plan_stats` count the pads and
 lost tokens of either.
 
 Legend: N JSONL lines, Q conversations (all lines' concatenated, line by line), P packs.
@@ -26,21 +26,8 @@ import dataclasses
 
 import numpy as np
 
-from megatron_ext.data.pack_planning import (
-    OverlongPolicy,
-    PackingAlgorithm,
-    PackPlan,
-    cut_overlong,
-    pack_order,
-)
-
-
-def doc_padded_lengths(lens_Q: np.ndarray, doc_multiple: int) -> np.ndarray:
-    """Each length rounded up to a multiple of ``doc_multiple`` (>= 1)."""
-    if doc_multiple < 1:
-        raise ValueError(f"the per-document pad multiple must be >= 1, got {doc_multiple}")
-    lens_Q = np.asarray(lens_Q, dtype=np.int64)
-    return -(-lens_Q // doc_multiple) * doc_multiple
+from megatron_ext.data.pack_planning import PackPlan
+from megatron_ext.data.padding import padded_doc_lengths
 
 
 def line_of_conversations(line_offsets_N1: np.ndarray) -> np.ndarray:
@@ -83,46 +70,10 @@ def megatron_rule_kept(
     offsets = np.asarray(line_offsets_N1, dtype=np.int64)
     if offsets.size < 1 or offsets[0] != 0 or offsets[-1] != conv_lens_Q.size:
         raise ValueError("line offsets must start at 0 and end at the number of conversations")
-    padded_Q = doc_padded_lengths(conv_lens_Q, doc_multiple)
+    padded_Q = padded_doc_lengths(conv_lens_Q, doc_multiple)
     cum_Q1 = np.concatenate([[0], np.cumsum(padded_Q)])
     start_Q = cum_Q1[:-1] - cum_Q1[offsets[:-1]][line_of_conversations(offsets)]
     return np.clip(seq_length - start_Q, 0, conv_lens_Q)
-
-
-def plan_sft_packs(
-    conv_lens_Q: np.ndarray,
-    seq_length: int,
-    *,
-    doc_multiple: int = 1,
-    algorithm: PackingAlgorithm = "best_fit",
-    window: int = 1000,
-    overlong: OverlongPolicy = "split",
-) -> PackPlan:
-    """Packs whole conversations (in the given order) into packs of ``seq_length`` tokens, each
-    counted at its length padded to ``doc_multiple``.
-
-    Over-long conversations are cut by ``overlong`` into pieces of at most ``seq_length`` real
-    tokens (a multiple of ``doc_multiple``, so a piece padded still fits); the pieces are then
-    planned by ``algorithm`` on their padded lengths.
-
-    Returns:
-        The :class:`~megatron_ext.data.pack_planning.PackPlan` (piece arrays hold real lengths).
-    """
-    if seq_length % doc_multiple:
-        raise ValueError(f"--seq-length {seq_length} must be a multiple of {doc_multiple} (2*CP)")
-    doc_Q, start_Q, len_Q, counts = cut_overlong(conv_lens_Q, seq_length, overlong)
-    order_Q, offsets_P1 = pack_order(
-        doc_padded_lengths(len_Q, doc_multiple), seq_length, algorithm, window
-    )
-    if order_Q is not None:
-        doc_Q, start_Q, len_Q = doc_Q[order_Q], start_Q[order_Q], len_Q[order_Q]
-    return PackPlan(
-        piece_doc_Q=doc_Q,
-        piece_start_Q=start_Q,
-        piece_len_Q=len_Q,
-        pack_offsets_P1=offsets_P1,
-        **counts,
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,5 +125,5 @@ def megatron_rule_stats(
 
 
 def plan_stats(conv_lens_Q: np.ndarray, plan: PackPlan, seq_length: int) -> PackingStats:
-    """:class:`PackingStats` of a :func:`plan_sft_packs` plan (samples of ``seq_length``)."""
+    """:class:`PackingStats` of a ``plan_packs`` plan of conversations (samples of ``seq_length``)."""
     return packing_stats(conv_lens_Q, plan.piece_len_Q, plan.num_packs, seq_length)
