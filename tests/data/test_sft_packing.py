@@ -59,7 +59,10 @@ def test_vectorised_rule_equals_megatrons_loop(cp: int) -> None:
     offsets = np.concatenate([[0], np.cumsum(counts)])
     seq_length = 256
     expected = np.concatenate(
-        [_megatron_loop(lens[a:b].tolist(), seq_length, cp) for a, b in zip(offsets, offsets[1:])]
+        [
+            _megatron_loop(lens[a:b].tolist(), seq_length, cp)
+            for a, b in zip(offsets[:-1], offsets[1:], strict=True)
+        ]
     )
     kept = megatron_rule_kept(lens, offsets, seq_length, doc_multiple=2 * cp if cp > 1 else 1)
     assert kept.tolist() == expected.tolist()
