@@ -15,6 +15,11 @@ from megatron_ext.data.sft_packing import (
     megatron_rule_stats,
     plan_stats,
 )
+from tests.import_probe import imported_from
+
+
+def test_module_never_imports_megatron() -> None:
+    assert imported_from(["megatron_ext.data.sft_packing"], ["megatron"]) == []
 
 
 def _megatron_loop(conv_lens: list[int], seq_length: int, cp: int) -> list[int]:
