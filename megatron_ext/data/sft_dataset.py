@@ -45,6 +45,7 @@ from megatron.training.datasets.sft_dataset import IGNORE_INDEX, SFTDataset
 
 from megatron_ext.common.safe_files import file_identity, lengths_fingerprint
 from megatron_ext.data import pack_index_cache
+from megatron_ext.data.config import PaddingConfig
 from megatron_ext.data.indexed_checks import (
     add_data_identity,
     check_dataset_config,
@@ -98,12 +99,7 @@ class SFTDatasetConfig(PadFillFields, GPTDatasetConfig):
             raise ValueError(
                 f"--sft-packing must be one of {SFT_PACKINGS}, got {self.sft_packing!r}"
             )
-        if self.sequence_length % self.doc_multiple:
-            raise ValueError(
-                f"--seq-length {self.sequence_length} must be a multiple of 2*CP = "
-                f"{self.doc_multiple} (every conversation is padded to it)"
-            )
-        plan_packs(
+        plan_packs(  # the packing flags and --seq-length against 2*CP, checked now
             np.zeros(0, dtype=np.int64),
             self.sequence_length,
             doc_multiple=self.doc_multiple,
@@ -115,8 +111,7 @@ class SFTDatasetConfig(PadFillFields, GPTDatasetConfig):
     @property
     def doc_multiple(self) -> int:
         """Every conversation's padded length is a multiple of this (Megatron's ``2*CP``)."""
-        cp = self.context_parallel_size or 1
-        return 2 * cp if cp > 1 else 1
+        return PaddingConfig.doc_pad_multiple(self.context_parallel_size or 1)
 
 
 def tokenizer_identity(tokenizer: Any) -> str:
