@@ -61,6 +61,15 @@ class RolloutDocument:
     token_ids: list | None = None
     """The document's token ids when the record carries them all (prompt and completion):
     checked against the token data, so documents in another order are caught."""
+    num_prompt: int | None = None
+    """P, the prompt's tokens among ``token_ids`` (the rest is the completion), when the record
+    tells them apart (what ``ingest-rollouts`` loss-masks)."""
+    moe_rows_first: bool = False
+    """A dump of N decoder-layer rows holds the MoE layers' rows first (vLLM 0.21;
+    :func:`~megatron_ext.replay.moe_layer_map.select_moe_rows`)."""
+    fields: tuple[dict, ...] = ()
+    """The JSON objects of the record that describe this document, most specific first (a
+    choice, then its response): where ``ingest-rollouts`` looks up per-token keys."""
 
 
 @dataclasses.dataclass
