@@ -59,7 +59,7 @@ SCHEDULER_HELD = frozenset(SCHEDULE_FLAGS) - {"train_iters", "train_samples", "g
 DATA_MODEL_GROUPS = (
     "transformer configuration", "network size", "moe", "mla", "experimental_attention_variant",
     "heterogeneous architecture", "regularization", "RNG and initialization",
-    "data and dataloader", "tokenizer",
+    "data and dataloader", "tokenizer", "sft",
 )  # fmt: skip
 #: Recorded arguments no resume line names: set by Megatron after startup or from other flags
 #: (compared through those), where files go, what is logged, how the data loads; the parallel
@@ -80,7 +80,8 @@ NOT_NAMED = frozenset({
 SAMPLE_ORDER_FLAGS = frozenset({
     "seq_length", "seed", "split", "data_path", "train_data_path", "valid_data_path",
     "test_data_path", "data_args_path", "per_split_data_args_path", "mock_data", "pack_documents",
-    "packing_algorithm", "packing_window", "pack_overlong_policy",
+    "packing_algorithm", "packing_window", "pack_overlong_policy", "sft", "sft_packing",
+    "sft_tokenizer_prompt_format",
 })  # fmt: skip
 #: Hyperparameters a loaded optimizer keeps from the checkpoint's param groups (torch's
 #: ``Optimizer.load_state_dict`` takes the saved groups' values).
