@@ -5,7 +5,10 @@
 #   route of the token it copies), validated, sliced for SP/CP and installed into Megatron's
 #   RouterReplay per micro-batch; the vLLM T-1 final token routes natively. The policy checkpoint must
 #   be of the same class: MODEL=gpt for a GPTModel one (deprecated in Megatron 0.19); the route
-#   sidecar is the same for both (one top-k row per MoE layer).
+#   sidecar is the same for both (one top-k row per MoE layer: the config's decoder layers 0-15
+#   it records map in order onto the HybridModel's MoE layers 1, 3, ..., 31 or the GPTModel's 0-15).
+#   `megatron-ext ingest-rollouts` writes the tokens, loss mask and routes from the same dump
+#   (docs/replay.md); add --pack-loss-mask-suffix _loss_mask to train on the completions only.
 # Hardware: 1 node x 8 H100/H200 (TP 2 with sequence parallelism, EP 4).
 # Command: bash examples/rl_route_replay.sh
 #   Routes: megatron-ext convert-routes --format vllm --input rollouts.jsonl --model-config config.json \

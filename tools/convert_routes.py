@@ -41,7 +41,6 @@ Errors are one line (file:line, the choice), exit status 2; --debug shows the tr
 """
 
 import argparse
-import os
 import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -52,24 +51,14 @@ from tqdm import tqdm
 import megatron_ext.cli.quiet_tools  # noqa: F401  (first: hides inapplicable warnings unless --verbose)
 from megatron_ext.common.safe_files import check_output_prefix
 from megatron_ext.data.tool_errors import add_common_flags, run_tool
-from megatron_ext.replay.moe_layer_map import (
-    MoeLayerMap,
-    parse_layer_ids,
-    read_model_config,
-    select_moe_rows,
-)
-from megatron_ext.replay.rollout_routes import RepairCounts, repair_document
+from megatron_ext.replay.route_conversion import RouteConverter, add_route_flags, check_token_ids
 from megatron_ext.replay.route_file import HEADER_EXTENSION
-from megatron_ext.replay.route_records import FORMATS, T_MINUS_ONE_FORMATS, read_documents
-from megatron_ext.replay.routes import route_dtype
+from megatron_ext.replay.route_records import FORMATS
 
 if TYPE_CHECKING:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 OUTPUT_EXTENSIONS = (".bin", ".idx", HEADER_EXTENSION)
-#: Defaults of the fraction limits (docs/replay.md says why).
-MAX_REJECTED_FRACTION = 0.01
-MAX_MISSING_FRACTION = 0.05
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,53 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, action="append", help="input file (repeatable)")
     p.add_argument("--format", required=True, choices=FORMATS)
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin/.idx/.routes.json")
-    p.add_argument("--num-layers", type=int, help="MoE layers L (MTP excluded); from the layer map")
-    p.add_argument("--topk", type=int, help="experts per token K (or --model-config's)")
-    p.add_argument("--num-experts", type=int, help="routed experts E (or --model-config's)")
-    p.add_argument(
-        "--moe-layer-ids",
-        help="0-based decoder layers that are MoE, e.g. 3-60 or 1,3,5 (needs --num-decoder-layers "
-        "to drop dense rows from a per-decoder-layer dump)",
-    )
-    p.add_argument("--num-decoder-layers", type=int, help="decoder layers N of the model")
-    p.add_argument(
-        "--model-config",
-        help="the model's Hugging Face config.json: decoder layers, MoE layers "
-        "(first_k_dense_replace, moe_layer_freq, mlp_only_layers, decoder_sparse_step), K, E",
-    )
-    p.add_argument(
-        "--routed-experts-start",
-        type=int,
-        default=0,
-        help="the requests' vLLM routed_experts_prompt_start / SGLang routed_experts_start_len "
-        "(a record's own key of that name wins)",
-    )
-    p.add_argument(
-        "--missing-route-policy",
-        default="native",
-        choices=["native", "balanced"],
-        help="rows with no route: keep missing (router decides) or fill balanced",
-    )
-    p.add_argument(
-        "--reject-invalid-rows",
-        action="store_true",
-        help="make invalid rows missing (counted) instead of failing",
-    )
-    p.add_argument(
-        "--max-rejected-fraction",
-        type=float,
-        default=MAX_REJECTED_FRACTION,
-        help="refuse the output if more of its (token, layer) rows than this were rejected "
-        f"(default {MAX_REJECTED_FRACTION})",
-    )
-    p.add_argument(
-        "--max-missing-fraction",
-        type=float,
-        default=MAX_MISSING_FRACTION,
-        help="refuse the output if more of its (token, layer) rows than this have no engine "
-        "route (before start offsets, rejected, missing in the input; the last token's rows, "
-        f"never routed by an engine, do not count), missing or filled (default {MAX_MISSING_FRACTION})",
-    )
+    add_route_flags(p)
     p.add_argument(
         "--tokens-prefix",
         help="token IndexedDataset: check document count, lengths and (where records carry them) "
@@ -136,69 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _layer_map(args: argparse.Namespace) -> MoeLayerMap | None:
-    """The layer map from --model-config / --moe-layer-ids; fills L, K, E from it."""
-    layer_map = None
-    if args.model_config:
-        layer_map = read_model_config(args.model_config)
-    if args.moe_layer_ids:
-        ids = parse_layer_ids(args.moe_layer_ids)
-        if layer_map is not None and ids != layer_map.moe_layer_ids:
-            raise ValueError(
-                f"--moe-layer-ids {args.moe_layer_ids} disagrees with --model-config's MoE "
-                f"layers {list(layer_map.moe_layer_ids)}"
-            )
-        layer_map = layer_map or MoeLayerMap(args.num_decoder_layers, ids)
-    if args.num_decoder_layers is not None:
-        if layer_map is None:
-            raise ValueError("--num-decoder-layers needs --moe-layer-ids")
-        if args.num_decoder_layers != layer_map.num_decoder_layers:
-            raise ValueError(
-                f"--num-decoder-layers {args.num_decoder_layers} disagrees with --model-config's "
-                f"num_hidden_layers {layer_map.num_decoder_layers}"
-            )
-    if layer_map is not None and layer_map.num_decoder_layers is not None:
-        if layer_map.moe_layer_ids[-1] >= layer_map.num_decoder_layers:
-            raise ValueError(
-                f"--moe-layer-ids names layer {layer_map.moe_layer_ids[-1]} of a model with "
-                f"{layer_map.num_decoder_layers} decoder layers"
-            )
-    for flag, value in (
-        ("--num-layers", None if layer_map is None else len(layer_map.moe_layer_ids)),
-        ("--topk", None if layer_map is None else layer_map.topk),
-        ("--num-experts", None if layer_map is None else layer_map.num_experts),
-    ):
-        attr = flag[2:].replace("-", "_")
-        given = getattr(args, attr)
-        if given is not None and value is not None and given != value:
-            raise ValueError(f"{flag} {given} disagrees with the layer map's {value}")
-        if given is None and value is None:
-            raise ValueError(f"{flag} is required (or give --model-config)")
-        setattr(args, attr, given if given is not None else value)
-    return layer_map
-
-
-def _check_args(args: argparse.Namespace) -> MoeLayerMap | None:
-    layer_map = _layer_map(args)
-    if args.num_layers < 1:
-        raise ValueError(f"--num-layers must be >= 1, got {args.num_layers}")
-    route_dtype(args.num_experts, args.topk)  # rejects impossible E / K early
-    if args.routed_experts_start < 0:
-        raise ValueError(f"--routed-experts-start must be >= 0, got {args.routed_experts_start}")
-    for flag in ("--max-rejected-fraction", "--max-missing-fraction"):
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"{flag} must be in [0, 1], got {value}")
-    for path in args.input:
-        if not os.path.isfile(path):
-            raise ValueError(f"--input {path} does not exist")
-    return layer_map
-
-
 def main(argv: list[str] | None = None) -> int:
     """Runs the conversion; returns the process exit status."""
     args = build_parser().parse_args(argv)
-    layer_map = _check_args(args)
+    converter = RouteConverter.from_args(args)
     inputs = list(args.input) + ([args.tokens_prefix] if args.tokens_prefix else [])
     # Before the work: an existing output, or one that is an input, is refused now.
     check_output_prefix(
@@ -213,12 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_ext.data.indexed_checks import open_indexed
 
         tokens = open_indexed(args.tokens_prefix, "--tokens-prefix")
-    totals = RepairCounts()
     from megatron_ext.replay.route_dataset import write_route_sidecar
 
     write_route_sidecar(
         args.output_prefix,
-        _converted(args, layer_map, tokens, totals),
+        _converted(args, converter, tokens),
         num_layers=args.num_layers,
         topk=args.topk,
         num_experts=args.num_experts,
@@ -226,37 +109,23 @@ def main(argv: list[str] | None = None) -> int:
         flag="--output-prefix",
         inputs=tuple(inputs),
         tokens_prefix=args.tokens_prefix,
-        moe_layer_ids=None if layer_map is None else layer_map.moe_layer_ids,
+        moe_layer_ids=converter.moe_layer_ids,
     )
+    totals = converter.totals
     print(
         f"wrote {args.output_prefix}.bin/.idx/{HEADER_EXTENSION}: {totals.documents} documents, "
-        f"{totals.tokens} tokens; fixed: {totals.appended_rows} T-1 rows appended, "
-        f"{totals.offset_rows} rows before start offsets, {totals.filled_rows} rows filled "
-        f"({args.missing_route_policy}); rejected: {totals.rejected_rows} invalid rows; "
-        f"without an engine route: {totals.unrouted_rows} of {totals.layer_rows} (token, layer) rows"
+        f"{totals.tokens} tokens; {converter.summary()}"
     )
     return 0
 
 
 def _converted(
-    args: argparse.Namespace,
-    layer_map: MoeLayerMap | None,
-    tokens: "IndexedDataset | None",
-    totals: RepairCounts,
+    args: argparse.Namespace, converter: RouteConverter, tokens: "IndexedDataset | None"
 ) -> Iterator[np.ndarray]:
     """The route documents, converted one at a time; after the last, the whole-output checks
     (raised here, the writer then leaves nothing behind)."""
     token_lengths = None if tokens is None else tokens.sequence_lengths
-    wire_layers = args.num_layers
-    if layer_map is not None and layer_map.num_decoder_layers is not None:
-        wire_layers = layer_map.num_decoder_layers  # shapeless payloads carry every layer
-    documents = read_documents(
-        args.input,
-        args.format,
-        wire_layers=wire_layers,
-        topk=args.topk,
-        start=args.routed_experts_start,
-    )
+    documents = converter.documents(args.input, args.format)
     index = -1
     for index, doc in enumerate(
         tqdm(documents, desc="routes", unit="doc", disable=args.no_progress)
@@ -275,32 +144,8 @@ def _converted(
                 )
             num_tokens = int(token_lengths[index])
             if doc.token_ids is not None:
-                _check_token_ids(doc.name, doc.token_ids, np.asarray(tokens[index]), index)
-        if num_tokens is None and args.format in T_MINUS_ONE_FORMATS:
-            # These engines return T - 1 rows for T tokens: taking the rows as complete would
-            # silently make the document's routes one row short of its tokens.
-            raise ValueError(
-                f"{doc.name}: a --format {args.format} record holds T - 1 rows for T tokens; give "
-                "its num_tokens or token_ids, or pass --tokens-prefix"
-            )
-        rows = doc.rows_TLK
-        if layer_map is not None and rows.ndim == 3 and rows.shape != (0, 0, 0):  # [] has no N
-            rows = select_moe_rows(rows, layer_map, doc.name)
-        routes, counts = repair_document(
-            rows,
-            num_tokens,
-            num_layers=args.num_layers,
-            topk=args.topk,
-            num_experts=args.num_experts,
-            policy=args.missing_route_policy,
-            reject_invalid=args.reject_invalid_rows,
-            name=doc.name,
-            seed=index,
-            start=doc.start,
-            exact=doc.exact,
-        )
-        totals.add(counts)
-        yield routes
+                check_token_ids(doc.name, doc.token_ids, np.asarray(tokens[index]), index)
+        yield converter.convert(doc, index, num_tokens)
     if index < 0:  # as preprocess_data refuses an empty input: a 0-document sidecar is no data
         raise ValueError(
             f"--input {', '.join(args.input)} holds no route records: nothing to write"
@@ -310,45 +155,7 @@ def _converted(
             f"{index + 1} route documents for {len(token_lengths)} token documents "
             f"in --tokens-prefix {args.tokens_prefix}"
         )
-    _check_fractions(args, totals)
-
-
-def _check_token_ids(name: str, ids: list, document: np.ndarray, index: int) -> None:
-    """Refuses a record whose token ids are not token document ``index``'s (another order)."""
-    if len(ids) == document.size and all(type(i) is int for i in ids):
-        differ = np.flatnonzero(np.asarray(ids, dtype=np.int64) != document)
-        if not differ.size:
-            return
-        at = int(differ[0])
-        raise ValueError(
-            f"{name}: token {at} is {ids[at]} but token document {index} has {int(document[at])} "
-            "there: the records are not in the order of --tokens-prefix's documents"
-        )
-    raise ValueError(
-        f"{name}: its {len(ids)} token ids are not token document {index}'s {document.size}"
-    )
-
-
-def _check_fractions(args: argparse.Namespace, totals: RepairCounts) -> None:
-    """Refuses an output that would mostly replay nothing (nothing is written)."""
-    rows = max(totals.layer_rows, 1)
-    if totals.rejected_rows / rows > args.max_rejected_fraction:
-        raise ValueError(
-            f"{totals.rejected_rows} of {totals.layer_rows} (token, layer) rows "
-            f"({totals.rejected_rows / rows:.2%}) hold invalid expert ids and were rejected, "
-            f"above --max-rejected-fraction {args.max_rejected_fraction}: wrong --num-experts, "
-            "layer map or dump; nothing written"
-        )
-    if totals.unrouted_rows / rows > args.max_missing_fraction:
-        raise ValueError(
-            f"{totals.unrouted_rows} of {totals.layer_rows} (token, layer) rows "
-            f"({totals.unrouted_rows / rows:.2%}) have no engine route ({totals.offset_rows} "
-            f"tokens before start offsets, {totals.rejected_rows} rejected rows, the rest missing "
-            f"in the input), above --max-missing-fraction "
-            f"{args.max_missing_fraction}: they would be routed by the "
-            f"{'router' if args.missing_route_policy == 'native' else 'balanced fill'}, not "
-            "replayed; nothing written"
-        )
+    converter.check_fractions()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""``megatron-ext preprocess-data|convert-routes|pack-stats|make-corpus|merge-datasets ...``: the tools as subcommands.
+"""``megatron-ext preprocess-data|convert-routes|ingest-rollouts|pack-stats|make-corpus|merge-datasets ...``: the tools as subcommands.
 
 Each subcommand runs the tool script's own ``main()`` as ``python tools/<tool>.py ARGS`` would (its
 ``--help``, its one-line errors and exit status 2), found by :mod:`megatron_ext.common.shipped_files` in the checkout or the wheel::

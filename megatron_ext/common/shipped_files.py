@@ -12,6 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1]  # megatron_ext/
 TOOL_SCRIPTS = {
     "preprocess-data": "preprocess_data.py",
     "convert-routes": "convert_routes.py",
+    "ingest-rollouts": "ingest_rollouts.py",
     "pack-stats": "pack_stats.py",
     "make-corpus": "make_corpus.py",
     "merge-datasets": "merge_datasets.py",

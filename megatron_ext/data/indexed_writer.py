@@ -186,16 +186,45 @@ class StreamingPrefixes:
             builder.add_document(ids[t:end], lens[s : s + n])
             s, t = s + n, end
 
+    def add_document(self, output: int, values: np.ndarray) -> None:
+        """Appends one document of one sequence (``values`` flattened) to output ``output``; the
+        caller has checked that the output's dtype holds the values exactly."""
+        flat = np.ascontiguousarray(np.asarray(values).reshape(-1), dtype=self.dtypes[output])
+        self.builders[output].add_document(flat, [flat.size])
+
+    def finalize(self) -> list[tuple[str, str]]:
+        """Writes every output's index (once); returns each output's temporary ``(.bin, .idx)``,
+        complete from now on (e.g. to digest the tokens before a companion names them)."""
+        if not getattr(self, "_finalized", False):
+            for builder, idx in zip(self.builders, self.temps[1::2], strict=True):
+                builder.finalize(idx)
+            self._finalized = True
+        return list(zip(self.temps[0::2], self.temps[1::2], strict=True))
+
     def add_index(self, output: int, path_prefix: str) -> None:
         """Appends a whole IndexedDataset (Megatron's ``IndexedDatasetBuilder.add_index``)."""
         self.builders[output].add_index(path_prefix)
 
-    def commit(self) -> None:
-        """Writes the indexes and puts every output in place (see :func:`write_prefixes`)."""
-        for builder, idx in zip(self.builders, self.temps[1::2], strict=True):
-            builder.finalize(idx)
-        for tmp in self.temps:
+    def commit(self, companions: dict[int, dict[str, bytes]] | None = None) -> None:
+        """Writes the indexes and puts every output in place (see :func:`write_prefixes`), with
+        ``companions[output]`` = ``{extension: content}`` files beside that output's prefix
+        (a header), published before its ``.idx``."""
+        self.finalize()
+        temps, finals = list(self.temps), list(self.finals)
+        extra = [
+            (self.prefixes[output] + ext, content)
+            for output, files in (companions or {}).items()
+            for ext, content in files.items()
+        ]
+        if extra:
+            extra_temps = self._stack.enter_context(temp_paths([final for final, _ in extra]))
+            for tmp, (_final, content) in zip(extra_temps, extra, strict=True):
+                with open(tmp, "wb") as f:
+                    f.write(content)
+            temps += extra_temps
+            finals += [final for final, _ in extra]
+        for tmp in temps:
             fsync_path(tmp)
         for stale in self.remove:
             remove_prefix_files(stale)
-        publish(zip(self.temps, self.finals, strict=True))  # every .idx last
+        publish(zip(temps, finals, strict=True))  # every .idx last

@@ -275,6 +275,7 @@ def plan_packs(
     algorithm: PackingAlgorithm = "best_fit",
     window: int = 1000,
     overlong: OverlongPolicy = "split",
+    doc_multiple: int = 1,
 ) -> PackPlan:
     """Plans packs of at most ``capacity`` tokens from documents in the given (shuffled) order.
 
@@ -284,14 +285,22 @@ def plan_packs(
         algorithm: ``sequential`` (next-fit) or ``best_fit`` (windowed best-fit-decreasing).
         window: Documents considered together by ``best_fit``.
         overlong: What happens to documents longer than ``capacity``.
+        doc_multiple: Each piece takes its length rounded up to this in a pack (2*CP under
+            context parallelism: every document is padded to it); ``capacity`` must be a multiple.
 
     Returns:
         The :class:`PackPlan`.
     """
     if algorithm not in PACKING_ALGORITHMS:  # before any work on the lengths
         raise ValueError(f"unknown --packing-algorithm {algorithm!r}; choose {PACKING_ALGORITHMS}")
+    if doc_multiple < 1 or capacity % doc_multiple:
+        raise ValueError(
+            f"--seq-length {capacity} is not a multiple of the per-document pad multiple "
+            f"{doc_multiple} (2 * --context-parallel-size)"
+        )
     piece_doc_Q, piece_start_Q, piece_len_Q, counts = cut_overlong(doc_lens_D, capacity, overlong)
-    order_Q, offsets_P1 = pack_order(piece_len_Q, capacity, algorithm, window)
+    slot_len_Q = -(-piece_len_Q // doc_multiple) * doc_multiple
+    order_Q, offsets_P1 = pack_order(slot_len_Q, capacity, algorithm, window)
     if order_Q is not None:
         piece_doc_Q, piece_start_Q, piece_len_Q = (
             piece_doc_Q[order_Q],

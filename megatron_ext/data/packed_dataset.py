@@ -56,6 +56,7 @@ from megatron_ext.data.padding import (
     check_fill,
     gather_by_src_index,
     pad_pack,
+    padded_doc_lengths,
     target_length,
 )
 
@@ -91,6 +92,9 @@ class PackedDatasetConfig(PadFillFields, GPTDatasetConfig):
     """Pad every pack to sequence_length."""
     pad_to_multiple_of: int = 1
     """Otherwise pad each pack to a multiple of this (resolved: user value or derived)."""
+    doc_pad_multiple: int = 1
+    """Pad every document to a multiple of this inside its pack (2*CP under context
+    parallelism); planning counts the padded lengths."""
     packing_algorithm: PackingAlgorithm = "best_fit"
     """'sequential' or 'best_fit'."""
     packing_window: int = 1000
@@ -118,6 +122,7 @@ class PackedDatasetConfig(PadFillFields, GPTDatasetConfig):
             algorithm=self.packing_algorithm,
             window=self.packing_window,
             overlong=self.pack_overlong_policy,
+            doc_multiple=self.doc_pad_multiple,
         )
         self.check_pad_fill()
         for name, sidecar in self.sidecars.items():
@@ -239,6 +244,7 @@ class PackedDataset(MegatronDataset):
             "packing_algorithm",
             "packing_window",
             "pack_overlong_policy",
+            "doc_pad_multiple",  # planning counts the padded lengths
         ]
 
     def _cache_path(self) -> str | None:
@@ -267,7 +273,7 @@ class PackedDataset(MegatronDataset):
                 cfg.pack_overlong_policy,
             )
             order_Q, offsets_P1 = pack_order(
-                len_Q,
+                padded_doc_lengths(len_Q, cfg.doc_pad_multiple),
                 cfg.sequence_length,
                 cfg.packing_algorithm,
                 cfg.packing_window,
@@ -339,7 +345,7 @@ class PackedDataset(MegatronDataset):
         if self.dataset.loss_mask is not None:
             target_mask_N = self._gather(self.dataset.loss_mask, 1, pieces)
         length = target_length(
-            tokens_N.size,
+            int(padded_doc_lengths(pieces[2], cfg.doc_pad_multiple).sum()),
             seq_length=cfg.sequence_length,
             pad_to_seq_len=cfg.pad_to_seq_len,
             pad_to_multiple_of=cfg.pad_to_multiple_of,
@@ -352,6 +358,7 @@ class PackedDataset(MegatronDataset):
             pad_id=cfg.pad_constant_id,
             placeholder_ids=cfg.multimodal_placeholder_ids,
             target_mask_N=target_mask_N,
+            doc_multiple=cfg.doc_pad_multiple,
         )
         # cu_seqlens at a fixed length across samples (seq_length + 1) so default_collate works.
         cu_seqlens = np.full(cfg.sequence_length + 1, length, dtype=np.int32)

@@ -16,6 +16,14 @@ Worked example (two documents ``[a b c]`` and ``[d e]``, target length 8, ``poli
     pad_mask_S    = [F  F  F  F  F  T  T  T ]     True = pad (Megatron's MoE padding_mask)
     cu_seqlens    = [0  3  5  8  8  8  8  8  8]   fixed length S+1, trailing entries = S
 
+Under context parallelism (``doc_multiple`` = 2*CP) every document is first padded to a multiple of
+2*CP with its own tokens, cycled; those pads stay in the document's segment, after its last real
+token, where Megatron's SFTDataset puts its CP pads (causal: no real token sees them), so every
+``cu_seqlens`` boundary is a multiple of 2*CP, as TE's THD partitioning needs. Same documents, CP 2::
+
+    tokens_S      = [a  b  c  a  d  e  d  e ]     cu_seqlens = [0 4 8 8 8 8 8 8 8]
+    pad_mask_S    = [F  F  F  T  F  F  T  T ]     position_ids = [0 1 2 3 0 1 2 3]
+
 With ``policy="constant"`` the pads are ``pad_id`` and ``src_index_S`` is -1 there. A pack that
 contains a multimodal placeholder id always gets the constant id, so a placeholder never
 appears outside its item.
@@ -191,6 +199,30 @@ def _check_pack_inputs(
         )
 
 
+def padded_doc_lengths(doc_lens_B: np.ndarray, doc_multiple: int = 1) -> np.ndarray:
+    """Each document's length once padded to a multiple of ``doc_multiple`` (its slot in a pack).
+
+    Example: ``padded_doc_lengths([3, 4, 5], 4) -> [4, 4, 8]``.
+    """
+    if doc_multiple < 1:
+        raise ValueError(f"the per-document pad multiple must be >= 1, got {doc_multiple}")
+    doc_lens_B = np.asarray(doc_lens_B, dtype=np.int64)
+    return -(-doc_lens_B // doc_multiple) * doc_multiple
+
+
+def real_positions(doc_lens_B: np.ndarray, doc_multiple: int = 1) -> np.ndarray:
+    """int64 [N]: the pack position of each real token (documents in order, each in its padded
+    slot). ``tokens_S[real_positions(...)]`` are the pack's real tokens; with ``doc_multiple`` 1
+    they are the first N positions.
+
+    Example: documents [3, 2], ``doc_multiple`` 4 -> [0, 1, 2, 4, 5].
+    """
+    doc_lens_B = np.asarray(doc_lens_B, dtype=np.int64)
+    slots_B = padded_doc_lengths(doc_lens_B, doc_multiple)
+    shift_B = np.cumsum(slots_B - doc_lens_B) - (slots_B - doc_lens_B)  # pads before each doc
+    return np.arange(int(doc_lens_B.sum()), dtype=np.int64) + np.repeat(shift_B, doc_lens_B)
+
+
 def pad_pack(
     tokens_N: np.ndarray,
     doc_lens_B: np.ndarray,
@@ -200,13 +232,14 @@ def pad_pack(
     pad_id: int = 0,
     placeholder_ids: Sequence[int] = (),
     target_mask_N: np.ndarray | None = None,
+    doc_multiple: int = 1,
 ) -> PaddedPack:
     """Pads one pack of whole documents to ``length`` tokens.
 
     Args:
         tokens_N: The pack's real tokens, documents concatenated.
         doc_lens_B: Length of each document (each >= 1, summing to N).
-        length: Target length S >= N (see :func:`target_length`).
+        length: Target length S >= the padded documents' total (see :func:`target_length`).
         policy: ``"self"`` repeats the pack's own tokens cycled from its first real token;
             ``"constant"`` writes ``pad_id``.
         pad_id: Id of a constant pad (``policy="constant"``, multimodal packs, empty packs).
@@ -214,70 +247,110 @@ def pad_pack(
             with ``pad_id`` whatever the policy.
         target_mask_N: Optional per-token training-target mask (1 = learn to predict this
             token; 0 = e.g. a prompt token). None = every token is a target.
+        doc_multiple: Pad every document to a multiple of this first (2*CP under context
+            parallelism: TE's THD partitioning cuts every segment into 2*CP chunks). A document's
+            pads cycle its own tokens and stay in its segment, after its last real token.
 
     Returns:
         The :class:`PaddedPack`.
 
     Raises:
-        ValueError: On an unknown policy, inconsistent lengths or ``length < N``.
+        ValueError: On an unknown policy, inconsistent lengths or ``length`` too short.
     """
     tokens_N = np.asarray(tokens_N)
     doc_lens_B = np.asarray(doc_lens_B)
     _check_pack_inputs(tokens_N, doc_lens_B, target_mask_N, policy)
     n = tokens_N.size
-    if length < n:
-        raise ValueError(f"cannot pad a pack of {n} tokens to length {length}")
-    num_pads = length - n
+    doc_lens_B = doc_lens_B.astype(np.int64)
+    slots_B = padded_doc_lengths(doc_lens_B, doc_multiple)
+    body = int(slots_B.sum())
+    if length < body:
+        what = f"{n} tokens" if body == n else f"{n} tokens ({body} with per-document pads)"
+        raise ValueError(f"cannot pad a pack of {what} to length {length}")
 
-    # Which real index each position holds or copies. Pads never copy a placeholder: a
-    # multimodal pack (or an empty one, which has nothing to copy) pads with the constant id.
+    # Pads never copy a placeholder: a multimodal pack (or an empty one, which has nothing to
+    # copy) pads with the constant id.
     is_multimodal = bool(np.isin(tokens_N, np.asarray(placeholder_ids, dtype=np.int64)).any())
     copy_pads = policy == "self" and not is_multimodal and n > 0
-    src_index_S = np.empty(length, dtype=np.int64)
-    src_index_S[:n] = np.arange(n)
-    src_index_S[n:] = np.arange(num_pads) % n if copy_pads else -1
-
+    src_index_S = _source_index(doc_lens_B, slots_B, length, copy_pads)
+    is_real_S = np.zeros(length, dtype=bool)
+    real_S = real_positions(doc_lens_B, doc_multiple)
+    is_real_S[real_S] = True
     tokens_S = np.full(length, pad_id, dtype=np.int64)
-    tokens_S[:n] = tokens_N
-    if copy_pads:
-        tokens_S[n:] = tokens_N[src_index_S[n:]]
+    tokens_S[src_index_S >= 0] = tokens_N[src_index_S[src_index_S >= 0]]
 
-    # Segments: one per document, then one for the pads, so no real token attends to a pad.
-    doc_starts_B = np.cumsum(doc_lens_B) - doc_lens_B
-    seg_lens = np.concatenate([doc_lens_B, [num_pads] if num_pads else []]).astype(np.int64)
+    # Segments: one per document (its slot: its pads stay in it, after its last real token, as
+    # Megatron's SFTDataset places its CP pads; causal, so no real token sees them), then one for
+    # the tail pads, so no real token attends to a pad.
+    tail = length - body
+    seg_lens = np.concatenate([slots_B, [tail] if tail else []]).astype(np.int64)
     cu_seqlens = np.full(length + 1, length, dtype=np.int32)
     cu_seqlens[0] = 0
     cu_seqlens[1 : seg_lens.size + 1] = np.cumsum(seg_lens)
     seg_starts = np.repeat(np.cumsum(seg_lens) - seg_lens, seg_lens)
     position_ids_S = np.arange(length, dtype=np.int64) - seg_starts
 
-    # Labels and loss mask by position: position i < N predicts token i+1 when i+1 is in the
-    # same document. Never derived from ids, so pad_id == eos is safe.
+    labels_S, loss_mask_S = _labels(tokens_N, doc_lens_B, real_S, length, target_mask_N)
+    return PaddedPack(
+        tokens_S=tokens_S,
+        labels_S=labels_S,
+        loss_mask_S=loss_mask_S,
+        position_ids_S=position_ids_S,
+        pad_mask_S=~is_real_S,
+        src_index_S=src_index_S,
+        cu_seqlens=cu_seqlens,
+        num_segments=int(seg_lens.size),
+        max_seqlen=int(seg_lens.max()) if seg_lens.size else 0,
+    )
+
+
+def _source_index(
+    doc_lens_B: np.ndarray, slots_B: np.ndarray, length: int, copy_pads: bool
+) -> np.ndarray:
+    """``src_index_S``: the real index each position holds or copies (-1 = a constant pad).
+
+    A document's own pads cycle that document from its first token; the tail pads cycle the
+    whole pack from its first real token.
+    """
+    n, body = int(doc_lens_B.sum()), int(slots_B.sum())
+    doc_starts_B = np.cumsum(doc_lens_B) - doc_lens_B
+    offset_in_slot = np.arange(body, dtype=np.int64) - np.repeat(
+        np.cumsum(slots_B) - slots_B, slots_B
+    )
+    doc_of_slot = np.repeat(np.arange(doc_lens_B.size), slots_B)
+    within = offset_in_slot < doc_lens_B[doc_of_slot]
+    src_index_S = np.full(length, -1, dtype=np.int64)
+    if copy_pads:
+        src_index_S[:body] = doc_starts_B[doc_of_slot] + offset_in_slot % doc_lens_B[doc_of_slot]
+        src_index_S[body:] = np.arange(length - body) % n
+    else:
+        src_index_S[:body] = np.where(within, doc_starts_B[doc_of_slot] + offset_in_slot, -1)
+    return src_index_S
+
+
+def _labels(
+    tokens_N: np.ndarray,
+    doc_lens_B: np.ndarray,
+    real_N: np.ndarray,
+    length: int,
+    target_mask_N: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Labels and loss mask by position: real token i predicts token i+1 when i+1 is in the same
+    document. Never derived from ids, so ``pad_id == eos`` is safe; pads predict nothing."""
+    n = tokens_N.size
+    doc_starts_B = np.cumsum(doc_lens_B) - doc_lens_B
     has_next_N = np.ones(n, dtype=bool)
     has_next_N[doc_starts_B[1:] - 1] = False
     if n:
         has_next_N[-1] = False
     next_N = np.minimum(np.arange(n) + 1, max(n - 1, 0))
     labels_S = np.full(length, IGNORE_INDEX, dtype=np.int64)
-    labels_S[:n] = np.where(has_next_N, tokens_N[next_N], IGNORE_INDEX)
+    labels_S[real_N] = np.where(has_next_N, tokens_N[next_N], IGNORE_INDEX)
     loss_mask_S = np.zeros(length, dtype=np.float32)
-    loss_mask_S[:n] = has_next_N
+    loss_mask_S[real_N] = has_next_N
     if target_mask_N is not None and n:
-        loss_mask_S[:n] *= np.asarray(target_mask_N, dtype=np.float32)[next_N]
-
-    pad_mask_S = np.zeros(length, dtype=bool)
-    pad_mask_S[n:] = True
-    return PaddedPack(
-        tokens_S=tokens_S,
-        labels_S=labels_S,
-        loss_mask_S=loss_mask_S,
-        position_ids_S=position_ids_S,
-        pad_mask_S=pad_mask_S,
-        src_index_S=src_index_S,
-        cu_seqlens=cu_seqlens,
-        num_segments=int(seg_lens.size),
-        max_seqlen=int(seg_lens.max()) if seg_lens.size else 0,
-    )
+        loss_mask_S[real_N] *= np.asarray(target_mask_N, dtype=np.float32)[next_N]
+    return labels_S, loss_mask_S
 
 
 def check_fill(fill: int, dtype: np.dtype | type, what: str) -> None:

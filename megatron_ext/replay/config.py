@@ -134,7 +134,8 @@ class ReplayConfig:
     @staticmethod
     def _check_header(route_prefix: str, args: _argparse.Namespace) -> None:
         """The model a route file was written for (its header: L, K, E and, when recorded, the
-        decoder layers of its rows) against this run's, now
+        source's decoder layers of its rows, mapped onto this model's MoE layers in order)
+        against this run's, now
         rather than at dataset build (after the model and optimizer are built). A file without a
         header is checked at dataset build as before (L x K per token, with a warning)."""
         from megatron_ext.replay.layout import moe_layer_numbers_for_args
@@ -149,6 +150,9 @@ class ReplayConfig:
         if not _os.path.isfile(header_path):
             return
         header, moe_layers = read_header(header_path), moe_layer_numbers_for_args(args)
+        # Rows map onto the model's MoE layers in order: another count is refused naming both
+        # lists (before the L x K x E line, which cannot name them).
+        check_layer_ids(header, header_path, [n - 1 for n in moe_layers])  # 1-based -> 0-based
         view = MegatronView.from_args(args)
         check_written_for(
             header,
@@ -157,7 +161,6 @@ class ReplayConfig:
             topk=view.moe_router_topk,
             num_experts=view.num_experts,
         )
-        check_layer_ids(header, header_path, [n - 1 for n in moe_layers])  # 1-based -> 0-based
 
     def _check_tokens_digest(self, route_prefix: str, tokens_prefix: str) -> None:
         """Refuses a route file that records no tokens digest unless

@@ -18,10 +18,22 @@ the engines build their layers with:
 - Nemotron-H style ``layers_block_type`` lists: iff the entry is ``"moe"``;
 - otherwise (Mixtral and the like) every decoder layer is MoE.
 
+vLLM 0.21 is the exception (``model_executor/layers/fused_moe/routed_experts_capturer.py``): it
+sizes its buffer with ``_count_moe_layers(hf_text_config)``, which knows ``layers_block_type``,
+``decoder_sparse_step`` and ``mlp_only_layers`` but not DeepSeek's ``first_k_dense_replace`` (it
+counts every layer MoE), and writes layer rows at ``FusedMoE.moe_layer_id``, a class counter
+incremented per constructed ``FusedMoE`` (``layers/fused_moe/layer.py``), i.e. the MoE layers in
+order. For such a config its rows are the MoE layers first, then zero rows; for configs it counts
+right, exactly the MoE rows. :func:`select_moe_rows` takes ``moe_rows_first`` from the engine
+version (the response's ``system_fingerprint``, ``vllm-0.21.0-...``, or 0.21's split form) or
+``--vllm-moe-rows first``; never from which rows are zero.
+
 Worked example (DeepSeek-style, 5 layers, ``first_k_dense_replace = 2``, K = 2)::
 
     dump row of a token  [[0 0] [0 0] [3 7] [1 2] [6 0]]   (decoder layers 0..4)
     moe_layer_ids (2, 3, 4) -> MoE rows [[3 7] [1 2] [6 0]]; layers 0 and 1 must be all zero
+    vLLM 0.21 row of a token [[3 7] [1 2] [6 0] [0 0] [0 0]]  (MoE rows first, then 2 zero rows)
+    moe_rows_first           -> MoE rows [[3 7] [1 2] [6 0]]; rows 3 and 4 must be all zero
 
 Legend: T tokens, L MoE layers, N decoder layers, K top-k.
 """
@@ -36,6 +48,8 @@ import numpy as np
 #: ``transformers_utils/config.py`` ``CONFIG_FIELD_ALIASES``, first match wins).
 EXPERT_KEYS = ("num_experts", "moe_num_experts", "n_routed_experts", "num_local_experts")
 TOPK_KEYS = ("num_experts_per_tok", "num_experts_per_token", "top_k_experts", "moe_topk")
+#: ``--vllm-moe-rows``: how a vLLM dump of N decoder-layer rows orders them.
+VLLM_MOE_ROWS = ("auto", "decoder", "first")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,15 +147,20 @@ def read_model_config(path: str) -> MoeLayerMap:
     return MoeLayerMap(config["num_hidden_layers"], ids, topk=topk, num_experts=experts)
 
 
-def select_moe_rows(rows_TNK: np.ndarray, layer_map: MoeLayerMap, name: str) -> np.ndarray:
-    """The MoE layers' rows of a dump, after checking every dense layer's rows are all zero.
+def select_moe_rows(
+    rows_TNK: np.ndarray, layer_map: MoeLayerMap, name: str, moe_rows_first: bool = False
+) -> np.ndarray:
+    """The MoE layers' rows of a dump, after checking every other row is all zero.
 
     A dump of ``len(moe_layer_ids)`` layers is taken as MoE rows already (vLLM 0.21's split
-    form, Megatron inference); one of N decoder layers is selected. The engines leave dense rows
-    zeroed: a non-zero one means the layer map is not the model's.
+    form for configs it counts right, Megatron inference); one of N decoder layers is selected:
+    row i is decoder layer i, or, with ``moe_rows_first`` (vLLM 0.21, module doc), the MoE
+    layers' rows come first in order and the rest are zero. The engines leave the rows no MoE
+    layer writes zero: a non-zero one means the layer map (or the row order) is not the dump's.
 
     Raises:
-        ValueError: Another layer count, or a non-zero dense row (naming its layer and token).
+        ValueError: Another layer count, or a non-zero row where zeros belong (naming its
+            layer and token, and both possible causes).
     """
     num_moe, num_rows = len(layer_map.moe_layer_ids), rows_TNK.shape[1]
     if num_rows == num_moe:
@@ -156,15 +175,29 @@ def select_moe_rows(rows_TNK: np.ndarray, layer_map: MoeLayerMap, name: str) -> 
             f"{name}: rows of {num_rows} layers, neither the {num_moe} MoE layers{decoder} "
             "(--moe-layer-ids / --model-config)"
         )
-    dense = np.ones(num_rows, dtype=bool)
-    dense[list(layer_map.moe_layer_ids)] = False
-    nonzero_TD = (rows_TNK[:, dense] != 0).any(-1)
+    if moe_rows_first:
+        moe = list(range(num_moe))
+        zero = np.arange(num_moe, num_rows)
+    else:
+        moe = list(layer_map.moe_layer_ids)
+        zero = np.setdiff1d(np.arange(num_rows), moe)
+    nonzero_TD = (rows_TNK[:, zero] != 0).any(-1)
     if nonzero_TD.any():
         token, d = (int(v) for v in np.argwhere(nonzero_TD)[0])
-        layer = int(np.flatnonzero(dense)[d])
+        layer = int(zero[d])
+        held = rows_TNK[token, layer].tolist()
+        if moe_rows_first:
+            raise ValueError(
+                f"{name}: token {token}, row {layer} holds experts {held}, but a vLLM 0.21 dump "
+                f"of this model has its {num_moe} MoE rows first and zeros after them: not vLLM "
+                "0.21's row order (--vllm-moe-rows decoder reads row i as decoder layer i) or "
+                "not this model's layer map (--moe-layer-ids / --model-config)"
+            )
         raise ValueError(
             f"{name}: token {token}, decoder layer {layer} is dense by the layer map but holds "
-            f"experts {rows_TNK[token, layer].tolist()} (engines leave dense rows zero): the "
-            "layer map is not this model's; check --moe-layer-ids / --model-config"
+            f"experts {held} (engines leave dense rows zero): either the layer map is not the "
+            "model's (--moe-layer-ids / --model-config), or the dump is vLLM 0.21's, whose rows "
+            "are the MoE layers first for configs its _count_moe_layers misreads "
+            "(first_k_dense_replace): pass --vllm-moe-rows first"
         )
-    return rows_TNK[:, list(layer_map.moe_layer_ids)]
+    return rows_TNK[:, moe]

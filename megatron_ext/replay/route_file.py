@@ -12,11 +12,14 @@ header ``P.routes.json`` beside it says what the ids mean::
 ``tokens_digest`` (optional; written when the writer knows the token data: ``RouteRecorder``, and
 ``tools/convert_routes.py --tokens-prefix``) is the content digest of the token ``.idx``/``.bin``
 the routes belong to: routes left beside rewritten tokens of the same lengths are refused.
-``moe_layer_ids`` (optional; written by ``tools/convert_routes.py --moe-layer-ids/--model-config``
-and by route recording)
-are the 0-based decoder layers the L rows belong to, e.g. ``[1, 2]`` for a model whose layer 0 is
-dense: a training model whose MoE layers are other ones is refused at argument time
-(:func:`check_layer_ids`).
+``moe_layer_ids`` (optional; written by ``tools/convert_routes.py --moe-layer-ids/--model-config``,
+``ingest-rollouts`` and route recording) are the 0-based decoder layers the L rows belong to, in
+the *source* model's numbering, e.g. ``[1, 2]`` for a model whose layer 0 is dense. Training
+replays row i on the training model's i-th MoE layer, whatever its number: a HybridModel counts
+attention and MoE as layers of their own (``*E*E``: MoE layers 1 and 3 for the rows of a Hugging
+Face config's decoder layers 0 and 1). Only a true mismatch, another number of MoE layers, is
+refused at argument time, naming both lists (:func:`check_layer_ids`; top-k and experts:
+:func:`check_written_for`).
 
 It is written with the pair by ``tools/convert_routes.py`` and ``RouteRecorder`` and checked when
 the dataset is built (:func:`check_header`): a model whose L, K or E differs is refused, naming the
@@ -114,16 +117,20 @@ def read_header(path: str) -> dict:
 
 
 def check_layer_ids(header: dict, path: str, moe_layer_ids: Sequence[int]) -> None:
-    """Refuses a route file whose rows belong to other decoder layers than the model's MoE
-    layers (0-based), when its header records them; the same count of layers is not enough
-    (a model with its dense layers elsewhere replays every layer's routes on another layer)."""
+    """Refuses a route file whose rows cannot map onto the model's MoE layers (0-based): its
+    header's ``moe_layer_ids`` (the source model's MoE layers) must be as many as the model's.
+    They map in order, row i onto the model's i-th MoE layer, so the numbers may differ (a
+    HybridModel's layers count attention and MoE separately; a source config numbers its own
+    decoder layers); the message names both lists."""
     written = header.get("moe_layer_ids")
-    if written is not None and list(written) != list(moe_layer_ids):
+    if written is not None and len(written) != len(moe_layer_ids):
         raise ValueError(
-            f"route file {path} holds the routes of decoder layers {_ranges(written)} (0-based), "
-            f"but the model's MoE layers are {_ranges(moe_layer_ids)} (--moe-layer-freq, or the "
-            "E positions of --hybrid-layer-pattern): convert the routes with the model's layer "
-            "map (--moe-layer-ids / --model-config) or fix the model's MoE layers"
+            f"route file {path} holds the routes of {len(written)} MoE layers (the source "
+            f"model's decoder layers {_ranges(written)}, 0-based), but the model has "
+            f"{len(moe_layer_ids)} MoE layers ({_ranges(moe_layer_ids)}: --moe-layer-freq, or the "
+            "E positions of --hybrid-layer-pattern); rows map onto the model's MoE layers in "
+            "order, so their counts must agree: convert the routes with the model's layer map "
+            "(--moe-layer-ids / --model-config) or fix the model's MoE layers"
         )
 
 

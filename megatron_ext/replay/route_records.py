@@ -37,6 +37,7 @@ from megatron_ext.replay.sglang_routes import decode_sglang_record
 from megatron_ext.replay.vllm_routes import (
     PROMPT_START_KEY,
     decode_vllm_routes,
+    moe_rows_first,
     vllm_response_documents,
 )
 
@@ -63,6 +64,33 @@ def _num_tokens(record: dict, name: str) -> int | None:
     return count
 
 
+#: Record keys of a sequence's prompt and completion ids (prime-rl's ``prompt_ids`` /
+#: ``completion_ids``, or vLLM's names), what ``ingest-rollouts`` writes and loss-masks.
+SPLIT_ID_KEYS = (("prompt_ids", "completion_ids"), ("prompt_token_ids", "completion_token_ids"))
+
+
+def _split_ids(record: dict, name: str, count: int | None) -> tuple[list | None, int | None]:
+    """``(prompt + completion ids, P)`` from a record's split id keys, else ``(token_ids, None)``;
+    a ``token_ids`` or ``num_tokens`` beside them must agree."""
+    for prompt_key, completion_key in SPLIT_ID_KEYS:
+        if prompt_key in record or completion_key in record:
+            prompt, completion = record.get(prompt_key), record.get(completion_key)
+            if not isinstance(prompt, list) or not isinstance(completion, list):
+                raise ValueError(
+                    f"{name}: {prompt_key} and {completion_key} must both be lists of token ids"
+                )
+            ids = prompt + completion
+            if "token_ids" in record and record["token_ids"] != ids:
+                raise ValueError(f"{name}: token_ids is not {prompt_key} + {completion_key}")
+            if count is not None and count != len(ids):
+                raise ValueError(
+                    f"{name}: num_tokens {count} disagrees with the {len(ids)} ids of "
+                    f"{prompt_key} + {completion_key}"
+                )
+            return ids, len(prompt)
+    return record.get("token_ids"), None
+
+
 def _load_npy(path: str) -> np.ndarray:
     try:
         array = np.load(path, allow_pickle=False, mmap_mode="r")
@@ -75,7 +103,13 @@ def _load_npy(path: str) -> np.ndarray:
 
 
 def read_documents(
-    paths: list[str], fmt: str, *, wire_layers: int = 0, topk: int = 0, start: int = 0
+    paths: list[str],
+    fmt: str,
+    *,
+    wire_layers: int = 0,
+    topk: int = 0,
+    start: int = 0,
+    vllm_moe_rows: str = "auto",
 ) -> Iterator[RolloutDocument]:
     """Yields the documents of ``paths`` in order.
 
@@ -87,6 +121,8 @@ def read_documents(
         topk: K (shapes SGLang's base64).
         start: The requests' start offset (vLLM ``routed_experts_prompt_start``, SGLang
             ``routed_experts_start_len``); a record's own key overrides it.
+        vllm_moe_rows: ``--vllm-moe-rows`` (vLLM 0.21's MoE-first rows;
+            :func:`~megatron_ext.replay.vllm_routes.moe_rows_first`).
     """
     for path in paths:
         if fmt == "npy":
@@ -101,11 +137,19 @@ def read_documents(
                     line = decode_line(raw, name)
                     if line is None:
                         continue
-                    yield from documents_of_line(line, fmt, name, wire_layers, topk, start)
+                    yield from documents_of_line(
+                        line, fmt, name, wire_layers, topk, start, vllm_moe_rows
+                    )
 
 
 def documents_of_line(
-    line: str, fmt: str, name: str, wire_layers: int, topk: int, start: int
+    line: str,
+    fmt: str,
+    name: str,
+    wire_layers: int,
+    topk: int,
+    start: int,
+    vllm_moe_rows: str = "auto",
 ) -> list[RolloutDocument]:
     """One JSONL line -> its documents (a JSON list: each element's, named ``file:line[i]``)."""
     try:
@@ -116,19 +160,27 @@ def documents_of_line(
         raise ValueError(f"{name}: {exc}") from exc
     # A boolean can only be there if the JSON text spells one: else skip the scan for them.
     booleans = "true" in line or "false" in line
+    shape = (wire_layers, topk, start, booleans, vllm_moe_rows)
     if isinstance(record, list):
         if not record:
             raise ValueError(f"{name}: an empty JSON list holds no record")
         return [
             doc
             for i, item in enumerate(record)
-            for doc in _documents(item, fmt, f"{name}[{i}]", wire_layers, topk, start, booleans)
+            for doc in _documents(item, fmt, f"{name}[{i}]", *shape)
         ]
-    return _documents(record, fmt, name, wire_layers, topk, start, booleans)
+    return _documents(record, fmt, name, *shape)
 
 
 def _documents(
-    record: Any, fmt: str, name: str, wire_layers: int, topk: int, start: int, booleans: bool
+    record: Any,
+    fmt: str,
+    name: str,
+    wire_layers: int,
+    topk: int,
+    start: int,
+    booleans: bool,
+    vllm_moe_rows: str,
 ) -> list[RolloutDocument]:
     if fmt == "sglang":
         return decode_sglang_record(
@@ -137,7 +189,9 @@ def _documents(
     if not isinstance(record, dict):
         raise ValueError(f"{name}: expected a JSON object, got {type(record).__name__}")
     if fmt == "vllm" and "choices" in record:
-        return vllm_response_documents(record, name, prompt_start=start)
+        return vllm_response_documents(
+            record, name, prompt_start=start, vllm_moe_rows=vllm_moe_rows
+        )
     keys = ("routed_experts",) if fmt == "vllm" else _MEGATRON_KEYS
     if not any(key in record for key in keys):
         what = " (or a whole response with 'choices')" if fmt == "vllm" else ""
@@ -145,13 +199,19 @@ def _documents(
             f"{name}: a --format {fmt} record needs a {' or '.join(map(repr, keys))} key{what}"
         )
     num_tokens = _num_tokens(record, name)
+    ids, num_prompt = _split_ids(record, name, num_tokens)
+    if num_tokens is None and ids is not None:
+        num_tokens = len(ids)
+    split = {"token_ids": ids, "num_prompt": num_prompt, "fields": (record,)}
     if fmt == "vllm":
         offset = record.get(PROMPT_START_KEY, start)
         if type(offset) is not int or offset < 0:
             raise ValueError(f"{name}: {PROMPT_START_KEY} must be a non-negative integer")
         rows = decode_vllm_routes(record["routed_experts"], f"{name} routed_experts", booleans)
-        ids = record.get("token_ids")
-        return [RolloutDocument(name, rows, num_tokens, start=offset, token_ids=ids)]
+        first = moe_rows_first(record, vllm_moe_rows)
+        return [
+            RolloutDocument(name, rows, num_tokens, start=offset, moe_rows_first=first, **split)
+        ]
     # A key that is present is decoded whatever it holds (0 or "" is refused there, not skipped;
     # null counts as absent); an empty part (no rows, e.g. an empty prompt) adds nothing.
     parts = [
@@ -164,4 +224,4 @@ def _documents(
     if len(shapes) > 1:
         raise ValueError(f"{name}: {' and '.join(keys)} have different [layers, topk] {shapes}")
     rows = np.concatenate(parts) if parts else np.zeros((0, 0, 0), dtype=np.int64)
-    return [RolloutDocument(name, rows, num_tokens, token_ids=record.get("token_ids"))]
+    return [RolloutDocument(name, rows, num_tokens, **split)]

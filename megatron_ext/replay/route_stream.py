@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from megatron_ext.common.safe_files import check_output_prefix, fsync_path, publish, temp_paths
+from megatron_ext.data.padding import real_positions
 from megatron_ext.replay.route_file import HEADER_EXTENSION, header_bytes, tokens_digest
 from megatron_ext.replay.routes import missing_value, route_dtype
 
@@ -71,14 +72,17 @@ class RouteStream:
         pieces: tuple[np.ndarray, np.ndarray, np.ndarray],
         routes_SLK: np.ndarray,
         pad_mask_S: np.ndarray | None = None,
+        doc_multiple: int = 1,
     ) -> None:
-        """Appends one pack: its pieces and the rows of its real positions (which come first).
+        """Appends one pack: its pieces and the rows of its real positions.
 
         Args:
             pieces: ``(doc_Q, start_Q, len_Q)`` of the pack (``RoutedPackedDataset.pack_pieces``).
             routes_SLK: The routes the forward chose for the pack's S positions.
             pad_mask_S: Optional, True at pad positions: their rows are written as missing
                 (a "skip pads" MoE layer gives pads no expert, so what it chose is no route).
+            doc_multiple: The pack's per-document pad multiple (2*CP under context parallelism):
+                where its real tokens sit (:func:`~megatron_ext.data.padding.real_positions`).
 
         Raises:
             ValueError: More real tokens than routes, or routes of another shape or dtype.
@@ -92,10 +96,14 @@ class RouteStream:
             )
         if routes_SLK.dtype != self.dtype:
             raise ValueError(f"recorded routes are {routes_SLK.dtype}, expected {self.dtype}")
-        if num_real > routes_SLK.shape[0]:
-            raise ValueError(f"pack holds {num_real} real tokens but {routes_SLK.shape[0]} routes")
-        rows_NLK = np.ascontiguousarray(routes_SLK[:num_real])
-        pads_N = None if pad_mask_S is None else np.asarray(pad_mask_S, dtype=bool)[:num_real]
+        real_N = real_positions(len_Q, doc_multiple)
+        if num_real and real_N[-1] >= routes_SLK.shape[0]:
+            raise ValueError(
+                f"pack holds {num_real} real tokens (to position {int(real_N[-1])}) but "
+                f"{routes_SLK.shape[0]} routes"
+            )
+        rows_NLK = np.ascontiguousarray(routes_SLK[real_N])
+        pads_N = None if pad_mask_S is None else np.asarray(pad_mask_S, dtype=bool)[real_N]
         if pads_N is not None and pads_N.any():
             rows_NLK = rows_NLK.copy()  # never the caller's array
             rows_NLK[pads_N] = missing_value(self.dtype)

@@ -42,6 +42,9 @@ from megatron_ext.replay.rollout_routes import RolloutDocument, decode_routed_ex
 SGLANG_DTYPE = np.dtype("<i4")
 #: Request parameter whose value a record may carry beside the response.
 START_KEY = "routed_experts_start_len"
+#: A ``/generate`` answer's prompt ids (the request's ``return_prompt_token_ids``) and completion
+#: ids (``managers/tokenizer_manager.py``: ``out_dict["prompt_token_ids"]``, ``"output_ids"``).
+GENERATE_ID_KEYS = ("prompt_token_ids", "output_ids")
 
 
 def _count(meta: dict, key: str, name: str) -> int:
@@ -143,9 +146,11 @@ def _document(
     name: str,
     start_len: int,
     token_ids: list | None = None,
+    fields: tuple[dict, ...] = (),
 ) -> RolloutDocument:
     """One ``meta_info`` (and the sample fields beside it) -> a document; ``token_ids``: the
-    document's ids from an OpenAI-compatible answer (prompt and completion)."""
+    document's ids from an OpenAI-compatible answer (prompt and completion); ``fields``: the
+    objects describing it (:attr:`RolloutDocument.fields`), ``record`` and ``meta`` after them."""
     num_tokens = sglang_num_tokens({**record, "meta_info": meta}, name)
     payload, where = meta["routed_experts"], f"{name} meta_info.routed_experts"
     if payload is None:
@@ -155,13 +160,21 @@ def _document(
         )
     start = start_len if num_tokens is None else min(start_len, max(num_tokens - 1, 0))
     ids = next((record[k] for k in ("tokens", "token_ids") if k in record), token_ids)
+    if ids is None and all(isinstance(record.get(k), list) for k in GENERATE_ID_KEYS):
+        ids = record["prompt_token_ids"] + record["output_ids"]  # /generate's own ids
+    prompt = meta.get("prompt_tokens")
+    split = {
+        "token_ids": ids,
+        "num_prompt": prompt if type(prompt) is int else None,
+        "fields": (*fields, record, meta),
+    }
     if isinstance(payload, str):
         rows = decode_sglang_base64(
             payload, num_tokens, num_layers=num_layers, topk=topk, name=where, start=start
         )
-        return RolloutDocument(name, rows, num_tokens, start=start, exact=True, token_ids=ids)
+        return RolloutDocument(name, rows, num_tokens, start=start, exact=True, **split)
     rows = decode_routed_experts(payload, where)
-    return RolloutDocument(name, rows, num_tokens, start=start, token_ids=ids)
+    return RolloutDocument(name, rows, num_tokens, start=start, **split)
 
 
 def decode_sglang_record(
@@ -206,7 +219,9 @@ def _openai_documents(response: dict, name: str, shape: dict) -> list[RolloutDoc
     metas = [c.get("meta_info") if isinstance(c, dict) else None for c in choices]
     if metas and all(isinstance(m, dict) and "routed_experts" in m for m in metas):
         return [
-            _document(meta, {}, name=f"{name} choice {i}", token_ids=_choice_ids(c), **shape)
+            _document(
+                meta, {}, name=f"{name} choice {i}", token_ids=_choice_ids(c), fields=(c,), **shape
+            )
             for i, (meta, c) in enumerate(zip(metas, choices, strict=True))
         ]
     sglext = response.get("sglext")
@@ -234,7 +249,8 @@ def _openai_documents(response: dict, name: str, shape: dict) -> list[RolloutDoc
     else:  # one choice: the usage counts are its own
         counts = {k: usage[k] for k in ("prompt_tokens", "completion_tokens") if k in usage}
     meta = {"routed_experts": sglext["routed_experts"], **counts}
-    return [_document(meta, {}, name=f"{name} sglext", token_ids=ids, **shape)]
+    fields = (choice, response)
+    return [_document(meta, {}, name=f"{name} sglext", token_ids=ids, fields=fields, **shape)]
 
 
 def _choice_ids(choice: dict) -> list | None:

@@ -18,6 +18,14 @@ Read from vLLM's released source (``--enable-return-routed-experts`` on the serv
   ``routed_experts`` ``[C - 1, L, K]`` (C with MTP), nested JSON lists (``.tolist()`` of int16),
   L the MoE layers only (``_count_moe_layers``).
 
+Row order. vLLM 0.34 writes row i for decoder layer i; vLLM 0.21 writes the MoE layers' rows first
+(``FusedMoE.moe_layer_id``) and, for configs its ``_count_moe_layers`` misreads (DeepSeek's
+``first_k_dense_replace``), zero rows after them (:mod:`~megatron_ext.replay.moe_layer_map`). Which
+one a response holds comes from the engine version: ``--vllm-moe-rows first|decoder``, else the
+response's ``system_fingerprint`` (``vllm-<version>[-tp2...]-<hash8>`` by default, 0.21's
+``entrypoints/openai/fingerprint.py``), else 0.21's split form (``prompt_routed_experts``, absent
+from 0.34's protocol) means 0.21.
+
 Tokens: a chat response carries ``prompt_token_ids`` at response level, a completion response
 on each choice; each choice's ``token_ids`` is its completion only (both need the request's
 ``return_token_ids: true``). Each choice is one document, in choice order: ``T = P + C``.
@@ -34,6 +42,7 @@ layers, K top-k.
 import base64
 import binascii
 import io
+import re
 from typing import Any
 
 import numpy as np
@@ -46,6 +55,26 @@ from megatron_ext.replay.rollout_routes import (
 
 #: Request parameter (vLLM >= 0.34) whose value a record may carry beside the response.
 PROMPT_START_KEY = "routed_experts_prompt_start"
+#: ``system_fingerprint`` of vLLM's OpenAI-compatible server: ``vllm-<version>...``.
+_FINGERPRINT = re.compile(r"vllm-(\d+)\.(\d+)(?:[.\-+]|rc|$)")
+
+
+def moe_rows_first(record: dict, mode: str = "auto") -> bool:
+    """Whether a vLLM answer's decoder-layer rows hold the MoE layers first (vLLM 0.21).
+
+    Args:
+        record: The response (or a record kept beside one).
+        mode: ``--vllm-moe-rows``: ``first`` / ``decoder`` decide; ``auto`` reads the engine
+            version from ``system_fingerprint``, else takes 0.21's split form
+            (``prompt_routed_experts``) as 0.21. Never decided from which rows are zero.
+    """
+    if mode != "auto":
+        return mode == "first"
+    fingerprint = record.get("system_fingerprint")
+    match = _FINGERPRINT.match(fingerprint) if isinstance(fingerprint, str) else None
+    if match:
+        return (int(match.group(1)), int(match.group(2))) == (0, 21)
+    return "prompt_routed_experts" in record
 
 
 def decode_npy_base64(text: str, name: str) -> np.ndarray:
@@ -97,7 +126,7 @@ def _prompt_start(record: dict, default: int, name: str) -> int:
 
 
 def vllm_response_documents(
-    response: dict, name: str, *, prompt_start: int = 0
+    response: dict, name: str, *, prompt_start: int = 0, vllm_moe_rows: str = "auto"
 ) -> list[RolloutDocument]:
     """One vLLM ``CompletionResponse`` / ``ChatCompletionResponse`` -> a document per choice.
 
@@ -106,6 +135,7 @@ def vllm_response_documents(
         name: ``file:line``.
         prompt_start: The requests' ``routed_experts_prompt_start`` (``--routed-experts-start``);
             a ``routed_experts_prompt_start`` key in the record overrides it.
+        vllm_moe_rows: ``--vllm-moe-rows`` (:func:`moe_rows_first`).
 
     Raises:
         ValueError: A choice without routes or token ids, or 0.21 prompt rows that do not fit
@@ -119,6 +149,7 @@ def vllm_response_documents(
     prompt_rows = response.get("prompt_routed_experts")  # vLLM 0.21's split form
     if prompt_rows is not None:
         prompt_rows = decode_routed_experts(prompt_rows, f"{name} prompt_routed_experts")
+    first = moe_rows_first(response, vllm_moe_rows)
     documents = []
     for i, choice in enumerate(choices):
         where = f"{name} choice {i}"
@@ -147,7 +178,15 @@ def vllm_response_documents(
                 )
             rows = _join_split(prompt_rows, gen, len(prompt), where)
             documents.append(
-                RolloutDocument(where, rows, num_tokens, token_ids=prompt + completion)
+                RolloutDocument(
+                    where,
+                    rows,
+                    num_tokens,
+                    token_ids=prompt + completion,
+                    num_prompt=len(prompt),
+                    moe_rows_first=first,
+                    fields=(choice, response),
+                )
             )
             continue
         if payload is None:
@@ -158,7 +197,16 @@ def vllm_response_documents(
         rows = decode_vllm_routes(payload, f"{where} routed_experts")
         start_row = min(start, len(prompt))
         documents.append(
-            RolloutDocument(where, rows, num_tokens, start=start_row, token_ids=prompt + completion)
+            RolloutDocument(
+                where,
+                rows,
+                num_tokens,
+                start=start_row,
+                token_ids=prompt + completion,
+                num_prompt=len(prompt),
+                moe_rows_first=first,
+                fields=(choice, response),
+            )
         )
     return documents
 

@@ -6,6 +6,7 @@ Which dataset, from the flags:
 |---|---|
 | ``--route-replay-mode replay`` (needs ``--pack-documents``) | ``RoutedPackedDataset``: packs + route sidecars |
 | ``--route-replay-mode record --pack-documents`` | ``RoutedPackedDataset`` without routes (pack indices) |
+| ``--sft`` (Megatron's) | ``SelfPaddedSFTDataset``: Megatron's ``SFTDataset`` (JSONL conversations), self-padded, packed by ``--sft-packing`` |
 | ``--pack-documents`` | ``PackedDataset``: whole documents packed, self-padded, boundaries kept |
 | ``--mock-data`` | Megatron's ``MockGPTDataset`` |
 | otherwise | ``SelfPaddedGPTDataset``: Megatron's ``GPTDataset`` with self-token padding |
@@ -41,6 +42,11 @@ def pad_multiple_from_args(args: argparse.Namespace) -> int:
         sequence_parallel=bool(args.sequence_parallel),
         quantization_align=quantization_align_from_args(args),
     )
+
+
+def doc_pad_multiple_from_args(args: argparse.Namespace) -> int:
+    """Every packed document's length multiple for the run (2*CP under context parallelism)."""
+    return PaddingConfig.doc_pad_multiple(args.context_parallel_size or 1)
 
 
 def num_moe_layers(args: argparse.Namespace) -> int:
@@ -94,7 +100,10 @@ def dataset_config_from_args(args: argparse.Namespace, tokenizer: Any = None) ->
         from megatron_ext.replay.route_dataset import RoutedPackedDataset, RoutedPackedDatasetConfig
 
         _, packed = dataset_class_and_config(
-            padding, pad_multiple=pad_multiple_from_args(args), **common
+            padding,
+            pad_multiple=pad_multiple_from_args(args),
+            doc_pad_multiple=doc_pad_multiple_from_args(args),
+            **common,
         )
         fields = {f.name: getattr(packed, f.name) for f in dataclasses.fields(packed) if f.init}
         replaying = replay.route_replay_mode == "replay"
@@ -109,7 +118,15 @@ def dataset_config_from_args(args: argparse.Namespace, tokenizer: Any = None) ->
         )
     if view.mock_data and not padding.pack_documents:
         return MockGPTDataset, GPTDatasetConfig(**common)
-    return dataset_class_and_config(padding, pad_multiple=pad_multiple_from_args(args), **common)
+    if view.sft:  # Megatron's SFTDataset reads the CP size: each conversation padded to 2*CP
+        common["context_parallel_size"] = view.context_parallel_size
+    return dataset_class_and_config(
+        padding,
+        pad_multiple=pad_multiple_from_args(args),
+        doc_pad_multiple=doc_pad_multiple_from_args(args),
+        sft=view.sft,
+        **common,
+    )
 
 
 class DataRefusedError(Exception):

@@ -175,9 +175,10 @@ def record_routes(
     routes_BSLK = routes.reshape(*batch_shape, *routes.shape[2:]).cpu().numpy()
     pads_BS = None if pad_mask_BS is None else pad_mask_BS.reshape(batch_shape).cpu().numpy()
     dataset = state(args).record_dataset
+    doc_multiple = dataset.config.doc_pad_multiple  # where each pack's real tokens sit
     for b, pack in enumerate(pack_index.tolist()):
         pad_mask_S = None if pads_BS is None else pads_BS[b]
-        recorder.add_pack(dataset.pack_pieces(pack), routes_BSLK[b], pad_mask_S)
+        recorder.add_pack(dataset.pack_pieces(pack), routes_BSLK[b], pad_mask_S, doc_multiple)
 
 
 def _record_stream(args: argparse.Namespace) -> Any:

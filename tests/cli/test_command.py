@@ -52,5 +52,6 @@ def test_help_of_every_own_subcommand_imports_no_torch() -> None:
     assert seen.pop("after importing the sync detector") == ["torch"]
     assert seen.pop("after importing the launcher") == []
     commands = ("megatron-ext", "bench", "demo", "flags", "rehearse", "preprocess-data",
-                "convert-routes", "pack-stats", "make-corpus", "merge-datasets")  # fmt: skip
+                "convert-routes", "ingest-rollouts", "pack-stats", "make-corpus",
+                "merge-datasets")  # fmt: skip
     assert seen == {name: [] for name in commands}

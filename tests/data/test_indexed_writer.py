@@ -108,3 +108,25 @@ def test_a_companion_is_in_place_before_the_idx(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         write_documents(prefix, [np.array([1])], companions={".h.json": b"{}"})
     assert renames == ["r.bin", "r.h.json"] and not os.path.exists(prefix + ".idx")
+
+
+def test_streaming_single_documents_equal_write_documents_and_companions_publish(tmp_path):
+    """``StreamingPrefixes.add_document`` writes the bytes ``write_documents`` writes (what
+    ingest-rollouts relies on for routes equal to convert-routes'); ``finalize`` hands out the
+    complete temporary pair before the commit, and companions go in place with their prefix."""
+    from megatron_ext.data.indexed_writer import StreamingPrefixes
+
+    docs = [np.arange(3, dtype=np.uint8), np.zeros(0, dtype=np.uint8), np.arange(5, dtype=np.uint8)]
+    write_documents(str(tmp_path / "ref"), docs, np.uint8)
+    out_prefix = str(tmp_path / "out")
+    with StreamingPrefixes([(out_prefix, np.uint8)]) as out:
+        for doc in docs:
+            out.add_document(0, doc)
+        [(tmp_bin, tmp_idx)] = out.finalize()
+        assert os.path.getsize(tmp_idx) == os.path.getsize(tmp_path / "ref.idx")
+        assert not os.path.exists(out_prefix + ".idx")  # nothing published before the commit
+        out.commit({0: {".head.json": b"{}"}})
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"out{ext}").read_bytes() == (tmp_path / f"ref{ext}").read_bytes()
+    assert (tmp_path / "out.head.json").read_bytes() == b"{}"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temps

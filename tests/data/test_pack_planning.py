@@ -193,3 +193,14 @@ def test_bad_inputs(kwargs: dict, match: str) -> None:
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         plan_packs(**args)
+
+
+def test_context_parallel_plans_count_each_document_padded_to_2cp() -> None:
+    # Capacity 8, CP 2 (multiple 4): [3, 3, 2] pack as [3 3 2] without CP, but each takes a slot
+    # of 4 with it, so only two fit a pack.
+    lens = np.array([3, 3, 2])
+    assert plan_packs(lens, 8, algorithm="sequential").num_packs == 1
+    plan = plan_packs(lens, 8, algorithm="sequential", doc_multiple=4)
+    assert plan.num_packs == 2 and plan.pack_lengths_P().tolist() == [6, 2]
+    with pytest.raises(ValueError, match="not a multiple of the per-document pad multiple 4"):
+        plan_packs(lens, 10, doc_multiple=4)

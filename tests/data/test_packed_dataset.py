@@ -13,7 +13,7 @@ from megatron.core.datasets.blended_dataset import BlendedDataset
 
 from megatron_ext.data.indexed_writer import write_documents
 from megatron_ext.data.packed_dataset import PackedDataset, PackedDatasetConfig, Sidecar
-from megatron_ext.data.padding import IGNORE_INDEX
+from megatron_ext.data.padding import IGNORE_INDEX, real_positions
 from tests.data.dataset_helpers import build_splits, gpt_config_kwargs
 
 SEQ = 32
@@ -420,3 +420,30 @@ def test_a_resume_asking_for_more_samples_keeps_the_packs_order(corpus: dict) ->
     for i in range(100):
         a, b = small[i], large[i]
         assert all(torch.equal(a[k], b[k]) for k in a), i
+
+
+def test_context_parallel_pads_every_document_and_plans_padded_lengths(corpus: dict) -> None:
+    cp = 2
+    cfg = make_config(corpus, doc_pad_multiple=2 * cp, pad_to_seq_len=False, pad_to_multiple_of=4)
+    train = build(cfg)[0]
+    docs = corpus["docs"]["a"]
+    per_document_pads = 0
+    for idx in range(len(train)):
+        s = train[idx]
+        doc_Q, start_Q, len_Q = train.pack_pieces(idx)
+        real = real_positions(len_Q, 2 * cp)
+        pieces = zip(doc_Q, start_Q, len_Q, strict=True)
+        raw = np.concatenate([docs[d][st : st + n] for d, st, n in pieces])
+        tokens = s["tokens"].numpy()
+        assert tokens.size <= SEQ  # planning counted the padded lengths
+        assert np.array_equal(tokens[real], raw) and not s["padding_mask"][real].any()
+        bounds = s["cu_seqlens"][: int(s["num_segments"]) + 1].numpy()
+        assert (bounds % (2 * cp) == 0).all() and bounds[-1] == tokens.size
+        # The routes sidecar is padded by the same index: a pad carries its source's route.
+        copied = s["src_index"].numpy() >= 0
+        assert np.array_equal(s["routes"].numpy()[copied], routes_of(tokens[copied]))
+        per_document_pads += int(s["padding_mask"][: real[-1] + 1].sum()) if real.size else 0
+    assert per_document_pads > 0  # the interesting case: pads between documents
+    # The plan is keyed by the multiple: CP 1 and CP 2 never share a cached plan.
+    plain = build(make_config(corpus, pad_to_seq_len=False, pad_to_multiple_of=4))[0]
+    assert plain.unique_description_hash != train.unique_description_hash

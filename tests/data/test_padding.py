@@ -12,7 +12,9 @@ from megatron_ext.data.padding import (
     derive_pad_multiple,
     gather_by_src_index,
     pad_pack,
+    padded_doc_lengths,
     padded_lengths,
+    real_positions,
     round_up,
     target_length,
 )
@@ -351,3 +353,79 @@ def test_bad_pack_inputs(kwargs: dict, match: str) -> None:
 def test_bad_target_length(n: int, seq: int, multiple: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         target_length(n, seq_length=seq, pad_to_seq_len=False, pad_to_multiple_of=multiple)
+
+
+def test_per_document_pads_cycle_their_own_document_inside_its_segment() -> None:
+    # Documents [a b c] and [d e], CP 2 (every document to a multiple of 4), pack length 12.
+    a, b, c, d, e = 10, 11, 12, 13, 14
+    pack = pad_pack(np.array([a, b, c, d, e]), np.array([3, 2]), 12, doc_multiple=4)
+    assert pack.tokens_S.tolist() == [a, b, c, a, d, e, d, e, a, b, c, d]
+    assert pack.src_index_S.tolist() == [0, 1, 2, 0, 3, 4, 3, 4, 0, 1, 2, 3]
+    assert pack.labels_S.tolist() == [b, c, X, X, e, X, X, X, X, X, X, X]
+    assert pack.loss_mask_S.tolist() == [1, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
+    assert pack.pad_mask_S.tolist() == [False] * 3 + [True] + [False] * 2 + [True] * 6
+    # A document's pads stay in its segment (positions continue); the tail is its own segment.
+    assert pack.cu_seqlens[: pack.num_segments + 1].tolist() == [0, 4, 8, 12]
+    assert pack.position_ids_S.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3]
+    assert real_positions(np.array([3, 2]), 4).tolist() == [0, 1, 2, 4, 5]
+    assert padded_doc_lengths(np.array([3, 2, 8]), 4).tolist() == [4, 4, 8]
+
+
+def test_per_document_constant_and_multimodal_pads() -> None:
+    pack = pad_pack(np.array([5, 6, 7]), np.array([1, 2]), 4, policy="constant", doc_multiple=2)
+    assert pack.tokens_S.tolist() == [5, 0, 6, 7] and pack.src_index_S.tolist() == [0, -1, 1, 2]
+    image = 99
+    mm = pad_pack(
+        np.array([5, image, 7]), np.array([3]), 4, placeholder_ids=[image], doc_multiple=4
+    )
+    assert mm.tokens_S.tolist() == [5, image, 7, 0] and mm.src_index_S[-1] == -1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 9), min_size=1, max_size=5),
+    cp=st.sampled_from([2, 4]),
+    extra=st.integers(0, 8),
+    policy=st.sampled_from(["self", "constant"]),
+)
+def test_per_document_padding_keeps_every_real_token_its_label_and_boundaries(
+    lens: list[int], cp: int, extra: int, policy: str
+) -> None:
+    rng = np.random.default_rng(len(lens) * 31 + extra)
+    doc_lens = np.array(lens)
+    tokens = rng.integers(1, 1000, doc_lens.sum())
+    body = int(padded_doc_lengths(doc_lens, 2 * cp).sum())
+    length = body + 2 * cp * extra
+    plain = pad_pack(tokens, doc_lens, int(doc_lens.sum()), policy=policy)
+    pack = pad_pack(tokens, doc_lens, length, policy=policy, doc_multiple=2 * cp)
+    real = real_positions(doc_lens, 2 * cp)
+    # Real tokens, their labels and loss mask are the unpadded pack's, moved to their slots.
+    assert np.array_equal(pack.tokens_S[real], tokens)
+    assert np.array_equal(pack.labels_S[real], plain.labels_S)
+    assert np.array_equal(pack.loss_mask_S[real], plain.loss_mask_S)
+    assert not pack.pad_mask_S[real].any() and pack.pad_mask_S.sum() == length - tokens.size
+    assert not pack.loss_mask_S[pack.pad_mask_S].any()
+    # Every boundary is a multiple of 2*CP (TE's THD partitioning needs it), S included.
+    bounds = pack.cu_seqlens[: pack.num_segments + 1]
+    assert (bounds % (2 * cp) == 0).all() and bounds[-1] == length
+    if policy == "self":  # each document's pads copy that document's own tokens
+        starts = np.repeat(np.cumsum(doc_lens) - doc_lens, doc_lens)
+        doc_of = np.searchsorted(np.cumsum(doc_lens), pack.src_index_S[:body], side="right")
+        own = np.repeat(np.arange(doc_lens.size), padded_doc_lengths(doc_lens, 2 * cp))
+        assert np.array_equal(doc_of, own) and starts.size == tokens.size
+
+
+def test_the_cp_picture_in_docs_data_md() -> None:
+    """docs/data.md's pack before slicing: documents [a b c] and [d e f g h], CP 2, S 16."""
+    ids = {ch: i + 1 for i, ch in enumerate("abcdefgh")}
+    tokens = np.array([ids[ch] for ch in "abcdefgh"])
+    pack = pad_pack(tokens, np.array([3, 5]), 16, doc_multiple=4)
+    names = {v: k for k, v in ids.items()}
+    shown = "".join(
+        names[t].upper() if pad else names[t]
+        for t, pad in zip(pack.tokens_S, pack.pad_mask_S, strict=True)
+    )
+    assert shown == "abcAdefghDEFABCD"
+    assert pack.cu_seqlens[: pack.num_segments + 1].tolist() == [0, 4, 12, 16]
+    trained = [names[t] for t, m in zip(pack.tokens_S, pack.loss_mask_S, strict=True) if m]
+    assert trained == list("abdefg")

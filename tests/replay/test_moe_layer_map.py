@@ -85,3 +85,19 @@ def test_select_moe_rows_checks_dense_rows_are_zero():
         select_moe_rows(rows, layer_map, "r:1")
     with pytest.raises(ValueError, match="rows of 5 layers, neither the 2 MoE layers or the .* 4"):
         select_moe_rows(np.zeros((1, 5, 2), dtype=np.int32), layer_map, "r:1")
+
+
+def test_select_moe_rows_of_vllm021_takes_the_moe_rows_first():
+    """vLLM 0.21 (rows by FusedMoE.moe_layer_id): the 3 MoE rows of decoder layers 2-4 first,
+    then the 2 rows its _count_moe_layers over-counted, zero. Worked example of the module doc."""
+    layer_map = MoeLayerMap(5, (2, 3, 4))
+    rows = np.array([[[3, 7], [1, 2], [6, 0], [0, 0], [0, 0]]])
+    want = [[[3, 7], [1, 2], [6, 0]]]
+    assert select_moe_rows(rows, layer_map, "x", moe_rows_first=True).tolist() == want
+    with pytest.raises(ValueError, match=r"x: token 0, decoder layer 0 is dense .* or the dump is "
+                       r"vLLM 0.21's.* pass --vllm-moe-rows first"):  # fmt: skip
+        select_moe_rows(rows, layer_map, "x")
+    rows[0, 4] = [5, 1]
+    with pytest.raises(ValueError, match=r"x: token 0, row 4 holds experts \[5, 1\], but a vLLM "
+                       r"0.21 dump of this model has its 3 MoE rows first"):  # fmt: skip
+        select_moe_rows(rows, layer_map, "x", moe_rows_first=True)

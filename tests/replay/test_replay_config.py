@@ -100,13 +100,15 @@ def _route_file_for_layers(prefix: str, moe_layer_ids: list[int]) -> None:
     "freq, match",
     [
         ("[0,1,1]", None),  # decoder layers 1 and 2 (0-based) are the model's MoE layers
-        ("[1,0,1]", r"decoder layers 1-2 \(0-based\), but the model's MoE layers are 0,2"),
-        ("[0,0,1]", r"written for 2 MoE layers x top-2 .* the model has 1 MoE layers"),
+        ("[1,0,1]", None),  # two MoE layers elsewhere: rows 0 and 1 replay on layers 0 and 2
+        ("[0,0,1]", r"holds the routes of 2 MoE layers \(the source model's decoder layers 1-2, "
+                    r"0-based\), but the model has 1 MoE layers \(2: --moe-layer-freq"),
     ],
-)
+)  # fmt: skip
 def test_route_file_layers_checked_against_moe_layer_freq(monkeypatch, prefix, freq, match):
     """A sidecar converted from a per-decoder-layer dump records which decoder layers its rows
-    belong to; a model with the same number of MoE layers elsewhere is refused at argument time."""
+    belong to (the source's numbering); they map onto the model's MoE layers in order, so only
+    another count of MoE layers is refused at argument time, naming both lists."""
     _route_file_for_layers(prefix, [1, 2])
     argv = ["--data-path", prefix, "--pack-documents", "--route-replay-mode", "replay"]
     argv += ["--route-data-suffix", "_routes", "--num-layers", "3", "--moe-layer-freq", freq]
@@ -126,6 +128,12 @@ def test_route_file_layers_checked_against_hybrid_pattern(prefix):
     _route_file_for_layers(prefix, [1, 3])
     args = SimpleNamespace(hybrid_layer_pattern="*E*E", moe_router_topk=2, num_experts=8)
     ReplayConfig._check_header(prefix + "_routes", args)  # E at positions 2 and 4: layers 1, 3
-    args.hybrid_layer_pattern = "EE**"
-    with pytest.raises(ValueError, match=r"decoder layers 1,3 .* MoE layers are 0-1 \(--moe-layer"):
+    args.hybrid_layer_pattern = "EE**"  # two MoE layers, numbered otherwise: mapped in order
+    ReplayConfig._check_header(prefix + "_routes", args)
+    _route_file_for_layers(prefix, [0, 1])  # a 2-layer Hugging Face config's decoder layers
+    args.hybrid_layer_pattern = "*E*E"
+    ReplayConfig._check_header(prefix + "_routes", args)
+    args.hybrid_layer_pattern = "*E*E*E"
+    with pytest.raises(ValueError, match=r"decoder layers 0-1, 0-based\), but the model has 3 MoE "
+                       r"layers \(1,3,5: --moe-layer-freq"):  # fmt: skip
         ReplayConfig._check_header(prefix + "_routes", args)

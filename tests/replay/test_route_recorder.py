@@ -199,8 +199,8 @@ def test_tokens_rewritten_while_recording_are_refused_at_write(tmp_path):
 
 
 def test_recorded_header_names_the_moe_layers_and_a_mismatched_list_is_refused(tmp_path):
-    """The recording model's MoE layers go into the header, so a replay on a model whose MoE layers
-    sit elsewhere is refused at argument time (``check_layer_ids``) instead of misrouting."""
+    """The recording model's MoE layers go into the header; a replay maps them onto its own MoE
+    layers in order (``check_layer_ids``), and refuses another count of them at argument time."""
     from megatron_ext.data.indexed_writer import write_documents
     from megatron_ext.replay.route_file import check_layer_ids, read_header
     from megatron_ext.replay.route_recorder import RouteRecorder
@@ -216,5 +216,7 @@ def test_recorded_header_names_the_moe_layers_and_a_mismatched_list_is_refused(t
     header = read_header(str(tmp_path / "rec.routes.json"))
     assert header["moe_layer_ids"] == [1, 3]
     check_layer_ids(header, "rec.routes.json", [1, 3])
-    with pytest.raises(ValueError, match="rec.routes.json"):
-        check_layer_ids(header, "rec.routes.json", [0, 1])
+    check_layer_ids(header, "rec.routes.json", [0, 1])  # numbered otherwise: mapped in order
+    with pytest.raises(ValueError, match=r"rec.routes.json holds the routes of 2 MoE layers .* "
+                       r"the model has 3 MoE layers \(0-2"):  # fmt: skip
+        check_layer_ids(header, "rec.routes.json", [0, 1, 2])

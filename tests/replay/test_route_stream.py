@@ -16,6 +16,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from megatron_ext.data.padding import real_positions
 from megatron_ext.replay.route_dataset import write_route_sidecar
 from megatron_ext.replay.route_file import first_invalid_row
 from megatron_ext.replay.route_stream import (
@@ -140,7 +141,7 @@ def test_assembly_refuses_existing_outputs_missing_streams_and_bad_pieces(tmp_pa
     with pytest.raises(ValueError, match="ends early"):
         assemble_route_sidecar(str(tmp_path / "r"), [stream.base], **kwargs)
     assert not any(name.startswith((".q", ".r")) for name in os.listdir(tmp_path))  # no temps
-    with pytest.raises(ValueError, match="holds 5 real tokens but 4 routes"):
+    with pytest.raises(ValueError, match=r"holds 5 real tokens \(to position 4\) but 4 routes"):
         RouteStream(str(tmp_path / "t"), 1, 2, 8).add_pack(
             (np.array([0]), np.array([0]), np.array([5])), np.zeros((4, 1, 2), dtype=np.uint8)
         )
@@ -264,3 +265,27 @@ def test_blocked_validation_finds_the_same_first_row_as_a_row_loop():
             if want:
                 break
         assert first_invalid_row(routes, experts) == want, trial
+
+
+def test_a_context_parallel_pack_records_the_rows_of_its_real_positions(tmp_path):
+    """Under CP every document sits in a slot padded to 2*CP: the rows recorded for a document are
+    those at its real positions, never its pads' (same sidecar as the unpadded pack's)."""
+    rng = np.random.default_rng(3)
+    layers, topk, experts, cp = 2, 2, 8, 2
+    lengths = np.array([3, 5, 2])
+    pieces = (np.array([0, 1, 2]), np.zeros(3, np.int64), lengths)
+    dtype = route_dtype(experts, topk)
+    real_rows = rng.integers(0, experts, size=(lengths.sum(), layers, topk)).astype(dtype)
+    padded = np.full((16, layers, topk), 7, dtype=dtype)  # slots 4 + 8 + 4; pads hold 7
+    padded[real_positions(lengths, 2 * cp)] = real_rows
+    kwargs = dict(num_layers=layers, topk=topk, num_experts=experts)
+    for name, routes, multiple in (("plain", real_rows, 1), ("cp", padded, 2 * cp)):
+        stream = RouteStream(str(tmp_path / f"{name}.dp0"), layers, topk, experts)
+        stream.add_pack(pieces, routes, None, multiple)
+        stream.close()
+        assert assemble_route_sidecar(
+            str(tmp_path / name), [stream.base], doc_lengths_D=lengths, **kwargs
+        )
+    for ext in FILES:
+        assert (tmp_path / f"cp{ext}").read_bytes() == (tmp_path / f"plain{ext}").read_bytes()
+    assert not (real_rows == 7).all()  # pads' rows would have changed the sidecar

@@ -46,6 +46,9 @@ def test_pure_module_never_imports_megatron():
                 "megatron_ext.replay.vllm_routes",
                 "megatron_ext.replay.route_records",
                 "megatron_ext.replay.safetensors_routes",
+                "megatron_ext.replay.route_conversion",
+                "megatron_ext.replay.rollout_ingest",
+                "megatron_ext.data.sidecar_header",
             ],
             ["megatron"],
         )

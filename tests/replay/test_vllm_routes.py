@@ -80,3 +80,18 @@ def test_vllm021_split_form_joins_prompt_and_completion_rows():
     short["prompt_routed_experts"] = short["prompt_routed_experts"][:2]
     with pytest.raises(ValueError, match="2 rows for 3 prompt tokens"):
         vllm_response_documents(short, "f:1")
+
+
+def test_the_row_order_comes_from_the_engine_version():
+    """system_fingerprint ``vllm-<version>...`` (vLLM 0.21 ``entrypoints/openai/fingerprint.py``)
+    names the version; without one, 0.21's split form is 0.21's; --vllm-moe-rows decides over both."""
+    from megatron_ext.replay.vllm_routes import moe_rows_first
+
+    split = {"prompt_routed_experts": None}
+    assert moe_rows_first({"system_fingerprint": "vllm-0.21.0-tp2-ep-1a2b3c4d"})
+    assert moe_rows_first({"system_fingerprint": "vllm-0.21.1rc2-1a2b3c4d", **split})
+    assert not moe_rows_first({"system_fingerprint": "vllm-0.34.0-1a2b3c4d", **split})
+    assert not moe_rows_first({"system_fingerprint": "vllm-0.210.0-1a2b3c4d"})
+    assert moe_rows_first({"system_fingerprint": None, **split})
+    assert not moe_rows_first({"system_fingerprint": "custom-value"})
+    assert moe_rows_first({}, "first") and not moe_rows_first(split, "decoder")

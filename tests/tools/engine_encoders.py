@@ -75,15 +75,50 @@ def vllm034_response(
     return {**response, "object": "chat.completion", "prompt_token_ids": prompt}
 
 
+def vllm021_count_moe_layers(config: dict) -> int:
+    """vLLM 0.21.0 ``model_executor/layers/fused_moe/routed_experts_capturer.py``
+    ``_count_moe_layers(hf_config)``: the capture buffer's rows per token. ``layers_block_type``'s
+    "moe" count; else with ``decoder_sparse_step > 1`` the layers ``(i + 1) % step == 0`` not in
+    ``mlp_only_layers``; else every layer minus ``mlp_only_layers`` (``first_k_dense_replace`` and
+    ``moe_layer_freq`` are not read: a DeepSeek config counts every layer)."""
+    if config.get("layers_block_type") is not None:
+        return config["layers_block_type"].count("moe")
+    n = config["num_hidden_layers"]
+    mlp_only = config.get("mlp_only_layers") or []
+    step = config.get("decoder_sparse_step", 1) or 1
+    if step > 1:
+        return sum(1 for i in range(n) if (i + 1) % step == 0 and i not in mlp_only)
+    return n - sum(1 for i in mlp_only if 0 <= i < n)
+
+
+def vllm021_capture_buffer(moe_TLK: np.ndarray, config: dict) -> np.ndarray:
+    """vLLM 0.21.0's capture rows ``[T, _count_moe_layers, K]``: zeroed, and the j-th MoE layer
+    writes row ``FusedMoE.moe_layer_id`` (``layers/fused_moe/layer.py``: ``self.moe_layer_id =
+    FusedMoE._next_moe_layer_id; FusedMoE._next_moe_layer_id += 1`` in ``__init__``, so the MoE
+    layers in the order the model builds them, j; ``bind_routing_capture_to_model`` binds
+    ``buffer[module.moe_layer_id]``). For a config it counts right that is exactly the MoE rows;
+    for DeepSeek's ``first_k_dense_replace`` the MoE rows first, then zero rows."""
+    counted = vllm021_count_moe_layers(config)
+    buffer = np.zeros((moe_TLK.shape[0], counted, moe_TLK.shape[2]), dtype=np.int32)
+    for moe_layer_id in range(moe_TLK.shape[1]):  # FusedMoE constructed in layer order
+        buffer[:, moe_layer_id] = moe_TLK[:, moe_layer_id]
+    return buffer
+
+
 def vllm021_response(
-    prompt: list[int], completions: list[list[int]], moe_rows: list[np.ndarray]
+    prompt: list[int],
+    completions: list[list[int]],
+    moe_rows: list[np.ndarray],
+    fingerprint: str | None = None,
 ) -> dict:
     """A vLLM 0.21 ``ChatCompletionResponse``: ``v1/engine/output_processor.py`` splits each
     request's ``[T - 1, L, K]`` routing (int16, ``_RoutedExpertsDeviceCache.DTYPE``) with
     ``split_routed_experts(routed_experts, prompt_len, num_gen)``: ``prompt_routed_experts =
     routed_experts[:prompt_len]`` (on the response, shared by the choices) and each choice's
     ``routed_experts[prompt_len:]``, clipped to the output length; an empty part is ``None``;
-    ``chat_completion/serving.py`` sends both as ``.tolist()``."""
+    ``chat_completion/serving.py`` sends both as ``.tolist()``, and the server's
+    ``system_fingerprint`` (``entrypoints/openai/fingerprint.py``: ``vllm-<version>-<hash8>`` by
+    default; ``None`` with ``--fingerprint-mode none``)."""
     choices = []
     for i, (ids, r) in enumerate(zip(completions, moe_rows, strict=True)):
         gen = r.astype(np.int16)[len(prompt) :][: len(ids)]
@@ -104,6 +139,7 @@ def vllm021_response(
         "choices": choices,
         "prompt_token_ids": prompt,
         "usage": {"prompt_tokens": len(prompt), "completion_tokens": sum(map(len, completions))},
+        "system_fingerprint": fingerprint,
     }
 
 

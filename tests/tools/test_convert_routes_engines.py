@@ -133,15 +133,18 @@ def vllm034_case(model: Model, api: str, n: int, prompt_start: int):
     return lines, docs, tokens
 
 
-def vllm021_case(model: Model, n: int):
+def vllm021_case(model: Model, n: int, fingerprint: str | None = None):
     lines, docs, tokens = [], [], []
     for r in range(3):
         prompt = model.tokens(3 + r)
         completions = [model.tokens(2 + c + r) for c in range(n)]
         prompt_moe = model.routes(len(prompt))
         full = [np.concatenate([prompt_moe, model.routes(len(c))]) for c in completions]
-        captured = [f[:-1] for f in full]  # T - 1 rows: the last token is never fed forward
-        lines.append(json.dumps(enc.vllm021_response(prompt, completions, captured)))
+        # vLLM 0.21's own rows (MoE rows by moe_layer_id), T - 1 of them: the last token is
+        # never fed forward.
+        captured = [enc.vllm021_capture_buffer(f, model.config)[:-1] for f in full]
+        answer = enc.vllm021_response(prompt, completions, captured, fingerprint)
+        lines.append(json.dumps(answer))
         docs += [expected(f, 0, model) for f in full]
         tokens += [prompt + c for c in completions]
     return lines, docs, tokens
@@ -203,10 +206,26 @@ CASES = {
         lambda m: vllm034_case(m, "chat", 3, 50),
         ["--routed-experts-start", "50", "--max-missing-fraction", "1"],
     ),
-    "vllm021 split n=2, MoE layers only, E=8 K=2": (
+    # vLLM 0.21 counts 3 rows for this Qwen3-MoE config: exactly its MoE rows.
+    "vllm021 split n=2, counted right: MoE rows only, E=64 K=2": (
+        "qwen3_interleaved",
+        "vllm",
+        lambda m: vllm021_case(m, 2),
+        [],
+    ),
+    # GLM-4.5's first_k_dense_replace: 4 rows, MoE rows first (no fingerprint: the split form).
+    "vllm021 split n=2, no fingerprint, dense first: MoE rows first, E=8 K=2": (
         "glm_dense_first",
         "vllm",
         lambda m: vllm021_case(m, 2),
+        [],
+    ),
+    # DeepSeek's first_k_dense_replace: vLLM 0.21 counts 5 rows and writes the 3 MoE rows first
+    # (the version from the server's system_fingerprint).
+    "vllm021 split n=2, dense first: MoE rows first, then zeros, E=256 K=8": (
+        "deepseek_dense_first",
+        "vllm",
+        lambda m: vllm021_case(m, 2, fingerprint="vllm-0.21.0-tp2-3f9c1a2b"),
         [],
     ),
     "sglang generate batched, start_len 2, E=384 K=8": (
@@ -382,3 +401,43 @@ def test_a_config_whose_block_types_outnumber_its_layers_is_refused_naming_the_f
     assert str(err.value) == (
         f"--model-config {config}: 'layers_block_type' lists 6 layers, 'num_hidden_layers' is 5"
     )
+
+
+def _vllm021_deepseek_dump(tmp_path, fingerprint: str | None) -> list[str]:
+    """A vLLM 0.21 answer of a DeepSeek-style model (dense layers 0-1): 5 rows, MoE first."""
+    model = Model("deepseek_dense_first", seed=4)
+    assert enc.vllm021_count_moe_layers(model.config) == 5  # misses first_k_dense_replace
+    prompt, completion = model.tokens(5), model.tokens(4)
+    full = model.routes(9)
+    captured = enc.vllm021_capture_buffer(full, model.config)[:-1]
+    assert captured[:, :3].any() and not captured[:, 3:].any()  # the case: MoE rows first
+    answer = enc.vllm021_response(prompt, [completion], [captured], fingerprint)
+    (tmp_path / "in.jsonl").write_text(json.dumps(answer) + "\n")
+    (tmp_path / "config.json").write_text(json.dumps(model.config))
+    argv = ["--format", "vllm", "--input", str(tmp_path / "in.jsonl"), "--no-progress"]
+    return argv + ["--model-config", str(tmp_path / "config.json")]
+
+
+def test_vllm021_row_order_comes_from_the_engine_version_or_the_flag(tmp_path):
+    """vLLM 0.21's MoE-first rows: read as such when its system_fingerprint names 0.21, or its
+    split form has no fingerprint, or --vllm-moe-rows first says so; a fingerprint of another
+    version (or --vllm-moe-rows decoder) reads row i as decoder layer i, refused with a hint
+    naming both causes. The rows being zero never decides."""
+    out = ["--output-prefix", str(tmp_path / "out")]
+    for fingerprint, extra in [
+        ("vllm-0.21.0-3f9c1a2b", []),
+        (None, []),
+        ("vllm-0.22.1-3f9c1a2b", ["--vllm-moe-rows", "first"]),
+    ]:
+        argv = _vllm021_deepseek_dump(tmp_path, fingerprint)
+        assert load_tool().main([*argv, *out, *extra, "--overwrite"]) == 0
+        assert read_header(str(tmp_path / "out.routes.json"))["moe_layer_ids"] == [2, 3, 4]
+    for fingerprint, extra in [
+        ("vllm-0.22.1-3f9c1a2b", []),
+        ("vllm-0.21.0-3f9c1a2b", ["--vllm-moe-rows", "decoder"]),
+    ]:
+        argv = _vllm021_deepseek_dump(tmp_path, fingerprint)
+        with pytest.raises(ValueError, match=r"choice 0: token 0, decoder layer 0 is dense .* "
+                           r"or the dump is vLLM 0.21's.* pass --vllm-moe-rows first"):  # fmt: skip
+            load_tool().main([*argv, "--output-prefix", str(tmp_path / "refused"), *extra])
+    assert not os.path.exists(tmp_path / "refused.idx")
