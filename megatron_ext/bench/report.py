@@ -155,13 +155,9 @@ def main(args: Any) -> int:
 
     command = "megatron-ext " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     outputs = [(f, p) for f, p in (("--markdown", args.markdown), ("--json", args.json)) if p]
-    # megatron-ext bench's own parser (not Megatron's) sets --overwrite; a caller's namespace may
-    # omit it.
-    overwrite = getattr(args, "overwrite", False)
-    update = getattr(args, "update", False)
-    previous = _previous_report(args) if update else None
+    previous = _previous_report(args) if args.update else None
     for flag, path in outputs:  # before minutes of benchmarks, not after
-        check_output_file(path, flag=flag, overwrite=overwrite or update)
+        check_output_file(path, flag=flag, overwrite=args.overwrite or args.update)
     if len({os.path.abspath(p) for _, p in outputs}) < len(outputs):
         raise ValueError("--markdown and --json are the same file")
     results = run_benchmarks(args.only, args.quick)

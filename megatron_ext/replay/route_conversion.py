@@ -127,13 +127,16 @@ def layer_map_from_args(args: argparse.Namespace) -> MoeLayerMap | None:
                 f"--moe-layer-ids names layer {layer_map.moe_layer_ids[-1]} of a model with "
                 f"{layer_map.num_decoder_layers} decoder layers"
             )
-    for flag, value in (
-        ("--num-layers", None if layer_map is None else len(layer_map.moe_layer_ids)),
-        ("--topk", None if layer_map is None else layer_map.topk),
-        ("--num-experts", None if layer_map is None else layer_map.num_experts),
+    for flag, given, value in (
+        (
+            "--num-layers",
+            args.num_layers,
+            None if layer_map is None else len(layer_map.moe_layer_ids),
+        ),
+        ("--topk", args.topk, None if layer_map is None else layer_map.topk),
+        ("--num-experts", args.num_experts, None if layer_map is None else layer_map.num_experts),
     ):
         attr = flag[2:].replace("-", "_")
-        given = getattr(args, attr)
         if given is not None and value is not None and given != value:
             raise ValueError(f"{flag} {given} disagrees with the layer map's {value}")
         if given is None and value is None:
@@ -150,8 +153,10 @@ def check_route_args(args: argparse.Namespace) -> MoeLayerMap | None:
     route_dtype(args.num_experts, args.topk)  # rejects impossible E / K early
     if args.routed_experts_start < 0:
         raise ValueError(f"--routed-experts-start must be >= 0, got {args.routed_experts_start}")
-    for flag in ("--max-rejected-fraction", "--max-missing-fraction"):
-        value = getattr(args, flag[2:].replace("-", "_"))
+    for flag, value in (
+        ("--max-rejected-fraction", args.max_rejected_fraction),
+        ("--max-missing-fraction", args.max_missing_fraction),
+    ):
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"{flag} must be in [0, 1], got {value}")
     if args.vllm_moe_rows != "auto" and args.format != "vllm":

@@ -33,8 +33,9 @@ def test_markdown_and_json_carry_date_machine_command_and_values(tmp_path, monke
         monkeypatch.setattr("sys.argv", ["megatron-ext", "bench", "--only", "_toy_for_report_test"])
         md, js = tmp_path / "B.md", tmp_path / "b.json"
         args = argparse.Namespace(
-            only=["_toy_for_report_test"], quick=True, markdown=str(md), json=str(js)
-        )
+            only=["_toy_for_report_test"], quick=True, markdown=str(md), json=str(js),
+            overwrite=False, update=False,
+        )  # fmt: skip
         assert report.main(args) == 0
         text = md.read_text()
         for needle in (
@@ -96,15 +97,15 @@ def test_update_merges_one_benchmark_into_the_existing_report(tmp_path, monkeypa
         register_benchmark(name)(make(key))
     try:
         md, js = tmp_path / "B.md", tmp_path / "b.json"
-        args = argparse.Namespace(only=names, quick=True, markdown=str(md), json=str(js))
+        args = argparse.Namespace(
+            only=names, quick=True, markdown=str(md), json=str(js), overwrite=False, update=False
+        )
         monkeypatch.setattr("sys.argv", ["megatron-ext", "bench", "--only", *names])
         assert report.main(args) == 0
         first = json.loads(js.read_text())
         values["b"] = 9.0
         monkeypatch.setattr("sys.argv", ["megatron-ext", "bench", "--only", names[1], "--update"])
-        update = argparse.Namespace(
-            only=[names[1]], quick=True, markdown=str(md), json=str(js), update=True
-        )
+        update = argparse.Namespace(**{**vars(args), "only": [names[1]], "update": True})
         assert report.main(update) == 0
         merged = json.loads(js.read_text())
         # The benchmark not re-run keeps its figures and run; the re-run one has its own.

@@ -31,7 +31,6 @@ READ_ARGS: dict[str, tuple[int, str]] = {
     ),
     "moe/config.py": (1, "rehearsed_precision: megatron_ext's own mark, set by a --cpu rehearsal"),
     "rehearse/demo.py": (1, "--overwrite of megatron-ext demo's own parser, not Megatron's"),
-    "bench/report.py": (1, "--overwrite of megatron-ext bench's own parser, not Megatron's"),
 }
 
 #: The issue's bound on what is left (issue 45): at most this many reads in all.
