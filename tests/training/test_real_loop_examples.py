@@ -56,7 +56,12 @@ BYTE_TOKENIZER = ("--tokenizer-type", "NullTokenizer", "--vocab-size", "257")
 
 
 def run_example(
-    name: str, data: Path, ckpt: Path, overrides: list[str], model: str = "hybrid"
+    name: str,
+    data: Path,
+    ckpt: Path,
+    overrides: list[str],
+    model: str = "hybrid",
+    variables: dict[str, str] | None = None,
 ) -> LoopRun:
     """``MODEL=<model> CPU=1 bash examples/<name>`` with ``DATA``/``CKPT`` and ``OVERRIDES`` appended
     last (``--verbose`` among them, for :func:`built_model`). No ``CPU_DROP``: the launcher drops or
@@ -66,7 +71,7 @@ def run_example(
         **os.environ, "CPU": "1", "GPUS_PER_NODE": "2", "PYTHON": sys.executable, "MODEL": model,
         "MASTER_PORT": str(free_port()), "DATA": str(data), "CKPT": str(ckpt),
         "OVERRIDES": " ".join([*BYTE_TOKENIZER, *overrides, VERBOSE]),
-        "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1",
+        "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", **(variables or {}),
     }  # fmt: skip
     for key in ("DRY_RUN", "WORLD_SIZE", "RANK", "LOCAL_RANK", "CPU_DROP"):
         env.pop(key, None)
@@ -136,15 +141,19 @@ def test_sft_example_trains_on_packed_loss_masked_data(sft_data, tmp_path) -> No
     mask = IndexedDataset(str(sft_data / "chat_text_document_loss_mask"))
     masked = np.concatenate([np.asarray(mask[i]) for i in range(len(mask))])
     assert 0 < masked.mean() < 1  # the sidecar masks prompts and keeps responses
-    # MODEL=gpt: GPTModel's real-loop run of the fp8 rehearsal (HybridModel's is the demo's).
+    # MODEL=gpt: GPTModel's real-loop run of the fp8 rehearsal (HybridModel's is the demo's), the
+    # long-context launch (LONG=1): its CP 4 shrunk to the 2 processes, EP 2 over the same ranks.
     run = run_example(
         "sft_fp8_moe_packed.sh",
         sft_data,
         tmp_path / "ckpt",
         ["--expert-model-parallel-size", "2", "--eval-iters", "1"],
         model="gpt",
+        variables={"LONG": "1"},
     )
     assert_trains(run)
+    assert "CPU=1: --context-parallel-size 4 -> 2 (2 processes, TP 1)" in run.output
+    assert "data-parallel size: 1, context-parallel size: 2" in run.output
     assert built_model(run) == "GPTModel"
     field_per_iteration(run, "load_balancing_loss")
     expert_load_lines(run)
