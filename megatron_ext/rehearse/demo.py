@@ -12,8 +12,11 @@ imported Megatron once):
 2. ``--pad-policy self --moe-pad-routing dispatch --route-replay-mode record``: pads are the row's own
    tokens; the routes Megatron chose are written as a route sidecar beside the tokens;
 3. ``--moe-pad-routing skip``: self pads that reach no expert (what ``auto`` chooses for this run);
-4. ``--route-replay-mode replay --route-replay-check`` from other initial weights: every MoE layer
-   replays the recorded routes, and the loop counts how many it used exactly.
+4. ``--route-replay-mode replay --route-replay-check`` from other initial weights, at
+   ``--context-parallel-size 2`` (data-parallel size 1, EP 2 over the same ranks): every pack is
+   split per document over the 2 CP ranks, each document padded to a multiple of 4 with its own
+   tokens, every MoE layer replays the routes recorded at CP 1 (sliced by the same split), and the
+   loop counts how many it used exactly.
 
 Everything it reports comes from what the loop logged: the ``lm loss`` lines, the expert-load JSON lines
 (``--moe-expert-load-log``), the replay check lines and the fp8 rehearsal's group report.
@@ -46,6 +49,8 @@ from megatron_ext.rehearse.local_launch import LoopRun, launch
 from megatron_ext.rehearse.matrix import example_flags
 
 EP = 2
+#: The replay run splits every pack over this many context-parallel ranks (the record run: 1).
+REPLAY_CP = 2
 #: The loop logs lm loss to 7 significant digits. Pads never reach a real token's loss (masked, own
 #: attention segment, out of the aux loss), but they change how many rows each expert's grouped GEMM
 #: sums over, so fp32 rounding of the same real-token products differs in the last bits; over a few
@@ -73,6 +78,12 @@ def _launch(flags: list[str], data: str, log_name: str, workdir: Path) -> LoopRu
         tail = "\n".join(run.output.splitlines()[-40:])
         raise RuntimeError(f"demo run '{log_name}' failed ({run.returncode}):\n{tail}")
     return run
+
+
+def _context_parallel_size(output: str) -> int | None:
+    """The context-parallel size Megatron initialised, from its ``using world size: ...`` line."""
+    found = re.search(r"context-parallel size: (\d+)", output)
+    return int(found.group(1)) if found else None
 
 
 def _load_counts(path: Path) -> dict[str, np.ndarray]:
@@ -151,6 +162,8 @@ def summarize(runs: dict[str, LoopRun], loads: dict[str, dict[str, np.ndarray]])
         "expert_peak_over_mean_self": _peak_over_mean(load_s["all"], experts),
         "expert_peak_over_mean_nopad": _peak_over_mean(load_s["real"], experts),
         "replay_rows": replayed_rows,
+        # As the replay run's Megatron initialised it (its own log line), not as asked.
+        "replay_context_parallel": _context_parallel_size(replay.output),
         "replay_match_rate": sum(m for _, m, _ in matched) / max(replayed_rows, 1),
         "natural_routing_changed": sum(d for _, _, d in matched) / max(replayed_rows, 1),
         "alignment_ok": bool(groups)
@@ -185,9 +198,12 @@ def summarize(runs: dict[str, LoopRun], loads: dict[str, dict[str, np.ndarray]])
             np.array_equal(load_k["all"], load_s["real"])
         )
         and summary["skip_loss_max_abs_diff"] <= LOSS_TOLERANCE,
-        "replay reproduces every recorded route": replayed_rows > 0
-        and summary["replay_match_rate"] == 1.0
-        and summary["natural_routing_changed"] > 0,
+        f"replay at context parallelism {REPLAY_CP} reproduces every route recorded at 1": (
+            replayed_rows > 0
+            and summary["replay_match_rate"] == 1.0
+            and summary["natural_routing_changed"] > 0
+            and summary["replay_context_parallel"] == REPLAY_CP
+        ),
         "fp8 rehearsal: every expert group reached the grouped GEMM aligned to 16": summary[
             "alignment_ok"
         ]
@@ -231,7 +247,9 @@ def report(summary: dict[str, Any], seconds: float) -> str:
             f"{name} pads {t['tokens_per_s']:.0f} ({t['real_tokens_per_s']:.0f} real)"
             for name, t in summary["throughput"].items()
         ),
-        f"route replay: {summary['replay_match_rate']:.1%} of {summary['replay_rows']} (token, layer) "
+        f"route replay at context parallelism {summary['replay_context_parallel']} (recorded at 1; "
+        "every pack split per document over the CP ranks): "
+        f"{summary['replay_match_rate']:.1%} of {summary['replay_rows']} (token, layer) "
         "routes used exactly as recorded; the replaying model's own router would have chosen "
         f"differently on {summary['natural_routing_changed']:.1%}",
         f"fp8 rehearsal: last expert groups per rank {summary['alignment_groups']} -> all "
@@ -299,10 +317,13 @@ def run_demo(steps: int, workdir: Path) -> tuple[dict[str, LoopRun], dict[str, A
             [*common, *flags, "--moe-expert-load-log", str(log)], prefix, name, workdir
         )
         loads[name] = _load_counts(log)
-    print("  run 'replay' (other initial weights) ...", flush=True)
+    print(
+        f"  run 'replay' (other initial weights, context parallelism {REPLAY_CP}) ...", flush=True
+    )
     runs["replay"] = _launch(
         [*common, "--route-replay-mode", "replay", "--route-data-suffix", "_routes",
-         "--route-replay-check", "--init-method-std", "0.05"],
+         "--route-replay-check", "--init-method-std", "0.05",
+         "--context-parallel-size", str(REPLAY_CP)],
         prefix, "replay", workdir,
     )  # fmt: skip
     return runs, loads
