@@ -429,3 +429,11 @@ def test_the_cp_picture_in_docs_data_md() -> None:
     assert pack.cu_seqlens[: pack.num_segments + 1].tolist() == [0, 4, 12, 16]
     trained = [names[t] for t, m in zip(pack.tokens_S, pack.loss_mask_S, strict=True) if m]
     assert trained == list("abdefg")
+    # After slicing: what each CP rank holds, by the stand-in of TE's per-document split.
+    import torch
+
+    from megatron_ext.common.thd_partition import thd_partitioned_indices
+
+    cu = torch.tensor(pack.cu_seqlens[: pack.num_segments + 1], dtype=torch.int32)
+    held = ["".join(shown[i] for i in thd_partitioned_indices(cu, 16, 2, r).tolist()) for r in (0, 1)]
+    assert held == ["aAdeEFAD", "bcfghDBC"]
