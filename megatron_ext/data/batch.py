@@ -51,23 +51,34 @@ def document_attention_mask(cu_seqlens_BC: torch.Tensor, seq_len: int) -> torch.
     return ~allowed_BSS.unsqueeze(1)
 
 
-def flat_cu_seqlens(cu_seqlens_BC: torch.Tensor, seq_len: int) -> torch.Tensor:
+def flat_cu_seqlens(
+    cu_seqlens_BC: torch.Tensor, seq_len: int, drop_empty: bool = False
+) -> torch.Tensor:
     """The segment boundaries of the batch flattened to one row of ``B * S`` tokens: 1-D int32
     ``[B * S + 1]`` on ``cu_seqlens_BC``'s device, without a host read (a sample's trailing repeats
-    stay, as empty segments)."""
+    stay, as empty segments). ``drop_empty``: without them (only where the tensor is on the host,
+    where reading it costs no device sync); the same segments, the same THD split and attention."""
     batch = cu_seqlens_BC.shape[0]
     offsets_B1 = torch.arange(batch, device=cu_seqlens_BC.device)[:, None] * seq_len
     starts = (cu_seqlens_BC[:, :-1].to(torch.int64) + offsets_B1).reshape(-1)
     total = torch.full((1,), batch * seq_len, dtype=torch.int64, device=cu_seqlens_BC.device)
-    return torch.cat([starts, total]).to(torch.int32)
+    flat = torch.cat([starts, total]).to(torch.int32)
+    if drop_empty:
+        if flat.device.type != "cpu":
+            raise ValueError("drop_empty reads the boundaries: only for host tensors (no sync)")
+        flat = torch.unique_consecutive(flat)
+    return flat
 
 
-def packed_seq_params(cu_seqlens_BC: torch.Tensor, seq_len: int) -> PackedSeqParams:
+def packed_seq_params(
+    cu_seqlens_BC: torch.Tensor, seq_len: int, drop_empty: bool = False
+) -> PackedSeqParams:
     """THD ``PackedSeqParams`` for the batch flattened to one row of ``B * S`` tokens.
 
-    ``max_seqlen`` is the static bound ``S`` (reading the true maximum would sync).
+    ``max_seqlen`` is the static bound ``S`` (reading the true maximum would sync). ``drop_empty``:
+    see :func:`flat_cu_seqlens`.
     """
-    cu = flat_cu_seqlens(cu_seqlens_BC, seq_len)
+    cu = flat_cu_seqlens(cu_seqlens_BC, seq_len, drop_empty)
     return PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
@@ -133,7 +144,7 @@ _MEGATRON_CP_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
 def context_parallel_inputs(
-    batch: dict[str, torch.Tensor], cp_group: Any
+    batch: dict[str, torch.Tensor], cp_group: Any, drop_empty: bool = False
 ) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor | None]:
     """This context-parallel rank's share of a collated micro-batch, split by Megatron's own
     ``get_batch_on_this_cp_rank`` (megatron/core/utils.py, 0.19.2), as model inputs (sync-free).
@@ -146,6 +157,10 @@ def context_parallel_inputs(
     multiple of ``2 * cp`` (the packs pad each document so). The ``PackedSeqParams`` stay global:
     TE's attention and Megatron's THD RoPE divide by the CP size themselves.
     Otherwise (one sequence per sample): Megatron's per-sequence zigzag, of every ``[B, S]`` tensor.
+    ``drop_empty`` (the ``--cpu`` rehearsal, whose device is the host): the row's empty segments
+    dropped (:func:`flat_cu_seqlens`). There Megatron's unfused THD RoPE
+    (``_apply_rotary_pos_emb_thd``) loops over every segment in Python, and a micro-batch's trailing
+    repeats are ``B * S`` mostly empty ones: a 768-token CP step took 20x longer with them.
 
     Returns:
         ``GPTModel.forward`` keyword arguments (as :func:`gpt_forward_kwargs`), this rank's loss
@@ -171,7 +186,7 @@ def context_parallel_inputs(
         if "padding_mask" in split:
             kwargs["padding_mask"] = split["padding_mask"].to(torch.bool)
         return kwargs, split["loss_mask"], None
-    params = packed_seq_params(batch["cu_seqlens"], seq_len)
+    params = packed_seq_params(batch["cu_seqlens"], seq_len, drop_empty)
     row = {k: batch[k].reshape(1, -1) for k in _MEGATRON_CP_KEYS}
     split = mcore_utils.get_batch_on_this_cp_rank(
         {**row, "cu_seqlens": params.cu_seqlens_q[None], "cu_seqlens_padded": None},

@@ -12,11 +12,14 @@ imported Megatron once):
 2. ``--pad-policy self --moe-pad-routing dispatch --route-replay-mode record``: pads are the row's own
    tokens; the routes Megatron chose are written as a route sidecar beside the tokens;
 3. ``--moe-pad-routing skip``: self pads that reach no expert (what ``auto`` chooses for this run);
-4. ``--route-replay-mode replay --route-replay-check`` from other initial weights, at
-   ``--context-parallel-size 2`` (data-parallel size 1, EP 2 over the same ranks): every pack is
-   split per document over the 2 CP ranks, each document padded to a multiple of 4 with its own
-   tokens, every MoE layer replays the routes recorded at CP 1 (sliced by the same split), and the
-   loop counts how many it used exactly.
+4. ``--route-replay-mode replay --route-replay-check`` from other initial weights, at context
+   parallelism 1: every MoE layer replays the routes recorded at CP 2, and the loop counts how many
+   it used exactly.
+
+Runs 1-3 are long-context runs in miniature: ``--context-parallel-size 2`` (data-parallel size 1, EP 2
+over the same ranks), every pack split per document over the 2 CP ranks by Megatron's own
+``get_batch_on_this_cp_rank``, each document padded to a multiple of 4 (its own tokens, or the
+constant id in run 1) before the pack's tail.
 
 Everything it reports comes from what the loop logged: the ``lm loss`` lines, the expert-load JSON lines
 (``--moe-expert-load-log``), the replay check lines and the fp8 rehearsal's group report.
@@ -49,8 +52,8 @@ from megatron_ext.rehearse.local_launch import LoopRun, launch
 from megatron_ext.rehearse.matrix import example_flags
 
 EP = 2
-#: The replay run splits every pack over this many context-parallel ranks (the record run: 1).
-REPLAY_CP = 2
+#: Runs 1-3 split every pack over this many context-parallel ranks; the replay run over 1.
+DEMO_CP = 2
 #: The loop logs lm loss to 7 significant digits. Pads never reach a real token's loss (masked, own
 #: attention segment, out of the aux loss), but they change how many rows each expert's grouped GEMM
 #: sums over, so fp32 rounding of the same real-token products differs in the last bits; over a few
@@ -164,6 +167,7 @@ def summarize(runs: dict[str, LoopRun], loads: dict[str, dict[str, np.ndarray]])
         "replay_rows": replayed_rows,
         # As the replay run's Megatron initialised it (its own log line), not as asked.
         "replay_context_parallel": _context_parallel_size(replay.output),
+        "context_parallel": _context_parallel_size(self_pad.output),
         "replay_match_rate": sum(m for _, m, _ in matched) / max(replayed_rows, 1),
         "natural_routing_changed": sum(d for _, _, d in matched) / max(replayed_rows, 1),
         "alignment_ok": bool(groups)
@@ -198,11 +202,12 @@ def summarize(runs: dict[str, LoopRun], loads: dict[str, dict[str, np.ndarray]])
             np.array_equal(load_k["all"], load_s["real"])
         )
         and summary["skip_loss_max_abs_diff"] <= LOSS_TOLERANCE,
-        f"replay at context parallelism {REPLAY_CP} reproduces every route recorded at 1": (
+        f"replay at context parallelism 1 reproduces every route recorded at {DEMO_CP}": (
             replayed_rows > 0
             and summary["replay_match_rate"] == 1.0
             and summary["natural_routing_changed"] > 0
-            and summary["replay_context_parallel"] == REPLAY_CP
+            and summary["replay_context_parallel"] == 1
+            and summary["context_parallel"] == DEMO_CP
         ),
         "fp8 rehearsal: every expert group reached the grouped GEMM aligned to 16": summary[
             "alignment_ok"
@@ -216,7 +221,9 @@ def report(summary: dict[str, Any], seconds: float) -> str:
     """The human-readable report."""
     lines = [
         f"Megatron's training loop ({TRAINING_LOOP}), {summary['iterations']} iterations per run, "
-        f"EP={EP} over 2 gloo processes; rows {summary['pad_fraction']:.0%} padding",
+        f"EP={EP} over 2 gloo processes; rows {summary['pad_fraction']:.0%} padding; pad runs at "
+        f"context parallelism {summary['context_parallel']} (every pack split per document over "
+        "the CP ranks, each document padded to a multiple of 2*CP)",
         "loss per step (real tokens only, as the loop logged it):",
         "  constant pads: " + " ".join(f"{v:.6f}" for v in summary["losses_constant"]),
         "  self pads:     " + " ".join(f"{v:.6f}" for v in summary["losses_self"]),
@@ -247,8 +254,8 @@ def report(summary: dict[str, Any], seconds: float) -> str:
             f"{name} pads {t['tokens_per_s']:.0f} ({t['real_tokens_per_s']:.0f} real)"
             for name, t in summary["throughput"].items()
         ),
-        f"route replay at context parallelism {summary['replay_context_parallel']} (recorded at 1; "
-        "every pack split per document over the CP ranks): "
+        f"route replay at context parallelism {summary['replay_context_parallel']} (recorded at "
+        f"{summary['context_parallel']}): "
         f"{summary['replay_match_rate']:.1%} of {summary['replay_rows']} (token, layer) "
         "routes used exactly as recorded; the replaying model's own router would have chosen "
         f"differently on {summary['natural_routing_changed']:.1%}",
@@ -304,6 +311,7 @@ def run_demo(steps: int, workdir: Path) -> tuple[dict[str, LoopRun], dict[str, A
         check=True, capture_output=True, text=True,
     )  # fmt: skip
     common = ["--train-iters", str(steps)]
+    cp = ["--context-parallel-size", str(DEMO_CP)]
     runs, loads = {}, {}
     for name, flags in (
         ("constant", ["--pad-policy", "constant", "--moe-pad-routing", "dispatch"]),
@@ -314,16 +322,13 @@ def run_demo(steps: int, workdir: Path) -> tuple[dict[str, LoopRun], dict[str, A
         log = workdir / f"load_{name}.jsonl"
         print(f"  run '{name}' ...", flush=True)
         runs[name] = _launch(
-            [*common, *flags, "--moe-expert-load-log", str(log)], prefix, name, workdir
+            [*common, *cp, *flags, "--moe-expert-load-log", str(log)], prefix, name, workdir
         )
         loads[name] = _load_counts(log)
-    print(
-        f"  run 'replay' (other initial weights, context parallelism {REPLAY_CP}) ...", flush=True
-    )
+    print("  run 'replay' (other initial weights, context parallelism 1) ...", flush=True)
     runs["replay"] = _launch(
         [*common, "--route-replay-mode", "replay", "--route-data-suffix", "_routes",
-         "--route-replay-check", "--init-method-std", "0.05",
-         "--context-parallel-size", str(REPLAY_CP)],
+         "--route-replay-check", "--init-method-std", "0.05"],
         prefix, "replay", workdir,
     )  # fmt: skip
     return runs, loads

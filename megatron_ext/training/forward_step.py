@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from megatron_ext.config.megatron_view import MegatronView, TrainingProgress
+from megatron_ext.config.registry import flag_value
 from megatron_ext.training import run_state
 from megatron_ext.training.feature_configs import MoEAlignmentConfig
 from megatron_ext.training.throughput_log import count_micro_batch, log_token_throughput
@@ -176,7 +177,9 @@ def split_inputs(
 
     if parallel_state.get_context_parallel_world_size() > 1:
         group = parallel_state.get_context_parallel_group()
-        kwargs, loss_mask, index = context_parallel_inputs(batch, group)
+        # Under --cpu the device is the host: its empty segments go for free (no device read).
+        on_host = bool(flag_value(args, "cpu"))
+        kwargs, loss_mask, index = context_parallel_inputs(batch, group, drop_empty=on_host)
         return (kwargs if model is None else shard_padding_mask(kwargs, model)), loss_mask, index
     if "padding_mask" not in batch:  # Megatron's own datasets (e.g. --mock-data)
         kwargs = {

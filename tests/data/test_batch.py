@@ -7,6 +7,7 @@ import torch
 
 from megatron_ext.data.batch import (
     document_attention_mask,
+    flat_cu_seqlens,
     gpt_forward_kwargs,
     masked_mean_loss,
     packed_seq_params,
@@ -377,3 +378,23 @@ def test_context_parallel_inputs_split_as_megatron_per_document_and_per_sequence
     assert all(r["packed"] and r["plain"] for r in results), results
     # The tail pad segment is split per document too: 2 of its 4 pads on each rank.
     assert [r["pads"] for r in results] == [2, 2]
+
+
+def test_host_boundaries_drop_their_empty_segments_and_split_the_same() -> None:
+    """On the host the flattened boundaries lose the samples' trailing repeats (Megatron's
+    unfused THD RoPE loops over every segment): the same segments, the same CP split."""
+    from megatron_ext.common.thd_partition import thd_partitioned_indices
+
+    cu_BC = torch.tensor(
+        [[0, 4, 8, 8, 8, 8, 8, 8, 8], [0, 8, 8, 8, 8, 8, 8, 8, 8]], dtype=torch.int32
+    )
+    static = flat_cu_seqlens(cu_BC, 8)
+    trimmed = flat_cu_seqlens(cu_BC, 8, drop_empty=True)
+    assert static.numel() == 17 and trimmed.tolist() == [0, 4, 8, 16]
+    for rank in (0, 1):
+        assert torch.equal(
+            thd_partitioned_indices(static, 16, 2, rank),
+            thd_partitioned_indices(trimmed, 16, 2, rank),
+        )
+    params = packed_seq_params(cu_BC, 8, drop_empty=True)
+    assert params.cu_seqlens_q.tolist() == [0, 4, 8, 16] and params.max_seqlen_q == 8
