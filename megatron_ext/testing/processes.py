@@ -16,6 +16,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import psutil
 
@@ -75,6 +76,7 @@ def fork_main(main: Callable[[], int], log: str | os.PathLike) -> int:
         os.dup2(fd, 2)
         sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+        _rebind_closed_log_streams(sys.stderr)
         code = main()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
@@ -84,6 +86,21 @@ def fork_main(main: Callable[[], int], log: str | os.PathLike) -> int:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         os._exit(code)
+
+
+def _rebind_closed_log_streams(stream: Any) -> None:
+    """Logging handlers the parent bound to a stream since closed (a module's handler created
+    while pytest captured the output, as torch's elastic agent logger is at its first import)
+    write to ``stream``, as a program's handlers would write to its standard error."""
+    import logging
+
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    for logger in loggers:
+        for handler in getattr(logger, "handlers", []):
+            if isinstance(handler, logging.StreamHandler) and getattr(
+                handler.stream, "closed", False
+            ):
+                handler.stream = stream  # not setStream: it would flush the closed one
 
 
 def exit_status(pid: int, timeout: float) -> int:

@@ -7,7 +7,7 @@ A tiny launch used to print about 960 lines, 841 of them Megatron's argument dum
   ``--verbose``); :func:`configuration_lines` gives the few lines that matter instead::
 
       megatron_ext: model HybridModel '*E*E': 4 layers, hidden 64, 4 heads, 8 experts top-2 (AlignedMoELayer), float32
-      megatron_ext: parallel 2 ranks: data 2, tensor 1, pipeline 1, expert 2 (gloo)
+      megatron_ext: parallel 2 ranks: data 2, tensor 1, pipeline 1, context 1, expert 2 (gloo)
       megatron_ext: data PackedDataset, sequence 768, micro-batch 2, global batch 4, 6 iterations
       megatron_ext: flags --pad-policy self --pad-to-seq-len --pack-documents ... (--cpu)
 
@@ -176,12 +176,14 @@ def configuration_lines(args: Any, resolved: Mapping[str, Any]) -> list[str]:
     data += [f"micro-batch {args.micro_batch_size}", f"global batch {args.global_batch_size}"]
     if args.train_iters:
         data.append(f"{args.train_iters} iterations")
+    if resolved.get("document_multiple", 1) > 1:  # context parallelism's per-document split
+        data.append(f"every document padded to a multiple of {resolved['document_multiple']}")
     flags = changed_flags(args)
     return [
         f"megatron_ext: model {model}: {', '.join(parts)}, {dtype}",
         f"megatron_ext: parallel {resolved['world_size']} ranks: data {parallel['dp']}, tensor "
-        f"{parallel['tp']}, pipeline {parallel['pp']}, expert {parallel['ep']} "
-        f"({args.distributed_backend})",
+        f"{parallel['tp']}, pipeline {parallel['pp']}, context {parallel['cp']}, expert "
+        f"{parallel['ep']} ({args.distributed_backend})",
         f"megatron_ext: data {', '.join(data)}",
         f"megatron_ext: flags {' '.join(flags) if flags else 'none (Megatron runs as is)'}",
     ]

@@ -59,7 +59,7 @@ def test_configuration_lines_name_model_parallelism_data_and_flags(monkeypatch) 
     assert len(lines) == 4, lines
     model, parallel, data, flags = lines
     assert "GPTModel: 2 layers, hidden 64, 4 heads, 8 experts top-2" in model, model
-    assert "2 ranks: data 2, tensor 1, pipeline 1, expert 2" in parallel, parallel
+    assert "2 ranks: data 2, tensor 1, pipeline 1, context 1, expert 2" in parallel, parallel
     assert "MockGPTDataset, sequence 64" in data, data
     assert flags == "megatron_ext: flags --moe-expert-load-metrics --moe-pad-routing dispatch", (
         flags
