@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from megatron_ext.config.megatron_view import MegatronView, TrainingProgress
-from megatron_ext.training import run_state
+from megatron_ext.training import policy_step, run_state
 from megatron_ext.training.feature_configs import MoEAlignmentConfig
 from megatron_ext.training.throughput_log import count_micro_batch, log_token_throughput
 
@@ -214,9 +214,11 @@ def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tens
         run_state.record_routes(
             args, binding, key, batch["pack_index"], batch["tokens"].shape, pad_mask_BS=pads
         )
+        policy_step.record_logprobs(args, output, batch)  # --rl-record-logprobs
     # loss_func flattens both: the per-token loss ([B, S] or THD's [1, B*S]) and the mask share one order.
     # (On a non-last pipeline stage ``output`` is hidden states, which loss_func never sees.)
-    return output, partial(loss_func, batch["loss_mask"])
+    rl_loss = policy_step.loss_for_batch(args, batch, validate_loss)  # --rl-loss, else None
+    return output, rl_loss or partial(loss_func, batch["loss_mask"])
 
 
 def announce_real_tokens(

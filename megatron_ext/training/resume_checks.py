@@ -189,11 +189,7 @@ def check_resume(
         lines.append(f"{verb} {where}: {change} ({why})")
     # --finetune (and a release or --pretrained-checkpoint) starts at iteration 0: no samples
     # were consumed.
-    restarts = (
-        checkpoint.release
-        or checkpoint.flag == "--pretrained-checkpoint"
-        or view.finetune
-    )
+    restarts = checkpoint.release or checkpoint.flag == "--pretrained-checkpoint" or view.finetune
     consumed = None if restarts else getattr(saved_args, "consumed_train_samples", 0)
     changes = flag_changes(args, saved_args, consumed, loads_optimizer)
     return lines + [f"{verb} {where}: {line}" for line in changes]
