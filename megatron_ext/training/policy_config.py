@@ -12,8 +12,7 @@ from megatron_ext.config.registry import feature_config, flag_value
 @feature_config("rl: a policy loss on rollouts (advantages and behaviour log-prob sidecars)")
 @_dataclass(frozen=True, kw_only=True)
 class PolicyLossConfig:
-    """An RL step's loss: the PPO-clip surrogate on the rollouts' advantages and the behaviour
-    (engine's) log-probs, read from per-token sidecars beside the tokens."""
+    """An RL step's loss: PPO-clip on the rollouts' advantages and behaviour log-probs (sidecars)."""
 
     rl_loss: _Literal["off", "ppo"] = "off"
     """'ppo': train on the token-level PPO-clip surrogate -min(r*A, clip(r, 1-low, 1+high)*A),
