@@ -22,7 +22,8 @@
 #     With CPU=1 the flags the CPU loop cannot run are dropped or translated, one line each on
 #     stderr (cpu_translate below): --bf16/--fp16 dropped (the CPU loop trains in fp32),
 #     --transformer-impl transformer_engine -> local, parallel sizes larger than the CPU world
-#     shrunk to it (experts not split over TP, so EP fits), and a --pretrained-checkpoint that holds
+#     shrunk to it (experts not split over TP, so EP fits; CP to the ranks TP leaves, e.g. CP 4 -> 2
+#     on 2 processes), and a --pretrained-checkpoint that holds
 #     no checkpoint dropped (the tiny CPU model starts from random weights: the script's base
 #     checkpoint, of the full-size model, could not load into it anyway).
 #   CPU_DROP: with CPU=1, more flags of the script to leave out with their values; default none.
@@ -98,7 +99,7 @@ model_layers() {
 # cpu_translate ARGS...: CPU_ARGS = ARGS with what the CPU loop cannot run dropped or translated,
 # one "CPU=1: ..." line each on stderr. Megatron takes the last value of a repeated flag.
 cpu_translate() {
-  local world=$((NNODES * GPUS_PER_NODE)) args=("$@") i=0 flag value tp=1 ep=1 etp=""
+  local world=$((NNODES * GPUS_PER_NODE)) args=("$@") i=0 flag value tp=1 ep=1 etp="" cp=1
   CPU_ARGS=()
   while [ "$i" -lt "${#args[@]}" ]; do
     flag=${args[i]} value=${args[i + 1]:-}
@@ -117,6 +118,7 @@ cpu_translate() {
           value=$world
         fi
         if [ "$flag" = --tensor-model-parallel-size ]; then tp=$value; else ep=$value; fi ;;
+      --context-parallel-size) cp=$value ;;
       --expert-tensor-parallel-size) etp=$value ;;
       --pretrained-checkpoint)
         if [ ! -f "$value/latest_checkpointed_iteration.txt" ]; then
@@ -130,6 +132,11 @@ cpu_translate() {
     CPU_ARGS+=("$flag" "$value")
     i=$((i + 2))
   done
+  # Context parallelism shares the world with TP: CP x TP ranks must fit it (the last value wins).
+  if [ "$((cp * tp))" -gt "$world" ]; then
+    echo "CPU=1: --context-parallel-size $cp -> $((world / tp)) ($world processes, TP $tp)" >&2
+    CPU_ARGS+=(--context-parallel-size "$((world / tp))")
+  fi
   # The experts' grid (expert TP x EP, expert TP defaulting to TP) must fit the world as well.
   if [ "$((${etp:-$tp} * ep))" -gt "$world" ]; then
     echo "CPU=1: --expert-tensor-parallel-size 1 (EP $ep x expert TP ${etp:-$tp} would need" \

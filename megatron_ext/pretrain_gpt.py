@@ -96,7 +96,10 @@ def resolved_configuration(args: argparse.Namespace) -> dict[str, Any]:
 
     from megatron_ext.moe.config import align_size_for_config
     from megatron_ext.training import run_state
-    from megatron_ext.training.dataset_provider import pad_multiple_from_args
+    from megatron_ext.training.dataset_provider import (
+        doc_pad_multiple_from_args,
+        pad_multiple_from_args,
+    )
     from megatron_ext.training.feature_configs import (
         MoEAlignmentConfig,
         MoEPadRoutingConfig,
@@ -110,7 +113,9 @@ def resolved_configuration(args: argparse.Namespace) -> dict[str, Any]:
     pad_routing, why = (
         cfgs[MoEPadRoutingConfig].resolve(args) if args.num_experts else ("none", "dense model")
     )
-    if replay.route_replay_mode == "replay":
+    if args.sft:
+        dataset = "SelfPaddedSFTDataset"
+    elif replay.route_replay_mode == "replay":
         dataset = "RoutedPackedDataset"
     elif padding.pack_documents:
         dataset = "PackedDataset"
@@ -130,6 +135,10 @@ def resolved_configuration(args: argparse.Namespace) -> dict[str, Any]:
         "pack_length": f"multiple of {pad_multiple_from_args(args)}"
         if padding.pack_documents and not padding.pad_to_seq_len
         else args.seq_length,
+        # Under CP every packed document is padded to a multiple of 2*CP (its own tokens).
+        "document_multiple": doc_pad_multiple_from_args(args)
+        if padding.pack_documents or args.sft
+        else 1,
         "world_size": args.world_size,
         "parallel": {
             "tp": args.tensor_model_parallel_size,

@@ -93,3 +93,14 @@ def data_prefix(tmp_path_factory) -> str:
     return write_documents_with_random_routes(
         prefix, docs, rng, num_layers=NUM_LAYERS, topk=TOPK, num_experts=EXPERTS
     )
+
+
+@pytest.fixture(scope="session")
+def sft_data(tmp_path_factory) -> tuple[str, str]:
+    """``(tokenizer directory, JSONL)``: a real byte-level BPE for Megatron's ``SFTTokenizer`` built
+    offline, and 200 lines of 1-3 conversations (megatron_ext/testing/sft_tokenizer.py)."""
+    from megatron_ext.testing.sft_tokenizer import build_sft_tokenizer, write_conversations
+
+    root = tmp_path_factory.mktemp("sft")
+    tokenizer = build_sft_tokenizer(root / "tokenizer")
+    return tokenizer, write_conversations(root / "chat.jsonl", num_lines=200, seed=1)

@@ -57,24 +57,61 @@ def _cell(value: Any) -> str:
 
 def to_markdown(results: list[tuple[str, BenchResult, float]], command: str) -> str:
     """Renders results as docs/BENCHMARKS.md."""
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return render_markdown(to_json(results, command))
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """docs/BENCHMARKS.md from a report as :func:`to_json` writes it; a section measured in another
+    run than the header's (``--update``) names its own date, machine and command."""
     lines = [
         "# megatron_ext benchmarks",
         "",
         "Written by the benchmark command; do not edit by hand. Every figure below was measured in the run",
-        "described here, ours beside Megatron's path and a baseline in the same process.",
+        "described here (or the one its section names), ours beside Megatron's path and a baseline in the",
+        "same process.",
         "",
-        f"- date: {now}",
-        f"- machine: {machine_description()}",
-        f"- command: `{command}`",
+        f"- date: {_minute(report['date'])}",
+        f"- machine: {report['machine']}",
+        f"- command: `{report['command']}`",
         "",
     ]
-    for name, result, seconds in results:
-        lines += [f"## {result.title}", "", f"benchmark `{name}`, {seconds:.1f} s", ""]
+    for name, entry in report["benchmarks"].items():
+        result = _result(entry)
+        where = f"benchmark `{name}`, {entry['seconds']:.1f} s"
+        if entry.get("command", report["command"]) != report["command"]:
+            where += (
+                f"; measured {_minute(entry['date'])} on {entry['machine']} by `{entry['command']}`"
+            )
+        lines += [f"## {result.title}", "", where, ""]
         lines += _table(result)
         for table in result.tables:
             lines += [f"### {table.title}", "", *_table(table)]
     return "\n".join(lines)
+
+
+def _minute(iso: str) -> str:
+    return datetime.datetime.fromisoformat(iso).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _result(entry: dict[str, Any]) -> BenchResult:
+    """A report entry back as the :class:`BenchResult` it was written from."""
+    tables = [BenchResult(t["title"], t["columns"], t["rows"], t["notes"]) for t in entry["tables"]]
+    return BenchResult(
+        entry["title"], entry["columns"], entry["rows"], entry["notes"], entry["extra"], tables
+    )
+
+
+def merged_report(previous: dict[str, Any], fresh: dict[str, Any]) -> dict[str, Any]:
+    """``previous`` with ``fresh``'s benchmarks replaced or added, each stamped with the run that
+    measured it (date, machine, command); the others keep theirs. Registry order."""
+    stamp = {key: fresh[key] for key in ("date", "machine", "command")}
+    header = {key: previous[key] for key in ("date", "machine", "command")}
+    entries = {name: {**header, **entry} for name, entry in previous["benchmarks"].items()} | {
+        name: {**entry, **stamp} for name, entry in fresh["benchmarks"].items()
+    }
+    order = list(discover())
+    ordered = sorted(entries, key=lambda n: order.index(n) if n in order else len(order))
+    return {**header, "benchmarks": {name: entries[name] for name in ordered}}
 
 
 def _table(result: BenchResult) -> list[str]:
@@ -112,7 +149,8 @@ def to_json(results: list[tuple[str, BenchResult, float]], command: str) -> dict
 
 
 def main(args: Any) -> int:
-    """``megatron-ext bench``: runs, prints and writes the report."""
+    """``megatron-ext bench``: runs, prints and writes the report (``--update``: merged into the
+    existing ``--json`` and ``--markdown``, which keep the other benchmarks' figures)."""
     from megatron_ext.common.safe_files import atomic_write_bytes, check_output_file
 
     command = "megatron-ext " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -120,16 +158,37 @@ def main(args: Any) -> int:
     # megatron-ext bench's own parser (not Megatron's) sets --overwrite; a caller's namespace may
     # omit it.
     overwrite = getattr(args, "overwrite", False)
+    update = getattr(args, "update", False)
+    previous = _previous_report(args) if update else None
     for flag, path in outputs:  # before minutes of benchmarks, not after
-        check_output_file(path, flag=flag, overwrite=overwrite)
+        check_output_file(path, flag=flag, overwrite=overwrite or update)
     if len({os.path.abspath(p) for _, p in outputs}) < len(outputs):
         raise ValueError("--markdown and --json are the same file")
     results = run_benchmarks(args.only, args.quick)
-    markdown = to_markdown(results, command)
+    report = to_json(results, command)
+    if previous is not None:
+        report = merged_report(previous, report)
+    markdown = render_markdown(report)
     print(markdown)
     if args.markdown:
         atomic_write_bytes(args.markdown, markdown.encode())
     if args.json:
-        report = json.dumps(to_json(results, command), indent=2, default=str)
-        atomic_write_bytes(args.json, report.encode())
+        atomic_write_bytes(args.json, json.dumps(report, indent=2, default=str).encode())
     return 0
+
+
+def _previous_report(args: Any) -> dict[str, Any]:
+    """The report ``--update`` merges into: the existing ``--json`` (the markdown is rendered
+    from it), for named benchmarks only."""
+    if not args.only or not args.json or not args.markdown:
+        raise ValueError(
+            "--update re-runs the benchmarks named by --only and merges them into the existing "
+            "--json and --markdown: give all three"
+        )
+    if not os.path.isfile(args.json):
+        raise ValueError(f"--update: --json {args.json} does not exist (nothing to merge into)")
+    with open(args.json, encoding="utf-8") as f:
+        previous = json.load(f)
+    if not isinstance(previous, dict) or not isinstance(previous.get("benchmarks"), dict):
+        raise ValueError(f"--update: --json {args.json} is not a benchmark report")
+    return previous

@@ -25,6 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--overwrite", action="store_true", help="replace an existing --markdown/--json"
     )
+    bench.add_argument(
+        "--update",
+        action="store_true",
+        help="merge the --only benchmarks into the existing --json and --markdown (the other "
+        "sections keep their figures; each section names the run that measured it)",
+    )
 
     demo = sub.add_parser(
         "demo", help="the CPU main job: Megatron's real training loop, 2 gloo ranks, EP=2"

@@ -110,6 +110,8 @@ class MegatronView:
     """``--object-storage-cache-path``: local cache of object-storage datasets."""
     sft: bool = False
     """``--sft``: Megatron's SFTDataset."""
+    sft_tokenizer_prompt_format: str = "nemotron-h-aligned"
+    """``--sft-tokenizer-prompt-format``: the chat template of ``SFTTokenizer``."""
     fim_data: bool = False
     """``--fim-data``: Megatron's GPTFIMDataset."""
     dataloader_fast_cache_load: bool = False

@@ -3,6 +3,7 @@
 import argparse
 import warnings
 from dataclasses import dataclass, field
+from typing import Literal
 
 from megatron_ext.config.megatron_view import MegatronView
 from megatron_ext.config.registry import feature_config, flag
@@ -49,6 +50,12 @@ class PaddingConfig:
     """If set, every --data-path prefix P has a per-token loss-mask sidecar IndexedDataset at
     P + suffix (1 = train on this token, 0 = prompt), e.g. '_loss_mask'."""
 
+    sft_packing: Literal["packed", "megatron"] = "packed"
+    """With Megatron's --sft: 'packed' packs whole conversations across JSONL lines
+    (--packing-algorithm; --pack-overlong-policy split loses no token); 'megatron' keeps Megatron's
+    SFTDataset rule (one line per sample, the conversation that overflows cut, the rest of the
+    line dropped). Pads follow --pad-policy either way."""
+
     multimodal_placeholder_ids: list[int] = field(default_factory=list)
     """Placeholder token ids (e.g. image tokens); a pack containing one pads with
     --pad-constant-id so a placeholder never leaves its item."""
@@ -76,6 +83,10 @@ class PaddingConfig:
             raise ValueError(
                 f"--pad-constant-id {self.pad_constant_id} is one of "
                 "--multimodal-placeholder-ids: pads would look like image tokens"
+            )
+        if self.sft_packing not in ("packed", "megatron"):
+            raise ValueError(
+                f"--sft-packing must be 'packed' or 'megatron', got {self.sft_packing!r}"
             )
         if self.pack_loss_mask_suffix == "":
             raise ValueError("--pack-loss-mask-suffix must not be empty")
@@ -137,21 +148,7 @@ class PaddingConfig:
             sequence_parallel=bool(view.sequence_parallel),
             quantization_align=quantization_align_from_args(args),
         )
-        if not self.pack_documents:
-            unused = [
-                flag(name)
-                for name in (
-                    "packing_algorithm",
-                    "packing_window",
-                    "pack_overlong_policy",
-                    "pack_loss_mask_suffix",
-                    "pad_to_seq_len",
-                    "pad_to_multiple_of",
-                )
-                if getattr(self, name) != PaddingConfig.__dataclass_fields__[name].default
-            ]
-            if unused:
-                warnings.warn(f"{unused} have no effect without --pack-documents", stacklevel=2)
+        self._warn_unused(view)
         self._check_data(args, view)
         seq_length = view.seq_length
         if seq_length is not None and seq_length % multiple:
@@ -160,11 +157,33 @@ class PaddingConfig:
                 f"{multiple} (--pad-to-multiple-of / derived from CP, TP+SP, fp8/fp4)"
             )
 
+    def _warn_unused(self, view: MegatronView) -> None:
+        """Warns about the flags set to no effect on this run's dataset."""
+        packs = ("packing_algorithm", "packing_window", "pack_overlong_policy")
+        packs_only = ("pack_loss_mask_suffix", "pad_to_seq_len", "pad_to_multiple_of")
+        if view.sft:  # SFT samples are always --seq-length long; constant pads the tokenizer's
+            names, why = (*packs_only, "pad_constant_id"), "with --sft"
+            if self.sft_packing == "megatron":
+                names, why = (*names, *packs), "with --sft --sft-packing megatron"
+        elif not self.pack_documents:
+            names, why = (*packs, *packs_only, "sft_packing"), "without --pack-documents"
+        else:
+            names, why = ("sft_packing",), "without --sft"
+        unused = [
+            flag(name)
+            for name in names
+            if getattr(self, name) != PaddingConfig.__dataclass_fields__[name].default
+        ]
+        if unused:
+            warnings.warn(f"{unused} have no effect {why}", stacklevel=3)
+
     def _check_data(self, args: argparse.Namespace, view: MegatronView) -> None:
         """Data files, blend weights and the pad id, checked at argument time (so by --dry-run)."""
         from megatron_ext.data.data_args import check_data_args
 
-        check_data_args(args, self.pack_loss_mask_suffix if self.pack_documents else None)
+        check_data_args(
+            args, self.pack_loss_mask_suffix if self.pack_documents else None, jsonl=view.sft
+        )
         vocab = view.padded_vocab_size or view.vocab_size
         if isinstance(vocab, int) and self.pad_constant_id >= vocab:
             raise ValueError(

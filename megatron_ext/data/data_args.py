@@ -79,8 +79,12 @@ def _read_list_file(path: str, flag: str) -> str:
         raise ValueError(f"{flag} {path}: cannot read it ({err.strerror})") from err
 
 
-def check_data_args(args: argparse.Namespace, loss_mask_suffix: str | None) -> None:
+def check_data_args(
+    args: argparse.Namespace, loss_mask_suffix: str | None, *, jsonl: bool = False
+) -> None:
     """Refuses missing data files and unusable blend weights, naming the flag and prefix.
+
+    ``jsonl``: the paths are JSONL files (Megatron's ``--sft``), not IndexedDataset prefixes.
 
     Raises:
         ValueError: The first problem found.
@@ -93,6 +97,10 @@ def check_data_args(args: argparse.Namespace, loss_mask_suffix: str | None) -> N
 
             check_blend_weights(flag, prefixes, weights)
         for prefix in prefixes:
+            if jsonl:
+                if not os.path.isfile(prefix):
+                    raise ValueError(f"{flag} {prefix}: no such JSONL file (--sft reads JSONL)")
+                continue
             suffixes = [("", "data")]
             if loss_mask_suffix:
                 suffixes.append((loss_mask_suffix, "--pack-loss-mask-suffix sidecar"))

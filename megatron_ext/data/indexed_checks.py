@@ -165,6 +165,19 @@ def check_index(index: Any, idx_path: str, bin_path: str, what: str) -> None:
             "the .bin/.idx pair"
         )
     not_its_bin = f"{what} file {idx_path} does not describe {bin_path}"
+    _check_document_indices(docs, count, not_its_bin)
+    total = _check_lengths_and_pointers(lens, ptrs, itemsize, not_its_bin)
+    actual = os.path.getsize(bin_path)
+    if actual != total:
+        raise ValueError(
+            f"{what} file {bin_path} has {actual} bytes but {idx_path} indexes {total} "
+            f"({count} sequences of {np.dtype(index.dtype).name}): "
+            f"{_size_diagnosis(actual, total, itemsize)}; rewrite the .bin/.idx pair"
+        )
+
+
+def _check_document_indices(docs: np.ndarray, count: int, not_its_bin: str) -> None:
+    """Document indices run from 0 to the sequence count, never down (chunked)."""
     if docs.size == 0 or docs[0] != 0 or docs[-1] != count:
         first, last = (int(docs[0]), int(docs[-1])) if docs.size else (None, None)
         raise ValueError(
@@ -180,6 +193,14 @@ def check_index(index: Any, idx_path: str, bin_path: str, what: str) -> None:
                 f"{not_its_bin}: its document index {d + 1} ({int(docs[d + 1])}) is below index "
                 f"{d} ({int(docs[d])}); it is corrupt, rewrite the .bin/.idx pair"
             )
+
+
+def _check_lengths_and_pointers(
+    lens: np.ndarray, ptrs: np.ndarray, itemsize: int, not_its_bin: str
+) -> int:
+    """Lengths >= 0 and each pointer where the lengths before it end (chunked); returns the
+    bytes the lengths add up to."""
+    count = int(lens.size)
     total = 0  # bytes of the sequences before the chunk
     for start in range(0, count, _INDEX_CHUNK):
         bytes_S = np.asarray(lens[start : start + _INDEX_CHUNK], dtype=np.int64) * itemsize
@@ -200,13 +221,7 @@ def check_index(index: Any, idx_path: str, bin_path: str, what: str) -> None:
                 "lengths and pointers of two indexes); rewrite the .bin/.idx pair"
             )
         total = int(ends_S[-1])
-    actual = os.path.getsize(bin_path)
-    if actual != total:
-        raise ValueError(
-            f"{what} file {bin_path} has {actual} bytes but {idx_path} indexes {total} "
-            f"({count} sequences of {np.dtype(index.dtype).name}): "
-            f"{_size_diagnosis(actual, total, itemsize)}; rewrite the .bin/.idx pair"
-        )
+    return total
 
 
 def _size_diagnosis(actual: int, expected: int, itemsize: int) -> str:

@@ -1,7 +1,8 @@
 """The one place that maps a run's ``PaddingConfig`` to a Megatron dataset class and its config.
 
-``--pack-documents`` -> :class:`~megatron_ext.data.packed_dataset.PackedDataset` with a
-``PackedDatasetConfig``; otherwise the self-padded ``GPTDataset``
+Megatron's ``--sft`` -> :class:`~megatron_ext.data.sft_dataset.SelfPaddedSFTDataset` with an
+``SFTDatasetConfig``; ``--pack-documents`` -> :class:`~megatron_ext.data.packed_dataset.PackedDataset`
+with a ``PackedDatasetConfig``; otherwise the self-padded ``GPTDataset``
 (:class:`~megatron_ext.data.gpt_dataset.SelfPaddedGPTDataset`). ``gpt_kwargs`` are exactly what
 Megatron's ``GPTDatasetConfig`` takes (``random_seed``, ``sequence_length``, ``blend``, ``split``,
 ``tokenizer``, ...); the pair goes straight to Megatron's builder::
@@ -28,6 +29,7 @@ def dataset_class_and_config(
     pad_multiple: int,
     doc_pad_multiple: int = 1,
     sidecars: dict[str, Sidecar] | None = None,
+    sft: bool = False,
     **gpt_kwargs: Any,
 ) -> tuple[type, GPTDatasetConfig]:
     """The Megatron dataset class for ``padding`` and its config.
@@ -39,16 +41,33 @@ def dataset_class_and_config(
         doc_pad_multiple: Every packed document padded to a multiple of this (2*CP under context
             parallelism, :meth:`PaddingConfig.doc_pad_multiple`); packed data only.
         sidecars: Extra per-token sidecars for packed data (e.g. routes); refused otherwise.
+        sft: Megatron's ``--sft``: the JSONL conversations of ``SelfPaddedSFTDataset`` (its
+            per-conversation pad multiple comes from ``context_parallel_size`` in ``gpt_kwargs``).
         **gpt_kwargs: ``GPTDatasetConfig`` fields.
 
     Returns:
-        ``(PackedDataset, PackedDatasetConfig)`` under ``--pack-documents``, else
-        ``(SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig)``.
+        ``(SelfPaddedSFTDataset, SFTDatasetConfig)`` under ``--sft``, ``(PackedDataset,
+        PackedDatasetConfig)`` under ``--pack-documents``, else ``(SelfPaddedGPTDataset,
+        SelfPaddedGPTDatasetConfig)``.
 
     Raises:
         ValueError: On sidecars without ``--pack-documents`` or any bad config value.
     """
     common = PadFillFields.values_of(padding)
+    if sft:
+        if sidecars:
+            raise ValueError(f"sidecars {sorted(sidecars)} cannot be read beside --sft's JSONL")
+        # Imported here: Megatron's SFTDataset module imports megatron.training (its whole loop).
+        from megatron_ext.data.sft_dataset import SelfPaddedSFTDataset, SFTDatasetConfig
+
+        return SelfPaddedSFTDataset, SFTDatasetConfig(
+            **gpt_kwargs,
+            **common,
+            sft_packing=padding.sft_packing,
+            packing_algorithm=padding.packing_algorithm,
+            packing_window=padding.packing_window,
+            pack_overlong_policy=padding.pack_overlong_policy,
+        )
     if not padding.pack_documents:
         if sidecars:
             raise ValueError(f"sidecars {sorted(sidecars)} need --pack-documents")

@@ -259,41 +259,12 @@ def repair_document(
             ``reject_invalid=False``) an invalid row; messages name the document, token, layer.
     """
     dtype = route_dtype(num_experts, topk)
-    if rows_TLK.shape in ((0,), (0, 0, 0)):  # no rows and no shape (an empty list)
-        rows_TLK = np.zeros((0, num_layers, topk), dtype=np.int64)
-    if rows_TLK.ndim != 3:
-        raise ValueError(f"{name}: expected routes [tokens, layers, topk], got {rows_TLK.shape}")
-    check_route_array(rows_TLK, name)
-    if rows_TLK.shape[1:] != (num_layers, topk):
-        raise ValueError(
-            f"{name}: routes have {rows_TLK.shape[1]} MoE layers x top-{rows_TLK.shape[2]}, "
-            f"expected {num_layers} MoE layers x top-{topk} (--num-layers, --topk)"
-        )
-    if num_tokens is not None and exact and start + rows_TLK.shape[0] != max(num_tokens - 1, 0):
-        raise ValueError(
-            f"{name}: {rows_TLK.shape[0]} rows of {num_layers} layers x top-{topk} from token "
-            f"{start} on, but T = {num_tokens} tokens need T - 1{f' - {start}' if start else ''} = "
-            f"{max(num_tokens - 1 - start, 0)} (the payload's element type is fixed by the "
-            "format: a payload of another element type or layer count is refused, not guessed)"
-        )
-    if rows_TLK.dtype == np.uint64 and rows_TLK.size and int(rows_TLK.max()) > 2**63 - 1:
-        raise ValueError(f"{name}: expert id {int(rows_TLK.max())} is beyond int64")
+    rows_TLK = _shaped_rows(rows_TLK, num_tokens, num_layers, topk, name, start, exact)
     # Every input value is an id: the input dtype's maximum (255 in a uint8 payload) is a real
     # expert at 256 experts, never a "missing" marker. Only the sidecar's own marker is missing.
     wide = rows_TLK.astype(np.int64)
-    bad_TL = ((wide < 0) | (wide >= num_experts)).any(-1)
-    sorted_TLK = np.sort(wide, axis=-1)
-    bad_TL |= (sorted_TLK[..., 1:] == sorted_TLK[..., :-1]).any(-1)
-    counts = RepairCounts(documents=1)
-    if bad_TL.any():
-        if not reject_invalid:
-            token, layer = (int(v) for v in np.argwhere(bad_TL)[0])
-            raise ValueError(
-                f"{name}: token {token}, MoE layer {layer} has experts {wide[token, layer].tolist()}"
-                f" (ids must be distinct and in [0, {num_experts})); --reject-invalid-rows makes"
-                " such rows missing instead"
-            )
-        counts.rejected_rows = int(bad_TL.sum())
+    bad_TL = _invalid_rows(wide, num_experts, reject_invalid, name)
+    counts = RepairCounts(documents=1, rejected_rows=int(bad_TL.sum()))
     routes_TLK = np.where(bad_TL[..., None], missing_value(dtype), wide)
     routes_TLK = routes_TLK.astype(dtype)
     if start:
@@ -313,3 +284,51 @@ def repair_document(
         routes_TLK, num_layers=num_layers, num_experts=num_experts, topk=topk, name=name
     )
     return routes_TLK, counts
+
+
+def _shaped_rows(
+    rows_TLK: np.ndarray,
+    num_tokens: int | None,
+    num_layers: int,
+    topk: int,
+    name: str,
+    start: int,
+    exact: bool,
+) -> np.ndarray:
+    """The decoded rows as ``[T', L, K]``, their shape and count checked (:func:`repair_document`)."""
+    if rows_TLK.shape in ((0,), (0, 0, 0)):  # no rows and no shape (an empty list)
+        rows_TLK = np.zeros((0, num_layers, topk), dtype=np.int64)
+    if rows_TLK.ndim != 3:
+        raise ValueError(f"{name}: expected routes [tokens, layers, topk], got {rows_TLK.shape}")
+    check_route_array(rows_TLK, name)
+    if rows_TLK.shape[1:] != (num_layers, topk):
+        raise ValueError(
+            f"{name}: routes have {rows_TLK.shape[1]} MoE layers x top-{rows_TLK.shape[2]}, "
+            f"expected {num_layers} MoE layers x top-{topk} (--num-layers, --topk)"
+        )
+    if num_tokens is not None and exact and start + rows_TLK.shape[0] != max(num_tokens - 1, 0):
+        raise ValueError(
+            f"{name}: {rows_TLK.shape[0]} rows of {num_layers} layers x top-{topk} from token "
+            f"{start} on, but T = {num_tokens} tokens need T - 1{f' - {start}' if start else ''} = "
+            f"{max(num_tokens - 1 - start, 0)} (the payload's element type is fixed by the "
+            "format: a payload of another element type or layer count is refused, not guessed)"
+        )
+    if rows_TLK.dtype == np.uint64 and rows_TLK.size and int(rows_TLK.max()) > 2**63 - 1:
+        raise ValueError(f"{name}: expert id {int(rows_TLK.max())} is beyond int64")
+    return rows_TLK
+
+
+def _invalid_rows(wide_TLK: np.ndarray, num_experts: int, reject: bool, name: str) -> np.ndarray:
+    """``[T', L]`` True where a row has an id out of range or twice; raises on the first one
+    unless ``reject`` (then they become missing)."""
+    bad_TL = ((wide_TLK < 0) | (wide_TLK >= num_experts)).any(-1)
+    sorted_TLK = np.sort(wide_TLK, axis=-1)
+    bad_TL |= (sorted_TLK[..., 1:] == sorted_TLK[..., :-1]).any(-1)
+    if bad_TL.any() and not reject:
+        token, layer = (int(v) for v in np.argwhere(bad_TL)[0])
+        raise ValueError(
+            f"{name}: token {token}, MoE layer {layer} has experts "
+            f"{wide_TLK[token, layer].tolist()} (ids must be distinct and in [0, {num_experts})); "
+            "--reject-invalid-rows makes such rows missing instead"
+        )
+    return bad_TL

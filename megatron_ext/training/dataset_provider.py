@@ -6,6 +6,7 @@ Which dataset, from the flags:
 |---|---|
 | ``--route-replay-mode replay`` (needs ``--pack-documents``) | ``RoutedPackedDataset``: packs + route sidecars |
 | ``--route-replay-mode record --pack-documents`` | ``RoutedPackedDataset`` without routes (pack indices) |
+| ``--sft`` (Megatron's) | ``SelfPaddedSFTDataset``: Megatron's ``SFTDataset`` (JSONL conversations), self-padded, packed by ``--sft-packing`` |
 | ``--pack-documents`` | ``PackedDataset``: whole documents packed, self-padded, boundaries kept |
 | ``--mock-data`` | Megatron's ``MockGPTDataset`` |
 | otherwise | ``SelfPaddedGPTDataset``: Megatron's ``GPTDataset`` with self-token padding |
@@ -119,11 +120,14 @@ def dataset_config_from_args(args: argparse.Namespace, tokenizer: Any = None) ->
         )
     if view.mock_data and not padding.pack_documents:
         return MockGPTDataset, GPTDatasetConfig(**common)
+    if view.sft:  # Megatron's SFTDataset reads the CP size: each conversation padded to 2*CP
+        common["context_parallel_size"] = view.context_parallel_size
     return dataset_class_and_config(
         padding,
         pad_multiple=pad_multiple_from_args(args),
         doc_pad_multiple=doc_pad_multiple_from_args(args),
         sidecars=policy_sidecars(cfgs[PolicyLossConfig]),
+        sft=view.sft,
         **common,
     )
 

@@ -96,8 +96,10 @@ def check_combinations(args: argparse.Namespace) -> None:
     """Refuses the combinations of features (and of megatron_ext with Megatron's flags) that
     ``megatron_ext.pretrain_gpt`` cannot run, naming the flags."""
     from megatron_ext.replay.unsupported import check_virtual_pipeline
+    from megatron_ext.training.sft_args import check_sft_args
 
     check_virtual_pipeline(args)
+    check_sft_args(args)
     view = MegatronView.from_args(args)
     pack_documents = flag_value(args, "pack_documents")
     packs_vary = pack_documents and not flag_value(args, "pad_to_seq_len")
@@ -138,8 +140,6 @@ _ENTRY_UNSUPPORTED: tuple[tuple[str, str, str], ...] = (
     ("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm",
      "Megatron's combined 1F1B schedule calls forward_step with return_schedule_plan and routes "
      "without the pad mask, bypassing pad skipping, alignment and replay"),
-    ("sft", "--sft", "megatron_ext builds its own packed datasets, not Megatron's SFTDataset: "
-     "use --pack-documents with --pack-loss-mask-suffix for SFT data"),
     ("fim_data", "--fim-data", "megatron_ext builds no GPTFIMDataset"),
     ("dataloader_fast_cache_load", "--dataloader-fast-cache-load",
      "megatron_ext's datasets key their index caches by the data and always check them"),

@@ -59,7 +59,7 @@ SCHEDULER_HELD = frozenset(SCHEDULE_FLAGS) - {"train_iters", "train_samples", "g
 DATA_MODEL_GROUPS = (
     "transformer configuration", "network size", "moe", "mla", "experimental_attention_variant",
     "heterogeneous architecture", "regularization", "RNG and initialization",
-    "data and dataloader", "tokenizer",
+    "data and dataloader", "tokenizer", "sft",
 )  # fmt: skip
 #: Recorded arguments no resume line names: set by Megatron after startup or from other flags
 #: (compared through those), where files go, what is logged, how the data loads; the parallel
@@ -80,7 +80,8 @@ NOT_NAMED = frozenset({
 SAMPLE_ORDER_FLAGS = frozenset({
     "seq_length", "seed", "split", "data_path", "train_data_path", "valid_data_path",
     "test_data_path", "data_args_path", "per_split_data_args_path", "mock_data", "pack_documents",
-    "packing_algorithm", "packing_window", "pack_overlong_policy",
+    "packing_algorithm", "packing_window", "pack_overlong_policy", "sft", "sft_packing",
+    "sft_tokenizer_prompt_format",
 })  # fmt: skip
 #: Hyperparameters a loaded optimizer keeps from the checkpoint's param groups (torch's
 #: ``Optimizer.load_state_dict`` takes the saved groups' values).
@@ -142,24 +143,9 @@ def check_resume(
         return []
     where = f"{checkpoint.flag} {checkpoint.directory} (iteration {checkpoint.iteration})"
     parallel = _changed(args, saved_args, PARALLEL_FLAGS)
-    files = {"tensor_model_parallel_size", "pipeline_model_parallel_size",
-             "expert_model_parallel_size"}  # fmt: skip
-    if checkpoint.format == "torch" and _changed(args, saved_args, files):
-        sizes = " ".join(f"{_flag(d)} {getattr(saved_args, d)}" for d in sorted(files))
-        raise ValueError(
-            f"{where} is a torch-format checkpoint, one file per TP/PP/EP rank, saved with other "
-            f"parallel sizes ({', '.join(_changed(args, saved_args, files))}): Megatron finds no "
-            f"file for this run's ranks. Launch with {sizes}, or save in --ckpt-format torch_dist"
-        )
     view = MegatronView.from_args(args)
     loads_optimizer = _loads_optimizer(view, checkpoint, saved_args)
-    ep = _changed(args, saved_args, ["expert_model_parallel_size"])
-    if ep and loads_optimizer and checkpoint.format == "torch_dist":
-        raise ValueError(
-            f"{where}: {ep[0]} cannot resume the optimizer state (Megatron 0.19.2 stops with "
-            "'Could not find parameter group'); pass --no-load-optim to load the weights and "
-            "the iteration and restart the optimizer (Adam moments and LR schedule)"
-        )
+    _check_parallel_change(args, saved_args, checkpoint, where, loads_optimizer)
     check_lr_change(args, saved_args, where, loads_optimizer)
     # --skip-train builds no optimizer (and may have no --lr): the schedule is not compared.
     refusal, effective = (
@@ -193,6 +179,33 @@ def check_resume(
     consumed = None if restarts else getattr(saved_args, "consumed_train_samples", 0)
     changes = flag_changes(args, saved_args, consumed, loads_optimizer)
     return lines + [f"{verb} {where}: {line}" for line in changes]
+
+
+def _check_parallel_change(
+    args: argparse.Namespace,
+    saved_args: Any,
+    checkpoint: Checkpoint,
+    where: str,
+    loads_optimizer: bool,
+) -> None:
+    """Refuses the parallel-size changes Megatron cannot load: a torch-format checkpoint (one
+    file per TP/PP/EP rank) under other sizes, and a torch_dist optimizer state under another EP."""
+    files = {"tensor_model_parallel_size", "pipeline_model_parallel_size",
+             "expert_model_parallel_size"}  # fmt: skip
+    if checkpoint.format == "torch" and _changed(args, saved_args, files):
+        sizes = " ".join(f"{_flag(d)} {getattr(saved_args, d)}" for d in sorted(files))
+        raise ValueError(
+            f"{where} is a torch-format checkpoint, one file per TP/PP/EP rank, saved with other "
+            f"parallel sizes ({', '.join(_changed(args, saved_args, files))}): Megatron finds no "
+            f"file for this run's ranks. Launch with {sizes}, or save in --ckpt-format torch_dist"
+        )
+    ep = _changed(args, saved_args, ["expert_model_parallel_size"])
+    if ep and loads_optimizer and checkpoint.format == "torch_dist":
+        raise ValueError(
+            f"{where}: {ep[0]} cannot resume the optimizer state (Megatron 0.19.2 stops with "
+            "'Could not find parameter group'); pass --no-load-optim to load the weights and "
+            "the iteration and restart the optimizer (Adam moments and LR schedule)"
+        )
 
 
 def check_lr_change(

@@ -83,3 +83,44 @@ def test_hot_spot_ratios_are_computed_from_the_same_run() -> None:
     # Raw counts are kept: every routed slot is accounted for (tokens x top-2 x ranks).
     per_rank = result.extra["constant id"]["per_rank"]
     assert all(sum(layer) == 2 * 4 * 128 * 2 for layer in per_rank)
+
+
+def test_update_merges_one_benchmark_into_the_existing_report(tmp_path, monkeypatch) -> None:
+    values = {"a": 1.5, "b": 2.5}
+
+    def make(name: str):
+        return lambda quick: BenchResult(title=name.upper(), columns=["v"], rows=[[values[name]]])
+
+    names = ["_toy_update_a", "_toy_update_b"]
+    for name, key in zip(names, "ab", strict=True):
+        register_benchmark(name)(make(key))
+    try:
+        md, js = tmp_path / "B.md", tmp_path / "b.json"
+        args = argparse.Namespace(only=names, quick=True, markdown=str(md), json=str(js))
+        monkeypatch.setattr("sys.argv", ["megatron-ext", "bench", "--only", *names])
+        assert report.main(args) == 0
+        first = json.loads(js.read_text())
+        values["b"] = 9.0
+        monkeypatch.setattr("sys.argv", ["megatron-ext", "bench", "--only", names[1], "--update"])
+        update = argparse.Namespace(
+            only=[names[1]], quick=True, markdown=str(md), json=str(js), update=True
+        )
+        assert report.main(update) == 0
+        merged = json.loads(js.read_text())
+        # The benchmark not re-run keeps its figures and run; the re-run one has its own.
+        assert merged["benchmarks"][names[0]]["rows"] == [[1.5]]
+        assert merged["benchmarks"][names[1]]["rows"] == [[9.0]]
+        assert merged["date"] == first["date"] and merged["command"] == first["command"]
+        assert "--update" in merged["benchmarks"][names[1]]["command"]
+        text = md.read_text()
+        assert "| 1.5 |" in text and "| 9 |" in text and "| 2.5 |" not in text
+        assert text.index("## A") < text.index("## B")  # registry order kept
+        assert text.count("; measured ") == 1 and "`megatron-ext bench --only" in text
+        # --update needs the report it merges into, and names what is missing.
+        with pytest.raises(ValueError, match="does not exist"):
+            report.main(argparse.Namespace(**{**vars(update), "json": str(tmp_path / "no")}))
+        with pytest.raises(ValueError, match="give all three"):
+            report.main(argparse.Namespace(**{**vars(update), "only": None}))
+    finally:
+        for name in names:
+            BENCHMARKS.pop(name)

@@ -52,7 +52,7 @@ def test_record_mode_needs_one_data_prefix(monkeypatch, tmp_path, data_prefix) -
     "extra, match",
     [
         (["--overlap-moe-expert-parallel-comm"], "--overlap-moe-expert-parallel-comm"),
-        (["--sft"], "--sft"),
+        (["--sft"], "--sft needs --tokenizer-type SFTTokenizer"),
         (["--fim-data"], "--fim-data"),
         (["--dataloader-fast-cache-load"], "--dataloader-fast-cache-load"),
         (["--rampup-batch-size", "4", "4", "16"], "--rampup-batch-size: Megatron-Core 0.19.2"),

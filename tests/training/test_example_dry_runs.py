@@ -43,21 +43,26 @@ RL_GPT = "rl_route_replay.sh, MODEL=gpt, --pack-loss-mask-suffix _loss_mask"
 RL_GPT_ARGS = {"MODEL": "gpt"}, ["--pack-loss-mask-suffix", "_loss_mask"]
 
 
-def _dry_run(
-    script: Path, data_dir: Path, extra: tuple[dict, list] = ({}, [])
-) -> subprocess.CompletedProcess:
-    """The script's documented command (its header's ``# Command:``, with its variables) as a dry
-    run: the world it validates is the one its parallel sizes are written for, with Transformer
-    Engine's attributes bound as on the GPU node it is written for (:func:`te_standin_env`).
-    These are the header launches of tests/training/test_doc_commands.py, which runs the other
-    documented commands."""
-    env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, **te_standin_env())
-    for key in ("WORLD_SIZE", "NNODES", "NODE_RANK", "MASTER_ADDR", "CPU"):
-        env.pop(key, None)
+def documented_launches(script: Path) -> list[dict[str, str]]:
+    """The variables of each ``# Command: VAR=... bash examples/X.sh`` of the script's header."""
     launches = [launch_env(c) for c in header_commands(script)]
     documented = [variables for variables, _ in filter(None, launches)]
     assert documented, f"{script}: no '# Command: ... bash examples/...' in its header"
-    env.update(documented[0])
+    return documented
+
+
+def _dry_run(
+    script: Path, data_dir: Path, extra: tuple[dict, list] = ({}, []), which: int = 0
+) -> subprocess.CompletedProcess:
+    """The script's documented command (its header's ``# Command:`` number ``which``, with its
+    variables) as a dry run: the world it validates is the one its parallel sizes are written
+    for, with Transformer Engine's attributes bound as on the GPU node it is written for
+    (:func:`te_standin_env`). These are the header launches of tests/training/test_doc_commands.py,
+    which runs the other documented commands."""
+    env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, **te_standin_env())
+    for key in ("WORLD_SIZE", "NNODES", "NODE_RANK", "MASTER_ADDR", "CPU"):
+        env.pop(key, None)
+    env.update(documented_launches(script)[which])
     env.update(extra[0])
     env["DATA"] = str(data_dir)
     return subprocess.run(
@@ -66,8 +71,14 @@ def _dry_run(
     )  # fmt: skip
 
 
+#: The SFT example's other documented launches (its header's 2nd and 3rd ``# Command:``): the
+#: long-context one with context parallelism on 64 GPUs, Megatron's --sft path on 8.
+SFT_VARIANTS = {"sft_fp8_moe_packed.sh, LONG=1 (CP 4, 64 GPUs)": 1,
+                "sft_fp8_moe_packed.sh, SFT=1 (8 GPUs)": 2}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def example_data(tmp_path_factory, data_prefix) -> Path:
+def example_data(tmp_path_factory, data_prefix, sft_data) -> Path:
     """DATA for the examples: the files they name exist (the dry run checks route sidecars)."""
     from megatron_ext.data.indexed_writer import write_documents
     from megatron_ext.replay.route_file import HEADER_EXTENSION
@@ -83,6 +94,10 @@ def example_data(tmp_path_factory, data_prefix) -> Path:
     for name in names:
         for ext in (".bin", ".idx"):
             shutil.copy(data_prefix + ext, data / f"{name}{ext}")
+    # The SFT example's SFT=1 launch: a real tokenizer for Megatron's SFTTokenizer (its prompt
+    # format's special tokens in the vocabulary) and a JSONL of conversations.
+    os.symlink(sft_data[0], data / "tokenizer")
+    os.symlink(sft_data[1], data / "chat.jsonl")
     # The RL example's rollouts, ingested as docs/replay.md shows: a vLLM 0.34 dump of a model
     # whose Hugging Face config has 16 decoder layers, all MoE, top-6 of 64 (the route header
     # records decoder layers 0-15; the HybridModel's MoE layers are 1, 3, ..., 31, its GPTModel
@@ -167,10 +182,16 @@ def dry_runs(example_data: Path, tmp_path_factory) -> dict[str, subprocess.Compl
     with ThreadPoolExecutor(max_workers=2) as pool:
         slurm = pool.submit(_slurm_dry_run, example_data)
         rl_gpt = pool.submit(_dry_run, scripts["rl_route_replay.sh"], example_data, RL_GPT_ARGS)
+        sft = scripts["sft_fp8_moe_packed.sh"]
+        variants = {
+            key: pool.submit(_dry_run, sft, example_data, ({}, []), which)
+            for key, which in SFT_VARIANTS.items()
+        }
         done = dict(
             pool.map(lambda item: (item[0], _dry_run(item[1], example_data)), scripts.items())
         )
-        return {**done, SLURM: slurm.result(), RL_GPT: rl_gpt.result()}
+        more = {key: future.result() for key, future in variants.items()}
+        return {**done, **more, SLURM: slurm.result(), RL_GPT: rl_gpt.result()}
 
 
 #: The examples that fine-tune a base checkpoint (``--pretrained-checkpoint $CKPT/...``; Megatron
@@ -212,6 +233,27 @@ def test_fine_tuning_examples_without_their_base_checkpoint_are_refused_in_one_l
         f"{FINE_TUNED[name].rsplit('/', 1)[0]}): Megatron would stop with 'No checkpoint found'; "
         "name a directory Megatron saved"
     ], proc.stderr[-3000:]
+
+
+def test_the_sft_examples_long_context_and_megatron_sft_launches_validate(dry_runs) -> None:
+    """The SFT example at 8, 16 and 64 GPUs: its long-context launch (CP 4, 32k packs, every
+    conversation padded to a multiple of 8) and Megatron's --sft path validate every flag; the one
+    error is the missing base checkpoint, checked last."""
+    expected = {  # Megatron's own line for the world it initialised
+        "sft_fp8_moe_packed.sh": "world size: 16, data-parallel size: 16, context-parallel size: 1",
+        "sft_fp8_moe_packed.sh, LONG=1 (CP 4, 64 GPUs)": (
+            "world size: 64, data-parallel size: 16, context-parallel size: 4"
+        ),
+        "sft_fp8_moe_packed.sh, SFT=1 (8 GPUs)": (
+            "world size: 8, data-parallel size: 8, context-parallel size: 1"
+        ),
+    }
+    for name, needle in expected.items():
+        proc = dry_runs[name]
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        errors = [line for line in proc.stderr.splitlines() if "invalid arguments" in line]
+        assert len(errors) == 1 and "--pretrained-checkpoint" in errors[0], proc.stderr[-3000:]
+        assert needle in proc.stdout + proc.stderr, (name, proc.stdout[-3000:])
 
 
 def test_the_rl_example_replays_ingested_routes_on_either_model_class(dry_runs) -> None:
