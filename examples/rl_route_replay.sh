@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What: RL-style policy update of a MoE HybridModel (16 transformer layers, pattern "*E" x 16: attention
+# What: RL policy update (PPO-clip) of a MoE HybridModel (16 transformer layers, pattern "*E" x 16: attention
 #   then MoE) on rollouts, replaying the experts the inference engine chose (R3): routes converted from
 #   vLLM dumps sit beside the token data, are packed and self-padded with the tokens (a pad replays the
 #   route of the token it copies), validated, sliced for SP/CP and installed into Megatron's
@@ -7,8 +7,11 @@
 #   be of the same class: MODEL=gpt for a GPTModel one (deprecated in Megatron 0.19); the route
 #   sidecar is the same for both (one top-k row per MoE layer: the config's decoder layers 0-15
 #   it records map in order onto the HybridModel's MoE layers 1, 3, ..., 31 or the GPTModel's 0-15).
-#   `megatron-ext ingest-rollouts` writes the tokens, loss mask and routes from the same dump
-#   (docs/replay.md); add --pack-loss-mask-suffix _loss_mask to train on the completions only.
+#   The step is an RL one: the PPO-clip policy loss (--rl-loss ppo, clip 0.2 / 0.28, a token-level
+#   mean over the global batch) on the completions (the loss mask) with the rollouts' advantages and
+#   the engine's log-probs; it logs rl/logprob_mismatch, rl/clip_fraction, rl/ratio_mean, rl/kl_k3.
+#   `megatron-ext ingest-rollouts --token-keys logprobs --sequence-keys advantages=advantage` writes
+#   tokens, loss mask, routes, log-probs and advantages from one dump (docs/replay.md).
 # Hardware: 1 node x 8 H100/H200 (TP 2 with sequence parallelism, EP 4).
 # Command: bash examples/rl_route_replay.sh
 #   Routes: megatron-ext convert-routes --format vllm --input rollouts.jsonl --model-config config.json \
@@ -35,6 +38,9 @@ ARGS=(
   --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$DATA/tokenizer"
   --pack-documents --packing-algorithm sequential --pad-policy self --pad-to-seq-len
   --route-replay-mode replay --route-data-suffix _routes --replay-missing-route-policy native
+  # the policy loss: advantages and behaviour log-probs from $DATA/rollouts_text_document_{advantages,logprobs}
+  --pack-loss-mask-suffix _loss_mask --rl-loss ppo --rl-clip-low 0.2 --rl-clip-high 0.28
+  --calculate-per-token-loss
   --moe-expert-load-metrics
   --micro-batch-size 1 --global-batch-size 64 --train-iters 500
   --lr 1e-6 --lr-decay-style constant --weight-decay 0.0 --clip-grad 1.0

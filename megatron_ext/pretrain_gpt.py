@@ -319,6 +319,11 @@ def train(args: argparse.Namespace) -> int:
     written = run_state.finish_recording(args)
     if written is not None:
         print(f"megatron_ext: wrote recorded routes of {written} documents")
+    from megatron_ext.training.policy_step import finish_logprobs
+
+    written = finish_logprobs(args)  # --rl-record-logprobs
+    if written is not None:
+        print(f"megatron_ext: wrote recorded log-probs of {written} documents")
     destroy_process_groups()
     return 0
 

@@ -64,6 +64,8 @@ class MegatronView:
     """``--micro-batch-size``: samples per micro-batch."""
     eval_micro_batch_size: int | None = None
     """``--eval-micro-batch-size``: samples per evaluation micro-batch (None: the training one)."""
+    calculate_per_token_loss: bool = False
+    """``--calculate-per-token-loss``: the loss divided by the global batch's token count."""
     rampup_batch_size: Any = None
     """``--rampup-batch-size``: Megatron's deprecated batch-size ramp-up (start, increment, samples)."""
     train_iters: int | None = None

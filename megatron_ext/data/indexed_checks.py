@@ -296,6 +296,30 @@ def check_values(
     pack_index_cache.mark_validated(cache_dir, key)
 
 
+def check_finite(
+    dataset: IndexedDataset, path_prefix: str, what: str, cache_dir: str | None
+) -> None:
+    """Refuses a float sidecar holding a NaN or an infinity; names document and token.
+
+    Scanned once in chunks; a pass is remembered under the file's identity (as
+    :func:`check_values`).
+    """
+    key = f"finite {os.path.realpath(path_prefix)} {file_identity(path_prefix + '.bin')}"
+    if pack_index_cache.validated(cache_dir, key):
+        return
+    flat = flat_values(dataset, path_prefix)
+    for start in range(0, flat.size, CHUNK_VALUES):
+        bad = np.flatnonzero(~np.isfinite(flat[start : start + CHUNK_VALUES]))
+        if bad.size:
+            doc, token = locate(dataset.sequence_lengths, start + int(bad[0]))
+            value = flat[start + int(bad[0])].item()
+            raise ValueError(
+                f"{what} {path_prefix}: document {doc}, token {token} holds {value!r}: every "
+                "value must be finite"
+            )
+    pack_index_cache.mark_validated(cache_dir, key)
+
+
 def locate(lengths_D: np.ndarray, flat_index: int, width: int = 1) -> tuple[int, int]:
     """``(document, token)`` of value ``flat_index`` of a file whose document d holds
     ``width * lengths_D[d]`` values."""

@@ -32,6 +32,7 @@ from megatron_ext.data.indexed_checks import (
     add_data_identity,
     check_aligned,
     check_dataset_config,
+    check_finite,
     check_values,
     data_identity,
     default_cache_dir,
@@ -73,6 +74,8 @@ class Sidecar:
     suffix: str
     width: int = 1
     fill: int = -1
+    finite: bool = False
+    """Float values checked finite when the dataset is built (a NaN names file and document)."""
 
 
 @dataclasses.dataclass
@@ -235,6 +238,9 @@ class PackedDataset(MegatronDataset):
             check_aligned(tokens, sidecars[name], spec.width, path)
             # Refuse a fill the sidecar cannot hold now, not at the first constant pad.
             check_fill(spec.fill, sidecars[name].index.dtype, f"sidecar {name!r} ({path})")
+            if spec.finite:
+                cache_dir = default_cache_dir(config, dataset_path)
+                check_finite(sidecars[name], path, f"{name} sidecar", cache_dir)
         identity = data_identity(tokens)
         return PackedLowLevelDataset(tokens, loss_mask, sidecars, dataset_path, identity)
 

@@ -12,7 +12,8 @@ file they were made for; the header ``P_S.sidecar.json`` beside it does::
 
 ``scope`` ``completion``: a value per completion token (prompt tokens hold 0); ``sequence``: one
 per-sequence value broadcast to the completion's tokens; ``mask``: the loss mask (completion
-tokens 1). ``tokens_digest`` is :func:`~megatron_ext.replay.route_file.tokens_digest`'s of the token
+tokens 1); ``token``: a value per token (``--rl-record-logprobs``: a recording forward's log-probs,
+a document's first token 0). ``tokens_digest`` is :func:`~megatron_ext.replay.route_file.tokens_digest`'s of the token
 ``.idx``/``.bin`` (the route header's, by the same function), so a sidecar left beside rewritten
 tokens is refused by :func:`check_tokens_digest`, even at the same lengths.
 """
@@ -26,7 +27,7 @@ import numpy as np
 SIDECAR_EXTENSION = ".sidecar.json"
 FORMAT = "megatron_ext.token_sidecar"
 VERSION = 1
-SCOPES = ("completion", "sequence", "mask")
+SCOPES = ("completion", "sequence", "mask", "token")
 
 
 def sidecar_header_bytes(
@@ -79,8 +80,9 @@ def read_sidecar_header(path: str) -> dict:
     return header
 
 
-def check_tokens_digest(sidecar_prefix: str, tokens_prefix: str) -> dict:
-    """Refuses a sidecar whose header names other token data than ``tokens_prefix``'s content.
+def check_tokens_digest(sidecar_prefix: str, tokens_prefix: str, digest: str | None = None) -> dict:
+    """Refuses a sidecar whose header names other token data than ``tokens_prefix``'s content
+    (``digest``: that content's, when the caller already read it for another sidecar).
 
     Returns:
         The header.
@@ -94,7 +96,8 @@ def check_tokens_digest(sidecar_prefix: str, tokens_prefix: str) -> dict:
     if not os.path.isfile(path):
         raise ValueError(f"sidecar {sidecar_prefix} has no header {path}: its tokens are unknown")
     header = read_sidecar_header(path)
-    digest = content_digest([tokens_prefix + ".idx", tokens_prefix + ".bin"])
+    if digest is None:
+        digest = content_digest([tokens_prefix + ".idx", tokens_prefix + ".bin"])
     if header["tokens_digest"] != digest:
         raise ValueError(
             f"sidecar {sidecar_prefix} was written for other token data than {tokens_prefix} "

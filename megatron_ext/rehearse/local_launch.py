@@ -27,8 +27,9 @@ from megatron_ext.rehearse.rank_env import free_port, rank_env
 __all__ = ["LoopRun", "free_port", "launch"]
 
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
-# A field name may end in a parenthesised unit: "elapsed time per iteration (ms)".
-_FIELD = re.compile(r"([A-Za-z_ ]+?(?: \([^()|:]*\))?):\s+([-+0-9.eE]+|nan|inf) \|")
+# A field name may end in a parenthesised unit: "elapsed time per iteration (ms)", and hold a
+# slash: "rl/logprob_mismatch".
+_FIELD = re.compile(r"([A-Za-z0-9_ /]+?(?: \([^()|:]*\))?):\s+([-+0-9.eE]+|nan|inf) \|")
 
 
 @dataclass

@@ -79,12 +79,23 @@ def failed_save_line(
     head = f"saving the checkpoint of iteration {iteration} to {save} failed: "
     tail = _last_whole(save)
     for file, cause in failures:
-        return head + f"writing {file}: {error_cause(cause, errno_name=True)}" + _free_space(save, cause) + tail
+        return (
+            head
+            + f"writing {file}: {error_cause(cause, errno_name=True)}"
+            + _free_space(save, cause)
+            + tail
+        )
     chained: BaseException | None = err
     while chained is not None:
         if isinstance(chained, OSError) and chained.strerror:
             where = f"{chained.filename}: " if chained.filename else ""
-            return head + where + error_cause(chained, errno_name=True) + _free_space(save, chained) + tail
+            return (
+                head
+                + where
+                + error_cause(chained, errno_name=True)
+                + _free_space(save, chained)
+                + tail
+            )
         chained = chained.__cause__ or chained.__context__
     message = " ".join(str(err).split())[:300]
     return head + f"{type(err).__name__}: {message}" + _free_space(save, err) + tail

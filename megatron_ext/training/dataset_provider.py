@@ -29,7 +29,8 @@ from typing import Any
 from megatron_ext.config.megatron_view import MegatronView, TrainingProgress
 from megatron_ext.data import empty_split
 from megatron_ext.training import run_state
-from megatron_ext.training.feature_configs import PaddingConfig, ReplayConfig
+from megatron_ext.training.feature_configs import PaddingConfig, PolicyLossConfig, ReplayConfig
+from megatron_ext.training.policy_step import policy_sidecars
 
 
 def pad_multiple_from_args(args: argparse.Namespace) -> int:
@@ -103,6 +104,7 @@ def dataset_config_from_args(args: argparse.Namespace, tokenizer: Any = None) ->
             padding,
             pad_multiple=pad_multiple_from_args(args),
             doc_pad_multiple=doc_pad_multiple_from_args(args),
+            sidecars=policy_sidecars(cfgs[PolicyLossConfig]),  # --rl-loss: advantages, log-probs
             **common,
         )
         fields = {f.name: getattr(packed, f.name) for f in dataclasses.fields(packed) if f.init}
@@ -124,6 +126,7 @@ def dataset_config_from_args(args: argparse.Namespace, tokenizer: Any = None) ->
         padding,
         pad_multiple=pad_multiple_from_args(args),
         doc_pad_multiple=doc_pad_multiple_from_args(args),
+        sidecars=policy_sidecars(cfgs[PolicyLossConfig]),
         sft=view.sft,
         **common,
     )

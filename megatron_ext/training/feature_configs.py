@@ -19,8 +19,8 @@ Rules for a feature config:
 
 Each feature's class lives beside its feature (``megatron_ext/<feature>/config.py``) and registers itself
 in :mod:`megatron_ext.config.registry` when imported; this module imports them all, so
-``from megatron_ext.training.feature_configs import PaddingConfig`` works and the registry order (data, moe, replay, entry)
-is stable.
+``from megatron_ext.training.feature_configs import PaddingConfig`` works and the registry order
+(data, moe, replay, entry, rl) is stable.
 
 Config modules must not use ``from __future__ import annotations``: the factory reads real type objects.
 """
@@ -32,6 +32,7 @@ from megatron_ext.data.config import PaddingConfig
 from megatron_ext.moe.config import MoEAlignmentConfig, MoEPadRoutingConfig
 from megatron_ext.replay.config import ReplayConfig
 from megatron_ext.training.config import EntryConfig
+from megatron_ext.training.policy_config import PolicyLossConfig
 
 __all__ = [
     "FEATURE_CONFIGS",
@@ -39,6 +40,7 @@ __all__ = [
     "MoEAlignmentConfig",
     "MoEPadRoutingConfig",
     "PaddingConfig",
+    "PolicyLossConfig",
     "ReplayConfig",
     "feature_config",
     "flag",

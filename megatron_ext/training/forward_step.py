@@ -31,7 +31,7 @@ import torch
 
 from megatron_ext.config.megatron_view import MegatronView, TrainingProgress
 from megatron_ext.config.registry import flag_value
-from megatron_ext.training import run_state
+from megatron_ext.training import policy_step, run_state
 from megatron_ext.training.feature_configs import MoEAlignmentConfig
 from megatron_ext.training.throughput_log import count_micro_batch, log_token_throughput
 
@@ -283,9 +283,11 @@ def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tens
         run_state.record_routes(
             args, binding, key, batch["pack_index"], batch["tokens"].shape, pad_mask_BS=pads
         )
+        policy_step.record_logprobs(args, output, batch)  # --rl-record-logprobs (CP 1 only)
     # loss_func flattens both: the per-token loss ([B, S], THD's [1, B*S] or this CP rank's share)
     # and the mask share one order. (On a non-last pipeline stage ``output`` is hidden states.)
-    return output, partial(loss_func, loss_mask)
+    rl_loss = policy_step.loss_for_batch(args, batch, validate_loss)  # --rl-loss (CP 1), else None
+    return output, rl_loss or partial(loss_func, loss_mask)
 
 
 def announce_real_tokens(

@@ -48,6 +48,8 @@ class RunState:
     #: Record mode: this rank's streaming ``RouteRecorder`` (None until the first recorded pack, and
     #: off global rank 0's data-parallel group, which holds the same routes).
     route_recorder: Any = None
+    #: Record mode with --rl-record-logprobs: this rank's ``LogprobRecorder`` (policy_step).
+    logprob_recorder: Any = None
     #: ``--cpu`` with fp8/fp4: the quantized precision the MoE layers rehearse (cpu_rehearsal).
     rehearsal: dict[str, Any] | None = None
     rehearsal_log: Any = None

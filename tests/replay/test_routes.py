@@ -49,6 +49,9 @@ def test_pure_module_never_imports_megatron():
                 "megatron_ext.replay.route_conversion",
                 "megatron_ext.replay.rollout_ingest",
                 "megatron_ext.data.sidecar_header",
+                "megatron_ext.replay.route_ids",
+                "megatron_ext.training.policy_loss",
+                "megatron_ext.training.logprob_record",
             ],
             ["megatron"],
         )

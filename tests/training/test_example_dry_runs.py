@@ -112,13 +112,20 @@ def example_data(tmp_path_factory, data_prefix, sft_data) -> Path:
             ids = [int(t) for t in doc[:90]]
             buffer = np.argsort(rng.random((len(ids), 16, 64)), axis=-1)[..., :6]
             rows = vllm034_rows(buffer.astype(np.int32), 10, num_experts=64, prompt_start=0)
-            dump.write(json.dumps(vllm034_response("chat", ids[:10], [ids[10:]], [rows])) + "\n")
+            response = vllm034_response("chat", ids[:10], [ids[10:]], [rows])
+            # What the policy loss reads: the engine's log-probs (a chat's logprobs.content) and an
+            # advantage the RL framework adds to each choice.
+            choice = response["choices"][0]
+            choice["logprobs"] = {"content": [{"logprob": -1.5} for _ in ids[10:]]}
+            choice["advantage"] = 1.0
+            dump.write(json.dumps(response) + "\n")
     config = {"num_hidden_layers": 16, "num_experts": 64, "num_experts_per_tok": 6}
     (data / "config.json").write_text(json.dumps(config))
     assert load_ingest().main([
         "--format", "vllm", "--input", str(data / "rollouts.jsonl"), "--no-progress",
         "--model-config", str(data / "config.json"),
         "--output-prefix", str(data / "rollouts_text_document"),
+        "--token-keys", "logprobs", "--sequence-keys", "advantages=advantage",
     ]) == 0  # fmt: skip
     header = read_header(str(data / f"rollouts_text_document_routes{HEADER_EXTENSION}"))
     assert header["moe_layer_ids"] == list(range(16))  # the source's numbering, not the model's

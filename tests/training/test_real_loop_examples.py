@@ -196,12 +196,32 @@ def rl_record(corpus_prefix, tmp_path_factory) -> tuple[Path, LoopRun]:
     the sidecar the replay run reads (``--route-data-suffix _routes``)."""
     data = tmp_path_factory.mktemp("rl")
     link_prefix(corpus_prefix, data / "rollouts_text_document")
+    write_policy_sidecars(str(data / "rollouts_text_document"))
     record = ["--route-replay-mode", "record", "--route-record-path",
               str(data / "rollouts_text_document_routes")]  # fmt: skip
     run = run_example(
         "rl_route_replay.sh", data, tmp_path_factory.mktemp("ckpt"), RL_PARALLEL + record
     )
     return data, run
+
+
+def write_policy_sidecars(prefix: str) -> None:
+    """What the script's policy loss reads beside the tokens, as ingest-rollouts writes it: the
+    loss mask (a 10-token prompt), advantages (+1: the policy loss then raises every completion
+    token's log-prob, so ``lm loss`` falls as in a language-model run) and behaviour log-probs
+    (-5, about the random model's), each with its header naming the tokens' digest."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from tests.training.rl_data import write_sidecar
+
+    tokens = IndexedDataset(prefix)  # held: its lengths are a view of its memory-mapped index
+    lengths = tokens.sequence_lengths.tolist()
+    completion = [np.arange(n) >= 10 for n in lengths]
+    for suffix, dtype, value, scope in (("_loss_mask", np.uint8, 1, "mask"),
+                                        ("_advantages", np.float32, 1.0, "sequence"),
+                                        ("_logprobs", np.float32, -5.0, "completion")):  # fmt: skip
+        values = [np.where(c, value, 0).astype(dtype) for c in completion]
+        write_sidecar(prefix, suffix, values, dtype, scope, prefix)
 
 
 def recorded_rows(prefix: Path) -> np.ndarray:
@@ -270,6 +290,11 @@ def test_rl_example_replays_the_recorded_routes(rl_record, tmp_path) -> None:
         ], key
     assert run.losses == record_losses
     expert_load_lines(run)
+    # The script's RL step: the policy loss on the advantages and log-probs beside the tokens.
+    # (Its negative ``policy loss`` is not on Megatron's console line, which prints only
+    # non-negative averages: megatron/training/training.py training_log, ``if avg >= 0.0``.)
+    for fields in run.iterations.values():
+        assert fields["rl/logprob_mismatch"] > 0 and fields["rl/ratio_mean"] > 0, fields
 
 
 @pytest.mark.parametrize(
