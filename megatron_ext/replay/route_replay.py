@@ -48,8 +48,8 @@ class RouteReplay:
         missing_route_policy: ``"native"``: rows without a route take the router's own top-k.
 
     Raises:
-        ValueError: No MoE router on this rank, context parallelism, or a config under which
-            Megatron would bypass replay (the binding's checks).
+        ValueError: No MoE router on this rank, or a config under which Megatron would bypass
+            replay (the binding's checks).
     """
 
     def __init__(
@@ -60,11 +60,8 @@ class RouteReplay:
     ) -> None:
         from megatron.core import parallel_state
 
-        if parallel_state.get_context_parallel_world_size() > 1:
-            raise ValueError(
-                "RouteReplay does not support context parallelism yet: the routes would have to "
-                "follow Megatron's per-document split of packed batches"
-            )
+        #: Context-parallel ranks: packed (THD) routes then follow Megatron's per-document split.
+        self.cp_size = parallel_state.get_context_parallel_world_size()
         chunks = [unwrap_model(m) for m in (model if isinstance(model, Sequence) else [model])]
         self.chunks = chunks
         #: The micro-batch each chunk runs: one context for every chunk (a micro-batch has one
@@ -102,6 +99,7 @@ class RouteReplay:
         key: Hashable | None = None,
         src_index: Any = None,
         thd: bool = False,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> Hashable:
         """Installs one micro-batch's routes on the chunk about to run it; returns its key.
 
@@ -114,6 +112,12 @@ class RouteReplay:
             src_index: ``[B, S]`` (or ``[S]``): the position each token copies (a self pad),
                 -1 for a constant pad (a missing row); None: every token its own.
             thd: The forward runs THD packed sequences (tokens ``[1, B*S]``).
+            cu_seqlens: Under context parallelism with ``thd``: the packed row's boundaries as
+                the forward's ``PackedSeqParams`` has them (``cu_seqlens_q``, 1-D, every one a
+                multiple of 2*CP). The whole micro-batch's routes are given; this rank's are
+                taken by the split Megatron's ``get_batch_on_this_cp_rank`` makes of the tokens
+                (Transformer Engine's ``thd_get_partitioned_indices``), as the dataset path does.
+                Without ``thd``, routes follow Megatron's per-sequence zigzag by themselves.
 
         Raises:
             ValueError: Routes of another shape, an id outside ``[0, E)`` or -1, or repeated
@@ -126,12 +130,43 @@ class RouteReplay:
         routes_BSLK, has_missing = self._narrow(routes, src_index)
         if thd:
             routes_BSLK = routes_BSLK.reshape(1, -1, *routes_BSLK.shape[2:])
+        cp_index = self._cp_index(routes_BSLK.shape[1], thd, cu_seqlens)
         self.micro_batches.begin(key)
         binding = self.bindings[chunk]
         if binding is not None:
             device = next(binding.chunks[0].parameters()).device
-            binding.install(routes_BSLK.to(device, non_blocking=True), key, has_missing=has_missing)
+            binding.install(
+                routes_BSLK.to(device, non_blocking=True),
+                key,
+                has_missing=has_missing,
+                cp_index=None if cp_index is None else cp_index.to(device, non_blocking=True),
+            )
         return key
+
+    def _cp_index(
+        self, total: int, thd: bool, cu_seqlens: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """This CP rank's positions of a THD row (Megatron's per-document split), or None."""
+        if self.cp_size == 1:
+            return None
+        if not thd:
+            if cu_seqlens is not None:
+                raise ValueError("cu_seqlens is for packed (thd=True) micro-batches")
+            return None  # the binding slices Megatron's per-sequence zigzag itself
+        if cu_seqlens is None or cu_seqlens.dim() != 1:
+            raise ValueError(
+                "under context parallelism, set_routes(thd=True) needs the row's 1-D cu_seqlens "
+                "(the forward's PackedSeqParams.cu_seqlens_q): Megatron splits packs per document"
+            )
+        from megatron.core import parallel_state
+        from megatron.core import utils as mcore_utils
+
+        return mcore_utils.tex.thd_get_partitioned_indices(
+            cu_seqlens.to(torch.int32),
+            total,
+            self.cp_size,
+            parallel_state.get_context_parallel_rank(),
+        )
 
     def clear(self) -> None:
         """Forgets the step's routes (call after its last backward); keys count from 0 again."""

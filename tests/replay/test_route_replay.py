@@ -98,3 +98,43 @@ def test_the_example_replays_an_ingested_dump_in_its_own_loop(tmp_path) -> None:
     native, replayed = result["logprob_mismatch"]["native"], result["logprob_mismatch"]["replay"]
     assert 0 < replayed < native / 5, result  # seen: 1.7e-4 vs 3.8e-3
     assert (tmp_path / "rollouts_routes.routes.json").is_file()
+
+
+def _cp_index_worker() -> dict:
+    """Under CP 2: the positions set_routes keeps of a packed row are Megatron's per-document
+    split of the tokens (TE's thd_get_partitioned_indices, stood in on CPU)."""
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state
+
+    from megatron_ext.common.thd_partition import thd_partitioned_indices
+    from megatron_ext.replay.route_replay import RouteReplay
+
+    replay = SimpleNamespace(cp_size=parallel_state.get_context_parallel_world_size())
+    cu = torch.tensor([0, 4, 8, 16], dtype=torch.int32)
+    rank = parallel_state.get_context_parallel_rank()
+    got = RouteReplay._cp_index(replay, 16, True, cu)
+    errors = []
+    for thd, bounds in ((True, None), (False, cu)):
+        try:
+            RouteReplay._cp_index(replay, 16, thd, bounds)
+        except ValueError as err:
+            errors.append(str(err))
+    return {
+        "cp": replay.cp_size,
+        "equal": torch.equal(got.long(), thd_partitioned_indices(cu, 16, 2, rank).long()),
+        "positions": got.tolist(),
+        "zigzag_left_to_binding": RouteReplay._cp_index(replay, 16, False, None) is None,
+        "errors": errors,
+    }
+
+
+def test_set_routes_under_context_parallelism_takes_megatrons_per_document_split() -> None:
+    results = run_distributed(_cp_index_worker, 2, cp=2)
+    assert all(r["cp"] == 2 and r["equal"] and r["zigzag_left_to_binding"] for r in results)
+    # The two ranks hold complementary halves of every document (a real split occurred).
+    assert sorted(results[0]["positions"] + results[1]["positions"]) == list(range(16))
+    assert results[0]["positions"] == [0, 3, 4, 7, 8, 9, 14, 15]
+    for r in results:
+        assert "needs the row's 1-D cu_seqlens" in r["errors"][0]
+        assert "cu_seqlens is for packed" in r["errors"][1]
