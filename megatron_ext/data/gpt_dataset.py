@@ -123,14 +123,29 @@ class SelfPaddedGPTDataset(GPTDataset):
             return 1
         return super()._get_num_epochs(num_tokens_per_epoch)
 
+    def _text_and_document_lengths(self, idx: int) -> tuple[np.ndarray, list[int]]:
+        """Megatron's text of sample ``idx`` (padded with its pad id) and the number of tokens
+        read from each document. megatron-core 0.18.2 returns no lengths: they are read off the
+        sample index as its ``_query_document_sample_shuffle_indices`` reads the parts (the first
+        from its offset, the last up to its end offset plus the extra label token)."""
+        found = self._query_document_sample_shuffle_indices(idx)
+        if len(found) == 3:
+            return found[0], found[2]
+        shuffled = self.shuffle_index[idx]
+        (first, start), (last, end) = self.sample_index[shuffled], self.sample_index[shuffled + 1]
+        extra = int(self.config.add_extra_token_to_sequence)
+        if first == last:
+            return found[0], [int(end - start) + extra]
+        lengths = self.dataset.sequence_lengths[self.document_index[first:last]].astype(np.int64)
+        lengths[0] -= start
+        return found[0], [*map(int, lengths), int(end) + extra]
+
     def __getitem__(self, idx: int | None) -> dict[str, Any]:
         cfg = self.config
         seq_length = cfg.sequence_length
         extra = int(cfg.add_extra_token_to_sequence)
         # idx None: Megatron's batch-padding sample. Its content is sample 0's, every position a pad.
-        text, _, document_lengths = self._query_document_sample_shuffle_indices(
-            0 if idx is None else idx
-        )
+        text, document_lengths = self._text_and_document_lengths(0 if idx is None else idx)
         num_text = int(sum(document_lengths))  # real text tokens; the rest is Megatron's pad id
         # Content: the real text, its pad slots refilled by the pad policy (one segment: GPT
         # labels cross document boundaries).
@@ -164,7 +179,7 @@ class SelfPaddedGPTDataset(GPTDataset):
         padding_mask[min(num_real, seq_length) :] = True
 
         sample: dict[str, Any] = {"tokens": tokens, "labels": labels}
-        if cfg.inter_document_masking:
+        if getattr(cfg, "inter_document_masking", False):  # a field from megatron-core 0.19 on
             bounds = _segment_bounds(document_lengths, min(num_real, seq_length), seq_length)
             seg_lens = np.diff(bounds)
             position_ids = torch.from_numpy(
