@@ -80,6 +80,26 @@ def _segment_bounds(document_lengths: list[int], num_real: int, seq_length: int)
     return bounds
 
 
+def document_lengths_from_index(dataset: GPTDataset, idx: int) -> list[int]:
+    """The number of tokens sample ``idx`` reads from each of its documents, off ``dataset``'s
+    loaded indices, as ``_query_document_sample_shuffle_indices`` reads them (megatron-core 0.18.2
+    and 0.19.2 alike; 0.19.2 returns them, 0.18.2 does not): the first document from its start
+    offset, the last up to its end offset plus the extra label token, those between whole.
+
+    Example: sample spanning documents of 7 and 5 tokens from offset 5 to offset 2, extra token
+    -> [2, 3].
+    """
+    shuffled = dataset.shuffle_index[idx]
+    (first, start), (last, end) = dataset.sample_index[shuffled], dataset.sample_index[shuffled + 1]
+    extra = int(dataset.config.add_extra_token_to_sequence)
+    if first == last:
+        return [int(end - start) + extra]
+    documents = dataset.document_index[first:last]
+    lengths = dataset.dataset.sequence_lengths[documents].astype(np.int64)
+    lengths[0] -= start
+    return [*map(int, lengths), int(end) + extra]
+
+
 class SelfPaddedGPTDataset(GPTDataset):
     """``GPTDataset`` with self-token padding of short samples and a ``padding_mask``.
 
@@ -125,20 +145,11 @@ class SelfPaddedGPTDataset(GPTDataset):
 
     def _text_and_document_lengths(self, idx: int) -> tuple[np.ndarray, list[int]]:
         """Megatron's text of sample ``idx`` (padded with its pad id) and the number of tokens
-        read from each document. megatron-core 0.18.2 returns no lengths: they are read off the
-        sample index as its ``_query_document_sample_shuffle_indices`` reads the parts (the first
-        from its offset, the last up to its end offset plus the extra label token)."""
+        read from each document (megatron-core 0.18.2 returns no lengths: read off the index)."""
         found = self._query_document_sample_shuffle_indices(idx)
         if len(found) == 3:
             return found[0], found[2]
-        shuffled = self.shuffle_index[idx]
-        (first, start), (last, end) = self.sample_index[shuffled], self.sample_index[shuffled + 1]
-        extra = int(self.config.add_extra_token_to_sequence)
-        if first == last:
-            return found[0], [int(end - start) + extra]
-        lengths = self.dataset.sequence_lengths[self.document_index[first:last]].astype(np.int64)
-        lengths[0] -= start
-        return found[0], [*map(int, lengths), int(end) + extra]
+        return found[0], document_lengths_from_index(self, idx)
 
     def __getitem__(self, idx: int | None) -> dict[str, Any]:
         cfg = self.config

@@ -64,7 +64,22 @@ def test_an_edited_source_is_refused_and_layout_is_not(tmp_path, monkeypatch) ->
 def test_an_untested_version_is_refused_naming_found_and_tested() -> None:
     line = check.check_megatron(version="0.20.0")
     assert line is not None and "\n" not in line
-    assert "megatron-core 0.20.0 is untested (tested: 0.19.2)" in line
+    assert "megatron-core 0.20.0 is untested (tested: 0.18.2, 0.19.2)" in line
+    # Between the tested versions too: 0.19.1 is not 0.18.2 or 0.19.2.
+    assert "megatron-core 0.19.1 is untested" in (check.check_megatron(version="0.19.1") or "")
+
+
+def test_each_version_is_checked_against_its_own_fingerprints() -> None:
+    """The installed sources match the installed version's fingerprints (above) and not the other
+    supported version's: the rows whose source differs between them are named, and a row of the
+    installed version only (a function the other lacks) is not asked about for the other."""
+    installed = check.installed_megatron()
+    other = next(v for v in TESTED_MEGATRON if v != installed)
+    line = check.check_megatron(version=other)
+    assert line is not None and "is untested" not in line  # a tested version, other sources
+    assert "megatron.core.transformer.moe.router.TopKRouter.__init__" in line, line
+    only_installed = [r.name for r in TABLE if r.versions == (installed,)]
+    assert only_installed and not any(name + "," in line + "," for name in only_installed)
 
 
 def test_the_check_is_cheap() -> None:
@@ -96,14 +111,20 @@ def test_the_entry_refuses_with_exit_2_unless_allowed(allow, monkeypatch, capsys
         assert "--allow-untested-megatron" in out.err
 
 
-def test_the_package_metadata_allows_exactly_the_tested_versions() -> None:
+def test_the_package_metadata_admits_the_tested_range_only() -> None:
+    """The pin is the range from the oldest to the newest tested version; the startup check
+    refuses the untested versions inside it (above)."""
     import tomllib
-    from pathlib import Path
+
+    from packaging.requirements import Requirement
 
     pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
     dependencies = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
-    pins = [d.replace(" ", "") for d in dependencies if d.startswith("megatron-core")]
-    assert pins == [f"megatron-core=={version}" for version in TESTED_MEGATRON]
+    pins = [Requirement(d) for d in dependencies if d.startswith("megatron-core")]
+    assert len(pins) == 1
+    admitted = pins[0].specifier
+    assert all(admitted.contains(version) for version in TESTED_MEGATRON)
+    assert not any(admitted.contains(v) for v in ("0.17.1", "0.18.1", "0.19.3", "0.20.0"))
 
 
 def _table_modules() -> list[str]:

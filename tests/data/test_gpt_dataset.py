@@ -10,7 +10,11 @@ import torch
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-from megatron_ext.data.gpt_dataset import SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig
+from megatron_ext.data.gpt_dataset import (
+    SelfPaddedGPTDataset,
+    SelfPaddedGPTDatasetConfig,
+    document_lengths_from_index,
+)
 from megatron_ext.data.gpt_index_cache import AFFIXES
 from megatron_ext.data.indexed_writer import write_documents
 from tests.data.dataset_helpers import build_splits, gpt_config_kwargs, null_tokenizer
@@ -150,6 +154,25 @@ def test_eos_equal_to_pad_id_is_kept_and_trained(prefixes: list[str], eod_mask_l
     # a short sample was padded.
     assert real_eod_inputs > 0 and real_eod_labels > 0 and padded > 0
     assert megatron_zeroed == real_eod_inputs
+
+
+@pytest.mark.skipif(
+    "inter_document_masking" not in GPTDatasetConfig.__dataclass_fields__,
+    reason="megatron-core 0.18.2 returns no document lengths to compare with",
+)
+@pytest.mark.parametrize("extra_token", [True, False])
+def test_document_lengths_read_off_the_index_are_megatrons(prefixes, extra_token) -> None:
+    """megatron-core 0.18.2's sample query returns no document lengths: those read off the
+    index (its path) are the ones 0.19.2's returns, for every sample, spanning documents too."""
+    for prefix in prefixes:
+        kw = {"add_extra_token_to_sequence": extra_token}
+        dataset = build(GPTDataset, GPTDatasetConfig, [prefix], split="100,0,0", **kw)[0]
+        spanning = 0
+        for idx in range(len(dataset)):
+            *_, lengths = dataset._query_document_sample_shuffle_indices(idx)
+            assert document_lengths_from_index(dataset, idx) == lengths, (prefix, idx)
+            spanning += len(lengths) > 1
+        assert spanning > 0 or prefix == prefixes[1]  # b is one 9-token document
 
 
 def test_batch_padding_sample_is_all_pads(prefixes: list[str]) -> None:
