@@ -160,8 +160,13 @@ class GPTBuilder:
         post_process: bool = True,
         vp_stage: int | None = None,
     ) -> Any:
-        from megatron.core.models.gpt.gpt_model import GPTModel
+        import logging
 
+        from megatron.core.models.gpt.gpt_model import GPTModel
+        from megatron.core.utils import log_single_rank
+
+        # What Megatron-LM 0.18's own GPT builder printed; the real-loop tests read it.
+        log_single_rank(logging.getLogger(__name__), logging.INFO, "building GPTModel ...")
         cfg = self.config
         spec = cfg.transformer_layer_spec
         if spec is None:
