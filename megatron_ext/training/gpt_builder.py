@@ -8,7 +8,7 @@ with the same interface (``config.transformer``, ``config.transformer_layer_spec
 ``Builder(config).build_model(pg_collection, pre_process, post_process, vp_stage)``), so the
 model provider is one code path. The layer spec is chosen as 0.19.2's ``default_layer_spec``
 chooses it for what megatron_ext runs (MoE, dense, local or Transformer Engine, MTP); the
-variants it has no spec for here are refused at argument time (:func:`unsupported_here`).
+variants it does not build are refused at argument time (:func:`check_gpt_builder`).
 
 Example::
 
@@ -20,12 +20,8 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Callable
 
-#: Megatron flags whose layer spec only 0.19.2's builder picks (flag -> its attribute).
-NOT_ON_0_18 = {
-    "--experimental-attention-variant": "experimental_attention_variant",
-    "--heterogeneous-layers-config-path": "heterogeneous_layers_config_path",
-    "--yaml-cfg": "yaml_cfg",
-}
+from megatron_ext.config.megatron_view import MegatronView
+
 
 
 def has_megatron_gpt_builder() -> bool:
@@ -47,13 +43,21 @@ def gpt_classes() -> tuple[Callable[..., Any], Callable[..., Any], type, type]:
             gpt.GPTModelBuilder)  # fmt: skip
 
 
-def unsupported_here(args: argparse.Namespace) -> str | None:
-    """The first flag of :data:`NOT_ON_0_18` the run sets where Megatron has no GPT builder of its
-    own (None: none, or Megatron has one)."""
-    for flag, attribute in NOT_ON_0_18.items():
-        if getattr(args, attribute, None) is not None and not has_megatron_gpt_builder():
-            return flag
-    return None
+def check_gpt_builder(view: MegatronView) -> None:
+    """Refuses, where Megatron has no GPT builder (0.18.2), a GPT model this module does not build
+    as Megatron would: a heterogeneous layer file, or the model read from a YAML file (0.19.2's
+    builder reads both; 0.18.2 has no ``--experimental-attention-variant`` at all)."""
+    if view.hybrid_layer_pattern is not None or has_megatron_gpt_builder():
+        return
+    flags = {"--heterogeneous-layers-config-path": view.heterogeneous_layers_config_path,
+             "--yaml-cfg": view.yaml_cfg}  # fmt: skip
+    for flag, value in flags.items():
+        if value is not None:
+            raise ValueError(
+                f"{flag} needs megatron-core 0.19.2 for a GPT model: 0.18.2 has no GPT model "
+                "builder, and megatron_ext's (megatron_ext/training/gpt_builder.py) builds only "
+                "the layer specs of the flags"
+            )
 
 
 @dataclass(kw_only=True)

@@ -18,6 +18,7 @@ import pytest
 from megatron_ext.compat import check
 from megatron_ext.compat.patch import TESTED_MEGATRON, Patch, fingerprint
 from megatron_ext.compat.table import TABLE
+from megatron_ext.compat.versions import table_version
 
 FUNCTION = '''def patched_function(x):
     """Doubles."""
@@ -196,6 +197,8 @@ def test_every_fingerprinted_row_is_megatron_defined_code() -> None:
     te_bound = {f"{m}.{n}" for m, names in te_bound_attributes(_table_modules()).items()
                 for n in names}  # fmt: skip
     for row in TABLE:
+        if not row.applies_on(table_version()):  # a function the installed version lacks
+            continue
         if row.name in te_bound:
             assert isinstance(row.fingerprint, Needs), row.name
         if isinstance(row.fingerprint, Needs):
@@ -223,4 +226,4 @@ def test_the_version_is_the_imported_megatrons_not_an_installed_distributions(tm
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "0.20.0rc1"
-    assert check.installed_megatron() == "0.19.2"  # this process: the installed wheel's code
+    assert check.installed_megatron() in TESTED_MEGATRON  # this process: the Megatron it imports
