@@ -67,10 +67,11 @@ OTHER_ROWS: list[Patch] = [
         group="launch", module=M + "optimizer.optimizer",
         attribute="MegatronOptimizer._filter_and_reorder_param_groups",
         replacement="megatron_ext.training.resume_checks:matching_groups_across_lr",
-        reason="keys the saved param groups by max_lr/min_lr too: a resume with another --lr finds "
-               "no group ('Could not find parameter group') even with the scheduler flags",
-        # 0.18.2 keys them by wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr only.
-        fingerprint="dc405c26824a0b9d", versions=("0.19.2",),
+        reason="0.19.2 keys the saved param groups by max_lr/min_lr too: a resume with another "
+               "--lr finds no group ('Could not find parameter group') even with the scheduler "
+               "flags; 0.18.2 pairs them without but keeps the checkpoint's LR in them (a new "
+               "--lr ignored under --override-opt_param-scheduler)",
+        fingerprint={"0.18.2": "cec96b015796fb30", "0.19.2": "dc405c26824a0b9d"},
     ),
     Patch(
         group="validate_on_target", module=T + "arguments", attribute="validate_args",
