@@ -370,7 +370,7 @@ LOOP_ROWS: list[Patch] = [
             "calc_dtensor_params_l2_norm": "8d0ed32ad1d5a76d",
             "reduce_max_stat_across_model_parallel_group": "1579a7f30c61cc8f",
             "logical_and_across_model_parallel_group": "b00a0975cc41f663",
-            "calc_params_l2_norm": {"0.18.2": "8de03172fa65d86e"},
+            "calc_params_l2_norm": "8de03172fa65d86e",
         },
         # 0.18.2 computes the norms inline in calc_params_l2_norm; 0.19.2 factored them out into
         # _compute_norm_2 (its calc_params_l2_norm makes no CUDA call of its own).

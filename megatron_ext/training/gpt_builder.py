@@ -17,11 +17,11 @@ Example::
 """
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from megatron_ext.config.megatron_view import MegatronView
-
 
 
 def has_megatron_gpt_builder() -> bool:

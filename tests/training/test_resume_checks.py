@@ -79,8 +79,11 @@ def test_an_unchanged_lr_is_megatrons_own_pairing() -> None:
     assert matching_groups_across_lr(_megatrons())(current, [dict(g) for g in saved]) == expected
 
 
-@pytest.mark.skipif("not groups_keyed_by_lr()", reason="megatron-core 0.18.2 (no MuP) keys the "
-                    "groups without their LR: it has no such error to keep")
+@pytest.mark.skipif(
+    "not groups_keyed_by_lr()",
+    reason="megatron-core 0.18.2 (no MuP) keys the "
+    "groups without their LR: it has no such error to keep",
+)
 def test_groups_that_differ_by_their_lr_alone_keep_megatrons_error() -> None:
     """As MuP's may: paired by the other keys, two groups would be one."""
     saved = [_group([0], 1e-3), _group([1], 5e-4)]
