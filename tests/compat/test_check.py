@@ -26,6 +26,7 @@ FUNCTION = '''def patched_function(x):
 '''
 
 
+@pytest.mark.each_megatron
 def test_the_installed_megatron_is_the_tested_one() -> None:
     # Positive control for the refusals below: every row matches the installed source.
     assert check.installed_megatron() in TESTED_MEGATRON
@@ -70,6 +71,7 @@ def test_an_untested_version_is_refused_naming_found_and_tested() -> None:
     assert "megatron-core 0.19.1 is untested" in (check.check_megatron(version="0.19.1") or "")
 
 
+@pytest.mark.each_megatron
 def test_each_version_is_checked_against_its_own_fingerprints() -> None:
     """The installed sources match the installed version's fingerprints (above) and not the other
     supported version's: the rows whose source differs between them are named, and a row of the
@@ -187,6 +189,7 @@ def test_a_launch_checks_the_rows_it_applies() -> None:
     assert "validate_on_target" not in gpu and "cpu" not in gpu
 
 
+@pytest.mark.each_megatron
 def test_every_fingerprinted_row_is_megatron_defined_code() -> None:
     """Only Megatron's own functions and classes are fingerprinted; a row whose value comes from
     another package or may be absent (every TE-bound attribute the table touches) is checked by

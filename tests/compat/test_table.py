@@ -6,12 +6,16 @@ and each line a row depends on is there (no stale rows), and each factory a row 
 
 import importlib
 
+import pytest
+
 from megatron_ext import compat
 from megatron_ext.compat.host_torch import HostTorch
 from megatron_ext.compat.patch import TESTED_MEGATRON, Needs, original, replaced_function
 from megatron_ext.compat.span import lines_holding
 from megatron_ext.compat.triage import rerouted_calls
 from megatron_ext.compat.versions import table_version
+
+pytestmark = pytest.mark.each_megatron
 
 #: The rows applying on the installed megatron-core.
 ROWS = [row for row in compat.TABLE if row.applies_on(table_version())]

@@ -23,6 +23,8 @@ from megatron_ext.training.resume_checks import (
     megatron_args,
 )
 
+pytestmark = pytest.mark.each_megatron
+
 NAME = "megatron.core.optimizer.optimizer.MegatronOptimizer._filter_and_reorder_param_groups"
 
 
