@@ -59,7 +59,7 @@ test-megatron-0.18.2: setup-megatron-0.18.2
 	$(MC0182_ENV) $(PY) -m pytest -q -m each_megatron tests/compat tests/data/test_gpt_dataset.py \
 	  tests/training/test_resume_checks.py tests/training/test_gpt_builder.py \
 	  tests/training/test_real_loop_features.py tests/training/test_checkpoint_resume.py \
-	  tests/training/test_startup_refusals.py
+	  tests/training/test_startup_refusals.py --durations=15
 
 bench: setup
 	$(VENV)/bin/megatron-ext bench --overwrite --json docs/benchmarks.json
