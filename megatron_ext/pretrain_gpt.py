@@ -293,12 +293,13 @@ def train(args: argparse.Namespace) -> int:
     compat.apply("launch")
     cfg = pretrain_cfg_container_from_args(args)
     try:
+        # By keyword: 0.18.2 takes model_provider second, 0.19.2 after forward_step_func.
         pretrain(
             cfg,
-            train_valid_test_datasets_provider,
-            ModelType.encoder_or_decoder,
-            forward_step,
+            train_valid_test_dataset_provider=train_valid_test_datasets_provider,
             model_provider=model_provider,
+            model_type=ModelType.encoder_or_decoder,
+            forward_step_func=forward_step,
         )
     except DataRefusedError as err:  # bad data only the built datasets show: one line, exit 2
         if "--verbose" in sys.argv:

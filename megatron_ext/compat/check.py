@@ -1,16 +1,18 @@
 """The startup check: refuse a megatron-core version or a Megatron source the table was not checked on.
 
-Every row of :data:`megatron_ext.compat.table.TABLE` carries the fingerprint of the Megatron source it
-replaces (or copies), or the :class:`~megatron_ext.compat.patch.Needs` of a value that is not
-Megatron-defined code (an optional Transformer Engine kernel). A launch checks the rows it will apply
-(:func:`launch_groups`: a GPU launch never applies the CPU rows) once, in milliseconds, and
-refuses in one line an installed megatron-core outside the tested versions or a changed source,
-naming both; ``--allow-untested-megatron`` runs anyway.
+Every row of :data:`megatron_ext.compat.table.TABLE` carries, for each tested megatron-core version
+it applies on, the fingerprint of the Megatron source it replaces (or copies), or the
+:class:`~megatron_ext.compat.patch.Needs` of a value that is not Megatron-defined code (an optional
+Transformer Engine kernel). A launch checks the rows it will apply on the running version
+(:func:`launch_groups`: a GPU launch never applies the CPU rows) against that version's
+fingerprints, once, in milliseconds, and refuses in one line a megatron-core outside the tested
+versions or a changed source, naming both; ``--allow-untested-megatron`` runs anyway (with the
+rows of the nearest tested version: :func:`~megatron_ext.compat.versions.table_version`).
 
 Example::
 
     problem = check_megatron(groups=launch_groups(cpu=False, dry_run=False))
-    # None, or "megatron-core 0.20.0 is untested (tested: 0.19.2); changed since tested:
+    # None, or "megatron-core 0.20.0 is untested (tested: 0.18.2, 0.19.2); changed since tested:
     #  megatron.core.transformer.moe.router.Router.gating"
 """
 
@@ -19,22 +21,13 @@ import collections
 import importlib.util
 from collections.abc import Iterable
 
-from megatron_ext.compat.patch import TESTED_MEGATRON, Needs, Patch, original, row_fingerprint
+from megatron_ext.compat.patch import Needs, Patch, original, row_fingerprint
 from megatron_ext.compat.table import TABLE
+from megatron_ext.compat.versions import TESTED_MEGATRON, installed_megatron, table_version
 
 #: Rows every launch may apply, GPU included: the launch's own, those applied by an object the
 #: run creates (route replay, the resume checks) and Megatron bodies copied into megatron_ext.
 EVERY_LAUNCH = ("launch", "owned", "copied")
-
-
-def installed_megatron() -> str:
-    """The version of the Megatron-Core this process imports, from ``megatron.core.package_info``
-    (in the megatron-core wheel and in a Megatron-LM source checkout on ``PYTHONPATH`` alike, with
-    or without an installed distribution beside it), without a checkout's ``+<commit>`` suffix."""
-    from megatron.core import package_info
-
-    major, minor, patch, pre_release = package_info.VERSION
-    return f"{major}.{minor}.{patch}{pre_release}"
 
 
 def launch_groups(
@@ -80,17 +73,26 @@ def found_fingerprint(row: Patch) -> str:
         return f"gone ({err})"
 
 
-def _expected(row: Patch) -> str:
-    return str(row.fingerprint)
+def _expected(row: Patch, version: str) -> str:
+    return str(row.fingerprint_on(version))
 
 
-def changed_rows(table: Iterable[Patch] = TABLE, groups: Iterable[str] | None = None) -> list[str]:
-    """``module.attribute`` of each row (of ``groups``; None: all) whose Megatron source no longer
-    has its fingerprint, whose value no longer is what the row needs, or that is gone."""
+def changed_rows(
+    table: Iterable[Patch] = TABLE,
+    groups: Iterable[str] | None = None,
+    version: str | None = None,
+) -> list[str]:
+    """``module.attribute`` of each row (of ``groups``; None: all) applying on ``version`` (the
+    tested version whose rows apply; default: the running Megatron's) whose Megatron source no
+    longer has that version's fingerprint, whose value no longer is what the row needs, or that is
+    gone."""
     groups = None if groups is None else tuple(groups)
+    version = table_version(installed_megatron() if version is None else version)
     changed = []
     for row in table:
-        if _in_groups(row, groups) and found_fingerprint(row) != _expected(row):
+        if not (_in_groups(row, groups) and row.applies_on(version)):
+            continue
+        if found_fingerprint(row) != _expected(row, version):
             changed.append(row.name)
     return list(dict.fromkeys(changed))
 
@@ -101,14 +103,15 @@ def check_megatron(
     groups: Iterable[str] | None = None,
 ) -> str | None:
     """One line naming what is untested (the version found vs tested, the changed sources of the
-    rows of ``groups``, every row when None), or None."""
+    rows of ``groups``, every row when None), or None. A tested version's rows are checked
+    against its own fingerprints; an untested one's against the nearest tested version's."""
     version = installed_megatron() if version is None else version
     problems = []
     if version not in TESTED_MEGATRON:
         problems.append(
             f"megatron-core {version} is untested (tested: {', '.join(TESTED_MEGATRON)})"
         )
-    changed = changed_rows(table, groups)
+    changed = changed_rows(table, groups, version)
     if changed:
         problems.append(
             f"Megatron source changed since tested (megatron-core {version}): {', '.join(changed)}"
@@ -122,7 +125,8 @@ def check_megatron(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m megatron_ext.compat.check``: each row whose Megatron source changed, with the
+    """``python -m megatron_ext.compat.check``: each row (of those applying on the running
+    version; an untested one: the nearest tested version's) whose Megatron source changed, with the
     fingerprint it was checked with and the one found, and whether what it replaces is still there
     (:func:`~megatron_ext.compat.triage.triage`: still needed, moved, gone); ``--fingerprints``
     lists every row's fingerprint found (to put in the table once a version is checked)."""
@@ -136,15 +140,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row.group:28s} {row.name}: {found_fingerprint(row)}")
         return 0
     version = installed_megatron()
-    print(f"megatron-core {version} (tested: {', '.join(TESTED_MEGATRON)}); {len(TABLE)} rows")
+    rows_of = table_version(version)
+    applying = [row for row in TABLE if row.applies_on(rows_of)]
+    print(f"megatron-core {version} (tested: {', '.join(TESTED_MEGATRON)}); {len(applying)} of "
+          f"{len(TABLE)} rows apply" + ("" if rows_of == version else f" (those of {rows_of})"))  # fmt: skip
     verdicts: collections.Counter[str] = collections.Counter()
-    for row in TABLE:
-        found = found_fingerprint(row)
-        if found != _expected(row):
+    for row in applying:
+        found, expected = found_fingerprint(row), _expected(row, rows_of)
+        if found != expected:
             found = "gone" if found.startswith("gone") else found  # the triage says where
-            verdict = triage(row, TABLE)
+            verdict = triage(row, applying)
             verdicts[verdict.verdict] += 1
-            print(f"changed  {row.group:28s} {row.name}: checked {_expected(row)}, found {found}")
+            print(f"changed  {row.group:28s} {row.name}: checked {expected}, found {found}")
             print(f"         {verdict}")
     changed = sum(verdicts.values())
     if changed:

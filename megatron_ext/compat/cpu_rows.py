@@ -14,13 +14,22 @@ _RNG = ("get_rng_state", "set_rng_state")
 
 
 def _host_rows(
-    *, group: str, module: str, replacement: HostTorch, reason: str, fingerprints: dict[str, str]
+    *,
+    group: str,
+    module: str,
+    replacement: HostTorch,
+    reason: str,
+    fingerprints: dict[str, str | dict[str, str]],
+    only: dict[str, tuple[str, ...]] | None = None,
 ) -> list[Patch]:
-    """One :class:`HostTorch` row per function of ``module`` (``{attribute: fingerprint}``), the
-    rest of each row shared."""
+    """One :class:`HostTorch` row per function of ``module`` (``{attribute: fingerprint}``, one
+    fingerprint for every version or ``{version: fingerprint}``), the rest of each row shared;
+    ``only``: the versions of a function that is not there on every supported one."""
+    only = only or {}
     return [
         Patch(group=group, module=module, attribute=attribute, replacement=replacement,
-              reason=reason, fingerprint=fingerprint)
+              reason=reason, fingerprint=fingerprint,
+              **({"versions": only[attribute]} if attribute in only else {}))
         for attribute, fingerprint in fingerprints.items()
     ]  # fmt: skip
 
@@ -65,7 +74,8 @@ CPU_ROWS: list[Patch] = [
         replacement=HostTorch(cuda=STREAMS),
         reason="DDP orders its gradient all-reduce against the current CUDA stream",
         fingerprints={
-            "_ParamAndGradBucketGroup.start_grad_sync": "9a97123a8533faf3",
+            "_ParamAndGradBucketGroup.start_grad_sync": {"0.18.2": "d9ba313ae96f164d",
+                                                       "0.19.2": "9a97123a8533faf3"},
             "_ParamAndGradBucketGroup.finish_grad_sync": "31be343dc9a98d4e",
         },
     ),
@@ -75,7 +85,7 @@ CPU_ROWS: list[Patch] = [
         reason="--moe-shared-expert-overlap runs the shared experts on a side CUDA stream",
         fingerprints={
             "_BackwardStreamWait.backward": "2cf227ed89802b84",
-            "SharedExpertMLP.__init__": "b940156246897d1d",
+            "SharedExpertMLP.__init__": {"0.18.2": "98ed03c79460124d", "0.19.2": "b940156246897d1d"},
             "SharedExpertMLP.wait_current_stream": "5ed1b87063e9df7c",
             "SharedExpertMLP.pre_forward_comm": "e58f10a30fa87464",
             "SharedExpertMLP.linear_fc1_forward_and_act": "e58f10a30fa87464",
@@ -84,6 +94,8 @@ CPU_ROWS: list[Patch] = [
             "SharedExpertMLP.get_output": "2a361f4186b8da09",
             "FusedSharedExpertMLP.linear_fc1_forward_and_act": "e58f10a30fa87464",
         },
+        # FusedSharedExpertMLP was added after 0.18.2.
+        only={"FusedSharedExpertMLP.linear_fc1_forward_and_act": ("0.19.2",)},
     ),
     *_host_rows(
         group="cpu.current_device", module=M + "pipeline_parallel.p2p_communication",
@@ -101,7 +113,7 @@ CPU_ROWS: list[Patch] = [
                "device",
         fingerprints={
             "Router.gating": "ce6c2be554547dc2",
-            "TopKRouter.__init__": "847894ef2e08c2f9",
+            "TopKRouter.__init__": {"0.18.2": "30fe54268e341770", "0.19.2": "847894ef2e08c2f9"},
         },
     ),
     *_host_rows(
@@ -121,7 +133,8 @@ CPU_ROWS: list[Patch] = [
         fingerprints={
             "GlobalMemoryBuffer.get_tensor": "37b46187c8687035",
             "StragglerDetector.configure": "64a59ba3f4194114",
-            "get_batch_on_this_tp_rank": "c0f3e6393bd5c9cc",
+            "get_batch_on_this_tp_rank": {"0.18.2": "6791d5a9bbfa940c",
+                                          "0.19.2": "c0f3e6393bd5c9cc"},
         },
     ),
     *_host_rows(
@@ -223,7 +236,7 @@ LOOP_ROWS: list[Patch] = [
         reason="the JIT warm-up's random inputs (sized by --seq-length / CP / TP) come from the "
                "CPU generator standing in for CUDA's: the routers' initial weights would depend "
                "on the parallel layout",
-        fingerprint="6309e1dddc2c502b",
+        fingerprint={"0.18.2": "8d4f4af5ed689f6e", "0.19.2": "6309e1dddc2c502b"},
     ),
     Patch(
         group="cpu_loop.initialize", module=T + "training", attribute="initialize_megatron",
@@ -281,6 +294,8 @@ LOOP_ROWS: list[Patch] = [
             "FP32Optimizer.__init__": "53b51070ca3c79d5",
             "ChainedOptimizer.get_loss_scale": "2f5bd36b600350b8",
         },
+        # Separate gradient-norm groups (and has_grad_norm_group) came after 0.18.2.
+        only={"MegatronOptimizer.has_grad_norm_group": ("0.19.2",)},
     ),
     *_host_rows(
         group="cpu_loop.rng_checkpoint", module=M + "rerun_state_machine",
@@ -302,7 +317,7 @@ LOOP_ROWS: list[Patch] = [
         reason="checkpoints save and restore CUDA RNG state",
         fingerprints={
             "read_metadata": "060f18f3460d80c0",
-            "get_rng_state": "53c8efafc8795f32",
+            "get_rng_state": {"0.18.2": "d01ea0b192d9d480", "0.19.2": "53c8efafc8795f32"},
             "load_checkpoint": "e9a41e69786c378f",
         },
     ),
@@ -338,7 +353,7 @@ LOOP_ROWS: list[Patch] = [
         replacement=HostTorch(cuda=_LOOP, factories=True),
         reason="gradient norms allocated with device=\"cuda\"",
         fingerprints={
-            "get_grad_norm_fp32": "cc6e9be7411f610a",
+            "get_grad_norm_fp32": {"0.18.2": "8ec642bed3ed5124", "0.19.2": "cc6e9be7411f610a"},
             "count_zeros_fp32": "ec1fe0449e88d56c",
         },
     ),
@@ -372,6 +387,10 @@ LOOP_ROWS: list[Patch] = [
             "calc_dtensor_params_l2_norm": "8d0ed32ad1d5a76d",
             "reduce_max_stat_across_model_parallel_group": "1579a7f30c61cc8f",
             "logical_and_across_model_parallel_group": "b00a0975cc41f663",
+            "calc_params_l2_norm": "8de03172fa65d86e",
         },
+        # 0.18.2 computes the norms inline in calc_params_l2_norm; 0.19.2 factored them out into
+        # _compute_norm_2 (its calc_params_l2_norm makes no CUDA call of its own).
+        only={"_compute_norm_2": ("0.19.2",), "calc_params_l2_norm": ("0.18.2",)},
     ),
 ]  # fmt: skip

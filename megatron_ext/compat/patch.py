@@ -1,8 +1,8 @@
 """One row of the compatibility table (:class:`Patch`), its fingerprint, and applying rows reversibly.
 
 A row names a Megatron attribute (``module`` + dotted ``attribute``), what replaces it and why, the
-megatron-core versions it was checked on and a fingerprint of the narrowest span of source that
-matters to it (:func:`row_fingerprint`): the sha256 of those source lines without indentation,
+megatron-core versions it applies on and, per version, a fingerprint of the narrowest span of source
+that matters to it (:func:`row_fingerprint`): the sha256 of those source lines without indentation,
 blank or comment-only lines, so a change of code (not of layout) there changes the fingerprint.
 :func:`patched_rows` applies rows for the length of a block and puts every original back;
 :func:`apply` keeps them (a launch). Applying is idempotent per row.
@@ -20,14 +20,12 @@ import importlib
 import inspect
 import types
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_ext.compat.host_torch import HostTorch, innermost_function, rebind, renamed_code
 from megatron_ext.compat.span import cuda_span, fragment_span, function_lines, span_text
-
-#: The megatron-core versions every row of the table was checked on.
-TESTED_MEGATRON = ("0.19.2",)
+from megatron_ext.compat.versions import TESTED_MEGATRON
 
 
 @dataclass(frozen=True)
@@ -67,14 +65,18 @@ class Patch:
             host), ``"package.module:factory"`` (``factory(original)`` returns the new value), or
             ``None`` for a row applied by its owner (named in ``reason``) or a body copied from it.
         reason: Why Megatron's own behaviour does not do.
-        fingerprint: :func:`row_fingerprint` of the original on the versions in ``checked_on``,
-            or the :class:`Needs` of a value that is not Megatron-defined code.
+        fingerprint: :func:`row_fingerprint` of the original, the same on every version in
+            ``versions`` or one per version (``{"0.18.2": ..., "0.19.2": ...}``), or the
+            :class:`Needs` of a value that is not Megatron-defined code.
         depends_on: Fragments of the lines of Megatron's function the replacement exists for
             (``"sys.exit()"``): the row fingerprints only the statements holding them, and the
             check says whether they are still there. Empty: a :class:`HostTorch` row's are its
             CUDA calls; any other row's the whole function or class (a factory that replaces the
             body, a copy).
-        checked_on: megatron-core versions the row was checked on.
+        versions: The megatron-core versions the row applies on (and was checked on): every
+            supported one unless the attribute, or the behaviour the row replaces, is not there
+            on some (``("0.19.2",)``). A row whose replacement differs between versions is one
+            row per version.
     """
 
     group: str
@@ -82,14 +84,30 @@ class Patch:
     attribute: str
     replacement: HostTorch | str | None
     reason: str
-    fingerprint: "str | Needs"
+    # hash=False: a per-version dict does not hash (rows compare by value all the same).
+    fingerprint: "str | Needs | dict[str, str]" = field(hash=False)
     depends_on: tuple[str, ...] = ()
-    checked_on: tuple[str, ...] = TESTED_MEGATRON
+    versions: tuple[str, ...] = TESTED_MEGATRON
 
     def __post_init__(self) -> None:
         assert not (self.depends_on and isinstance(self.replacement, HostTorch)), (
             f"{self.name}: a HostTorch row depends on the CUDA calls it reroutes"
         )
+        assert set(self.versions) <= set(TESTED_MEGATRON), f"{self.name}: {self.versions}"
+        assert not isinstance(self.fingerprint, dict) or set(self.fingerprint) == set(
+            self.versions
+        ), f"{self.name}: a fingerprint for each of {self.versions}"
+
+    def applies_on(self, version: str) -> bool:
+        """Whether the row applies on the tested megatron-core ``version``."""
+        return version in self.versions
+
+    def fingerprint_on(self, version: str) -> "str | Needs":
+        """The fingerprint (or :class:`Needs`) the row was checked with on ``version``."""
+        assert self.applies_on(version), f"{self.name} does not apply on {version}"
+        if isinstance(self.fingerprint, dict):
+            return self.fingerprint[version]
+        return self.fingerprint
 
     @property
     def name(self) -> str:

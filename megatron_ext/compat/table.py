@@ -24,6 +24,7 @@ by what the row needs of it: :class:`~megatron_ext.compat.patch.Needs`).
 from megatron_ext.compat.cpu_rows import CPU_ROWS, LOOP_ROWS
 from megatron_ext.compat.host_torch import HostTorch
 from megatron_ext.compat.patch import Needs, Patch
+from megatron_ext.compat.versions import table_version
 
 M = "megatron.core."
 T = "megatron.training."
@@ -50,7 +51,8 @@ OTHER_ROWS: list[Patch] = [
     Patch(
         group="launch", module=T + "training", attribute="save_checkpoint",
         replacement="megatron_ext.training.checkpoint_save:failing_in_one_line",
-        reason="a failed save ends in tracebacks on every rank", fingerprint="ce51bc5c0ad82c65",
+        reason="a failed save ends in tracebacks on every rank",
+        fingerprint={"0.18.2": "f4a476f1624e93fe", "0.19.2": "ce51bc5c0ad82c65"},
     ),
     Patch(
         group="launch", module=M + "dist_checkpointing.strategies.filesystem_async",
@@ -65,9 +67,11 @@ OTHER_ROWS: list[Patch] = [
         group="launch", module=M + "optimizer.optimizer",
         attribute="MegatronOptimizer._filter_and_reorder_param_groups",
         replacement="megatron_ext.training.resume_checks:matching_groups_across_lr",
-        reason="keys the saved param groups by max_lr/min_lr too: a resume with another --lr finds "
-               "no group ('Could not find parameter group') even with the scheduler flags",
-        fingerprint="dc405c26824a0b9d",
+        reason="0.19.2 keys the saved param groups by max_lr/min_lr too: a resume with another "
+               "--lr finds no group ('Could not find parameter group') even with the scheduler "
+               "flags; 0.18.2 pairs them without but keeps the checkpoint's LR in them (a new "
+               "--lr ignored under --override-opt_param-scheduler)",
+        fingerprint={"0.18.2": "cec96b015796fb30", "0.19.2": "dc405c26824a0b9d"},
     ),
     *[
         Patch(
@@ -121,7 +125,8 @@ OTHER_ROWS: list[Patch] = [
                "RouterReplay.global_router_replay_instances "
                "(megatron_ext.replay.keyed_router_replay.swap_in; RouteReplayBinding.remove undoes"
                " it)",
-        fingerprint="66dce7a4db535981",
+        # 0.19.2 adds the attribute layer_number (KeyedRouterReplay sets its own on both).
+        fingerprint={"0.18.2": "1357c3f7b7104f57", "0.19.2": "66dce7a4db535981"},
     ),
     Patch(
         group="owned", module=T + "global_vars", attribute="get_args", replacement=None,
@@ -179,17 +184,30 @@ OTHER_ROWS: list[Patch] = [
 TABLE: tuple[Patch, ...] = (*CPU_ROWS, *LOOP_ROWS, *OTHER_ROWS)
 
 
-def rows(*groups: str) -> list[Patch]:
-    """The rows of ``groups`` (a group ``"cpu"`` names every ``cpu.*`` row), in table order."""
+def rows(*groups: str, version: str | None = None) -> list[Patch]:
+    """The rows of ``groups`` (a group ``"cpu"`` names every ``cpu.*`` row) that apply on the
+    running Megatron (``version``: on that one; :func:`~megatron_ext.compat.versions.table_version`
+    says which tested version's rows an untested one takes), in table order."""
     unknown = [
         g for g in groups if not any(r.group.split(".")[0] == g or r.group == g for r in TABLE)
     ]
     assert not unknown, f"no compatibility rows in group(s) {unknown}"
-    return [r for r in TABLE if r.group in groups or r.group.split(".")[0] in groups]
+    version = table_version(version)
+    return [
+        r
+        for r in TABLE
+        if (r.group in groups or r.group.split(".")[0] in groups) and r.applies_on(version)
+    ]
 
 
-def row(name: str) -> Patch:
-    """The row of ``module.attribute`` ``name`` applied by a factory (not a :class:`HostTorch` row)."""
-    found = [r for r in TABLE if r.name == name and not isinstance(r.replacement, HostTorch)]
-    assert len(found) == 1, f"{len(found)} compatibility rows for {name}"
+def row(name: str, version: str | None = None) -> Patch:
+    """The row of ``module.attribute`` ``name`` applied by a factory (not a :class:`HostTorch`
+    row) on the running Megatron (``version``: on that one)."""
+    version = table_version(version)
+    found = [
+        r
+        for r in TABLE
+        if r.name == name and not isinstance(r.replacement, HostTorch) and r.applies_on(version)
+    ]
+    assert len(found) == 1, f"{len(found)} compatibility rows for {name} on {version}"
     return found[0]

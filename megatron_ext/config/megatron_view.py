@@ -182,6 +182,10 @@ class MegatronView:
     hybrid_override_pattern: str | None = None
     """``--hybrid-override-pattern``: the deprecated name of ``--hybrid-layer-pattern`` (Megatron's
     ``validate_args`` copies it over)."""
+    heterogeneous_layers_config_path: str | None = None
+    """``--heterogeneous-layers-config-path``: a GPT model's per-layer configuration file."""
+    yaml_cfg: str | None = None
+    """``--yaml-cfg``: the model's configuration from a YAML file instead of flags."""
     # MoE
     moe_router_topk: int = 2
     """``--moe-router-topk``: experts each token is routed to."""

@@ -80,6 +80,26 @@ def _segment_bounds(document_lengths: list[int], num_real: int, seq_length: int)
     return bounds
 
 
+def document_lengths_from_index(dataset: GPTDataset, idx: int) -> list[int]:
+    """The number of tokens sample ``idx`` reads from each of its documents, off ``dataset``'s
+    loaded indices, as ``_query_document_sample_shuffle_indices`` reads them (megatron-core 0.18.2
+    and 0.19.2 alike; 0.19.2 returns them, 0.18.2 does not): the first document from its start
+    offset, the last up to its end offset plus the extra label token, those between whole.
+
+    Example: sample spanning documents of 7 and 5 tokens from offset 5 to offset 2, extra token
+    -> [2, 3].
+    """
+    shuffled = dataset.shuffle_index[idx]
+    (first, start), (last, end) = dataset.sample_index[shuffled], dataset.sample_index[shuffled + 1]
+    extra = int(dataset.config.add_extra_token_to_sequence)
+    if first == last:
+        return [int(end - start) + extra]
+    documents = dataset.document_index[first:last]
+    lengths = dataset.dataset.sequence_lengths[documents].astype(np.int64)
+    lengths[0] -= start
+    return [*map(int, lengths), int(end) + extra]
+
+
 class SelfPaddedGPTDataset(GPTDataset):
     """``GPTDataset`` with self-token padding of short samples and a ``padding_mask``.
 
@@ -123,14 +143,20 @@ class SelfPaddedGPTDataset(GPTDataset):
             return 1
         return super()._get_num_epochs(num_tokens_per_epoch)
 
+    def _text_and_document_lengths(self, idx: int) -> tuple[np.ndarray, list[int]]:
+        """Megatron's text of sample ``idx`` (padded with its pad id) and the number of tokens
+        read from each document (megatron-core 0.18.2 returns no lengths: read off the index)."""
+        found = self._query_document_sample_shuffle_indices(idx)
+        if len(found) == 3:
+            return found[0], found[2]
+        return found[0], document_lengths_from_index(self, idx)
+
     def __getitem__(self, idx: int | None) -> dict[str, Any]:
         cfg = self.config
         seq_length = cfg.sequence_length
         extra = int(cfg.add_extra_token_to_sequence)
         # idx None: Megatron's batch-padding sample. Its content is sample 0's, every position a pad.
-        text, _, document_lengths = self._query_document_sample_shuffle_indices(
-            0 if idx is None else idx
-        )
+        text, document_lengths = self._text_and_document_lengths(0 if idx is None else idx)
         num_text = int(sum(document_lengths))  # real text tokens; the rest is Megatron's pad id
         # Content: the real text, its pad slots refilled by the pad policy (one segment: GPT
         # labels cross document boundaries).
@@ -164,7 +190,7 @@ class SelfPaddedGPTDataset(GPTDataset):
         padding_mask[min(num_real, seq_length) :] = True
 
         sample: dict[str, Any] = {"tokens": tokens, "labels": labels}
-        if cfg.inter_document_masking:
+        if getattr(cfg, "inter_document_masking", False):  # a field from megatron-core 0.19 on
             bounds = _segment_bounds(document_lengths, min(num_real, seq_length), seq_length)
             seg_lens = np.diff(bounds)
             position_ids = torch.from_numpy(

@@ -327,6 +327,17 @@ def _pattern(layer_pattern: str | None, override_pattern: str | None) -> str | N
     return pattern.replace("|", "") if pattern else None
 
 
+def maps_gpt_layers_to_hybrid() -> bool:
+    """Whether Megatron loads a GPTModel's torch_dist checkpoint into a HybridModel
+    (``megatron.core.dist_checkpointing.gpt_checkpoint_interop``: 0.19.2 has it, 0.18.2 not)."""
+    import importlib.util
+
+    return (
+        importlib.util.find_spec("megatron.core.dist_checkpointing.gpt_checkpoint_interop")
+        is not None
+    )
+
+
 def _model_difference(
     view: MegatronView, saved: Any, ckpt_format: str, padded_vocab: int | None
 ) -> str | None:
@@ -342,6 +353,11 @@ def _model_difference(
         return f"class HybridModel --hybrid-layer-pattern '{before}' -> GPTModel"
     if now and not before:
         gpt_layers = getattr(saved, "num_layers", None)
+        if not maps_gpt_layers_to_hybrid():
+            return (
+                "class GPTModel -> HybridModel (megatron-core before 0.19 maps no GPT "
+                "checkpoint's layers onto a HybridModel)"
+            )
         if ckpt_format != "torch_dist":
             return "class GPTModel -> HybridModel (Megatron maps GPT layers only from torch_dist)"
         from megatron.core.dist_checkpointing.gpt_checkpoint_interop import (

@@ -89,13 +89,14 @@ def dataset_config_from_args(args: argparse.Namespace, tokenizer: Any = None) ->
         allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens,
         # Megatron's own data flags, read by its dataset builder (and, for the document mask,
         # by the self-padded GPTDataset; packs always carry their document boundaries).
-        inter_document_masking=view.dataloader_inter_document_masking,
         multiple_validation_sets=view.multiple_validation_sets,
         full_validation=view.full_validation,
         num_dataset_builder_threads=view.num_dataset_builder_threads,
         mid_level_dataset_surplus=view.mid_level_dataset_surplus,
         object_storage_cache_path=view.object_storage_cache_path,
     )
+    if view.dataloader_inter_document_masking:  # a flag and a field from megatron-core 0.19 on
+        common["inter_document_masking"] = True
     if padding.pack_documents and replay.route_replay_mode != "off":
         # Replay reads route sidecars; record needs pack indices to scatter routes back to documents.
         from megatron_ext.replay.route_dataset import RoutedPackedDataset, RoutedPackedDatasetConfig

@@ -12,7 +12,10 @@ from megatron_ext.config.megatron_view import MegatronView
 
 def check_launch_args(args: argparse.Namespace) -> None:
     """Raises ``ValueError`` naming the flags of the first combination Megatron would fail on."""
+    from megatron_ext.training.gpt_builder import check_gpt_builder
+
     view = MegatronView.from_args(args)
+    check_gpt_builder(view)  # megatron-core 0.18.2's GPT models: what megatron_ext builds
     _check_expert_grid(view)
     _check_eval_interval(view)
     _check_learning_rate(view)

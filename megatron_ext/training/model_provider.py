@@ -3,7 +3,8 @@
 The model class is chosen the way Megatron 0.19's entry points choose it: ``--hybrid-layer-pattern`` set
 means ``HybridModel`` (``megatron.training.utils.is_hybrid_model``), else ``GPTModel``. The model config
 comes from Megatron's ``gpt_config_from_args`` / ``hybrid_config_from_args`` and the model from its
-``GPTModelBuilder`` / ``HybridModelBuilder``; the only change is the layer spec: Megatron's default spec
+``GPTModelBuilder`` / ``HybridModelBuilder`` (on megatron-core 0.18.2, which has no GPT ones, from
+:mod:`megatron_ext.training.gpt_builder`'s); the only change is the layer spec: Megatron's default spec
 for the run (TE or local, as ``--transformer-impl`` says) with every ``MoELayer`` swapped for
 :class:`~megatron_ext.moe.moe_layer.AlignedMoELayer` when ``--moe-dispatch-align`` or
 ``--moe-expert-load-metrics`` is on or pads skip dispatch (``--moe-pad-routing``, skip under ``auto``
@@ -79,8 +80,10 @@ def _with_sp_norms(spec: Any, args: argparse.Namespace) -> Any:
 
 def model_config_from_args(args: argparse.Namespace, config: Any = None) -> Any:
     """Megatron's GPT/Hybrid model config for ``args``, with megatron_ext's layer spec."""
-    from megatron.training.argument_utils import gpt_config_from_args, hybrid_config_from_args
+    from megatron.training.argument_utils import hybrid_config_from_args
     from megatron.training.utils import is_hybrid_model
+
+    from megatron_ext.training.gpt_builder import gpt_classes
 
     if is_hybrid_model(args):
         model_cfg = hybrid_config_from_args(args, config)
@@ -88,12 +91,11 @@ def model_config_from_args(args: argparse.Namespace, config: Any = None) -> Any:
             model_cfg.hybrid_stack_spec = _default_hybrid_stack_spec(model_cfg)
         model_cfg.hybrid_stack_spec = _aligned(model_cfg.hybrid_stack_spec, args)
         return model_cfg
+    gpt_config_from_args, default_layer_spec, _, _ = gpt_classes()  # 0.18.2: megatron_ext's
     model_cfg = gpt_config_from_args(args, config)
     user_spec = model_cfg.transformer_layer_spec
 
     def layer_spec(cfg: Any, vp_stage: int | None = None) -> ModuleSpec:
-        from megatron.training.models.gpt import default_layer_spec
-
         spec = user_spec if user_spec is not None else default_layer_spec(cfg, vp_stage)
         return _aligned(spec, args)
 
@@ -151,6 +153,9 @@ def model_provider(
 
 
 def _builder_class(model_cfg: Any) -> type:
-    from megatron.training.models import GPTModelBuilder, GPTModelConfig, HybridModelBuilder
+    from megatron.training.models import HybridModelBuilder
 
-    return GPTModelBuilder if isinstance(model_cfg, GPTModelConfig) else HybridModelBuilder
+    from megatron_ext.training.gpt_builder import gpt_classes
+
+    _, _, config_class, builder_class = gpt_classes()
+    return builder_class if isinstance(model_cfg, config_class) else HybridModelBuilder

@@ -212,20 +212,28 @@ def check_lr_change(
     args: argparse.Namespace, saved_args: Any, where: str, loads_optimizer: bool
 ) -> None:
     """Refuses an LR change whose optimizer state :func:`matching_groups_across_lr` cannot pair:
-    the distributed optimizer matches the saved groups itself (by ``max_lr`` too), MuP's groups
-    may differ by their LR alone, and a --decoupled-lr set or unset adds or removes groups."""
+    the distributed optimizer matches the saved groups itself (0.19.2: by ``max_lr`` too; 0.18.2:
+    without, keeping the checkpoint's LR in them), MuP's groups may differ by their LR alone, and
+    a --decoupled-lr set or unset adds or removes groups."""
     lr = _changed(args, saved_args, LR_FLAGS)
     if not (lr and loads_optimizer):
         return
     decoupled = [d for d in ("decoupled_lr", "decoupled_min_lr") if hasattr(saved_args, d)
                  and (getattr(saved_args, d) is None) != (_now(args, d) is None)]  # fmt: skip
     view = MegatronView.from_args(args)
+    keyed_by_lr = groups_keyed_by_lr()
+    not_found = "'Could not find parameter group'"
     why = (
-        "Megatron 0.19.2's distributed optimizer matches the saved param groups by their LR"
-        if view.use_distributed_optimizer
-        else "under --use-mup the param groups may differ by their LR alone"
+        f"Megatron 0.19.2's distributed optimizer matches the saved param groups by their LR: "
+        f"{not_found}"
+        if view.use_distributed_optimizer and keyed_by_lr
+        # 0.18.2 pairs them without it, and keeps the checkpoint's LR in them.
+        else "Megatron 0.18.2's distributed optimizer keeps the checkpoint's LR in the param "
+        "groups it loads: this run's would not apply"
+        if view.use_distributed_optimizer and not view.use_checkpoint_opt_param_scheduler
+        else f"under --use-mup the param groups may differ by their LR alone: {not_found}"
         if view.use_mup
-        else f"{_flag(decoupled[0])} adds or removes param groups"
+        else f"{_flag(decoupled[0])} adds or removes param groups: {not_found}"
         if decoupled
         else None
     )
@@ -234,11 +242,19 @@ def check_lr_change(
     saved = " ".join(f"{_flag(d)} {getattr(saved_args, d)}" for d in LR_FLAGS
                      if hasattr(saved_args, d) and getattr(saved_args, d) is not None)  # fmt: skip
     raise ValueError(
-        f"{where}: {', '.join(lr)} cannot resume the optimizer state ({why}: 'Could not find "
-        f"parameter group'); launch with the checkpoint's {saved}, or pass --no-load-optim to "
+        f"{where}: {', '.join(lr)} cannot resume the optimizer state ({why}); launch with the "
+        f"checkpoint's {saved}, or pass --no-load-optim to "
         "load the weights and the iteration and restart the optimizer (Adam moments and LR "
         "schedule)"
     )
+
+
+def groups_keyed_by_lr() -> bool:
+    """Whether Megatron keys saved optimizer param groups by their LR (0.19.2's
+    ``param_group_identifier_keys`` hold ``max_lr``; 0.18.2's do not)."""
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    return "max_lr" in param_group_identifier_keys
 
 
 def flag_changes(
@@ -314,13 +330,16 @@ def matching_groups_across_lr(original: Any) -> staticmethod:
     """``MegatronOptimizer._filter_and_reorder_param_groups`` that also pairs the saved param groups
     with this run's after an LR change.
 
-    Megatron keys a group by its hyperparameters (``param_group_identifier_keys``), ``max_lr`` and
-    ``min_lr`` included: this run's ``--lr``/``--min-lr`` (``--decoupled-lr``/``--decoupled-min-lr``
-    for the embedding's group). When some group has no saved match, each is matched by the other
-    keys instead, where that pairing is one to one (otherwise Megatron's own error stands). A
-    matched group takes this run's ``max_lr``/``min_lr`` unless --use-checkpoint-opt_param-scheduler
-    keeps the checkpoint's (as the scheduler, which reads them from the groups, does). Which saved
-    state goes to which parameter is Megatron's as before.
+    Megatron 0.19.2 keys a group by its hyperparameters (``param_group_identifier_keys``),
+    ``max_lr`` and ``min_lr`` included: this run's ``--lr``/``--min-lr``
+    (``--decoupled-lr``/``--decoupled-min-lr`` for the embedding's group). When some group has no
+    saved match, each is matched by the other keys instead, where that pairing is one to one
+    (otherwise Megatron's own error stands). Megatron 0.18.2 keys them without the LR: it pairs
+    them itself, but the groups keep the checkpoint's ``max_lr``/``min_lr``, so the scheduler
+    (which reads them from the groups) ignored a new ``--lr`` even with
+    --override-opt_param-scheduler. On both, a matched group takes this run's ``max_lr``/``min_lr``
+    unless --use-checkpoint-opt_param-scheduler keeps the checkpoint's. Which saved state goes to
+    which parameter is Megatron's as before.
     """
     from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
@@ -334,28 +353,33 @@ def matching_groups_across_lr(original: Any) -> staticmethod:
             if key not in leave_out
         )
 
+    def with_run_lr(groups: list[dict], current_groups: list[dict]) -> list[dict]:
+        """``groups`` (paired with ``current_groups``, in order) with this run's LR, unless
+        --use-checkpoint-opt_param-scheduler keeps the checkpoint's."""
+        from megatron.training import global_vars
+
+        if not getattr(global_vars._GLOBAL_ARGS, "use_checkpoint_opt_param_scheduler", False):
+            for group, current in zip(groups, current_groups, strict=True):
+                group.update({k: current[k] for k in lr_keys if k in current})
+        return groups
+
     def filter_and_reorder(current_groups: list[dict], state_dict_groups: list[dict]) -> list[dict]:
         saved_keys = {identifier(g) for g in state_dict_groups}
         if all(identifier(g) in saved_keys for g in current_groups):
-            return original(current_groups, state_dict_groups)
+            # 0.19.2 (LR in the key): the same LR already; 0.18.2: the checkpoint's LR until here.
+            return with_run_lr(original(current_groups, state_dict_groups), current_groups)
         needed = [identifier(g, lr_keys) for g in current_groups]
         saved = {identifier(g, lr_keys): g for g in state_dict_groups}
         if not (len(set(needed)) == len(needed) == len(saved) == len(state_dict_groups)
                 and set(needed) == set(saved)):  # fmt: skip
             return original(current_groups, state_dict_groups)  # Megatron's error
-        from megatron.training import global_vars
-
-        run_args = global_vars._GLOBAL_ARGS
-        keep_saved = getattr(run_args, "use_checkpoint_opt_param_scheduler", False)
         final = []
         params_in_saved_order = [g["params"] for g in state_dict_groups]
-        for current, key, params in zip(current_groups, needed, params_in_saved_order, strict=True):
+        for key, params in zip(needed, params_in_saved_order, strict=True):
             group = saved[key]
-            if not keep_saved:
-                group.update({k: current[k] for k in lr_keys if k in current})
             group["params"] = params  # as Megatron's: the saved order of the state stays
             final.append(group)
-        return final
+        return with_run_lr(final, current_groups)
 
     return staticmethod(filter_and_reorder)
 

@@ -18,6 +18,7 @@ import pytest
 from megatron_ext.compat import check
 from megatron_ext.compat.patch import TESTED_MEGATRON, Patch, fingerprint
 from megatron_ext.compat.table import TABLE
+from megatron_ext.compat.versions import table_version
 
 FUNCTION = '''def patched_function(x):
     """Doubles."""
@@ -25,6 +26,7 @@ FUNCTION = '''def patched_function(x):
 '''
 
 
+@pytest.mark.each_megatron
 def test_the_installed_megatron_is_the_tested_one() -> None:
     # Positive control for the refusals below: every row matches the installed source.
     assert check.installed_megatron() in TESTED_MEGATRON
@@ -64,7 +66,23 @@ def test_an_edited_source_is_refused_and_layout_is_not(tmp_path, monkeypatch) ->
 def test_an_untested_version_is_refused_naming_found_and_tested() -> None:
     line = check.check_megatron(version="0.20.0")
     assert line is not None and "\n" not in line
-    assert "megatron-core 0.20.0 is untested (tested: 0.19.2)" in line
+    assert "megatron-core 0.20.0 is untested (tested: 0.18.2, 0.19.2)" in line
+    # Between the tested versions too: 0.19.1 is not 0.18.2 or 0.19.2.
+    assert "megatron-core 0.19.1 is untested" in (check.check_megatron(version="0.19.1") or "")
+
+
+@pytest.mark.each_megatron
+def test_each_version_is_checked_against_its_own_fingerprints() -> None:
+    """The installed sources match the installed version's fingerprints (above) and not the other
+    supported version's: the rows whose source differs between them are named, and a row of the
+    installed version only (a function the other lacks) is not asked about for the other."""
+    installed = check.installed_megatron()
+    other = next(v for v in TESTED_MEGATRON if v != installed)
+    line = check.check_megatron(version=other)
+    assert line is not None and "is untested" not in line  # a tested version, other sources
+    assert "megatron.core.transformer.moe.router.TopKRouter.__init__" in line, line
+    only_installed = [r.name for r in TABLE if r.versions == (installed,)]
+    assert only_installed and not any(name + "," in line + "," for name in only_installed)
 
 
 def test_the_check_is_cheap() -> None:
@@ -96,14 +114,20 @@ def test_the_entry_refuses_with_exit_2_unless_allowed(allow, monkeypatch, capsys
         assert "--allow-untested-megatron" in out.err
 
 
-def test_the_package_metadata_allows_exactly_the_tested_versions() -> None:
+def test_the_package_metadata_admits_the_tested_range_only() -> None:
+    """The pin is the range from the oldest to the newest tested version; the startup check
+    refuses the untested versions inside it (above)."""
     import tomllib
-    from pathlib import Path
+
+    from packaging.requirements import Requirement
 
     pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
     dependencies = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
-    pins = [d.replace(" ", "") for d in dependencies if d.startswith("megatron-core")]
-    assert pins == [f"megatron-core=={version}" for version in TESTED_MEGATRON]
+    pins = [Requirement(d) for d in dependencies if d.startswith("megatron-core")]
+    assert len(pins) == 1
+    admitted = pins[0].specifier
+    assert all(admitted.contains(version) for version in TESTED_MEGATRON)
+    assert not any(admitted.contains(v) for v in ("0.17.1", "0.18.1", "0.19.3", "0.20.0"))
 
 
 def _table_modules() -> list[str]:
@@ -165,6 +189,7 @@ def test_a_launch_checks_the_rows_it_applies() -> None:
     assert "validate_on_target" not in gpu and "cpu" not in gpu
 
 
+@pytest.mark.each_megatron
 def test_every_fingerprinted_row_is_megatron_defined_code() -> None:
     """Only Megatron's own functions and classes are fingerprinted; a row whose value comes from
     another package or may be absent (every TE-bound attribute the table touches) is checked by
@@ -175,6 +200,8 @@ def test_every_fingerprinted_row_is_megatron_defined_code() -> None:
     te_bound = {f"{m}.{n}" for m, names in te_bound_attributes(_table_modules()).items()
                 for n in names}  # fmt: skip
     for row in TABLE:
+        if not row.applies_on(table_version()):  # a function the installed version lacks
+            continue
         if row.name in te_bound:
             assert isinstance(row.fingerprint, Needs), row.name
         if isinstance(row.fingerprint, Needs):
@@ -202,4 +229,4 @@ def test_the_version_is_the_imported_megatrons_not_an_installed_distributions(tm
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "0.20.0rc1"
-    assert check.installed_megatron() == "0.19.2"  # this process: the installed wheel's code
+    assert check.installed_megatron() in TESTED_MEGATRON  # this process: the Megatron it imports

@@ -2,8 +2,9 @@
 
 docs/compat.md's table of groups and its row counts are the table's: every group named there
 exists, each group of the table is in exactly one line of the doc's table, and each count (rows per
-line, groups per ``cpu.*`` family, rows in all, modules, rows per kind of replacement) is derived
-from :data:`~megatron_ext.compat.table.TABLE` here.
+line, groups per ``cpu.*`` family, rows in all, modules, rows per kind of replacement, rows per
+supported version) is derived from :data:`~megatron_ext.compat.table.TABLE` here; its table of
+rows per version names exactly the rows that differ between versions, as they differ.
 """
 
 import re
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from megatron_ext.compat.host_torch import HostTorch
 from megatron_ext.compat.table import TABLE
+from megatron_ext.compat.versions import TESTED_MEGATRON
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "compat.md").read_text()
 GROUPS = {row.group for row in TABLE}
@@ -70,3 +72,35 @@ def test_the_docs_counts_are_the_tables() -> None:
         assert match, pattern
         assert tuple(int(n) for n in match.groups()) == expected, (pattern, expected)
     assert {row.group for row in TABLE if row.replacement is None} == {"owned", "copied"}
+
+
+def test_the_docs_rows_per_version_are_the_tables() -> None:
+    counts = re.search(r"(\d+) rows apply on ([\d.]+) and (\d+) on ([\d.]+)", DOC)
+    assert counts, "the rows-per-version counts were not found"
+    found = {counts.group(2): int(counts.group(1)), counts.group(4): int(counts.group(3))}
+    assert found == {v: sum(r.applies_on(v) for r in TABLE) for v in TESTED_MEGATRON}
+    section = DOC.split("## Supported versions: rows per version")[1].split("\n## ")[0]
+    header = re.search(r"^\| row \| (.+) \| why \|$", section, re.M)
+    assert header, "the rows-per-version table was not found"
+    versions = header.group(1).split(" | ")
+    assert versions == list(TESTED_MEGATRON)
+    listed = {}
+    for line in section.splitlines():
+        match = re.match(r"\| `([\w.]+)`[^|]* \| ([^|]+) \| ([^|]+) \|", line)
+        if match:
+            listed[match.group(1)] = dict(
+                zip(versions, (match.group(2), match.group(3)), strict=True)
+            )
+    differing = [r for r in TABLE
+                 if set(r.versions) != set(TESTED_MEGATRON) or isinstance(r.fingerprint, dict)]  # fmt: skip
+    assert len(listed) == len(differing) >= 10, (sorted(listed), [r.name for r in differing])
+    for row in differing:
+        names = [n for n in listed if row.name.endswith("." + n)]
+        assert len(names) == 1, (row.name, names)
+        for version, said in listed[names[0]].items():
+            expected = (
+                "not there" if not row.applies_on(version)
+                else "own fingerprint" if isinstance(row.fingerprint, dict)
+                else "applies"
+            )  # fmt: skip
+            assert said == expected, (row.name, version, said)

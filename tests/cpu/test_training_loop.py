@@ -38,9 +38,10 @@ def _args(prefix: str, tmp_path, ckpt_format: str = "torch") -> list[str]:
 
 
 def deepest_megatron_frame(output: str) -> str:
-    """The last ``.../megatron/<path>.py`` frame of the traceback (one rank)."""
+    """The last ``.../megatron/<path>.py`` frame of the traceback (one rank): the installed
+    wheel's, or another megatron-core first on ``PYTHONPATH`` (make test-megatron-0.18.2)."""
     frames = re.findall(
-        r'(?:\[rank0\]:)?\s+File ".*?/site-packages/megatron/([^"]+)", line', output
+        r'(?:\[rank0\]:)?\s+File ".*?/megatron/((?:core|training)/[^"]+)", line', output
     )
     assert frames, f"no Megatron frame in the failure:\n{output[-3000:]}"
     return frames[-1]

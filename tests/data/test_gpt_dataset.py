@@ -10,7 +10,11 @@ import torch
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-from megatron_ext.data.gpt_dataset import SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig
+from megatron_ext.data.gpt_dataset import (
+    SelfPaddedGPTDataset,
+    SelfPaddedGPTDatasetConfig,
+    document_lengths_from_index,
+)
 from megatron_ext.data.gpt_index_cache import AFFIXES
 from megatron_ext.data.indexed_writer import write_documents
 from tests.data.dataset_helpers import build_splits, gpt_config_kwargs, null_tokenizer
@@ -18,6 +22,8 @@ from tests.filesystems import read_only_dir, tiny_tmpfs
 
 SEQ = 5
 EOD = 127  # the null tokenizer's eod at vocab 128
+#: Megatron's document mask (``inter_document_masking``): megatron-core 0.19 on, not 0.18.2.
+DOCUMENT_MASK = "inter_document_masking" in GPTDatasetConfig.__dataclass_fields__
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +50,18 @@ def build(cls, config_cls, prefixes, weights=None, split="0,100,0", sizes=(None,
     return build_splits(cls, config, list(sizes))
 
 
-@pytest.mark.parametrize("inter_document_masking", [False, True])
+# Without the document mask on megatron-core 0.18.2 too (its lengths read off the index).
+@pytest.mark.parametrize(
+    "inter_document_masking",
+    [
+        pytest.param(False, marks=pytest.mark.each_megatron),
+        pytest.param(True, marks=pytest.mark.skipif(not DOCUMENT_MASK, reason="0.18.2: no mask")),
+    ],
+)
 def test_short_sample_is_self_padded_and_matches_megatron_on_real_tokens(
     prefixes: list[str], inter_document_masking: bool
 ) -> None:
-    kw = {"inter_document_masking": inter_document_masking}
+    kw = {"inter_document_masking": True} if inter_document_masking else {}  # 0.18.2: no field
     ref = build(GPTDataset, GPTDatasetConfig, prefixes[:1], **kw)[1]
     ours = build(SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig, prefixes[:1], **kw)[1]
     assert len(ours) == len(ref) == 3
@@ -130,7 +143,7 @@ def test_eos_equal_to_pad_id_is_kept_and_trained(prefixes: list[str], eod_mask_l
     for i in range(len(ours)):
         o, r = ours[i], ref[i]
         # Reference: the raw text Megatron reads (its pad slots hold the pad id = EOD).
-        text, _, doc_lens = ours._query_document_sample_shuffle_indices(i)
+        text, doc_lens = ours._text_and_document_lengths(i)  # Megatron's query (0.18.2: + index)
         num_text = sum(doc_lens)
         n = min(num_text, SEQ)
         padded += num_text < SEQ
@@ -152,13 +165,31 @@ def test_eos_equal_to_pad_id_is_kept_and_trained(prefixes: list[str], eod_mask_l
     assert megatron_zeroed == real_eod_inputs
 
 
+@pytest.mark.skipif(
+    not DOCUMENT_MASK, reason="megatron-core 0.18.2 returns no document lengths to compare with"
+)
+@pytest.mark.parametrize("extra_token", [True, False])
+def test_document_lengths_read_off_the_index_are_megatrons(prefixes, extra_token) -> None:
+    """megatron-core 0.18.2's sample query returns no document lengths: those read off the
+    index (its path) are the ones 0.19.2's returns, for every sample, spanning documents too."""
+    for prefix in prefixes:
+        kw = {"add_extra_token_to_sequence": extra_token}
+        dataset = build(GPTDataset, GPTDatasetConfig, [prefix], split="100,0,0", **kw)[0]
+        spanning = 0
+        for idx in range(len(dataset)):
+            *_, lengths = dataset._query_document_sample_shuffle_indices(idx)
+            assert document_lengths_from_index(dataset, idx) == lengths, (prefix, idx)
+            spanning += len(lengths) > 1
+        assert spanning > 0 or prefix == prefixes[1]  # b is one 9-token document
+
+
 def test_batch_padding_sample_is_all_pads(prefixes: list[str]) -> None:
-    ds = build(
-        SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig, prefixes[:1], inter_document_masking=True
-    )[1]
+    kw = {"inter_document_masking": True} if DOCUMENT_MASK else {}
+    ds = build(SelfPaddedGPTDataset, SelfPaddedGPTDatasetConfig, prefixes[:1], **kw)[1]
     s = ds[None]
     assert s["padding_mask"].all() and not s["loss_mask"].any()
-    assert s["cu_seqlens"].tolist() == [0, SEQ] + [SEQ] * (SEQ - 1)
+    if DOCUMENT_MASK:
+        assert s["cu_seqlens"].tolist() == [0, SEQ] + [SEQ] * (SEQ - 1)
     assert s["position_ids"].tolist() == list(range(SEQ))
     assert len(set(s["tokens"].tolist())) > 1  # self-padded from sample 0, not one constant id
     assert not ds[0]["padding_mask"].any()  # a real sample read after it is unaffected

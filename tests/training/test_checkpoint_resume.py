@@ -153,6 +153,7 @@ def test_resume_packed_documents_with_replayed_routes_torch_format(routed_prefix
     _assert_same_checkpoint(tmp_path, "torch")
 
 
+@pytest.mark.each_megatron
 def test_resume_self_padded_gpt_dataset_torch_dist_format(corpus_prefix, tmp_path) -> None:
     """``torch_dist`` format (sync, fully parallel save); the default self-padded ``GPTDataset``."""
     args = ["--data-path", corpus_prefix, "--ckpt-format", "torch_dist"]

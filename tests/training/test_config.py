@@ -138,10 +138,13 @@ def test_what_the_entry_cannot_run_is_refused_at_argument_time(
     monkeypatch, data_prefix, extra: list[str], match: str
 ) -> None:
     """Megatron accepts each, and each crashed, hung or was silently ignored later in a run."""
+    from megatron.core.transformer.moe.router import TopKRouter
     from megatron.training.arguments import parse_args
 
     from megatron_ext.training.arguments import add_megatron_ext_args, configs_from_args
 
+    if "quantile_balancing" in extra and not hasattr(TopKRouter, "quantile_balancing"):
+        pytest.skip("megatron-core 0.18.2's parser has no quantile_balancing")
     extra = [data_prefix if a == "P" else a for a in extra]
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt", *BASE_ARGS, *extra])
     monkeypatch.setenv("WORLD_SIZE", "4")

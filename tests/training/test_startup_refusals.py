@@ -289,8 +289,13 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_first_difference(
     file's load_state_dict size mismatch); the unrefused ones trained."""
     import argparse
 
-    from megatron_ext.training.checkpoint_checks import check_checkpoint_model
+    from megatron_ext.training.checkpoint_checks import (
+        check_checkpoint_model,
+        maps_gpt_layers_to_hybrid,
+    )
 
+    if "hybrid_layer_pattern" in change and not maps_gpt_layers_to_hybrid():  # 0.18.2: none maps
+        message = "class GPTModel -> HybridModel (megatron-core before 0.19 maps no GPT"
     model = {**TINY_MODEL, **change}
     padded = model.pop("padded_vocab", 384)
     found = _found(ckpt / name)
@@ -311,17 +316,24 @@ def test_a_base_checkpoint_of_another_model_fails_the_dry_run_in_one_line(
     run. The dry run said OK; the launch printed about 180 lines ending in KeyError."""
     argv = [*_base(corpus_prefix), "--hybrid-layer-pattern", "*E*E", "--pretrained-checkpoint",
             str(ckpt / "torch_dist"), "--dry-run"]  # fmt: skip
+    from megatron_ext.training.checkpoint_checks import maps_gpt_layers_to_hybrid
+
     dry = launch(argv, ranks=(0,))
     refusals = [line for line in dry.output.splitlines() if line.startswith(PREFIX)]
     assert dry.returncode == 2 and len(refusals) == 1, dry.output[-3000:]
+    why = (
+        "with --transformer-impl local (Megatron 0.19.2 maps a GPT checkpoint's layers onto "
+        "Transformer Engine ones only: the local layer norms' keys differ)"
+        if maps_gpt_layers_to_hybrid()
+        else "(megatron-core before 0.19 maps no GPT checkpoint's layers onto a HybridModel)"
+    )
     assert refusals[0] == (
         f"{PREFIX}--pretrained-checkpoint {ckpt / 'torch_dist'} (iteration {K}) holds another "
-        "model: class GPTModel -> HybridModel with --transformer-impl local (Megatron 0.19.2 maps "
-        "a GPT checkpoint's layers onto Transformer Engine ones only: the local layer norms' keys "
-        "differ); Megatron would fail loading it after building the model. Name a checkpoint of "
-        "this model, or match its flags"
+        f"model: class GPTModel -> HybridModel {why}; Megatron would fail loading it after "
+        "building the model. Name a checkpoint of this model, or match its flags"
     )
     assert "Traceback" not in dry.output
+@pytest.mark.each_megatron
 def test_each_flag_an_lr_change_refusal_names_resumes_with_the_optimizer_state(
     ckpt, corpus_prefix, tmp_path
 ) -> None:
