@@ -133,7 +133,9 @@ def test_a_call_moved_to_another_function_is_moved(load) -> None:
 
 def test_a_method_moved_out_of_its_class_is_moved(load) -> None:
     row = _row(load(SOURCE), attribute="Box.fill", replacement=HostTorch(cuda=("current_device",)))
-    unboxed = SOURCE.replace("class Box:\n    def fill(self):\n        return", "def fill():\n    return")
+    unboxed = SOURCE.replace(
+        "class Box:\n    def fill(self):\n        return", "def fill():\n    return"
+    )
     verdict = triage(dataclasses.replace(row, module=(module := load(unboxed))))
     assert str(verdict) == (
         f"moved: to {module}.fill (still holds torch.cuda.current_device (line 19))"

@@ -435,5 +435,7 @@ def test_the_cp_picture_in_docs_data_md() -> None:
     from megatron_ext.common.thd_partition import thd_partitioned_indices
 
     cu = torch.tensor(pack.cu_seqlens[: pack.num_segments + 1], dtype=torch.int32)
-    held = ["".join(shown[i] for i in thd_partitioned_indices(cu, 16, 2, r).tolist()) for r in (0, 1)]
+    held = [
+        "".join(shown[i] for i in thd_partitioned_indices(cu, 16, 2, r).tolist()) for r in (0, 1)
+    ]
     assert held == ["aAdeEFAD", "bcfghDBC"]

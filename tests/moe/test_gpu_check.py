@@ -50,7 +50,9 @@ def test_launch_check_runs_the_startup_check_and_a_real_launch(corpus_prefix) ->
 
     from megatron_ext.testing.real_loop import launch
 
-    spec = importlib.util.spec_from_file_location("launch_check", ROOT / "tools/gpu/launch_check.py")
+    spec = importlib.util.spec_from_file_location(
+        "launch_check", ROOT / "tools/gpu/launch_check.py"
+    )
     check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check)
     assert check.startup_check(cpu=True) == {

@@ -47,8 +47,10 @@ def test_sft_is_accepted_with_its_tokenizer_and_jsonl(monkeypatch, sft_data) -> 
     ("extra", "message"),
     [
         (("--pack-documents",), "--sft cannot be combined with --pack-documents: --sft packs"),
-        (("--route-replay-mode", "record", "--route-record-path", "/tmp/r"),
-         "--sft cannot be combined with --route-replay-mode"),
+        (
+            ("--route-replay-mode", "record", "--route-record-path", "/tmp/r"),
+            "--sft cannot be combined with --route-replay-mode",
+        ),
         (("--sft-tokenizer-prompt-format", "chatml"), "chatml is not one Megatron's SFTTokenizer"),
     ],
 )

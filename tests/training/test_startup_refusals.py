@@ -333,6 +333,8 @@ def test_a_base_checkpoint_of_another_model_fails_the_dry_run_in_one_line(
         "building the model. Name a checkpoint of this model, or match its flags"
     )
     assert "Traceback" not in dry.output
+
+
 @pytest.mark.each_megatron
 def test_each_flag_an_lr_change_refusal_names_resumes_with_the_optimizer_state(
     ckpt, corpus_prefix, tmp_path
