@@ -76,5 +76,6 @@ def _run_the_tool_and_the_example(installed, command, tmp_path) -> None:
 
 def test_demo_runs_from_the_wheel(wheel_demo) -> None:
     assert wheel_demo.returncode == 0, wheel_demo.stdout[-3000:] + wheel_demo.stderr[-3000:]
-    assert "[FAILED]" not in wheel_demo.stdout and "[ok] replay reproduces" in wheel_demo.stdout
+    assert "[FAILED]" not in wheel_demo.stdout
+    assert "[ok] replay at context parallelism 1 reproduces" in wheel_demo.stdout
     assert wheel_demo.summary and wheel_demo.cwd_after == []
