@@ -19,6 +19,9 @@
 #   (config.json: the model's Hugging Face config, for its MoE layers, top-k and experts; the records
 #   in the order of the token file's documents; DRY_RUN=1 validates every flag, and the files under
 #   DATA, on any machine and exits.)
+# Larger: 2 or 8 nodes (16 or 64 GPUs; data-parallel 8 or 32, the same global batch of 64 rollouts).
+# Command: NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 bash examples/rl_route_replay.sh
+# Command: NNODES=8 NODE_RANK=0 MASTER_ADDR=node0 bash examples/rl_route_replay.sh
 set -euo pipefail
 source "$(dirname "$0")/_launch.sh"
 DATA=${DATA:-/data/rl}

@@ -128,26 +128,11 @@ def summarize(runs: dict[str, LoopRun], loads: dict[str, dict[str, np.ndarray]])
         )
         for name, run in (("self", self_pad), ("skip", skip))
     }
-    # Real (non-pad) tokens per second as the loop logged them, same median as step_ms.
-    throughput = {
-        name: {
-            key: float(np.median(loads[name][key][1:]))
-            for key in ("tokens_per_s", "real_tokens_per_s")
-        }
-        | {"pad_fraction": float(loads[name]["pad_fraction"].mean())}
-        for name in ("constant", "self", "skip")
-    }
     experts = load_s["all"].shape[1]
     # Per logged iteration: (rows with a recorded route, used exactly, the router would differ).
     matched = [tuple(map(int, m)) for m in _REPLAY.findall(replay.output)]
     replayed_rows = sum(rows for rows, _, _ in matched)
-    groups = {}
-    for run in (constant, self_pad):
-        for rank, n, bad, align, last in _REHEARSAL.findall(run.output):
-            entry = groups.setdefault(int(rank), {"groups": 0, "unaligned": 0, "last": None})
-            entry["groups"] += int(n)
-            entry["unaligned"] += int(bad)
-            entry["align"], entry["last"] = int(align), json.loads(last)
+    groups = _rehearsal_groups([constant, self_pad])
     summary = {
         "training_loop": TRAINING_LOOP,
         "iterations": len(iterations),
@@ -178,19 +163,54 @@ def summarize(runs: dict[str, LoopRun], loads: dict[str, dict[str, np.ndarray]])
         "self_expert_rows": int(load_s["all"].sum()),
         "skip_step_time_vs_self": step_ms["skip"] / step_ms["self"],
         "skip_loss_max_abs_diff": float(np.max(np.abs(np.subtract(losses_k, losses_s)))),
-        "throughput": throughput,
+        "throughput": _throughput(loads),
         "tokens_per_expert": {
             "constant": load_c["all"].tolist(),
             "self": load_s["all"].tolist(),
             "nopad": load_s["real"].tolist(),
         },
     }
+    summary["checks"] = _checks(summary, loads, losses_s)
+    return summary
+
+
+def _throughput(loads: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, float]]:
+    """Tokens and real (non-pad) tokens per second as the loop logged them, median of the
+    iterations after the first (warm-up), and the pad fraction, per pad run."""
+    return {
+        name: {
+            key: float(np.median(loads[name][key][1:]))
+            for key in ("tokens_per_s", "real_tokens_per_s")
+        }
+        | {"pad_fraction": float(loads[name]["pad_fraction"].mean())}
+        for name in ("constant", "self", "skip")
+    }
+
+
+def _rehearsal_groups(runs: list[LoopRun]) -> dict[int, dict[str, Any]]:
+    """Per rank, the fp8 rehearsal's expert groups over ``runs``: how many reached the grouped
+    GEMM, how many were not aligned, the multiple and the last groups (from the rank's lines)."""
+    groups: dict[int, dict[str, Any]] = {}
+    for run in runs:
+        for rank, n, bad, align, last in _REHEARSAL.findall(run.output):
+            entry = groups.setdefault(int(rank), {"groups": 0, "unaligned": 0, "last": None})
+            entry["groups"] += int(n)
+            entry["unaligned"] += int(bad)
+            entry["align"], entry["last"] = int(align), json.loads(last)
+    return groups
+
+
+def _checks(
+    summary: dict[str, Any], loads: dict[str, dict[str, np.ndarray]], losses_s: list[float]
+) -> dict[str, bool]:
+    """The demo's checks, each from what the runs logged (the summary's figures)."""
+    load_c, load_s, load_k = loads["constant"], loads["self"], loads["skip"]
     # Per expert (= per EP rank at EP=8): whether constant pads also overload one of only 2 EP
     # ranks depends on whether the experts they all take share a rank; per expert they always do.
     nopad = summary["expert_peak_over_mean_nopad"]
     gap_constant = summary["expert_peak_over_mean_constant"] - nopad
     gap_self = abs(summary["expert_peak_over_mean_self"] - nopad)
-    summary["checks"] = {
+    return {
         "the real loop trained: loss falls": losses_s[-1] < losses_s[0],
         "loss equal under both pad policies": summary["loss_equal"],
         "real tokens route identically under both pad policies": bool(
@@ -203,7 +223,7 @@ def summarize(runs: dict[str, LoopRun], loads: dict[str, dict[str, np.ndarray]])
         )
         and summary["skip_loss_max_abs_diff"] <= LOSS_TOLERANCE,
         f"replay at context parallelism 1 reproduces every route recorded at {DEMO_CP}": (
-            replayed_rows > 0
+            summary["replay_rows"] > 0
             and summary["replay_match_rate"] == 1.0
             and summary["natural_routing_changed"] > 0
             and summary["replay_context_parallel"] == 1
@@ -214,7 +234,6 @@ def summarize(runs: dict[str, LoopRun], loads: dict[str, dict[str, np.ndarray]])
         ]
         and summary["alignment_multiple"] == [16],
     }
-    return summary
 
 
 def report(summary: dict[str, Any], seconds: float) -> str:

@@ -174,14 +174,7 @@ def assemble_route_sidecar(
     exts = (".bin", ".idx", HEADER_EXTENSION)
     check_output_prefix(path_prefix, flag=flag, overwrite=overwrite, extensions=exts)
     tokens = None if tokens_prefix is None else tokens_digest(tokens_prefix)
-    for base in streams:
-        for path in stream_files(base):
-            if not os.path.isfile(path):
-                raise ValueError(
-                    f"{flag}: the recording stream {path} is missing (every data-parallel rank "
-                    "writes one beside the output: the path must be on a filesystem all ranks "
-                    "share)"
-                )
+    _check_streams(streams, flag)
     if doc_offsets_D is None:
         doc_offsets_D = np.concatenate([[0], np.cumsum(doc_lengths_D, dtype=np.int64)[:-1]])
     row_bytes = num_layers * topk * dtype.itemsize
@@ -211,6 +204,18 @@ def assemble_route_sidecar(
             fsync_path(tmp)
         publish(zip(temps, finals, strict=True))  # .idx last: loads only with its header
     return int(np.asarray(doc_lengths_D).size)
+
+
+def _check_streams(streams: Sequence[str], flag: str) -> None:
+    """Every rank's stream files are there (a rank's on another filesystem would not be)."""
+    for base in streams:
+        for path in stream_files(base):
+            if not os.path.isfile(path):
+                raise ValueError(
+                    f"{flag}: the recording stream {path} is missing (every data-parallel rank "
+                    "writes one beside the output: the path must be on a filesystem all ranks "
+                    "share)"
+                )
 
 
 def _fill(path: str, nbytes: int) -> None:

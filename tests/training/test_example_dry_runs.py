@@ -71,10 +71,15 @@ def _dry_run(
     )  # fmt: skip
 
 
-#: The SFT example's other documented launches (its header's 2nd and 3rd ``# Command:``): the
-#: long-context one with context parallelism on 64 GPUs, Megatron's --sft path on 8.
-SFT_VARIANTS = {"sft_fp8_moe_packed.sh, LONG=1 (CP 4, 64 GPUs)": 1,
-                "sft_fp8_moe_packed.sh, SFT=1 (8 GPUs)": 2}  # fmt: skip
+#: The examples' other documented launches (their headers' later ``# Command:`` lines): the SFT
+#: example's long-context one with context parallelism on 64 GPUs and Megatron's --sft path on 8;
+#: the RL example on 16 and 64.
+VARIANTS = {
+    "sft_fp8_moe_packed.sh, LONG=1 (CP 4, 64 GPUs)": ("sft_fp8_moe_packed.sh", 1),
+    "sft_fp8_moe_packed.sh, SFT=1 (8 GPUs)": ("sft_fp8_moe_packed.sh", 2),
+    "rl_route_replay.sh, 16 GPUs": ("rl_route_replay.sh", 1),
+    "rl_route_replay.sh, 64 GPUs": ("rl_route_replay.sh", 2),
+}
 
 
 @pytest.fixture(scope="module")
@@ -189,10 +194,9 @@ def dry_runs(example_data: Path, tmp_path_factory) -> dict[str, subprocess.Compl
     with ThreadPoolExecutor(max_workers=2) as pool:
         slurm = pool.submit(_slurm_dry_run, example_data)
         rl_gpt = pool.submit(_dry_run, scripts["rl_route_replay.sh"], example_data, RL_GPT_ARGS)
-        sft = scripts["sft_fp8_moe_packed.sh"]
         variants = {
-            key: pool.submit(_dry_run, sft, example_data, ({}, []), which)
-            for key, which in SFT_VARIANTS.items()
+            key: pool.submit(_dry_run, scripts[script], example_data, ({}, []), which)
+            for key, (script, which) in VARIANTS.items()
         }
         done = dict(
             pool.map(lambda item: (item[0], _dry_run(item[1], example_data)), scripts.items())
@@ -261,6 +265,17 @@ def test_the_sft_examples_long_context_and_megatron_sft_launches_validate(dry_ru
         errors = [line for line in proc.stderr.splitlines() if "invalid arguments" in line]
         assert len(errors) == 1 and "--pretrained-checkpoint" in errors[0], proc.stderr[-3000:]
         assert needle in proc.stdout + proc.stderr, (name, proc.stdout[-3000:])
+
+
+def test_the_rl_example_validates_at_16_and_64_gpus(dry_runs) -> None:
+    """Its 2- and 8-node launches: every flag and file validated for the world Megatron
+    initialised; the one error is the missing policy checkpoint, checked last."""
+    for name, world, data in (("16 GPUs", 16, 8), ("64 GPUs", 64, 32)):
+        proc = dry_runs[f"rl_route_replay.sh, {name}"]
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        errors = [line for line in proc.stderr.splitlines() if "invalid arguments" in line]
+        assert len(errors) == 1 and "--pretrained-checkpoint" in errors[0], proc.stderr[-3000:]
+        assert f"world size: {world}, data-parallel size: {data}," in proc.stdout + proc.stderr
 
 
 def test_the_rl_example_replays_ingested_routes_on_either_model_class(dry_runs) -> None:

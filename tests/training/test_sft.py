@@ -64,3 +64,20 @@ def test_sft_trains_and_resumes_exactly_with_the_other_pad_policy(sft_data, tmp_
     # The interesting case occurred: packs held pads, and the two policies sent them elsewhere.
     assert all(sum(map(sum, self_load[i])) > sum(map(sum, self_real[i])) for i in resumed)
     assert [self_load[i] for i in resumed] != [const_load[i] for i in resumed]
+
+
+def test_sft_trains_under_context_parallelism_with_every_conversation_padded(
+    sft_data, tmp_path
+) -> None:
+    """``--sft`` at CP 2 (EP 2 over the same ranks): every conversation of a pack padded to a
+    multiple of 4 with its own tokens, each pack split per document by Megatron's own
+    ``get_batch_on_this_cp_rank`` (the --cpu CP attention rehearsing Transformer Engine's)."""
+    run = launch([*_sft_args(sft_data, tmp_path, "self"), "--context-parallel-size", "2"]).check()
+    assert "SelfPaddedSFTDataset" in run.output
+    assert "data-parallel size: 1, context-parallel size: 2" in run.output
+    assert "every document padded to a multiple of 4" in run.output
+    assert sorted(run.iterations) == list(range(1, N + 1))
+    assert run.losses[N] < run.losses[1]  # it trains
+    load, real = (_counts(tmp_path / "self.jsonl", p) for p in ("", "real_"))
+    # The interesting case: the packs held pads (per conversation and at the tail), routed.
+    assert all(sum(map(sum, load[i])) > sum(map(sum, real[i])) for i in load)
