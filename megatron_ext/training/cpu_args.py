@@ -82,7 +82,8 @@ def check_cpu_args(args: argparse.Namespace) -> None:
             "--cpu cannot run --mtp-num-layers: Megatron's MTP loss logging calls torch.cuda"
         )
     if (view.context_parallel_size or 1) > 1:
-        _check_cpu_context_parallel(view, flag_value(args, "pack_documents"))
+        # --sft samples are packs too (SelfPaddedSFTDataset: cu_seqlens, THD under CP).
+        _check_cpu_context_parallel(view, bool(flag_value(args, "pack_documents") or view.sft))
     impl = view.cuda_graph_impl or "none"
     if impl != "none":
         raise ValueError(f"--cpu cannot run --cuda-graph-impl {impl} (CUDA graphs): drop it")
@@ -95,7 +96,7 @@ def _check_cpu_context_parallel(view: MegatronView, packed: bool) -> None:
     if rope and not packed:
         raise ValueError(
             f"--cpu with --context-parallel-size > 1 and --position-embedding-type "
-            f"{view.position_embedding_type} needs --pack-documents: Megatron's per-sequence CP "
+            f"{view.position_embedding_type} needs --pack-documents (or --sft): Megatron's per-sequence CP "
             "path slices the rotary table with a CUDA index (get_pos_emb_on_this_cp_rank)"
         )
     kinds = set(view.cp_comm_type or ["p2p"])
