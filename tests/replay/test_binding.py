@@ -257,6 +257,46 @@ def test_a_packed_row_is_sliced_and_gathered_per_document_under_cp():
     assert all(r["installed"] and r["recorded"] for r in results), results
 
 
+def _cp_index_worker() -> dict:
+    """RouteReplay (replay in your own loop) under CP 2: the positions set_routes keeps of a packed row are Megatron's per-document
+    split of the tokens (TE's thd_get_partitioned_indices, stood in on CPU)."""
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state
+
+    from megatron_ext.common.thd_partition import thd_partitioned_indices
+    from megatron_ext.replay.route_replay import RouteReplay
+
+    replay = SimpleNamespace(cp_size=parallel_state.get_context_parallel_world_size())
+    cu = torch.tensor([0, 4, 8, 16], dtype=torch.int32)
+    rank = parallel_state.get_context_parallel_rank()
+    got = RouteReplay._cp_index(replay, 16, True, cu)
+    errors = []
+    for thd, bounds in ((True, None), (False, cu)):
+        try:
+            RouteReplay._cp_index(replay, 16, thd, bounds)
+        except ValueError as err:
+            errors.append(str(err))
+    return {
+        "cp": replay.cp_size,
+        "equal": torch.equal(got.long(), thd_partitioned_indices(cu, 16, 2, rank).long()),
+        "positions": got.tolist(),
+        "zigzag_left_to_binding": RouteReplay._cp_index(replay, 16, False, None) is None,
+        "errors": errors,
+    }
+
+
+def test_set_routes_under_context_parallelism_takes_megatrons_per_document_split() -> None:
+    results = run_distributed(_cp_index_worker, 2, cp=2)
+    assert all(r["cp"] == 2 and r["equal"] and r["zigzag_left_to_binding"] for r in results)
+    # The two ranks hold complementary halves of every document (a real split occurred).
+    assert sorted(results[0]["positions"] + results[1]["positions"]) == list(range(16))
+    assert results[0]["positions"] == [0, 3, 4, 7, 8, 9, 14, 15]
+    for r in results:
+        assert "needs the row's 1-D cu_seqlens" in r["errors"][0]
+        assert "cu_seqlens is for packed" in r["errors"][1]
+
+
 def _thd_flattened_batch() -> dict:
     """THD: a [B, S] batch flattened to one row [1, B*S]. Router rows then run b*S+s, so routes
     reshaped to [1, B*S, L, K] replay exactly and recorded_routes returns that layout."""

@@ -70,7 +70,6 @@ def runs(tmp_path_factory) -> dict[str, tuple[LoopRun, Path]]:
         "cp1_record": [*record, prefix + "_r1"],
         "cp2_record": [*cp2, *record, prefix + "_r2"],
         "cp2_replay": [*cp2, *replay, "_r1", "--moe-pad-routing", "skip", *FP8, "--verbose"],
-        "cp1_replay": [*replay, "_r2"],
     }
     out = {}
     for name, extra in plan.items():
@@ -143,10 +142,6 @@ def test_cp1_routes_replay_exactly_at_cp2_with_pad_skip_alignment_and_load(runs)
     _assert_losses_close(replayed, cp1, max(LOSS_TOL, LOSS_TOLERANCE))
 
 
-def test_cp2_routes_replay_exactly_at_cp1(runs) -> None:
-    (replayed, log), (cp2, _) = runs["cp1_replay"], runs["cp2_record"]
-    checks = _checks(log)
-    assert len(checks) == ITERATIONS
-    assert all(c["recorded"] > 0 and c["recorded_exact"] == c["recorded"] for c in checks), checks
-    assert all(c["missing"] == 0 and c["natural_differs"] == 0 for c in checks), checks
-    _assert_losses_close(replayed, cp2)
+# Routes recorded at CP 2 replayed at CP 1, every recorded row exactly: the demo's replay run
+# (tests/rehearse/test_demo.py: its pad runs record at CP 2, its replay runs at CP 1), one launch
+# fewer here.
