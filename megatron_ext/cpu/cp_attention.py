@@ -29,15 +29,12 @@ Example::
 """
 
 import copy
-import dataclasses
-import functools
 from typing import Any
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
-from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_ext.common.token_positions import cp_zigzag_positions
 from megatron_ext.cpu.document_attention import (
@@ -47,6 +44,7 @@ from megatron_ext.cpu.document_attention import (
     global_order,
     segment_ids,
 )
+from megatron_ext.cpu.spec_swap import swap_module
 
 
 class ContextParallelDotProductAttention(DotProductAttention):
@@ -134,27 +132,4 @@ def _thd_index(cu_seqlens: torch.Tensor, total: int, cp_size: int, cp_rank: int)
 def with_context_parallel_attention(node: Any) -> Any:
     """``node`` (a layer, block or stack spec) with every ``DotProductAttention`` replaced by
     :class:`ContextParallelDotProductAttention`; parts without one are returned as they are."""
-    if node is DotProductAttention:
-        return ContextParallelDotProductAttention
-    if isinstance(node, ModuleSpec):
-        module = with_context_parallel_attention(node.module)
-        submodules = with_context_parallel_attention(node.submodules)
-        if module is node.module and submodules is node.submodules:
-            return node
-        return dataclasses.replace(node, module=module, submodules=submodules)
-    if isinstance(node, functools.partial):
-        args = [with_context_parallel_attention(a) for a in node.args]
-        keywords = {k: with_context_parallel_attention(v) for k, v in node.keywords.items()}
-        return functools.partial(node.func, *args, **keywords)
-    if dataclasses.is_dataclass(node) and not isinstance(node, type):
-        changes = {}
-        for f in dataclasses.fields(node):
-            if f.init:
-                value = getattr(node, f.name)
-                new = with_context_parallel_attention(value)
-                if new is not value:
-                    changes[f.name] = new
-        return dataclasses.replace(node, **changes) if changes else node
-    if isinstance(node, (list, tuple)):
-        return type(node)(with_context_parallel_attention(n) for n in node)
-    return node
+    return swap_module(node, DotProductAttention, ContextParallelDotProductAttention)

@@ -13,12 +13,11 @@ Example::
 """
 
 import copy
-import dataclasses
-import functools
 from typing import Any
 
-from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+from megatron_ext.cpu.spec_swap import swap_module
 
 
 class SequenceParallelTorchNorm:
@@ -35,27 +34,4 @@ class SequenceParallelTorchNorm:
 
 def with_sequence_parallel_norms(node: Any) -> Any:
     """``node`` with every ``WrappedTorchNorm`` replaced by :class:`SequenceParallelTorchNorm`."""
-    if node is WrappedTorchNorm:
-        return SequenceParallelTorchNorm
-    if isinstance(node, ModuleSpec):
-        module = with_sequence_parallel_norms(node.module)
-        submodules = with_sequence_parallel_norms(node.submodules)
-        if module is node.module and submodules is node.submodules:
-            return node
-        return dataclasses.replace(node, module=module, submodules=submodules)
-    if isinstance(node, functools.partial):
-        args = [with_sequence_parallel_norms(a) for a in node.args]
-        keywords = {k: with_sequence_parallel_norms(v) for k, v in node.keywords.items()}
-        return functools.partial(node.func, *args, **keywords)
-    if dataclasses.is_dataclass(node) and not isinstance(node, type):
-        changes = {}
-        for f in dataclasses.fields(node):
-            if f.init:
-                value = getattr(node, f.name)
-                new = with_sequence_parallel_norms(value)
-                if new is not value:
-                    changes[f.name] = new
-        return dataclasses.replace(node, **changes) if changes else node
-    if isinstance(node, (list, tuple)):
-        return type(node)(with_sequence_parallel_norms(n) for n in node)
-    return node
+    return swap_module(node, WrappedTorchNorm, SequenceParallelTorchNorm)
