@@ -5,7 +5,8 @@
 #   load metrics, and an fp8 rehearsal of the aligned dispatch (the model computes in fp32; every expert
 #   group reaching the grouped GEMM is padded to 16 and checked). `make demo` runs it four times:
 #   constant pads, self pads + route recording, self pads skipped (--moe-pad-routing skip), replay of
-#   the recorded routes.
+#   the recorded routes; then an RL step (record with router jitter, --rl-loss ppo with and without
+#   replay) for the log-prob agreement.
 # Hardware: any machine, CPU only, 2 processes over gloo (--cpu). Copy it to try a launch before a cluster.
 # Command: DATA=out/data bash examples/cpu_demo.sh
 #   (more flags after the script name win; DATA/corpus_text_document is made as the README says:

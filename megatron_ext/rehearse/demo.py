@@ -16,12 +16,20 @@ imported Megatron once):
    parallelism 1: every MoE layer replays the routes recorded at CP 2, and the loop counts how many
    it used exactly.
 
+Then one RL step, the log-prob agreement route replay exists for (context parallelism 1, one
+iteration each, stand-in advantages of +1/-1 per document): a ``record`` pass writes routes and
+behaviour log-probs (``--rl-record-logprobs``) with Megatron's router input jitter
+(``--moe-input-jitter-eps 0.01``, standing in for the inference engine's other numerics); then
+``--rl-loss ppo`` of the same initial weights with the recorded routes replayed, and without. The
+loop's ``rl/logprob_mismatch`` (mean |trainer - behaviour log-prob| over trained tokens) is
+compared.
+
 Runs 1-3 are long-context runs in miniature: ``--context-parallel-size 2`` (data-parallel size 1, EP 2
 over the same ranks), every pack split per document over the 2 CP ranks by Megatron's own
 ``get_batch_on_this_cp_rank``, each document padded to a multiple of 4 (its own tokens, or the
 constant id in run 1) before the pack's tail.
 
-Everything it reports comes from what the loop logged: the ``lm loss`` lines, the expert-load JSON lines
+Everything it reports comes from what the loop logged: the ``lm loss`` and ``rl/*`` lines, the expert-load JSON lines
 (``--moe-expert-load-log``), the replay check lines and the fp8 rehearsal's group report.
 
     megatron-ext demo [--steps 6] [--json out/demo.json] [--png out/demo_load.png] [--workdir DIR]
@@ -60,6 +68,11 @@ DEMO_CP = 2
 #: Adam steps that shows as at most one unit of the 7th digit (measured 1e-6 at step 6). A leak of
 #: pads into real tokens moves the loss by orders of magnitude more.
 LOSS_TOLERANCE = 5e-6
+#: The RL step's behaviour pass: Megatron's router input jitter, uniform(1 - eps, 1 + eps).
+RL_JITTER_EPS = "0.01"
+#: Replay must cut the trainer/behaviour mismatch at least this much: the route flips the jitter
+#: causes dominate it without replay (seen 26x in tests/training/test_real_loop_policy_loss.py).
+RL_MISMATCH_FACTOR = 5.0
 TRAINING_LOOP = "megatron.training.pretrain"
 _REPLAY = re.compile(
     r"replay check: (\d+) \(token, layer\) rows with a recorded route, (\d+) used exactly;"
@@ -112,7 +125,7 @@ def _peak_over_mean(counts_LE: np.ndarray, groups: int) -> float:
 
 
 def summarize(runs: dict[str, LoopRun], loads: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
-    """The JSON summary and its checks, from what the three runs logged."""
+    """The JSON summary and its checks, from what the runs logged."""
     constant, self_pad, replay, skip = runs["constant"], runs["self"], runs["replay"], runs["skip"]
     iterations = sorted(self_pad.losses)
     losses_c = [constant.losses[i] for i in iterations]
@@ -164,6 +177,7 @@ def summarize(runs: dict[str, LoopRun], loads: dict[str, dict[str, np.ndarray]])
         "skip_step_time_vs_self": step_ms["skip"] / step_ms["self"],
         "skip_loss_max_abs_diff": float(np.max(np.abs(np.subtract(losses_k, losses_s)))),
         "throughput": _throughput(loads),
+        "rl_step": _rl_step(runs),
         "tokens_per_expert": {
             "constant": load_c["all"].tolist(),
             "self": load_s["all"].tolist(),
@@ -172,6 +186,15 @@ def summarize(runs: dict[str, LoopRun], loads: dict[str, dict[str, np.ndarray]])
     }
     summary["checks"] = _checks(summary, loads, losses_s)
     return summary
+
+
+def _rl_step(runs: dict[str, LoopRun]) -> dict[str, float]:
+    """The RL step's metrics as the loop logged them (its one iteration), with and without replay."""
+    out = {}
+    for name in ("rl_replay", "rl_native"):
+        step = runs[name].iterations[1]
+        out |= {f"{name}_{key.split('/')[1]}": step[key] for key in sorted(step) if "rl/" in key}
+    return out
 
 
 def _throughput(loads: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, float]]:
@@ -229,11 +252,19 @@ def _checks(
             and summary["replay_context_parallel"] == 1
             and summary["context_parallel"] == DEMO_CP
         ),
+        "RL step: replay cuts the trainer/behaviour log-prob mismatch "
+        f"{RL_MISMATCH_FACTOR:.0f}x or more": _rl_ok(summary["rl_step"]),
         "fp8 rehearsal: every expert group reached the grouped GEMM aligned to 16": summary[
             "alignment_ok"
         ]
         and summary["alignment_multiple"] == [16],
     }
+
+
+def _rl_ok(rl: dict[str, float]) -> bool:
+    """Replay moved the trainer's log-probs toward the behaviour ones (and the jitter did act)."""
+    replayed, native = rl["rl_replay_logprob_mismatch"], rl["rl_native_logprob_mismatch"]
+    return 0 < replayed and RL_MISMATCH_FACTOR * replayed <= native
 
 
 def report(summary: dict[str, Any], seconds: float) -> str:
@@ -278,6 +309,12 @@ def report(summary: dict[str, Any], seconds: float) -> str:
         f"{summary['replay_match_rate']:.1%} of {summary['replay_rows']} (token, layer) "
         "routes used exactly as recorded; the replaying model's own router would have chosen "
         f"differently on {summary['natural_routing_changed']:.1%}",
+        "RL step (--rl-loss ppo, behaviour log-probs recorded with --moe-input-jitter-eps "
+        f"{RL_JITTER_EPS}): mean |trainer - behaviour log-prob| "
+        f"{summary['rl_step']['rl_replay_logprob_mismatch']:.1e} with route replay, "
+        f"{summary['rl_step']['rl_native_logprob_mismatch']:.1e} without; clip fraction "
+        f"{summary['rl_step']['rl_replay_clip_fraction']:.3f} / "
+        f"{summary['rl_step']['rl_native_clip_fraction']:.3f}",
         f"fp8 rehearsal: last expert groups per rank {summary['alignment_groups']} -> all "
         f"multiples of {summary['alignment_multiple']}: {summary['alignment_ok']}",
         f"wall time {seconds:.1f} s",
@@ -319,7 +356,7 @@ def plot_load(summary: dict[str, Any], path: str) -> None:
 
 
 def run_demo(steps: int, workdir: Path) -> tuple[dict[str, LoopRun], dict[str, Any]]:
-    """Preprocesses the corpus and runs the four launches in ``workdir``; returns runs and loads."""
+    """Preprocesses the corpus and runs the four launches and the RL step in ``workdir``; returns runs and loads."""
     prefix = str(workdir / "corpus_text_document")
     corpus = PACKAGE / "assets" / "corpus.jsonl"
     tool = shipped_file("tools", "preprocess_data.py")
@@ -350,7 +387,49 @@ def run_demo(steps: int, workdir: Path) -> tuple[dict[str, LoopRun], dict[str, A
          "--route-replay-check", "--init-method-std", "0.05"],
         prefix, "replay", workdir,
     )  # fmt: skip
+    runs |= _rl_step_runs(prefix, workdir)
     return runs, loads
+
+
+def _rl_step_runs(prefix: str, workdir: Path) -> dict[str, LoopRun]:
+    """The RL step's three one-iteration launches (module docstring), at context parallelism 1
+    (the policy loss refuses more)."""
+    _write_stand_in_advantages(prefix)
+    rl = ["--train-iters", "1", "--rl-loss", "ppo", "--calculate-per-token-loss"]
+    runs = {}
+    for name, flags in (
+        ("rl_record", ["--train-iters", "1", "--route-replay-mode", "record",
+                       "--route-record-path", prefix + "_rl_routes",
+                       "--rl-record-logprobs", prefix + "_logprobs",
+                       "--moe-input-jitter-eps", RL_JITTER_EPS]),
+        ("rl_replay", [*rl, "--route-replay-mode", "replay", "--route-data-suffix", "_rl_routes"]),
+        ("rl_native", rl),
+    ):  # fmt: skip
+        print(f"  run '{name}' ...", flush=True)
+        runs[name] = _launch(flags, prefix, name, workdir)
+    return runs
+
+
+def _write_stand_in_advantages(prefix: str) -> None:
+    """``prefix_advantages``: +1 on every token of even documents, -1 on odd ones (a stand-in for
+    a reward model's group-normalised rewards), with the header naming the tokens' digest."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_ext.common.safe_files import content_digest
+    from megatron_ext.data.indexed_writer import write_documents
+    from megatron_ext.data.sidecar_header import SIDECAR_EXTENSION, sidecar_header_bytes
+
+    tokens = IndexedDataset(prefix)  # its index is a memory map: copy before it is closed
+    lengths = tokens.sequence_lengths.copy()
+    del tokens
+    values = [np.full(n, 1.0 if d % 2 == 0 else -1.0, np.float32) for d, n in enumerate(lengths)]
+    header = sidecar_header_bytes(
+        name="advantages", key=None, scope="sequence", dtype=np.float32, lengths_D=lengths,
+        tokens_digest=content_digest([prefix + ".idx", prefix + ".bin"]),
+    )  # fmt: skip
+    write_documents(
+        prefix + "_advantages", values, np.float32, companions={SIDECAR_EXTENSION: header}
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -381,7 +460,7 @@ def main(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     print(
         f"megatron_ext demo: {TRAINING_LOOP} on CPU (--cpu), tiny MoE HybridModel, EP={EP}, "
-        "2 gloo processes, 4 runs (examples/cpu_demo.sh) ...",
+        "2 gloo processes, 4 runs and an RL step (examples/cpu_demo.sh) ...",
         flush=True,
     )
     workdir = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="megatron_ext_demo_"))

@@ -1,4 +1,4 @@
-"""Tier: subprocesses (Megatron's real training loop, 2 gloo ranks, four launches of examples/cpu_demo.sh).
+"""Tier: subprocesses (Megatron's real training loop, 2 gloo ranks, four launches of examples/cpu_demo.sh and an RL step).
 
 The CPU main job, as ``megatron-ext demo`` runs it from the installed wheel (the session's one demo
 run, shared with tests/test_wheel.py: tests/installed_wheel.py): its JSON summary carries the
@@ -61,6 +61,15 @@ def test_demo_runs_the_real_loop_and_its_checks_hold(wheel_demo) -> None:
     assert 0 < summary["skip_expert_rows"] < 0.7 * summary["self_expert_rows"]
     assert "skip pads (--moe-pad-routing skip): expert rows" in printed
     assert (work / "corpus_text_document_routes.bin").stat().st_size > 0
+    # The RL step: behaviour log-probs recorded under router jitter; the trainer's agree with them
+    # far better with the recorded routes replayed than with its own routing (the jitter did act:
+    # not 0 even with replay). Both sides' metrics are the loop's own rl/* log lines.
+    rl = summary["rl_step"]
+    assert {"rl_record.log", "rl_replay.log", "rl_native.log"} <= {p.name for p in work.iterdir()}
+    assert 0 < 5 * rl["rl_replay_logprob_mismatch"] <= rl["rl_native_logprob_mismatch"], rl
+    assert "rl_replay_clip_fraction" in rl and "rl_native_clip_fraction" in rl
+    assert "[ok] RL step: replay cuts the trainer/behaviour log-prob mismatch" in printed
+    assert (work / "corpus_text_document_logprobs.bin").stat().st_size > 0
 
 
 def test_bad_demo_flags_are_refused_before_any_launch(tmp_path, capsys) -> None:
