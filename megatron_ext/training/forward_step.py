@@ -283,10 +283,11 @@ def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tens
         run_state.record_routes(
             args, binding, key, batch["pack_index"], batch["tokens"].shape, pad_mask_BS=pads
         )
-        policy_step.record_logprobs(args, output, batch)  # --rl-record-logprobs (CP 1 only)
+        policy_step.record_logprobs(args, output, batch, cp_index)  # --rl-record-logprobs
     # loss_func flattens both: the per-token loss ([B, S], THD's [1, B*S] or this CP rank's share)
     # and the mask share one order. (On a non-last pipeline stage ``output`` is hidden states.)
-    rl_loss = policy_step.loss_for_batch(args, batch, validate_loss)  # --rl-loss (CP 1), else None
+    # --rl-loss, else None: its sidecars follow the loss mask's layout (this CP rank's share).
+    rl_loss = policy_step.loss_for_batch(args, batch, validate_loss, loss_mask, cp_index)
     return output, rl_loss or partial(loss_func, loss_mask)
 
 

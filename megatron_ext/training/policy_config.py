@@ -64,22 +64,15 @@ class PolicyLossConfig:
                 )
 
     def check_megatron_args(self, args: _argparse.Namespace) -> None:
-        """Refuses --rl-loss without packed data or the token-level mean, under context
-        parallelism, and a sidecar that is missing, not float32 or of other tokens (its header's
+        """Refuses --rl-loss without packed data or the token-level mean, and a sidecar that is missing, not float32 or of other tokens (its header's
         digest); --rl-record-logprobs outside record mode or over existing files."""
         if self.rl_record_logprobs is not None:
             self._check_record_path(args)
         if self.rl_loss == "off" and self.rl_record_logprobs is None:
             return
-        view = MegatronView.from_args(args)
-        if (view.context_parallel_size or 1) > 1:
-            what = "--rl-loss" if self.rl_loss != "off" else "--rl-record-logprobs"
-            raise ValueError(
-                f"{what} with --context-parallel-size > 1 is not supported yet: its advantages "
-                "and log-probs are not sliced for context parallelism"
-            )
         if self.rl_loss == "off":
             return
+        view = MegatronView.from_args(args)
         if not flag_value(args, "pack_documents"):
             raise ValueError(
                 "--rl-loss reads its advantages and log-prob sidecars through the packed dataset: "

@@ -50,7 +50,6 @@ def test_a_complete_rl_launch_is_accepted(monkeypatch, prefix) -> None:
         (["--rl-loss", "ppo", "--calculate-per-token-loss"], r"^--rl-loss reads .*--pack-documents"),
         (["--rl-loss", "ppo", "--pack-documents"], r"^--rl-loss is a token-level mean .*"
          r"add --calculate-per-token-loss"),
-        ([*RL, "--context-parallel-size", "2"], r"--context-parallel-size > 1 is not supported"),
         ([*RL, "--rl-logprobs-suffix", "_nope"],
          r"^--rl-logprobs-suffix _nope: sidecar file .*rl_nope\.bin for --data-path prefix"),
         ([*RL, "--rl-clip-low", "1.5"], r"^--rl-clip-low must be in \[0, 1\)"),

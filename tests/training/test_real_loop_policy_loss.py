@@ -12,10 +12,15 @@ Perturbed behaviour: the record pass runs with Megatron's router input jitter
 in for an inference engine's other numerics; one ``--rl-loss ppo`` step of the unperturbed weights
 with replay and one without: replay removes the route flips, so the trainer/behaviour mismatch is
 much smaller with it (what route replay is for).
+
+Context parallelism: a CP=2 record writes the log-probs CP=1 recorded (each CP rank's share put back
+together), and a CP=2 step of the policy loss on CP=1's recording is the CP=1 step (the sidecars
+shifted to their labels in the whole pack, then split with the tokens' index).
 """
 
 import re
 
+import numpy as np
 import pytest
 
 from megatron_ext.testing.real_loop import TINY_MOE_TEST_ARGS, LoopRun, launch
@@ -49,16 +54,48 @@ def recorded(tmp_path_factory) -> str:
     return prefix
 
 
-def test_behaviour_log_probs_of_the_same_weights_give_a_ratio_of_exactly_one(recorded) -> None:
-    run = _launch(recorded, *REPLAY, *RL)
-    step = run.iterations[1]
+@pytest.fixture(scope="module")
+def cp1_run(recorded) -> LoopRun:
+    """One step of the policy loss with replay on the same weights' recording (CP=1)."""
+    return _launch(recorded, *REPLAY, *RL)
+
+
+def test_behaviour_log_probs_of_the_same_weights_give_a_ratio_of_exactly_one(cp1_run) -> None:
+    step = cp1_run.iterations[1]
     # Same weights, same packs, the recorded routes: the same float32 forward, so the trainer's
     # log-probs equal the recorded ones bit for bit (tolerance: fp32 rounding, 1e-6; seen 0).
     assert step["rl/logprob_mismatch"] <= 1e-6, step
     assert abs(step["rl/ratio_mean"] - 1.0) <= 1e-6 and step["rl/kl_k3"] <= 1e-9, step
     assert step["rl/clip_fraction"] == 0.0, step
     assert step["policy loss"] != 0.0 and step["lm loss"] > 0, step  # advantages of both signs
-    assert "0 of" in run.output and "have no recorded route (0.00%" in run.output
+    assert "have no recorded route (0.00%" in cp1_run.output
+
+
+def test_context_parallel_records_and_trains_the_policy_loss_as_cp1(recorded, cp1_run) -> None:
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    cp2 = ["--context-parallel-size", "2"]
+    # The documents are 100 tokens, a multiple of 2 * CP: CP=2 packs them as CP=1 does.
+    cp2_record = recorded + "_cp2"
+    record = [a.replace("{P}_", "{P}_cp2_") for a in RECORD]
+    _launch(recorded, *cp2, *record)
+    cp1_lp, cp2_lp = (
+        IndexedDataset(recorded + "_logprobs"),
+        IndexedDataset(cp2_record + "_logprobs"),
+    )
+    assert len(cp1_lp) == len(cp2_lp) == 64
+    trained = 0  # documents of step 1's packs (the others were not recorded: zeros)
+    for d in range(64):
+        a, b = cp1_lp[d], cp2_lp[d]
+        assert a.shape == b.shape, d
+        trained += np.count_nonzero(a) == a.size - 1  # every token but the first recorded
+        # The same fp32 forward, its attention keys gathered over CP in another order: 2e-6.
+        np.testing.assert_allclose(b, a, rtol=0, atol=2e-6, err_msg=f"document {d}")
+    assert trained >= 8, trained
+    step, cp1_step = _launch(recorded, *cp2, *REPLAY, *RL).iterations[1], cp1_run.iterations[1]
+    assert step["rl/logprob_mismatch"] <= 2e-6 and abs(step["rl/ratio_mean"] - 1) <= 2e-6, step
+    for key in ("policy loss", "lm loss"):  # tolerance: test_context_parallel.py's LOSS_TOL
+        assert abs(step[key] - cp1_step[key]) <= 5e-6, (key, step, cp1_step)
 
 
 #: The stated perturbation of the behaviour pass (Megatron's --moe-input-jitter-eps).
