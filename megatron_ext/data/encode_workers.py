@@ -32,7 +32,7 @@ def read_chunks(f: BinaryIO) -> Iterator[tuple[int, list[bytes]]]:
     for lineno, line in enumerate(f, start=1):
         lines.append(line)
         size += len(line)
-        # About 1 MiB a chunk: one tokenizer call, bounded memory, enough work per worker task.
+        # About 1 MiB a chunk: one tokenizer call, and memory bounded whatever the input.
         if size >= CHUNK_BYTES or len(lines) >= CHUNK_LINES:
             yield first, lines
             lines, first, size = [], lineno + 1, 0

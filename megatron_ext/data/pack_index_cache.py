@@ -122,8 +122,8 @@ def load_or_build(
 
 
 def _marker_path(cache_dir: str, key: str, suffix: str = "validated") -> str:
-    # The key (paths, identities) is too long for a file name: hash it, and store it inside so
-    # a hash collision reads as "not validated".
+    # The key (paths, identities) is no file name: hash it, and store it inside so a hash
+    # collision reads as "not validated".
     digest = hashlib.blake2b(key.encode("utf-8"), digest_size=16).hexdigest()
     return os.path.join(cache_dir, f"{digest}-{suffix}.txt")
 

@@ -27,12 +27,12 @@ def replay_blockers(settings: Any) -> list[str]:
         blockers.append(
             "--moe-router-fusion (the fused TE top-k returns before RouterReplay is consulted)"
         )
+    # sinkhorn never calls the hook; quantile_balancing precomputes the top-k past it.
     for kind in ("sinkhorn", "quantile_balancing"):
         if kind in load_balancing_types(settings):
             blockers.append(
                 f"--moe-router-load-balancing-type {kind} (its routing bypasses RouterReplay)"
             )
-    # quantile_balancing precomputes the top-k and passes it past the hook.
     if getattr(settings, "moe_expert_capacity_factor", None) is not None:
         blockers.append(
             "--moe-expert-capacity-factor (token dropping rewrites replayed routes afterwards)"
