@@ -1,22 +1,12 @@
 """Which micro-batch the model is running, and whether this pass is its forward or its recompute.
 
-Route replay, pad skipping and the expert-load metrics each need, inside a MoE layer, the
-micro-batch whose tokens it routes. The forward step knows it (:meth:`MicroBatchContext.begin`
-before each forward). Activation recompute (Megatron's full and selective recompute, the MoE
-recompute) reruns layers during backward, possibly after later micro-batches ran their forward
-(pipeline schedules, virtual pipeline stages interleaving two model chunks on a rank): an identity
-on each decoder block's output says, when that micro-batch's backward reaches the block, whose
-backward it is; routers recomputed in that backward read that key. A decoder block's forward is
-never a recompute (Megatron checkpoints layers inside the block), so its forward pre-hook ends
-the recompute. No schedule order is assumed and no torch private is read.
+Route replay, pad skipping and the load metrics need, inside a MoE layer, the micro-batch whose
+tokens it routes, also when activation recompute reruns layers in backward after later
+micro-batches' forwards (no schedule order assumed, no torch private read)::
 
-Example::
-
-    micro_batches = MicroBatchContext()
     micro_batches.attach(model_chunk)      # once per chunk: the decoder blocks' hooks
     micro_batches.begin((iteration, 0))    # before each forward
-    micro_batches.key                      # (iteration, 0), also in its recompute in backward
-    micro_batches.recomputing              # True only in a recompute during backward
+    micro_batches.key, micro_batches.recomputing   # (iteration, 0) in its recompute too; True then
 """
 
 from collections.abc import Hashable
@@ -27,8 +17,8 @@ import torch
 
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder stacks of ``model`` whose output carries the backward marker (a GPTModel's
-    ``TransformerBlock``, a HybridModel's ``HybridStack``). Megatron is imported here only, so
-    modules holding a context stay importable without it."""
+    ``TransformerBlock``, a HybridModel's ``HybridStack``)."""
+    # Megatron imported here only: modules holding a context stay importable without it.
     from megatron.core.models.hybrid.hybrid_block import HybridStack
     from megatron.core.transformer.transformer_block import TransformerBlock
 
@@ -36,11 +26,10 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 class _BackwardMarker(torch.autograd.Function):
-    """Identity on a decoder block's output; its backward calls ``on_backward(key)``.
+    """Identity on a decoder block's output; its backward calls ``on_backward(key)``."""
 
-    Apply through :func:`mark_backward`: the output is a view, and a non-last pipeline stage's
-    output is freed by Megatron's ``deallocate_output_tensor``, which asserts ``out._base is None``.
-    """
+    # Apply through mark_backward: the output is a view, and Megatron's deallocate_output_tensor
+    # (freeing a non-last pipeline stage's output) asserts out._base is None.
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, on_backward: Any, key: Hashable):
@@ -63,18 +52,15 @@ def mark_backward(hidden: torch.Tensor, on_backward: Any, key: Hashable) -> torc
 
 
 class MicroBatchContext:
-    """The micro-batch the model runs now, set by the forward step, recovered in recompute.
-
-    Attributes:
-        forward_key: The key of the last :meth:`begin` (None before any).
-        training: Whether that micro-batch is a training one (False: an evaluation forward).
-        serial: Counts :meth:`begin` calls; a layer that sees the same serial twice in a forward
-            is running a forward nobody began.
-    """
+    """The micro-batch the model runs now, set by the forward step, recovered in recompute."""
 
     def __init__(self) -> None:
+        #: The key of the last :meth:`begin` (None before any).
         self.forward_key: Hashable | None = None
+        #: Whether that micro-batch is a training one (False: an evaluation forward).
         self.training = True
+        #: Counts :meth:`begin` calls: a layer seeing one serial twice in a forward runs a forward
+        #: nobody began.
         self.serial = 0
         self._backward_key: Hashable | None = None
         self._recomputing = False
@@ -123,6 +109,9 @@ class MicroBatchContext:
         self._recomputing = False  # a block's forward is a forward, never a recompute
 
     def _mark_block_output(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        # When that micro-batch's backward reaches the block, the marker says whose backward it is;
+        # routers recomputed in it read that key. (A block's own forward is never a recompute:
+        # Megatron checkpoints layers inside the block, so its pre-hook ends the recompute.)
         del module, args
         key = self.forward_key
         if key is None or not torch.is_grad_enabled():

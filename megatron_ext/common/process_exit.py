@@ -1,17 +1,8 @@
-"""Ending a process as the interpreter would, without its teardown (pure Python).
+"""Ending a process as the interpreter would, without its teardown (pure Python); and the
+parent-death signal (Linux's ``PR_SET_PDEATHSIG``) that ends a process with the one that started it.
 
-``Py_FinalizeEx`` joins non-daemon threads, runs ``atexit`` handlers, flushes the streams and then
-tears down every module and object it holds. The last step is what a finished ``--cpu`` rank
-spends its exit on (torch and Megatron hold hundreds of thousands of objects and hundreds of
-modules); what it does that can be observed is closing files still open, whose Python-level
-buffers are written then. :func:`exit_like_the_interpreter` runs the observable steps in the
-interpreter's order, flushes every file object still open for writing (about 0.1 s in a rank that
-imported Megatron: one pass over the garbage collector's objects), and ends the process with
-``os._exit``. The kernel closes the descriptors; process groups are destroyed before (the caller's).
-
-Beside it, the parent-death signal (Linux's ``PR_SET_PDEATHSIG``) that ends a process with the one
-that started it: :func:`die_with_parent` in a forked child, :func:`die_with_the_agent` at the start
-of a rank that torchrun's agent started.
+A finished ``--cpu`` rank spends its exit tearing down torch's and Megatron's objects; of that only
+closing still-open files can be observed: :func:`exit_like_the_interpreter` does that, then exits.
 """
 
 import atexit
@@ -37,20 +28,19 @@ def die_with_parent() -> bool:
 
 
 def die_with_the_agent(environ: dict[str, str] | os._Environ = os.environ) -> bool:
-    """A rank started by torchrun's agent (``torchrun`` or ``python -m megatron_ext.launcher``,
-    which set ``TORCHELASTIC_RUN_ID`` and ``LOCAL_RANK``) gets SIGKILL when the agent dies, so a
-    ``kill -9`` of the launcher leaves no rank training unsupervised (Linux; elsewhere nothing).
-
-    The agent starts the rank from its main thread (``Popen``), so the signal comes when the agent
-    process ends. If the agent died before the signal was armed, the rank has already been handed
-    to another parent: it then kills itself as the signal would have. Returns whether it armed.
-    """
+    """A rank started by torchrun's agent (``torchrun`` or ``python -m megatron_ext.launcher``)
+    gets SIGKILL when the agent dies, so a ``kill -9`` of the launcher leaves no rank training
+    unsupervised (Linux; elsewhere nothing). Returns whether it armed."""
+    # The agent sets TORCHELASTIC_RUN_ID and LOCAL_RANK, and starts the rank from its main thread
+    # (Popen): the signal comes when the agent process ends.
     if "TORCHELASTIC_RUN_ID" not in environ or "LOCAL_RANK" not in environ:
         return False
     agent = os.getppid()
     if not die_with_parent():
         return False
-    if os.getppid() != agent:  # the agent died between the two reads: no signal will come
+    # The agent died between the two reads: the rank was handed to another parent and no signal
+    # will come; it kills itself as the signal would have.
+    if os.getppid() != agent:
         os.kill(os.getpid(), signal.SIGKILL)
     return True
 
@@ -67,8 +57,9 @@ _WRITABLE_FILE_TYPES = frozenset({io.TextIOWrapper, io.BufferedWriter, io.Buffer
 
 def flush_open_files() -> int:
     """Flushes the Python buffers of every file object still open for writing, as closing them at
-    interpreter teardown would; returns how many were flushed. Errors (a closed pipe) are ignored,
-    as the interpreter ignores them at exit."""
+    interpreter teardown would; returns how many were flushed."""
+    # About 0.1 s in a rank that imported Megatron: one pass over the collector's objects. Errors
+    # (a closed pipe) are ignored, as the interpreter ignores them at exit.
     flushed = 0
     for obj in gc.get_objects():
         if type(obj) in _WRITABLE_FILE_TYPES:
@@ -82,13 +73,9 @@ def flush_open_files() -> int:
 
 
 def exit_like_the_interpreter(code: int, interrupted: bool = False) -> None:
-    """Interpreter exit in the order ``Py_FinalizeEx`` runs it, then ``os._exit(code)``.
-
-    Args:
-        code: The exit status.
-        interrupted: The process ends on an uncaught KeyboardInterrupt: it then dies by SIGINT,
-            as the interpreter makes it.
-    """
+    """Interpreter exit in the order ``Py_FinalizeEx`` runs it, then ``os._exit(code)``
+    (``interrupted``: on an uncaught KeyboardInterrupt, dying by SIGINT as the interpreter does).
+    The kernel closes the descriptors; the caller destroys process groups before."""
     threading._shutdown()  # non-daemon threads are joined
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

@@ -1,12 +1,8 @@
-"""Hides warnings that do not apply to what the user runs (``--verbose`` shows everything).
+"""Hides warnings that do not apply to what the user runs (``--verbose`` shows everything):
+``quiet_warnings()`` first thing in a CLI's ``main()``.
 
-Importing Megatron on a machine without Transformer Engine, Apex or CUDA prints a screen of warnings
-that say nothing about the run: the fallbacks they announce are exactly what a CPU run uses. Only those
-known messages are hidden, by exact prefix; every other warning and every error still shows.
-
-Example::
-
-    quiet_warnings()       # first thing in a CLI's main(), unless --verbose
+Importing Megatron without Transformer Engine, Apex or CUDA prints a screen of warnings announcing
+the fallbacks a CPU run uses. Only those known messages are hidden, by exact prefix.
 """
 
 import logging
@@ -45,12 +41,8 @@ class _PrefixFilter(logging.Filter):
 
 
 def quiet_warnings(extra_prefixes: tuple[str, ...] = ()) -> None:
-    """Installs the filters for this process. Idempotent.
-
-    Args:
-        extra_prefixes: More ``warnings.warn`` message prefixes to hide (e.g. the GPTModel deprecation
-            when the user chose GPTModel on purpose).
-    """
+    """Installs the filters for this process (idempotent); ``extra_prefixes``: more
+    ``warnings.warn`` message prefixes to hide."""
     for prefix in QUIET_WARNINGS + extra_prefixes:
         warnings.filterwarnings("ignore", message=_regex(prefix))
     for name, prefix in QUIET_LOGS:

@@ -1,27 +1,10 @@
 """Output files that never lose data, and identities of input data (pure os + numpy).
 
-Every file megatron_ext writes (IndexedDataset ``.bin``/``.idx`` pairs, route headers, index
-caches, tool reports) goes to a temporary file in its target directory and is ``os.replace``d into
-place at the end (:func:`publish`): a writer killed before that leaves the old files intact and a
-stray temporary file (removed by the next writer of that output,
-:mod:`~megatron_ext.common.temp_names`), one killed during it a prefix that refuses to load (never
-old and new files mixed), and a job that has the old file memory-mapped keeps reading the old inode
-instead of dying of SIGBUS. Temporary files are created with mode ``0o666`` minus the umask
-(``tempfile.mkstemp`` gives ``0o600``), so caches on a shared cluster are readable by the group, as
-Megatron's own caches are.
-
-Outputs are checked *before* the work: an existing output is refused unless the user says
-``--overwrite``; an output that is (or would overwrite) one of the inputs is always refused; the
-directory must exist, be a directory and be writable. An output that did not exist when checked is
-published without replacing (a file another run created meanwhile is never replaced: this run fails
-naming it). Example::
+Every file megatron_ext writes goes to a temporary file in its target directory and is put in place
+at the end (:func:`publish`), and outputs are checked *before* the work (docs/data.md, "Tools")::
 
     check_output_prefix("/d/sft", flag="--output-prefix", inputs=["/d/sft.jsonl"], overwrite=False)
     # ValueError if /d/sft.bin or /d/sft.idx exists
-
-Identities: :func:`lengths_fingerprint` hashes an index's sequence lengths (what a pack plan or
-a sample index depends on); :func:`file_identity` names one state of a file (inode, size, mtime, ctime)
-without reading it.
 """
 
 import contextlib
@@ -43,16 +26,11 @@ _NEW_OUTPUTS: set[str] = set()
 
 
 def create_temp(path: str) -> tuple[int, str]:
-    """Creates a new, empty temporary file beside ``path`` (mode 0o666 & ~umask), creating
-    ``path``'s directory first if it is missing (:func:`check_writable_dir` allowed that up front).
-
-    The name records this host and process (:mod:`~megatron_ext.common.temp_names`); temporary
-    files of ``path`` left by a process of this host that is gone (killed before its rename) are
-    removed first, with a warning naming each.
-
-    Returns:
-        ``(fd, temp_path)``; the caller writes, then :func:`publish` es or unlinks it.
-    """
+    """``(fd, temp_path)``: a new, empty temporary file beside ``path``, its directory created if
+    missing; the caller writes, then :func:`publish` es or unlinks it."""
+    # Mode 0o666 minus the umask (mkstemp's 0o600 would hide caches from the group, unlike
+    # Megatron's own). The name records this host and process (temp_names): a gone writer's
+    # files of path are removed first, with a warning naming each.
     directory, base = os.path.split(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     remove_stale_temps(directory, base)
@@ -78,16 +56,13 @@ def publish(pairs: Iterable[tuple[str, str]]) -> None:
     that may be replaced, then puts the temps in place in order, every ``.idx`` last (after its
     ``.bin`` and companions such as a route header).
 
-    A final that was absent when :func:`check_output_file` checked it is new: it is linked into
-    place without replacing (:func:`put_in_place`), so a file another writer created meanwhile
-    is never replaced; this commit's new finals are then taken back and a ``ValueError`` names
-    the file. A crash at any point leaves no mix of old and new files that would load: each
-    prefix has either all its new files or no ``.idx`` (refused at load, naming the file).
-    Renaming over the old files instead would leave a window (new ``.bin`` beside the old
-    ``.idx``) where a pair of the same total size loads as misaligned documents, and an ``.idx``
-    renamed before a companion would let the prefix load without it. A job that has an old file
-    memory-mapped keeps reading its inode either way.
+    A final absent when checked is never replaced: if another writer made it meanwhile, this
+    commit's new finals are taken back (ValueError naming it).
     """
+    # A crash at any point leaves each prefix with all its new files or no .idx (refused at
+    # load): renaming over the old files would leave a window (new .bin beside the old .idx)
+    # where a pair of the same total size loads as misaligned documents, and an .idx renamed
+    # before a companion would load without it. A job mapping an old file keeps its inode.
     pairs = list(pairs)
     for _tmp, final in pairs:
         if os.path.abspath(final) not in _NEW_OUTPUTS:
@@ -109,14 +84,8 @@ def publish(pairs: Iterable[tuple[str, str]]) -> None:
 
 
 def put_in_place(tmp: str, final: str) -> bool:
-    """Renames ``tmp`` to ``final``; a new output (absent when checked) is never replaced.
-
-    Returns:
-        Whether ``final`` was a new output.
-
-    Raises:
-        ValueError: A new output exists now: another writer created it after the check.
-    """
+    """Renames ``tmp`` to ``final`` and returns whether it was a new output (absent when checked),
+    which is never replaced: ValueError if another writer created it after the check."""
     key = os.path.abspath(final)
     if key not in _NEW_OUTPUTS:
         os.replace(tmp, final)
@@ -172,14 +141,11 @@ FINGERPRINT_CHUNK_VALUES = 1 << 16
 
 
 def lengths_fingerprint(lengths: np.ndarray) -> str:
-    """Identity of an index's sequence lengths: ``"<count>:<blake2b of the int64 lengths>"``.
-
-    A plan or sample index built from these lengths is valid exactly for data with the same
-    fingerprint (same document count and lengths), whatever the token values. The digest is of
-    the lengths as native int64 in C order, whatever their dtype (caches are keyed by it, so it
-    must never change). Native int64 is hashed straight from its buffer; other dtypes (the
-    ``.idx``'s int32) are widened chunk by chunk, so no copy of the whole array is ever made.
-    """
+    """Identity of an index's sequence lengths: ``"<count>:<blake2b of the int64 lengths>"``: a
+    plan or sample index built from them is valid exactly for data with the same fingerprint."""
+    # The lengths as native int64 in C order whatever their dtype (caches are keyed by it: it
+    # must never change); other dtypes (the .idx's int32) widened chunk by chunk, never copied
+    # whole.
     flat = np.asarray(lengths).reshape(-1)  # a view unless the input is not C-contiguous
     hasher = hashlib.blake2b(digest_size=16)
     if flat.dtype == np.int64 and flat.flags.c_contiguous:
@@ -195,9 +161,8 @@ DIGEST_CHUNK_BYTES = 8 << 20
 
 
 def content_digest(paths: Iterable[str]) -> str:
-    """blake2b-128 of the files' bytes, in order, each preceded by its size (a file's content, not
-    its state: equal for a byte-identical copy, different for any rewritten byte). Reads every
-    byte once, in chunks of :data:`DIGEST_CHUNK_BYTES`."""
+    """blake2b-128 of the files' bytes, in order, each preceded by its size: a content, not a
+    state (equal for a byte-identical copy, different for any rewritten byte)."""
     hasher = hashlib.blake2b(digest_size=16)
     for path in paths:
         hasher.update(os.path.getsize(path).to_bytes(8, "little"))
@@ -208,12 +173,9 @@ def content_digest(paths: Iterable[str]) -> str:
 
 
 def file_identity(path: str) -> str:
-    """One state of a file without reading it: ``"inode:size:mtime_ns:ctime_ns"``.
-
-    Changes on a rewrite, whether by rename (new inode) or in place: a write moves the status
-    change time, which, unlike the mtime (``touch -d``, ``os.utime``, ``cp -p``), no user call
-    can set back.
-    """
+    """One state of a file without reading it: ``"inode:size:mtime_ns:ctime_ns"``."""
+    # Changes on a rewrite by rename (new inode) or in place: a write moves the status change
+    # time, which, unlike the mtime (touch -d, os.utime, cp -p), no user call can set back.
     st = os.stat(path)
     return f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
@@ -248,14 +210,8 @@ def check_output_file(
     overwrite: bool = False,
     replace_hint: str = "pass --overwrite to replace it",
 ) -> None:
-    """Refuses writing ``path`` if it exists (without ``overwrite``) or is one of ``inputs``.
-
-    ``replace_hint``: what the refusal tells the user to do (the tool's own flag, or for a
-    command without one, to name another file).
-
-    Raises:
-        ValueError: Naming ``flag`` and the file.
-    """
+    """Refuses (ValueError naming ``flag`` and the file) writing ``path`` if it exists (without
+    ``overwrite``; ``replace_hint`` says what to do instead) or is one of ``inputs``."""
     if path == "":
         raise ValueError(f"{flag} must not be empty")
     for source in inputs:
@@ -266,6 +222,7 @@ def check_output_file(
     if os.path.exists(path) and not overwrite:
         raise ValueError(f"{flag} {path} already exists; {replace_hint}")
     check_writable_dir(path, flag)
+    # Remembered as new if absent now: publishing it then never replaces what another run made.
     if os.path.lexists(path):
         _NEW_OUTPUTS.discard(os.path.abspath(path))  # replacing it is what was asked
     else:
@@ -282,12 +239,9 @@ def check_output_prefix(
     replace_hint: str = "pass --overwrite to replace it",
     input_files: Iterable[str] = (),
 ) -> None:
-    """:func:`check_output_file` for every ``prefix + extension`` of an IndexedDataset output.
-
-    ``inputs`` are input files or IndexedDataset prefixes (their ``.bin``/``.idx`` count too);
-    ``input_files`` are plain files only (a JSONL named ``d/in.jsonl`` does not make
-    ``d/in.jsonl.bin`` an input).
-    """
+    """:func:`check_output_file` for every ``prefix + extension`` of an IndexedDataset output;
+    ``inputs`` may be prefixes (their ``.bin``/``.idx`` count), ``input_files`` are files only."""
+    # input_files: a JSONL named d/in.jsonl does not make d/in.jsonl.bin an input.
     if prefix == "" or prefix.endswith(os.sep):
         raise ValueError(f"{flag} {prefix!r} must name a file prefix, not a directory")
     sources = list(input_files)

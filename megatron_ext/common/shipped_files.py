@@ -1,8 +1,5 @@
-"""Where the command-line tools and example launch scripts are, in a checkout or in an installed wheel.
-
-A checkout has them at ``tools/*.py`` and ``examples/*.sh`` beside the package; a wheel ships the same
-files inside the package as ``megatron_ext/_tools`` and ``megatron_ext/_examples`` (see setup.py). The
-copy inside the package wins, so an installed wheel never reaches into whatever directory it sits in.
+"""Where the command-line tools and example launch scripts are, in a checkout (``tools/*.py``,
+``examples/*.sh``) or in an installed wheel (``megatron_ext/_tools``, ``_examples``: setup.py).
 """
 
 from pathlib import Path
@@ -20,13 +17,12 @@ TOOL_SCRIPTS = {
 
 
 def shipped_file(kind: str, name: str) -> Path:
-    """The path of ``tools/<name>`` (kind ``"tools"``) or ``examples/<name>`` (kind ``"examples"``).
-
-    Raises:
-        FileNotFoundError: Neither the installed package nor a checkout holds it.
-    """
+    """The path of ``tools/<name>`` (kind ``"tools"``) or ``examples/<name>`` (``"examples"``);
+    FileNotFoundError when neither the installed package nor a checkout holds it."""
     assert kind in ("tools", "examples"), kind
     packaged = PACKAGE / f"_{kind}" / name
+    # The copy inside the package wins: an installed wheel never reaches into whatever directory
+    # it sits in.
     if packaged.is_file():
         return packaged
     checkout = PACKAGE.parent / kind / name

@@ -1,22 +1,7 @@
 """Temporary files that say who made them, and a rename that never replaces (pure os + ctypes).
-
-Every output is written to a temporary file beside it and renamed at the end
-(:mod:`~megatron_ext.common.safe_files`). A writer killed before the rename (SIGKILL, out of memory,
-a preempted node) cannot remove its temporary file, so the name records the host and process that
-made it::
+The next writer of an output removes the temporary files a gone process of this host left::
 
     .corpus.bin.node7.81234.5f0c2a9e11d3.tmp      (hidden, beside corpus.bin)
-
-and the next writer of the same output removes those of this host whose process is gone
-(:func:`remove_stale_temps`), with a warning naming each file. Another host's files, and files of a
-process still alive (or of a pid this process may not signal), are left alone: the writer may still
-be running. A container sharing the host name and the directory but not the pid namespace is the
-one case where a live writer's file looks stale; that writer's rename then fails loudly.
-
-:func:`move_no_replace` publishes a file only where nothing exists yet: a hard link (which fails if
-the name exists) and an unlink of the temporary name, or, where the filesystem has no hard links,
-Linux's ``renameat2(RENAME_NOREPLACE)``. Only where neither exists does it check and rename, the
-one remaining window being between those two calls.
 """
 
 import ctypes
@@ -70,6 +55,9 @@ def remove_stale_temps(directory: str, base: str) -> list[str]:
         entries = [e.name for e in os.scandir(directory) if e.name.startswith(f".{base}.")]
     except FileNotFoundError:
         return removed
+    # Another host's files, and those of a live process (or one this process may not signal), are
+    # left alone. A container sharing the host name and directory but not the pid namespace is
+    # the one case where a live writer's file looks stale; that writer's rename then fails.
     for name in entries:
         owner = _owner(name, base)
         if owner is None or owner[0] != host or owner[1] == os.getpid():
@@ -91,11 +79,10 @@ def remove_stale_temps(directory: str, base: str) -> list[str]:
 
 
 def move_no_replace(src: str, dst: str) -> None:
-    """Moves ``src`` to ``dst`` (same directory) unless ``dst`` exists.
-
-    Raises:
-        FileExistsError: ``dst`` exists; ``src`` is left where it was.
-    """
+    """Moves ``src`` to ``dst`` (same directory) unless ``dst`` exists (FileExistsError, ``src``
+    left where it was)."""
+    # A hard link (fails if the name exists) then an unlink; without hard links Linux's
+    # renameat2(RENAME_NOREPLACE); only without both a check and rename.
     try:
         os.link(src, dst)
     except OSError as err:
@@ -112,11 +99,7 @@ def move_no_replace(src: str, dst: str) -> None:
 
 def _renameat2_no_replace(src: str, dst: str) -> bool:
     """``renameat2(src, dst, RENAME_NOREPLACE)``; False where the kernel, libc or filesystem
-    lacks it (nothing was done then).
-
-    Raises:
-        FileExistsError: ``dst`` exists.
-    """
+    lacks it (nothing done); FileExistsError if ``dst`` exists."""
     renameat2 = getattr(_libc(), "renameat2", None)
     if renameat2 is None:
         return False

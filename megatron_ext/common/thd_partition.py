@@ -1,26 +1,10 @@
 """Which tokens of a packed (THD) row each context-parallel rank holds (pure torch, never imports
 megatron): Transformer Engine's ``thd_get_partitioned_indices``, stood in on a machine without it.
 
-Megatron-Core 0.19.2 splits a packed micro-batch over the CP ranks per document
-(``megatron/core/utils.py``, ``_get_batch_on_this_cp_rank_per_document_balancing``) with TE's
-``tex.thd_get_partitioned_indices(cu_seqlens, total_tokens, cp_size, cp_rank)``: every segment of
-``cu_seqlens`` is cut into ``2 * cp`` equal chunks and CP rank r keeps chunk r and chunk
-``2 * cp - 1 - r`` (causal attention's work balanced per document). The semantics are those of TE's
-kernel, read in NVIDIA/TransformerEngine 2.x (``transformer_engine/common/fused_attn/
-context_parallel.cu``, ``thd_partition_indices_kernel``, and its torch binding
-``thd_get_partitioned_indices`` in ``transformer_engine/pytorch/csrc/extensions/attention.cpp``;
-checked against the repository at 2.21.0-dev0): every ``cu_seqlens`` value must be divisible by
-``2 * world_size``; the output is int32 ``[total_tokens / world_size]``, indices into the global
-row, documents in order, a zero-length segment (``cu_seqlens`` repeating a value) contributing
-nothing.
+Each segment is cut into ``2 * cp`` chunks; rank r keeps chunks r and ``2 * cp - 1 - r`` (causal
+work balanced per document). ``cu_seqlens = [0, 8, 12]``, CP 2: rank 0 holds ``[0 1 6 7 8 11]``.
 
-Worked example: ``cu_seqlens = [0, 8, 12]`` (documents of 8 and 4 tokens), CP = 2. Document 0 in
-chunks of 2: rank 0 keeps chunks 0 and 3 -> ``[0 1 6 7]``, rank 1 chunks 1 and 2 -> ``[2 3 4 5]``;
-document 1 in chunks of 1: rank 0 ``[8 11]``, rank 1 ``[9 10]``. So rank 0 holds
-``[0 1 6 7 8 11]`` and rank 1 ``[2 3 4 5 9 10]``.
-
-Legend: D segments (``cu_seqlens`` has D + 1 entries), T tokens of the row, N = T / cp this
-rank's tokens.
+Legend: D segments (``cu_seqlens`` has D + 1 entries), T tokens of the row, N = T / cp.
 """
 
 import torch
@@ -29,25 +13,18 @@ import torch
 def thd_partitioned_indices(
     cu_seqlens_D1: torch.Tensor, total_tokens: int, world_size: int, rank: int
 ) -> torch.Tensor:
-    """The positions of the global THD row that CP rank ``rank`` holds, in its local order.
+    """``index_N`` (int32, on ``cu_seqlens_D1``'s device): the positions of the global THD row of
+    T ``total_tokens`` that CP rank ``rank`` of ``world_size`` holds, in its local order.
 
-    Computed per output token as TE's kernel does (no loop over documents, no host read, output
-    sized by the static ``total_tokens``): the token's document by a binary search of
-    ``cu_seqlens / world_size``, then its offset in the document's first or second half.
-
-    Args:
-        cu_seqlens_D1: 1-D int32 segment boundaries of the row (``[0, ..., total_tokens]``).
-        total_tokens: T, the row's length.
-        world_size: The CP size.
-        rank: This CP rank.
-
-    Returns:
-        ``index_N`` int32 on ``cu_seqlens_D1``'s device.
-
-    Raises:
-        ValueError: Arguments TE's binding refuses, or (on a host tensor, where reading it costs no
-            device sync) a boundary not divisible by ``2 * world_size``.
+    ValueError for arguments TE's binding refuses, or (a host tensor, read without a device sync)
+    a boundary not divisible by ``2 * world_size``.
     """
+    # TE's semantics, read in NVIDIA/TransformerEngine 2.x (transformer_engine/common/fused_attn/
+    # context_parallel.cu, thd_partition_indices_kernel, and its torch binding in
+    # transformer_engine/pytorch/csrc/extensions/attention.cpp; checked at 2.21.0-dev0), as
+    # Megatron-Core 0.19.2 calls it (megatron/core/utils.py,
+    # _get_batch_on_this_cp_rank_per_document_balancing): every cu_seqlens value divisible by
+    # 2 * world_size, documents in order, a zero-length segment contributing nothing.
     if cu_seqlens_D1.dim() != 1 or cu_seqlens_D1.numel() < 2:
         raise ValueError(
             f"cu_seqlens must be 1-D with 2 or more entries, got {cu_seqlens_D1.shape}"
@@ -69,6 +46,9 @@ def thd_partitioned_indices(
                 f"cu_seqlens value {int(bad[0])} is not divisible by 2 * --context-parallel-size "
                 f"({2 * world_size}): every document of a pack must be padded to that multiple"
             )
+    # Per output token, as TE's kernel (no loop over documents, no host read, sized by the static
+    # total_tokens): its document by a binary search of cu_seqlens / world_size, then its offset
+    # in the document's first or second half.
     cu_local = cu_seqlens_D1.to(torch.int64) // world_size  # each segment's share on one rank
     token_N = torch.arange(total_tokens // world_size, device=cu_seqlens_D1.device)
     # TE's binary_search: the last segment whose local start is <= the token (empty ones skipped).

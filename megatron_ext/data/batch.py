@@ -1,28 +1,13 @@
-"""Batch -> Megatron ``GPTModel.forward`` glue for packed, padded samples (sync-free).
+"""Batch -> Megatron ``GPTModel.forward`` inputs for packed, padded samples (sync-free).
 
-A collated batch of :class:`~megatron_ext.data.packed_dataset.PackedDataset` samples carries
-``padding_mask`` (True = pad) and padded ``cu_seqlens`` [B, S+1]. This module turns them into
-what Megatron-Core 0.19.2 consumes:
-
-- ``padding_mask`` goes to ``GPTModel.forward(padding_mask=...)`` unchanged: Megatron's router
-  treats True as pad (``valid = ~padding_mask`` in ``compute_routing_scores_for_aux_loss``,
-  ``routing_map & ~padding_mask`` in ``_apply_expert_bias``) although some docstrings say the
-  opposite, so pads stay out of aux loss, z-loss and expert-bias counts.
-- document boundaries become either ``PackedSeqParams`` (THD, for attention backends that read
-  ``cu_seqlens``) or an equivalent causal per-document boolean mask [B, 1, S, S] (True = masked,
-  Megatron's convention) for the local backend on CPU.
-
-Example (two samples of S = 4; sample 0 = documents [2, 1] + 1 pad)::
+``padding_mask`` (True = pad) goes to the routers unchanged; ``cu_seqlens`` [B, S+1] becomes THD
+``PackedSeqParams`` or a per-document causal mask (True = masked). Two samples of S = 4, sample 0
+holding documents [2, 1] and 1 pad::
 
     cu_seqlens = [[0, 2, 3, 4, 4], [0, 4, 4, 4, 4]]
     document_attention_mask(cu_seqlens, 4)[0, 0] ->  rows = queries, False = may attend
         [[F T T T], [F F T T], [T T F T], [T T T F]]
     packed_seq_params(cu_seqlens, 4).cu_seqlens_q -> [0, 2, 3, 4, 4, 8, 8, 8, 8]
-    (trailing repeats are empty segments: no host sync is needed to trim them)
-
-Samples of one micro-batch must share a length: Megatron's data loader stacks them with
-``default_collate``, so micro-batch > 1 with packed data needs ``--pad-to-seq-len`` (the entry
-point refuses ``--pack-documents`` without it there).
 
 Legend: B samples in the micro-batch, S padded sample length, C = S + 1 cu_seqlens entries.
 """
@@ -37,6 +22,7 @@ AttentionLayout = Literal["mask", "thd"]
 
 def segment_ids(cu_seqlens_BC: torch.Tensor, seq_len: int) -> torch.Tensor:
     """``[B, S]`` index of the segment (document or pad run) holding each position."""
+    # Trailing repeats of cu_seqlens are empty segments: searchsorted skips them, no host read.
     pos_BS = torch.arange(seq_len, device=cu_seqlens_BC.device).expand(cu_seqlens_BC.shape[0], -1)
     bounds = cu_seqlens_BC[:, 1:].to(pos_BS.dtype).contiguous()
     return torch.searchsorted(bounds, pos_BS.contiguous(), right=True)
@@ -46,7 +32,7 @@ def document_attention_mask(cu_seqlens_BC: torch.Tensor, seq_len: int) -> torch.
     """Causal attention restricted to each segment: ``[B, 1, S, S]`` bool, True = masked."""
     seg_BS = segment_ids(cu_seqlens_BC, seq_len)
     pos_S = torch.arange(seq_len, device=cu_seqlens_BC.device)
-    causal_SS = pos_S[:, None] >= pos_S[None, :]
+    causal_SS = pos_S[:, None] >= pos_S[None, :]  # [S, S] broadcast: no host read, no loop
     allowed_BSS = (seg_BS[:, :, None] == seg_BS[:, None, :]) & causal_SS
     return ~allowed_BSS.unsqueeze(1)
 
@@ -54,11 +40,12 @@ def document_attention_mask(cu_seqlens_BC: torch.Tensor, seq_len: int) -> torch.
 def flat_cu_seqlens(
     cu_seqlens_BC: torch.Tensor, seq_len: int, drop_empty: bool = False
 ) -> torch.Tensor:
-    """The segment boundaries of the batch flattened to one row of ``B * S`` tokens: 1-D int32
-    ``[B * S + 1]`` on ``cu_seqlens_BC``'s device, without a host read (a sample's trailing repeats
-    stay, as empty segments). ``drop_empty``: without them (only where the tensor is on the host,
-    where reading it costs no device sync); the same segments, the same THD split and attention."""
+    """The batch's segment boundaries as one row of ``B * S`` tokens: int32 ``[B * S + 1]``;
+    ``drop_empty`` (host tensors only) drops the empty segments."""
+    # A sample's trailing repeats stay, as empty segments: trimming them would read the device.
+    # Either way the THD split and the attention are the same.
     batch = cu_seqlens_BC.shape[0]
+    # Sample b's boundaries shifted by b * S; every sample's last entry (S) is the next's first.
     offsets_B1 = torch.arange(batch, device=cu_seqlens_BC.device)[:, None] * seq_len
     starts = (cu_seqlens_BC[:, :-1].to(torch.int64) + offsets_B1).reshape(-1)
     total = torch.full((1,), batch * seq_len, dtype=torch.int64, device=cu_seqlens_BC.device)
@@ -73,12 +60,9 @@ def flat_cu_seqlens(
 def packed_seq_params(
     cu_seqlens_BC: torch.Tensor, seq_len: int, drop_empty: bool = False
 ) -> PackedSeqParams:
-    """THD ``PackedSeqParams`` for the batch flattened to one row of ``B * S`` tokens.
-
-    ``max_seqlen`` is the static bound ``S`` (reading the true maximum would sync). ``drop_empty``:
-    see :func:`flat_cu_seqlens`.
-    """
+    """THD ``PackedSeqParams`` of the batch as one row (``drop_empty``: :func:`flat_cu_seqlens`)."""
     cu = flat_cu_seqlens(cu_seqlens_BC, seq_len, drop_empty)
+    # max_seqlen is the static bound S: reading the true maximum would sync.
     return PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
@@ -94,23 +78,15 @@ def gpt_forward_kwargs(
     layout: AttentionLayout = "mask",
     model: torch.nn.Module | None = None,
 ) -> dict[str, Any]:
-    """Keyword arguments for Megatron ``GPTModel.forward`` / ``HybridModel.forward`` from a
-    collated batch.
+    """Keyword arguments for Megatron ``GPTModel.forward`` / ``HybridModel.forward``.
 
     Args:
         batch: ``tokens``, ``labels``, ``position_ids``, ``padding_mask`` [B, S] and, for packed
-            samples, ``cu_seqlens`` [B, S+1] (as :class:`PackedDataset` returns them, collated).
-            Without ``cu_seqlens`` (``SelfPaddedGPTDataset``: one sequence per sample) the
-            batch's own ``attention_mask`` is passed on, or None (Megatron's causal mask).
+            samples, ``cu_seqlens`` [B, S+1]; else its ``attention_mask`` (or None) is passed on.
         layout: ``"mask"``: [B, S] tensors with a per-document causal mask (local backend);
             ``"thd"``: one [1, B*S] row plus ``packed_seq_params`` (THD backends; packed only).
-        model: The model chunk the forward runs (possibly wrapped). Needed under sequence
-            parallelism: the routers then get this TP rank's slice of the pad mask where
-            megatron-core 0.19.2 does not scatter it (:func:`shard_padding_mask`).
-
-    Returns:
-        ``input_ids``, ``position_ids``, ``attention_mask``, ``labels``, ``padding_mask`` and,
-        for THD, ``packed_seq_params``.
+        model: The model chunk the forward runs (possibly wrapped); needed under sequence
+            parallelism (:func:`shard_padding_mask`).
     """
     if layout not in ("mask", "thd"):
         raise ValueError(f"unknown attention layout {layout!r}; choose 'mask' or 'thd'")
@@ -120,6 +96,10 @@ def gpt_forward_kwargs(
         "input_ids": tokens_BS,
         "position_ids": batch["position_ids"],
         "labels": batch["labels"],
+        # Megatron's routers read True as pad (``valid = ~padding_mask`` in
+        # compute_routing_scores_for_aux_loss, ``routing_map & ~padding_mask`` in
+        # _apply_expert_bias; some of its docstrings say the opposite): pads stay out of the aux
+        # loss, z-loss and expert-bias counts.
         "padding_mask": batch["padding_mask"].to(torch.bool),
     }
     if "cu_seqlens" not in batch:  # one sequence per sample: no document boundaries to pass
@@ -146,46 +126,29 @@ _MEGATRON_CP_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 def context_parallel_inputs(
     batch: dict[str, torch.Tensor], cp_group: Any, drop_empty: bool = False
 ) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor | None]:
-    """This context-parallel rank's share of a collated micro-batch, split by Megatron's own
-    ``get_batch_on_this_cp_rank`` (megatron/core/utils.py, 0.19.2), as model inputs (sync-free).
+    """This context-parallel rank's share of a collated micro-batch, as model inputs (sync-free).
 
-    Packed samples (``cu_seqlens``): the micro-batch flattened to THD's one row ``[1, B*S]``
-    (:func:`flat_cu_seqlens`, not Megatron's ``flatten_batch_for_packed_sequences``, which reads
-    the device), Megatron's per-document split of ``tokens, labels, loss_mask, position_ids`` with
-    Transformer Engine's ``thd_get_partitioned_indices`` (``megatron.core.utils.tex``; stood in under
-    ``--cpu``), and the pad mask sliced with the same index. Every document boundary must be a
-    multiple of ``2 * cp`` (the packs pad each document so). The ``PackedSeqParams`` stay global:
-    TE's attention and Megatron's THD RoPE divide by the CP size themselves.
-    Otherwise (one sequence per sample): Megatron's per-sequence zigzag, of every ``[B, S]`` tensor.
-    ``drop_empty`` (the ``--cpu`` rehearsal, whose device is the host): the row's empty segments
-    dropped (:func:`flat_cu_seqlens`). There Megatron's unfused THD RoPE
-    (``_apply_rotary_pos_emb_thd``) loops over every segment in Python, and a micro-batch's trailing
-    repeats are ``B * S`` mostly empty ones: a 768-token CP step took 20x longer with them.
+    Split by Megatron's own ``get_batch_on_this_cp_rank`` (megatron/core/utils.py, 0.19.2): packed
+    samples per document on THD's one row ``[1, B*S]`` (every document boundary a multiple of
+    ``2 * cp``: the packs pad each document so), others by its per-sequence zigzag.
 
     Returns:
         ``GPTModel.forward`` keyword arguments (as :func:`gpt_forward_kwargs`), this rank's loss
         mask in the same layout, and the THD partition index (int32, positions of the flattened
-        row this rank holds: route replay slices the routes with it) or None.
+        row this rank holds: route replay slices the routes with it) or None. ``drop_empty``: see
+        :func:`flat_cu_seqlens`.
     """
     from megatron.core import utils as mcore_utils
 
     tokens_BS = batch["tokens"]
     batch_size, seq_len = tokens_BS.shape
     if "cu_seqlens" not in batch:
-        keys = (*_MEGATRON_CP_KEYS, "padding_mask", "attention_mask")
-        split = {k: batch[k] for k in keys if batch.get(k) is not None}
-        split = mcore_utils.get_batch_on_this_cp_rank(
-            {**split, "cu_seqlens": None}, is_hybrid_cp=False, cp_group=cp_group
-        )
-        kwargs = {
-            "input_ids": split["tokens"],
-            "position_ids": split["position_ids"],
-            "attention_mask": split.get("attention_mask"),
-            "labels": split["labels"],
-        }
-        if "padding_mask" in split:
-            kwargs["padding_mask"] = split["padding_mask"].to(torch.bool)
-        return kwargs, split["loss_mask"], None
+        return _zigzag_inputs(batch, cp_group)
+    # Flattened by flat_cu_seqlens, not Megatron's flatten_batch_for_packed_sequences, which reads
+    # the device. drop_empty is the --cpu rehearsal's (its device is the host): Megatron's unfused
+    # THD RoPE (_apply_rotary_pos_emb_thd) loops over every segment in Python, and the trailing
+    # repeats are B * S mostly empty ones (a 768-token CP step took 20x longer with them).
+    # The PackedSeqParams stay global: TE's attention and Megatron's THD RoPE divide by the CP size.
     params = packed_seq_params(batch["cu_seqlens"], seq_len, drop_empty)
     row = {k: batch[k].reshape(1, -1) for k in _MEGATRON_CP_KEYS}
     split = mcore_utils.get_batch_on_this_cp_rank(
@@ -193,7 +156,8 @@ def context_parallel_inputs(
         is_hybrid_cp=False,
         cp_group=cp_group,
     )
-    # The same index Megatron sliced with (its kernel is deterministic): for every other token.
+    # The same index Megatron sliced with (TE's thd_get_partitioned_indices through
+    # megatron.core.utils.tex, stood in under --cpu; deterministic): for the pad mask, and routes.
     index_N = mcore_utils.tex.thd_get_partitioned_indices(
         params.cu_seqlens_q, batch_size * seq_len, cp_group.size(), cp_group.rank()
     )
@@ -208,16 +172,34 @@ def context_parallel_inputs(
     return kwargs, split["loss_mask"], index_N
 
 
+def _zigzag_inputs(
+    batch: dict[str, torch.Tensor], cp_group: Any
+) -> tuple[dict[str, Any], torch.Tensor, None]:
+    """One sequence per sample: Megatron's per-sequence zigzag of every ``[B, S]`` tensor."""
+    from megatron.core import utils as mcore_utils
+
+    keys = (*_MEGATRON_CP_KEYS, "padding_mask", "attention_mask")
+    split = {k: batch[k] for k in keys if batch.get(k) is not None}
+    split = mcore_utils.get_batch_on_this_cp_rank(
+        {**split, "cu_seqlens": None}, is_hybrid_cp=False, cp_group=cp_group
+    )
+    kwargs = {
+        "input_ids": split["tokens"],
+        "position_ids": split["position_ids"],
+        "attention_mask": split.get("attention_mask"),
+        "labels": split["labels"],
+    }
+    if "padding_mask" in split:
+        kwargs["padding_mask"] = split["padding_mask"].to(torch.bool)
+    return kwargs, split["loss_mask"], None
+
+
 def shard_padding_mask(kwargs: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
     """Under sequence parallelism, gives the routers this TP rank's slice of the pad mask where
-    megatron-core 0.19.2 does not.
-
-    ``GPTModel`` scatters ``padding_mask`` along the sequence with the embedding output, but only
-    on the stage that embeds (``pre_process``): a later pipeline stage passes it on whole.
-    ``HybridModel.forward`` never scatters it. There every MoE router (aux losses, z-loss,
-    expert-bias counts) would see S tokens of mask for S/TP tokens and fail on the shapes; the
-    scatter Megatron's GPTModel applies is applied here instead.
-    """
+    megatron-core 0.19.2 does not (else they see S tokens of mask for S/TP tokens)."""
+    # GPTModel scatters padding_mask with the embedding output, but only on the stage that embeds
+    # (pre_process): a later pipeline stage passes it on whole; HybridModel.forward never does.
+    # GPTModel's own scatter is applied here instead.
     from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron.core.utils import unwrap_model
 
@@ -237,5 +219,6 @@ def shard_padding_mask(kwargs: dict[str, Any], model: torch.nn.Module) -> dict[s
 
 def masked_mean_loss(per_token_loss_BS: torch.Tensor, loss_mask_BS: torch.Tensor) -> torch.Tensor:
     """Mean loss over the positions whose ``loss_mask`` is 1 (pads and prompts excluded)."""
+    # clamp_min, not a host check: an all-masked micro-batch gives 0 without a sync.
     mask = loss_mask_BS.reshape(per_token_loss_BS.shape).to(per_token_loss_BS.dtype)
     return (per_token_loss_BS * mask).sum() / mask.sum().clamp_min(1.0)

@@ -79,6 +79,7 @@ class PaddingConfig:
             )
         if self.pad_constant_id < 0:
             raise ValueError(f"--pad-constant-id must be >= 0, got {self.pad_constant_id}")
+        # A pack holding a placeholder pads with the constant id: it must not be one itself.
         if self.pad_constant_id in self.multimodal_placeholder_ids:
             raise ValueError(
                 f"--pad-constant-id {self.pad_constant_id} is one of "
@@ -101,8 +102,7 @@ class PaddingConfig:
     ) -> int:
         """The pack-length multiple for this run: the user's value, else the derived one.
 
-        ``quantization_align`` is Megatron's fp8/fp4 GEMM row alignment
-        (:func:`megatron_ext.data.quantization_align.quantization_align_from_args`; 1 in bf16).
+        ``quantization_align``: Megatron's fp8/fp4 GEMM row alignment (1 in bf16).
 
         Raises:
             ValueError: The user's --pad-to-multiple-of is not a multiple of what the run needs.
@@ -115,7 +115,7 @@ class PaddingConfig:
         )
         if self.pad_to_multiple_of is None:
             return required
-        if self.pad_to_multiple_of % required:
+        if self.pad_to_multiple_of % required:  # refused, not overridden: name what needs more
             why = []
             if context_parallel_size > 1:
                 why.append(f"--context-parallel-size {context_parallel_size} (needs 2*CP)")
@@ -133,8 +133,8 @@ class PaddingConfig:
 
     @staticmethod
     def doc_pad_multiple(context_parallel_size: int = 1) -> int:
-        """Every packed document's length multiple: 2*CP under context parallelism (TE's THD
-        partitioning cuts each document into 2*CP equal chunks, one pair per CP rank), else 1."""
+        """Every packed document's length multiple: 2*CP under context parallelism, else 1."""
+        # TE's THD partitioning cuts each document into 2*CP equal chunks, one pair per CP rank.
         return 2 * context_parallel_size if context_parallel_size > 1 else 1
 
     def check_megatron_args(self, args: argparse.Namespace) -> None:
@@ -150,6 +150,7 @@ class PaddingConfig:
         )
         self._warn_unused(view)
         self._check_data(args, view)
+        # A full pack is --seq-length long: it must itself be a multiple, or pad past it.
         seq_length = view.seq_length
         if seq_length is not None and seq_length % multiple:
             raise ValueError(
@@ -184,6 +185,7 @@ class PaddingConfig:
         check_data_args(
             args, self.pack_loss_mask_suffix if self.pack_documents else None, jsonl=view.sft
         )
+        # Megatron's padded vocabulary when known (the embedding's rows), else the tokenizer's.
         vocab = view.padded_vocab_size or view.vocab_size
         if isinstance(vocab, int) and self.pad_constant_id >= vocab:
             raise ValueError(

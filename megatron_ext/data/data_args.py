@@ -1,10 +1,6 @@
 """Checks of Megatron's data flags at argument time, so ``--dry-run`` checks the data too (glue).
 
-Megatron opens ``--data-path`` files only when it builds datasets, minutes into a launch; a
-typo'd prefix, a missing loss-mask sidecar or a NaN blend weight would pass the dry run. Here every
-prefix of ``--data-path`` / ``--{train,valid,test}-data-path`` (parsed by Megatron's own
-``get_blend_from_list``) must have its ``.bin``/``.idx`` (and the ``--pack-loss-mask-suffix``
-sidecar), none of them an empty ``.bin``, and weights must be finite, >= 0 and not all zero::
+Megatron opens ``--data-path`` files only when it builds datasets, minutes into a launch::
 
     --data-path 0.3 /d/a nan /d/b   ->  ValueError: --data-path weight 'nan' for /d/b must be ...
 """
@@ -21,12 +17,8 @@ DATA_PATH_ARGS = ("data_path", "train_data_path", "valid_data_path", "test_data_
 
 def data_prefixes(args: argparse.Namespace) -> list[tuple[str, list[str], list[float] | None]]:
     """``[(flag, prefixes, weights or None)]`` of every data-path flag that is set, including the
-    prefixes listed in a local ``--data-args-path`` / ``--per-split-data-args-path`` file (read as
-    Megatron's ``get_blend_and_blend_per_split`` reads them; an object-storage file is left to it).
-
-    Raises:
-        ValueError: A local list file that is missing or not what Megatron expects, naming it.
-    """
+    prefixes listed in a local ``--data-args-path`` / ``--per-split-data-args-path`` file (one
+    missing or not what Megatron expects: ValueError naming it)."""
     found = []
     view = MegatronView.from_args(args)
     for name in DATA_PATH_ARGS:
@@ -45,6 +37,7 @@ def _listed_data_paths(view: MegatronView) -> list[tuple[str, list[str]]]:
     ``--per-split-data-args-path`` (JSON ``{"train": ..., "valid": ..., "test": ...}``)."""
     import json
 
+    # Read as Megatron's get_blend_and_blend_per_split reads them.
     listed = []
     path = view.data_args_path
     if path and not _is_remote(path):
@@ -82,14 +75,11 @@ def _read_list_file(path: str, flag: str) -> str:
 def check_data_args(
     args: argparse.Namespace, loss_mask_suffix: str | None, *, jsonl: bool = False
 ) -> None:
-    """Refuses missing data files and unusable blend weights, naming the flag and prefix.
+    """Refuses missing or empty data files and unusable blend weights, naming the flag and prefix.
 
     ``jsonl``: the paths are JSONL files (Megatron's ``--sft``), not IndexedDataset prefixes.
-
-    Raises:
-        ValueError: The first problem found.
     """
-    if MegatronView.from_args(args).mock_data:
+    if MegatronView.from_args(args).mock_data:  # Megatron's synthetic data: no files to check
         return
     for flag, prefixes, weights in data_prefixes(args):
         if weights is not None:
@@ -111,6 +101,7 @@ def check_data_args(
                         raise ValueError(
                             f"{flag} prefix {prefix}: {what} file {path} does not exist"
                         )
+                    # Megatron cannot map an empty .bin, and it holds nothing to train on.
                     if ext == ".bin" and os.path.getsize(path) == 0:
                         from megatron_ext.data.indexed_checks import empty_bin_reason
 

@@ -1,13 +1,9 @@
 """The error for samples asked of a split that holds no tokens (glue over Megatron's split math).
 
-A ``--split`` weight that is non-zero can still give a split no documents: Megatron's builder
-rounds each split's share of a prefix's documents (``round(weight * num_documents)``), so on a
-small corpus, or a small prefix of a blend, the validation or test range can be empty. Megatron's
-``GPTDataset`` then never finishes building its index (``_get_num_epochs`` adds epochs of zero
-tokens until they hold the samples asked for: a silent hang at startup, even when no sample is
-asked, because it also wants the one extra label token). The argument check
-(:mod:`megatron_ext.training.eval_args`) cannot see this: it depends on the data. So the datasets
-refuse it where the data is known, naming the prefix, the split and the flag that asked::
+Megatron's builder rounds each split's share of a prefix's documents, so a non-zero ``--split``
+weight can leave a split without documents, and ``GPTDataset`` then never finishes building (its
+``_get_num_epochs`` adds epochs of zero tokens; it wants one extra label token even when no sample
+is asked). Only the datasets know the data, so they refuse it, naming prefix, split and flag::
 
     --data-path /d/tiny (10 documents) with --split 99,1,0: the valid split gets no documents
     (its share rounds to 0 of 10), yet 40 samples are asked of it (--eval-iters evaluates on the
@@ -40,13 +36,7 @@ def empty_split_error(
 ) -> ValueError:
     """The ValueError for ``num_samples`` asked of a split without a single token.
 
-    Args:
-        dataset_path: The prefix the split was cut from.
-        index_split: Which split.
-        num_samples: Samples asked of it (> 0).
-        num_documents: Documents of the whole prefix.
-        config: The dataset config (its ``split`` is named).
-        documents_in_split: Documents the split has (all empty when > 0).
+    ``num_documents``: the whole prefix's; ``documents_in_split``: the split's (all empty).
     """
     name = index_split.name
     # Only --data-path's split can empty a split: a per-split file without a token is an empty
@@ -71,12 +61,10 @@ def empty_split_error(
 def full_validation_error(
     split: str | None, data_path: list[str] | None, data_args_path: str | None = None
 ) -> ValueError:
-    """The ValueError for ``--full-validation`` over a validation split without a sample.
-
-    Megatron asks no sample count of the split then (it evaluates all of it), so the datasets
-    build it empty; its loop would then fail on ``len(None)`` while building the iterators.
-    ``--split`` cuts ``--data-path`` or the blend of ``--data-args-path``: the one given is named.
-    """
+    """The ValueError for ``--full-validation`` over a validation split without a sample."""
+    # Megatron asks no sample count of the split then (it evaluates all of it), so the datasets
+    # build it empty, and its loop would fail on len(None) while building the iterators.
+    # --split cuts --data-path or the blend of --data-args-path: name the one given.
     data = (
         f"--data-path {' '.join(data_path)}" if data_path else f"--data-args-path {data_args_path}"
     )

@@ -1,15 +1,7 @@
 """Encodes a JSONL file in chunks, in this process or in ``--workers`` processes, in input order.
 
-The file is read in chunks of lines (:func:`read_chunks`); each chunk is encoded on its own
-(:func:`~megatron_ext.data.jsonl_documents.encode_chunk`) and the chunks come back in input order,
-so the output is the same for any number of workers. At most ``2 * workers`` chunks are in flight:
-memory does not grow with the input (``multiprocessing.Pool.imap``, which Megatron-LM's script
-uses, reads ahead without bound while the writer is slower than the reader).
-
-A worker that dies (killed, or out of memory) ends the encoding: the chunk it held is lost, so the
-``ChildProcessError`` raised names the first chunk not encoded. ``multiprocessing.Pool`` would start
-a new worker and wait for the lost chunk forever; ``ProcessPoolExecutor`` marks itself broken. The
-workers die with the process that started them (``PR_SET_PDEATHSIG``), even by ``kill -9``::
+The output is the same for any number of workers; memory does not grow with the input; a worker
+that dies ends the encoding with a ``ChildProcessError`` naming the lines lost::
 
     for chunk, nbytes in encode_file("in.jsonl", spec, fmt, workers=4):
         ...  # chunk 0, 1, 2, ... in order
@@ -40,6 +32,7 @@ def read_chunks(f: BinaryIO) -> Iterator[tuple[int, list[bytes]]]:
     for lineno, line in enumerate(f, start=1):
         lines.append(line)
         size += len(line)
+        # About 1 MiB a chunk: one tokenizer call, and memory bounded whatever the input.
         if size >= CHUNK_BYTES or len(lines) >= CHUNK_LINES:
             yield first, lines
             lines, first, size = [], lineno + 1, 0
@@ -48,7 +41,9 @@ def read_chunks(f: BinaryIO) -> Iterator[tuple[int, list[bytes]]]:
 
 
 def _init_worker(spec: TokenizerSpec, fmt: RecordFormat) -> None:
-    die_with_parent()  # forked by the thread that submits (the caller), which outlives the pool
+    # PR_SET_PDEATHSIG: workers die with the tool, by kill -9 too. Forked by the thread that
+    # submits (the caller), which outlives the pool.
+    die_with_parent()
     _WORKER["tok"], _WORKER["fmt"] = load_tokenizer(spec), fmt
 
 
@@ -66,12 +61,7 @@ def encode_file(
 ) -> Iterator[tuple[EncodedChunk, int]]:
     """Yields ``(encoded chunk, its bytes of input)`` in input order.
 
-    Args:
-        path: The JSONL file.
-        spec: The tokenizer each worker loads.
-        fmt: How records are read.
-        workers: Processes encoding chunks; 1 encodes in this process (with ``tok`` if given).
-        tok: ``spec``'s tokenizer, already loaded here (used when ``workers == 1``).
+    ``workers`` 1 encodes in this process, with ``tok`` (``spec``'s tokenizer) if already loaded.
     """
     with open(path, "rb") as f:
         if workers == 1:
@@ -79,13 +69,16 @@ def encode_file(
             for first, lines in read_chunks(f):
                 yield encode_chunk(lines, first, fmt, tok), sum(map(len, lines))
             return
+        # Not multiprocessing.Pool (Megatron-LM's script): a dead worker's chunk is lost and Pool
+        # starts a new worker and waits for that chunk forever; ProcessPoolExecutor marks itself
+        # broken. Pool.imap also reads ahead without bound while the writer is slower.
         pool = ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(spec, fmt))
         try:
             pending: collections.deque[tuple[int, int, Future]] = collections.deque()
             for first, lines in read_chunks(f):
                 task = pool.submit(_encode_in_worker, (first, lines))
                 pending.append((first, first + len(lines) - 1, task))
-                if len(pending) >= 2 * workers:
+                if len(pending) >= 2 * workers:  # bounded in flight: bounded memory
                     yield _result(pending.popleft(), path)
             while pending:
                 yield _result(pending.popleft(), path)

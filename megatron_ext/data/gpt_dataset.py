@@ -1,33 +1,14 @@
 """Self-padded ``GPTDataset``: a drop-in subclass whose short samples get self-token padding.
 
-Megatron's ``GPTDataset`` pads a short sample (the last one of an epoch/split when
-``drop_last_partial_validation_sequence`` is off) with the pad id and then maps every token equal
-to the pad id to 0 and loss-masks every label equal to it, so every pad shares one embedding (in a
-MoE model, one set of experts) and, when the pad id equals a real token (``eos`` under
-``allow_ambiguous_pad_tokens``), real tokens are zeroed and masked too. This subclass fills those
-positions through :func:`megatron_ext.data.padding.pad_pack` instead (the sample's own tokens,
-cycled), derives tokens, labels and loss mask from positions only (never by comparing ids with the
-pad id) and adds ``padding_mask`` (True = pad) for Megatron's MoE router. Everything else -- index
-building, caching, blending via ``BlendedMegatronDatasetBuilder`` and ``--data-path`` weights,
-``eod_mask_loss``, ``reset_position_ids`` -- is Megatron's own::
-
-    config = SelfPaddedGPTDatasetConfig(random_seed=1, sequence_length=64, blend=(prefixes,
-                                        weights), split="98,1,1", tokenizer=tok, ...)
-    train, valid, test = BlendedMegatronDatasetBuilder(
-        SelfPaddedGPTDataset, [1000, 10, 10], lambda: True, config).build()
-
-Example: text ``[a b c]`` (3 real tokens, sequence_length 5, so 6 text slots)::
+Megatron pads a short sample with its pad id, then zeroes every token equal to it and masks every
+label equal to it: every pad shares one embedding (in an MoE model, one set of experts), and a real
+eos equal to the pad id is lost too. Here pads are the sample's own tokens, cycled, and tokens,
+labels and loss mask come from positions; index, cache and blending stay Megatron's. Text
+``[a b c]``, sequence_length 5::
 
     Megatron:   tokens [a b c 0 0]   labels [b c 0 0 0]   loss_mask [1 1 0 0 0]
     this class: tokens [a b c a b]   labels [b c a b c]   loss_mask [1 1 0 0 0]  padding_mask
                                                                    [F F F T T]
-
-Unlike Megatron's, the index cache is keyed by the data's identity (document count and lengths
-fingerprint) and its files are renamed into place whole (:mod:`~megatron_ext.data.gpt_index_cache`),
-and a ``.bin`` whose size differs from what its ``.idx`` indexes is refused.
-
-Megatron's batch-padding sample (``idx=None``) is all pads: ``padding_mask`` all True, loss mask
-all 0, its content self-padded from sample 0 so it does not form one constant-id run.
 """
 
 import dataclasses
@@ -68,7 +49,7 @@ class SelfPaddedGPTDatasetConfig(PadFillFields, GPTDatasetConfig):
 
 def _segment_bounds(document_lengths: list[int], num_real: int, seq_length: int) -> np.ndarray:
     """``cu_seqlens`` of the input positions: documents clipped to the ``num_real`` real inputs,
-    then one pad segment (so no real token attends to a pad).
+    then one pad segment.
 
     Example: documents [3, 4] of a full sample with the extra label token, seq_length 6 ->
     [0, 3, 6]; a short sample of documents [2] (num_real 2), seq_length 5 -> [0, 2, 5].
@@ -82,13 +63,13 @@ def _segment_bounds(document_lengths: list[int], num_real: int, seq_length: int)
 
 def document_lengths_from_index(dataset: GPTDataset, idx: int) -> list[int]:
     """The number of tokens sample ``idx`` reads from each of its documents, off ``dataset``'s
-    loaded indices, as ``_query_document_sample_shuffle_indices`` reads them (megatron-core 0.18.2
-    and 0.19.2 alike; 0.19.2 returns them, 0.18.2 does not): the first document from its start
-    offset, the last up to its end offset plus the extra label token, those between whole.
+    loaded indices (megatron-core 0.19.2 returns them, 0.18.2 does not).
 
     Example: sample spanning documents of 7 and 5 tokens from offset 5 to offset 2, extra token
     -> [2, 3].
     """
+    # As _query_document_sample_shuffle_indices reads them (0.18.2 and 0.19.2 alike): the first
+    # document from its start offset, the last up to its end offset plus the extra label token.
     shuffled = dataset.shuffle_index[idx]
     (first, start), (last, end) = dataset.sample_index[shuffled], dataset.sample_index[shuffled + 1]
     extra = int(dataset.config.add_extra_token_to_sequence)
@@ -103,18 +84,14 @@ def document_lengths_from_index(dataset: GPTDataset, idx: int) -> list[int]:
 class SelfPaddedGPTDataset(GPTDataset):
     """``GPTDataset`` with self-token padding of short samples and a ``padding_mask``.
 
-    ``__getitem__`` reads the sample once through Megatron's
-    ``_query_document_sample_shuffle_indices`` (whose ``document_lengths`` give the number of
-    real tokens) and builds the whole sample from positions, so no state is carried between
-    calls and the dataset is safe to share between threads or workers.
+    Each sample is read once and built from positions: no state is carried between calls.
     """
 
     config: SelfPaddedGPTDatasetConfig
 
     @staticmethod
     def build_low_level_dataset(dataset_path: str, config: GPTDatasetConfig) -> IndexedDataset:
-        """Megatron's IndexedDataset, opened after checking the ``.bin`` size against the ``.idx``
-        (a killed writer or a truncated copy is refused naming the file, not read silently)."""
+        """Megatron's IndexedDataset, opened after checking the ``.bin`` against its ``.idx``."""
         if not config.mock and not is_object_storage_path(dataset_path):
             open_indexed(dataset_path, "--data-path")
         return GPTDataset.build_low_level_dataset(dataset_path, config)
@@ -155,7 +132,8 @@ class SelfPaddedGPTDataset(GPTDataset):
         cfg = self.config
         seq_length = cfg.sequence_length
         extra = int(cfg.add_extra_token_to_sequence)
-        # idx None: Megatron's batch-padding sample. Its content is sample 0's, every position a pad.
+        # idx None: Megatron's batch-padding sample: sample 0's content (self-padded, so not one
+        # constant-id run), every position a pad, loss mask all 0.
         text, document_lengths = self._text_and_document_lengths(0 if idx is None else idx)
         num_text = int(sum(document_lengths))  # real text tokens; the rest is Megatron's pad id
         # Content: the real text, its pad slots refilled by the pad policy (one segment: GPT
@@ -169,6 +147,7 @@ class SelfPaddedGPTDataset(GPTDataset):
             placeholder_ids=cfg.multimodal_placeholder_ids,
         ).tokens_S
         num_real = 0 if idx is None else num_text
+        # Megatron's layout: inputs are content[:S], labels content[1:S+1] (its extra label token).
         tokens = torch.from_numpy(content[:seq_length].copy())
         if extra:
             labels = torch.from_numpy(content[1 : seq_length + 1].copy())
@@ -190,6 +169,7 @@ class SelfPaddedGPTDataset(GPTDataset):
         padding_mask[min(num_real, seq_length) :] = True
 
         sample: dict[str, Any] = {"tokens": tokens, "labels": labels}
+        # Pads get their own segment (positions restart) so no real token attends to them.
         if getattr(cfg, "inter_document_masking", False):  # a field from megatron-core 0.19 on
             bounds = _segment_bounds(document_lengths, min(num_real, seq_length), seq_length)
             seg_lens = np.diff(bounds)

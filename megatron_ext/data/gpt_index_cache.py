@@ -1,20 +1,9 @@
 """Megatron's ``GPTDataset`` index cache, written whole: built in a temporary directory, renamed in.
 
-Megatron 0.19.2's ``GPTDataset._build_document_sample_shuffle_indices`` writes ``description.txt``
-and ``document_index.npy``, ``sample_index.npy``, ``shuffle_index.npy`` straight into the cache
-directory (``--data-cache-path``, else ``<prefix>/cache/<Class>_indices`` beside the data), and a
-later run uses the cache as soon as all four exist. A full disk stops ``numpy.save`` partway (an
-``OSError`` traceback on the building rank, a partial ``document_index.npy`` left in place); a
-killed writer leaves a partial file that a later run may load; an unwritable data directory is an
-``OSError`` traceback. :func:`build_indices_whole` runs Megatron's build unchanged with the cache
-path pointed at a hidden temporary directory inside the cache directory, on the rank Megatron
-builds on (rank 0, or a process without a process group), and renames each file into place once
-every one is written: the cache directory holds whole files or none. A write that fails is one
-``ValueError`` naming the file and the cause (the entry prints it in one line, exit 2) and
-leaves nothing; the ranks waiting for rank 0's build are let go and refuse in one line each. A killed builder leaves only its temporary directory
-(``.<hash>-<Class>-<split>.<random>.tmp``), which no run reads.
-
-Example::
+Megatron 0.19.2's ``_build_document_sample_shuffle_indices`` writes its four files straight into
+the cache directory and trusts them once all four exist: a full disk or a killed writer leaves a
+partial file a later run may load. Here the cache directory holds whole files or none, and a failed
+write is one ``ValueError`` naming the file::
 
     document_index, sample_index, shuffle_index = build_indices_whole(
         dataset, super()._build_document_sample_shuffle_indices)
@@ -52,9 +41,9 @@ def _builds_here() -> bool:
 
 
 def _release_waiting_ranks() -> None:
-    """The barrier the other ranks wait in while rank 0 builds (Megatron's
-    ``BlendedMegatronDatasetBuilder``), reached by rank 0 that failed: they go on, find no cache
-    and refuse in one line each, instead of a traceback when rank 0's exit breaks the barrier."""
+    """Lets the ranks waiting for rank 0's failed build go on (to refuse in one line each)."""
+    # The barrier of Megatron's BlendedMegatronDatasetBuilder: without this, rank 0's exit breaks
+    # it and the other ranks print a traceback.
     import torch
 
     if torch.distributed.is_initialized():
@@ -63,18 +52,14 @@ def _release_waiting_ranks() -> None:
 
 def build_indices_whole[T](dataset: Any, build: Callable[[], T]) -> T:
     """Runs ``build`` (Megatron's index build of ``dataset``) so that its cache files are renamed
-    into place only when all are written.
-
-    Raises:
-        ValueError: The cache directory cannot be created or written (naming it, or the file that
-            failed, with the cause); nothing partial is left in it.
-    """
+    into place only when all are written; a failed write is a ValueError naming the file."""
     directory = megatron_cache_dir(dataset)
     config = dataset.config
     if directory is None or config.defer_npy_index_mmap or config.fast_cache_load:
         return build()  # no cache, or Megatron's lazy paths (refused by the entry)
     base = f"{dataset.unique_description_hash}-{type(dataset).__name__}-{dataset.index_split.name}"
     finals = [os.path.join(directory, f"{base}-{affix}") for affix in AFFIXES]
+    # Megatron trusts the cache once all four files exist: so only whole files are put there.
     if all(map(os.path.isfile, finals)):
         return build()  # Megatron loads the cache
     if not _builds_here():  # Megatron would load what rank 0 wrote: it failed (its line says why)
@@ -88,6 +73,8 @@ def build_indices_whole[T](dataset: Any, build: Callable[[], T]) -> T:
     )
     try:
         os.makedirs(directory, exist_ok=True)
+        # A killed builder leaves only this directory (.<hash>-<Class>-<split>.<random>.tmp),
+        # which no run reads.
         temp = tempfile.mkdtemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
     except OSError as err:
         _release_waiting_ranks()
@@ -95,6 +82,7 @@ def build_indices_whole[T](dataset: Any, build: Callable[[], T]) -> T:
             f"cannot write the index cache directory {directory} ({err.strerror}); {hint}"
         ) from None
     try:
+        # Megatron's build unchanged, its cache path pointed at the hidden temporary directory.
         dataset.config = copy.copy(config)  # this dataset's own copy: others keep the real path
         dataset.config.path_to_cache = temp
         try:

@@ -1,17 +1,8 @@
 """Checks of Megatron IndexedDatasets and dataset configs before any sample is read (glue).
 
-Megatron maps ``.bin`` files lazily and trusts caches by a description of the flags, so several
-wrong inputs would otherwise open fine and fail (or read garbage) at some later sample:
-
-- :func:`open_indexed`: the ``.idx`` must describe its ``.bin`` (:func:`check_index`): lengths,
-  pointers and document indices agree with each other, and the ``.bin`` is exactly the size they
-  index (a killed writer, a truncated copy, another corpus's ``.idx`` beside this ``.bin``);
-- :func:`check_aligned`: a sidecar has the token dataset's documents, ``width`` values per token;
-- :func:`check_values`: every value of a sidecar lies in an allowed set (e.g. a loss mask is 0/1),
-  scanned vectorized in chunks once and remembered by the file's identity;
-- :func:`add_data_identity`: a dataset's cache description (Megatron's ``unique_identifiers``)
-  includes the data's identity, so index caches are never reused for rewritten data;
-- :func:`check_dataset_config`: blend weights and sizes Megatron would accept silently.
+Megatron maps ``.bin`` files lazily and trusts caches by a description of the flags, so a truncated
+``.bin``, another corpus's ``.idx``, a misaligned sidecar, a loss mask holding 2 or rewritten data
+at the same prefix would open fine and fail (or read garbage) at some later sample.
 """
 
 import hashlib
@@ -85,12 +76,8 @@ def check_dataset_config(config: GPTDatasetConfig) -> None:
 
 
 def open_indexed(path_prefix: str, what: str) -> IndexedDataset:
-    """Opens ``path_prefix``.idx/.bin, checking the .idx describes the .bin (:func:`check_index`).
-
-    Raises:
-        ValueError: A missing, corrupt, truncated or over-long file, or an .idx that is not the
-            .bin's; the message names the file.
-    """
+    """Opens ``path_prefix``.idx/.bin, refusing (ValueError naming the file) a missing or corrupt
+    file or an .idx that does not describe the .bin (:func:`check_index`)."""
     idx_path, bin_path = _existing_pair(path_prefix, what)
     if os.path.getsize(bin_path) == 0:  # before Megatron's reader, whose half-built one complains
         raise ValueError(empty_bin_reason(bin_path, what))
@@ -100,17 +87,10 @@ def open_indexed(path_prefix: str, what: str) -> IndexedDataset:
 
 
 def check_shard(path_prefix: str, what: str) -> type[np.number]:
-    """Checks a shard to merge as :func:`open_indexed` does, but takes an empty ``.bin`` (an
-    ``.idx`` of no token): Megatron's ``IndexedDatasetBuilder.add_index`` reads only the ``.idx``
-    and copies the ``.bin``, so its merge takes an empty shard (only an empty *first* one fails
-    there, in the reader that maps the ``.bin`` for the dtype). The ``.bin`` is not mapped.
-
-    Returns:
-        The shard's dtype.
-
-    Raises:
-        ValueError: As :func:`open_indexed`, an empty ``.bin`` aside.
-    """
+    """A shard's dtype, checked as :func:`open_indexed` does but taking an empty ``.bin``."""
+    # Megatron's IndexedDatasetBuilder.add_index reads only the .idx and copies the .bin, so its
+    # merge takes an empty shard (only an empty *first* one fails, in the reader that maps the
+    # .bin for the dtype).
     idx_path, bin_path = _existing_pair(path_prefix, what)
     dataset = _read(path_prefix, what, mmap=False)  # Megatron's file reader: opens no .bin
     check_index(dataset.index, idx_path, bin_path, what)
@@ -137,24 +117,15 @@ def _read(path_prefix: str, what: str, mmap: bool) -> IndexedDataset:
 
 
 def check_index(index: Any, idx_path: str, bin_path: str, what: str) -> None:
-    """Refuses an ``.idx`` (Megatron's ``_IndexReader``) that does not describe ``bin_path``.
-
-    Megatron's reader trusts the ``.idx``: it reads the counts its header gives and maps the
-    ``.bin`` by the pointers, so an ``.idx`` that is not the ``.bin``'s reads other documents or
-    past the end at some later sample. Checked, vectorized in chunks of :data:`_INDEX_CHUNK`
-    (one pass over the index, never the ``.bin``; 0.2 s for 20 M sequences): the file is exactly
-    the header and the arrays its counts give (a multimodal index's modes aside); lengths are
-    >= 0; each pointer is where the lengths before it end; the document indices run from 0 to
-    the sequence count, never down; the ``.bin`` is exactly the bytes the lengths add up to. The
-    format has no checksum: an ``.idx`` of another corpus with the same sequence and document
-    counts (so the same file size) is refused because its lengths add up to another size; one
-    that cuts the same number of tokens in other places cannot be told from the right one by
-    the files alone (docs/limits.md).
-
-    Raises:
-        ValueError: One line naming the file and the cause.
-    """
+    """Refuses (ValueError naming the file) an ``.idx`` (Megatron's ``_IndexReader``) that does
+    not describe ``bin_path``: one vectorized pass over the index, never the ``.bin``."""
+    # Megatron's reader trusts the .idx (counts from its header, the .bin mapped by its pointers),
+    # so another .bin's .idx reads other documents or past the end at some later sample. The
+    # format has no checksum: one that cuts the same number of tokens in other places cannot be
+    # told from the right one by the files alone (docs/limits.md).
     lens, ptrs, docs = index.sequence_lengths, index.sequence_pointers, index.document_indices
+    # The .idx is exactly the header and the arrays its counts give (0.2 s for 20 M sequences):
+    # a length and a pointer per sequence, then the document indices.
     count, itemsize = int(lens.size), int(index.dtype_size)
     header = _INDEX_HEADER_BYTES + count * (lens.itemsize + ptrs.itemsize)
     idx_size, idx_expected = os.path.getsize(idx_path), header + docs.size * docs.itemsize
@@ -165,6 +136,8 @@ def check_index(index: Any, idx_path: str, bin_path: str, what: str) -> None:
             "the .bin/.idx pair"
         )
     not_its_bin = f"{what} file {idx_path} does not describe {bin_path}"
+    # Lengths >= 0, each pointer where the lengths before it end, document indices from 0 to the
+    # sequence count never going down, and the .bin exactly the bytes the lengths add up to.
     _check_document_indices(docs, count, not_its_bin)
     total = _check_lengths_and_pointers(lens, ptrs, itemsize, not_its_bin)
     actual = os.path.getsize(bin_path)
@@ -225,10 +198,9 @@ def _check_lengths_and_pointers(
 
 
 def _size_diagnosis(actual: int, expected: int, itemsize: int) -> str:
-    """Why a ``.bin`` is not the size its ``.idx`` indexes: truncated or corrupt, and where its
-    size holds exactly the indexed tokens at another width, possibly written with another dtype
-    than the ``.idx`` records (uint16 tokens beside an int32 index). The size alone cannot tell
-    a copy cut at exactly that length from such a pair, so both are named."""
+    """Why a ``.bin`` is not the size its ``.idx`` indexes: truncated or corrupt, or (its size
+    holding exactly the indexed tokens at another width) written with another dtype."""
+    # The size alone cannot tell a copy cut at exactly that length from such a pair: name both.
     tokens = expected // itemsize
     for width in (1, 2, 4, 8):
         if width != itemsize and tokens and tokens * width == actual:
@@ -276,9 +248,9 @@ def check_values(
 ) -> None:
     """Refuses a sidecar holding a value outside ``allowed``; names document and token.
 
-    Scans the file once in chunks of :data:`CHUNK_VALUES`; a pass is remembered in ``cache_dir``
-    under the file's identity, so an unchanged file is not read again.
+    A pass is remembered in ``cache_dir``: an unchanged file is not read again.
     """
+    # Keyed by the file's identity (inode, size, times): a rewritten file is scanned again.
     key = f"values {allowed} {os.path.realpath(path_prefix)} {file_identity(path_prefix + '.bin')}"
     if pack_index_cache.validated(cache_dir, key):
         return
@@ -299,11 +271,8 @@ def check_values(
 def check_finite(
     dataset: IndexedDataset, path_prefix: str, what: str, cache_dir: str | None
 ) -> None:
-    """Refuses a float sidecar holding a NaN or an infinity; names document and token.
-
-    Scanned once in chunks; a pass is remembered under the file's identity (as
-    :func:`check_values`).
-    """
+    """Refuses a float sidecar holding a NaN or an infinity; names document and token (a pass
+    remembered as :func:`check_values` remembers it)."""
     key = f"finite {os.path.realpath(path_prefix)} {file_identity(path_prefix + '.bin')}"
     if pack_index_cache.validated(cache_dir, key):
         return
@@ -324,6 +293,7 @@ def locate(lengths_D: np.ndarray, flat_index: int, width: int = 1) -> tuple[int,
     """``(document, token)`` of value ``flat_index`` of a file whose document d holds
     ``width * lengths_D[d]`` values."""
     ends = np.cumsum(np.asarray(lengths_D, dtype=np.int64) * width)
+    # Documents are contiguous in the .bin: the first whose end passes the index holds it.
     doc = int(np.searchsorted(ends, flat_index, side="right"))
     start = int(ends[doc - 1]) if doc else 0
     return doc, (flat_index - start) // width
@@ -333,6 +303,7 @@ def add_data_identity(dataset: Any, fingerprint: str) -> None:
     """Adds ``fingerprint`` to a MegatronDataset's ``unique_identifiers`` and recomputes its
     description and hash, so its index caches (and a blend's) are keyed by the data too."""
     dataset.unique_identifiers["data_identity"] = fingerprint
+    # Recomputed as MegatronDataset.__init__ computes them: the cache file names hash this.
     dataset.unique_description = json.dumps(
         dataset.unique_identifiers, indent=4, default=lambda obj: obj.unique_identifiers
     )

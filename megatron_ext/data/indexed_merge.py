@@ -1,18 +1,9 @@
 """Shards of one corpus -> one IndexedDataset, as Megatron-LM's ``tools/merge_datasets.py``.
 
-The shards' documents are concatenated in order (Megatron's ``IndexedDatasetBuilder.add_index``
-per shard), so the output is byte-identical to Megatron's merge of the same shards::
+Byte-identical to Megatron's merge of the same shards (its ``add_index`` per shard, in order);
+every shard is checked before any byte is written::
 
     /d/shards/{a,b}.bin/.idx   ->   /d/all.bin/.idx   (a's documents, then b's)
-
-Before any byte is written every shard is opened and checked (:func:`check_shards`): a missing
-half of a pair, a truncated ``.bin`` or an ``.idx`` that does not describe it, shards of different
-dtypes (two tokenizers, or a token dataset beside its loss mask), or one shard named twice (the
-same file by another path: a symlink, a hard link) are refused in one line. Megatron's script
-stops on a bare ``assert index.dtype == self.dtype`` after writing part of the output, and merges
-a shard named twice twice (its ``--input`` lists a directory, where a symlink does it). An empty
-shard (an ``.idx`` of no token, an empty ``.bin``) contributes nothing, as in Megatron's
-``add_index``, wherever it falls in the order.
 """
 
 import os
@@ -25,11 +16,7 @@ from megatron_ext.data.indexed_writer import StreamingPrefixes
 
 def shard_prefixes(directory: str, flag: str = "--input") -> list[str]:
     """The ``.bin``/``.idx`` prefixes of a directory, sorted by name, as Megatron's merge lists
-    them (other files are ignored).
-
-    Raises:
-        ValueError: Not a directory, no shard, or a ``.bin`` without its ``.idx`` (or vice versa).
-    """
+    them; ValueError for no pair or half of one."""
     if not os.path.isdir(directory):
         raise ValueError(f"{flag} {directory} is not a directory")
     halves: dict[str, set[str]] = {}
@@ -50,10 +37,14 @@ def shard_prefixes(directory: str, flag: str = "--input") -> list[str]:
 def check_shards(prefixes: list[str], flag: str = "--input") -> type[np.number]:
     """Checks every shard (:func:`check_shard`) and returns their common dtype.
 
+    An empty shard (an ``.idx`` of no token) adds nothing wherever it falls, as in Megatron's
+    ``add_index``; only a merge of nothing but empty shards is refused.
+
     Raises:
-        ValueError: A corrupt shard, one named twice, two dtypes (naming both shards), or no token
-            in any shard.
+        ValueError: A corrupt shard, one named twice, two dtypes, or no token in any shard.
     """
+    # Megatron's script stops on a bare ``assert index.dtype == self.dtype`` after writing part of
+    # its output, and merges a shard named twice twice: both are refused before any write.
     check_distinct(prefixes, flag)
     dtypes = {prefix: check_shard(prefix, f"{flag} shard") for prefix in prefixes}
     first = prefixes[0]
@@ -73,12 +64,8 @@ def check_shards(prefixes: list[str], flag: str = "--input") -> type[np.number]:
 
 
 def check_distinct(prefixes: list[str], flag: str = "--input") -> None:
-    """Refuses a shard given twice: two prefixes whose ``.bin`` or ``.idx`` is one file (the same
-    path, a symlink, a hard link: the same device and inode), which would be merged twice.
-
-    Raises:
-        ValueError: Naming both prefixes.
-    """
+    """Refuses (naming both) two prefixes whose ``.bin`` or ``.idx`` is one file: the same path,
+    a symlink, a hard link (the same device and inode)."""
     seen: dict[tuple[int, int], int] = {}
     for i, prefix in enumerate(prefixes):
         for ext in (".bin", ".idx"):

@@ -1,22 +1,10 @@
 """Writes documents (and aligned per-token sidecars) as Megatron IndexedDatasets, atomically.
 
-One sequence per document, as ``GPTDataset`` and :class:`~megatron_ext.data.packed_dataset.
-PackedDataset` read them. Used by ``tools/preprocess_data.py``, ``tools/convert_routes.py``, route
-recording and the tests::
+One sequence per document, as ``GPTDataset`` and ``PackedDataset`` read them (``StreamingPrefixes``:
+any number, as Megatron's ``add_document`` records them)::
 
     write_documents("/data/sft_text", [np.array([5, 6, 7]), np.array([8, 9])])
     # -> /data/sft_text.bin, /data/sft_text.idx
-
-Both files are written to temporary files in the target directory and renamed at the end, ``.bin``
-before ``.idx`` (:func:`~megatron_ext.common.safe_files.publish`): a writer killed before that leaves
-the old pair intact, one killed during it a prefix without its ``.idx`` (refused at load, never old
-and new files mixed), and a job that has the old ``.bin`` memory-mapped keeps its (old) inode.
-:func:`write_prefixes` commits a token dataset and its sidecars together the same way. Whether an existing prefix
-may be replaced is the caller's decision (the tools refuse it unless ``--overwrite``).
-
-:class:`StreamingPrefixes` writes documents as they come (``tools/preprocess_data.py``: any number
-of sequences per document, none for an empty one, as Megatron's ``add_document`` records them),
-holding no token data in memory, and commits the same way.
 """
 
 import contextlib
@@ -36,25 +24,14 @@ def write_documents(
     dtype: type[np.number] = np.int32,
     companions: dict[str, bytes | Callable[[], bytes]] | None = None,
 ) -> int:
-    """Writes ``documents`` (1-D arrays; 2-D [len, W] are flattened row-major) to
-    ``path_prefix.bin`` / ``.idx``.
+    """Writes ``documents`` (one array each; [len, W] flattened row-major) to ``path_prefix``
+    ``.bin``/``.idx``; returns the number written.
 
     Args:
-        path_prefix: Output prefix.
-        documents: One array per document.
-        dtype: Stored dtype (one of Megatron's IndexedDataset dtypes). Values are checked to be
-            representable: a value that would wrap or round is refused, never stored.
+        dtype: Stored dtype; a value it cannot hold exactly is refused (ValueError), never stored.
         companions: ``{extension: content}`` files published before the ``.idx`` (e.g. a route
-            header ``".routes.json"``: the prefix loads only once it is in place). A content may
-            be a function returning the bytes, called once every document is written (a header
-            that counts streamed documents).
-
-    Returns:
-        The number of documents written.
-
-    Raises:
-        ValueError: A value ``dtype`` cannot hold exactly (names the document), or a dtype
-            IndexedDataset cannot store.
+            header ``".routes.json"``); a content may be a function returning the bytes, called
+            once every document is written (a header that counts streamed documents).
     """
     return write_prefixes([(path_prefix, documents, dtype, companions)])[0]
 
@@ -66,19 +43,16 @@ def write_prefixes(
     """Writes several aligned prefixes (a token dataset and its per-token sidecars) as one commit.
 
     Every prefix is written to temporary files first (a bad value stops the run with nothing
-    changed); then the existing files of every output, and the ``.bin``/``.idx`` of each
-    ``remove`` prefix (a stale sidecar), are removed and the new files renamed into place
-    (:func:`~megatron_ext.common.safe_files.publish`). A crash never leaves new tokens beside an
-    old sidecar that would load: a prefix not yet renamed has no ``.idx``.
+    changed), then the old files and the ``remove`` prefixes' (a stale sidecar) are removed and
+    the new ones renamed into place.
 
     Args:
         outputs: ``(path_prefix, documents, dtype, companions)`` per prefix, as
             :func:`write_documents` takes them.
         remove: Prefixes whose files are deleted in the same commit (never one of ``outputs``).
-
-    Returns:
-        The number of documents written per output.
     """
+    # Whether an existing prefix may be replaced is the caller's decision (the tools refuse it
+    # unless --overwrite): here it is replaced.
     outputs = list(outputs)
     prefixes = [prefix for prefix, *_ in outputs]
     both = set(map(os.path.abspath, remove)) & set(map(os.path.abspath, prefixes))
@@ -101,6 +75,9 @@ def write_prefixes(
             fsync_path(tmp)
         for stale in remove:
             remove_prefix_files(stale)
+        # .bin before .idx (safe_files.publish): a writer killed before leaves the old pair, one
+        # killed during it a prefix without its .idx, refused at load (never new tokens beside an
+        # old sidecar that would load), and a job mapping the old .bin keeps its inode.
         publish(zip(temps, finals, strict=True))  # every .idx last
     return counts
 
@@ -135,6 +112,8 @@ def _write_temps(
     finally:
         builder.data_file.close()
     builder.finalize(temps[1])
+    # Companions after the documents: a callable one (a header counting streamed documents) sees
+    # them all.
     for tmp, content in zip(temps[2:], (companions or {}).values(), strict=True):
         with open(tmp, "wb") as f:
             f.write(content() if callable(content) else content)
@@ -143,7 +122,7 @@ def _write_temps(
 
 class StreamingPrefixes:
     """Megatron ``IndexedDatasetBuilder`` s on temporary files, one per output prefix, published
-    together by :meth:`commit` (nothing is published if the ``with`` block raises)::
+    together by :meth:`commit` (nothing if the ``with`` block raises); no token data in memory::
 
         with StreamingPrefixes([("/d/x_text_document", np.uint16)]) as out:
             out.add_documents(0, ids, seq_lens, doc_seqs)

@@ -1,21 +1,13 @@
 """JSONL records -> token documents (+ per-token loss mask), for ``tools/preprocess_data.py``.
 
 A record becomes one document per output as Megatron-LM's ``tools/preprocess_data.py`` makes it
-(its ``Encoder.encode``): the text of each key is a string or a list of strings (sentences); each
-sentence is tokenized on its own, a sentence with no ids is dropped, each kept one is a sequence of
-the document, and the end-of-document id goes after the last one, only if there is one::
+(its ``Encoder.encode``); a prompt/response record (this project's) is one sequence whose prompt
+tokens get loss mask 0::
 
     {"text": ["Hi.", "", "Yo."]}  -> document of 2 sequences: [72 105 46] [89 111 46 256]
     {"text": ""}                  -> document of 0 sequences (no [eod])
-
-A ``{"prompt": ..., "response": ...}`` record (this project's) is one sequence whose prompt tokens
-get loss mask 0::
-
     {"prompt": "Q: 2+2?", "response": " 4"}  -> tokens [81 58 ... 32 52 256]
                                                 mask   [ 0  0 ...  1  1   1]
-
-Lines are encoded a chunk at a time (:func:`encode_chunk`: one tokenizer call per chunk); the
-chunk's documents come back as flat arrays, the form ``--workers`` processes send back.
 """
 
 import dataclasses
@@ -67,7 +59,7 @@ class EncodedChunk:
 
 def _texts(record: Any, fmt: RecordFormat, where: str) -> list[list[str]]:
     """Per output, the texts to tokenize (sentences, or [prompt, response])."""
-    if fmt.prompt_key is not None:
+    if fmt.prompt_key is not None:  # one output: the prompt then the response, one sequence
         for key in (fmt.prompt_key, fmt.response_key):
             if not isinstance(record, dict) or not isinstance(record.get(key), str):
                 raise ValueError(f"{where} has no string field {key!r}")  # noqa: TRY004
@@ -92,6 +84,8 @@ def _encode_checked(
     tok: TextTokenizer, texts: list[str], special: bool, where: list[str], fmt: RecordFormat
 ) -> list[np.ndarray]:
     """Encodes a batch; on failure names the record's line (retried one text at a time)."""
+    # One batch call per chunk (fast); only a failed batch is retried text by text, to name the
+    # line at fault.
     try:
         return _encode(tok, texts, special)
     except Exception:  # the Rust library raises a bare Exception (e.g. a missing [UNK] token)
@@ -113,7 +107,8 @@ def _encode_checked(
 def encode_chunk(
     lines: Sequence[bytes], first_lineno: int, fmt: RecordFormat, tok: TextTokenizer
 ) -> EncodedChunk:
-    """Encodes raw JSONL lines (blank lines skipped) numbered from ``first_lineno``.
+    """Encodes raw JSONL lines (blank lines skipped) numbered from ``first_lineno``, with one
+    tokenizer call; the documents come back flat, the form ``--workers`` processes send back.
 
     Raises:
         ValueError: A line that is not UTF-8 or JSON, lacks a key, or cannot be tokenized; the
@@ -142,6 +137,8 @@ def encode_chunk(
     seqs: list[list[int]] = [[] for _ in range(n_out)]
     for _where, per in records:
         for o, texts in enumerate(per):
+            # As Megatron's Encoder: each sentence a sequence, one with no ids dropped, the eod
+            # after the last kept one only.
             kept = [s for s in (next(encoded) for _ in texts) if s.size]
             if kept and fmt.eod_id is not None:
                 kept[-1] = np.append(kept[-1], fmt.eod_id)
@@ -160,6 +157,7 @@ def _prompt_response(
     records: list[tuple[str, list[list[str]]]], fmt: RecordFormat, tok: TextTokenizer
 ) -> EncodedChunk:
     wheres = [where for where, _ in records]
+    # Special tokens (a BOS) before the prompt only: the response continues the same sequence.
     prompts = _encode_checked(tok, [per[0][0] for _, per in records], True, wheres, fmt)
     responses = _encode_checked(tok, [per[0][1] for _, per in records], False, wheres, fmt)
     ids, masks, lens, seqs = [], [], [], []
@@ -185,6 +183,7 @@ def _concat(arrays: list[np.ndarray], dtype: str) -> np.ndarray:
     if not arrays:
         return np.zeros(0, dtype=dtype)
     flat = np.concatenate(arrays)
+    # Checked before the cast: numpy would wrap an id silently.
     if flat.size and (flat.min() < 0 or flat.max() > np.iinfo(dtype).max):
         raise ValueError(f"token id {int(flat.max())} does not fit the stored dtype {dtype}")
     return flat.astype(dtype)

@@ -1,10 +1,6 @@
 """A JSONL file -> IndexedDatasets (one per text key, + a loss-mask sidecar), streamed: the body
-of ``tools/preprocess_data.py``, also timed by the ``preprocess`` benchmark.
-
-Chunks of records are encoded in input order (:mod:`~megatron_ext.data.encode_workers`, in
-``workers`` processes) and appended to builders on temporary files
-(:class:`~megatron_ext.data.indexed_writer.StreamingPrefixes`); no token data is held in memory.
-The outputs are published together at the end, the mask before the tokens::
+of ``tools/preprocess_data.py``, also timed by the ``preprocess`` benchmark. No token data is held
+in memory; the outputs are published together at the end::
 
     documents, tokens = jsonl_to_indexed("in.jsonl", spec, fmt, ["/d/web_text_document"], np.uint16)
 """
@@ -21,9 +17,9 @@ from megatron_ext.data.text_tokenizers import TextTokenizer, TokenizerSpec
 
 
 def token_dtype(vocab_size: int) -> type[np.number]:
-    """The dtype Megatron-LM's script stores ids in: ``DType.optimal_dtype(vocabulary size)``,
-    uint16 below 65500 ids, else int32 (from the vocabulary, not the ids present: two shards of
-    one tokenizer always share a dtype, which Megatron's merge requires)."""
+    """The dtype Megatron-LM's script stores ids in: uint16 below 65500 ids, else int32."""
+    # From the vocabulary, not the ids present: two shards of one tokenizer always share a dtype,
+    # which Megatron's merge requires.
     return DType.optimal_dtype(vocab_size)
 
 
@@ -43,16 +39,14 @@ def jsonl_to_indexed(
     """Writes ``outputs`` (one per ``fmt.keys``, or one for prompt/response records) and, with
     prompt/response records, ``mask_prefix``; deletes ``remove`` prefixes in the same commit.
 
-    Args:
-        progress: Optional tqdm-like bar, advanced by the input bytes done.
+    ``progress``: a tqdm-like bar, advanced by the input bytes done.
 
     Returns:
         ``(records, tokens written per output)``.
 
     Raises:
-        ValueError: No records, or an output with no tokens (Megatron cannot map an empty
-            ``.bin``), besides :func:`~megatron_ext.data.jsonl_documents.encode_chunk`'s errors;
-            nothing is written then.
+        ValueError: No records, an output with no tokens, or ``encode_chunk``'s errors; nothing
+            is written then.
     """
     with_mask = fmt.prompt_key is not None
     assert with_mask == (mask_prefix is not None)

@@ -1,26 +1,13 @@
 """Compact pack index: one integer per piece, its start and length derived (pure numpy).
 
-A pack index lists, pack by pack, the document pieces a sample reads. Stored as (document, start,
-length) int64 triples plus int64 pack offsets it costs 26 B per document; Megatron's
-``GPTDataset`` index costs 6.6. Here a piece is one *slot* number and the offsets are int32 when
-they fit: about 5 B per document, and a sample decodes only its own pack.
-
-Slots: the first piece of document d is slot d (start 0); the later pieces of the split
-documents (``--pack-overlong-policy split``, documents longer than the capacity: few) follow
-after the D documents, split document by split document. Piece r of d starts at
-``r * capacity`` and holds ``min(capacity, len_d - start)`` tokens -- what
-:func:`~megatron_ext.data.pack_planning.cut_overlong` gives under every policy. So a whole
-document is its own number (no table), and the later pieces need a table of the split documents
-alone (M rows), not one entry per document::
+A piece is one *slot* number and the pack offsets are int32 when they fit: about 5 B per document
+(int64 (document, start, length) triples would cost 26; Megatron's ``GPTDataset`` index costs 6.6),
+and a sample decodes only its own pack. The first piece of document d is slot d; the later pieces
+of split documents (few) follow after the D documents, piece r of d starting at ``r * capacity``::
 
     capacity 4, lengths [3, 10, 0, 4]  ->  slots  d0: 0 | d1: 1, 4 5 | d2: 2 | d3: 3
     slot 5 -> document 1, start 8, length 2;   slot 3 -> document 3, start 0, length 4
     (slot 2 belongs to the empty document: never in an index, its length decodes to 0)
-
-The lengths come from the ``.idx`` the index was built for; the cache key includes their
-fingerprint (:func:`~megatron_ext.common.safe_files.lengths_fingerprint`) and
-:data:`PACK_INDEX_FORMAT`, so an index is never decoded against other lengths or read in another
-format.
 
 Legend: D documents, M split documents, Q pieces, P packs, L later pieces (a split document's
 pieces after its first).
@@ -32,7 +19,9 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-#: Version of the on-disk layout (``piece_Q`` slots + ``pack_offsets_P1``); part of the cache key.
+#: Version of the on-disk layout (``piece_Q`` slots + ``pack_offsets_P1``); part of the cache key,
+#: with the fingerprint of the ``.idx`` lengths decoded against, so an index is never decoded
+#: against other lengths or read in another format.
 PACK_INDEX_FORMAT = 2
 #: Keys a loaded index serves as full arrays (the layout of format 1), for inspection and tests.
 PIECE_KEYS = ("piece_doc_Q", "piece_start_Q", "piece_len_Q")
@@ -75,6 +64,7 @@ class PieceSlots:
     def encode(self, doc_Q: np.ndarray, start_Q: np.ndarray) -> np.ndarray:
         """Slots of pieces ``(doc_Q, start_Q)`` (starts multiples of the capacity), int32 if
         every slot fits."""
+        # A first piece's slot is its document: only the later pieces need the table.
         slot_Q = np.asarray(doc_Q).astype(smallest_index_dtype(self.num_slots - 1))
         later_Q = np.flatnonzero(start_Q)  # later pieces of split documents: few
         if later_Q.size:
@@ -85,11 +75,14 @@ class PieceSlots:
 
     def decode(self, slot_Q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(doc_Q, start_Q, len_Q)`` int64 of slots (a length < 1: not a piece's slot)."""
+        # Piece r of d holds min(capacity, len_d - r * capacity) tokens: what
+        # pack_planning.cut_overlong gives under every policy, so no table per document.
         doc_Q = np.array(slot_Q, dtype=np.int64)  # a copy: filled in below
         start_Q = np.zeros_like(doc_Q)
         later_Q = np.flatnonzero(doc_Q >= len(self.doc_lens_D))
         if later_Q.size:
             j_L = doc_Q[later_Q] - len(self.doc_lens_D)
+            # The split document m whose run of later slots holds j (later_M1 is its start).
             m_L = np.searchsorted(self.later_M1, j_L, side="right") - 1
             start_Q[later_Q] = (j_L - self.later_M1[m_L] + 1) * self.capacity
             doc_Q[later_Q] = self.multi_doc_M[m_L]
@@ -100,9 +93,8 @@ class PieceSlots:
 class PackIndex(Mapping[str, np.ndarray]):
     """A pack index: pack p holds the pieces of slots ``piece_Q[pack_offsets_P1[p]:[p + 1]]``.
 
-    :meth:`pack_pieces` decodes one pack (what a sample needs). As a mapping it also serves the
-    full ``piece_doc_Q``, ``piece_start_Q``, ``piece_len_Q`` (int64, decoded once on first use:
-    24 B per piece in memory) and ``pack_offsets_P1`` (as stored), for inspection and tests.
+    :meth:`pack_pieces` decodes one pack; as a mapping it also serves :data:`PIECE_KEYS` and
+    ``pack_offsets_P1``, for inspection and tests.
     """
 
     def __init__(self, piece_Q: np.ndarray, pack_offsets_P1: np.ndarray, slots: PieceSlots):
@@ -120,11 +112,9 @@ class PackIndex(Mapping[str, np.ndarray]):
         return self.slots.decode(self.piece_Q[q0:q1])
 
     def problem(self) -> str | None:
-        """What makes this index unreadable (bad offsets, a slot out of range), or None.
-
-        O(P) and a min/max over the slots; a slot of an empty document decodes to length 0 and
-        is refused when its pack is read.
-        """
+        """What makes this index unreadable (bad offsets, a slot out of range), or None."""
+        # O(P) and a min/max over the slots; a slot of an empty document decodes to length 0 and
+        # is refused when its pack is read.
         off = self.pack_offsets_P1
         if off.ndim != 1 or off.size < 1 or off[0] != 0 or off[-1] != self.piece_Q.size:
             return "pack offsets do not cover the pieces"
@@ -136,7 +126,7 @@ class PackIndex(Mapping[str, np.ndarray]):
             return f"a piece slot outside 0..{self.slots.num_slots - 1}"
         return None
 
-    @functools.cached_property
+    @functools.cached_property  # int64, decoded on first use: 24 B per piece in memory
     def _decoded(self) -> dict[str, np.ndarray]:
         return dict(zip(PIECE_KEYS, self.slots.decode(self.piece_Q), strict=True))
 

@@ -1,25 +1,9 @@
 """On-disk cache of pack indices, written atomically (pure numpy + os; never imports megatron).
 
-A pack index is a few arrays (for ``PackedDataset``, the compact layout of
-:mod:`~megatron_ext.data.pack_index`: one int32 slot per piece, int32 pack offsets, ~5 B per
-document). It is saved as one ``.npz`` whose name carries a hash of everything that affects it --
-the flags, the index layout's version *and the data's identity* (document count and a fingerprint
-of the ``.idx`` sequence lengths, see :func:`~megatron_ext.common.safe_files.lengths_fingerprint`),
-so rewritten data at the same prefix gets a new plan, never the old one, and an index of another
-layout is never misread. The full description is stored inside and compared on load: a
-file whose description differs (copied, or a hash collision) is rebuilt, not reused. The file is
-written to a temporary file in the same directory (mode 0o666 minus the umask, readable by the
-group like Megatron's own caches) and then renamed into place by
-:func:`~megatron_ext.common.safe_files.put_in_place`, megatron_ext's one publish: a killed writer
-leaves only a stray temporary file (removed by the next writer), and concurrent writers (all ranks build the same plan from the same
-seed) each publish a complete, identical file.
-
-Checks that read a whole file once (route ids, loss-mask values) leave a small marker keyed by the
-file's identity (:func:`validated` / :func:`mark_validated`), so a restart does not re-read it;
-scans whose result is a value (the largest token id) keep it the same way (:func:`recall` /
-:func:`remember`).
-
-Example::
+A pack index is saved as one ``.npz`` named by a hash of the flags, the layout's version and the
+data's identity (rewritten data at the same prefix gets a new plan), its full description stored
+inside and compared on load. Whole-file checks and scans leave a small marker keyed by the file's
+identity (:func:`validated`, :func:`recall`), so a restart does not read the file again::
 
     path = cache_path("/data/cache", "3f2a...", "PackedDataset", "train")
     arrays = load_or_build(path, build=lambda: {"pack_offsets_P1": np.array([0, 2])},
@@ -54,6 +38,10 @@ def save_atomically(path: str, arrays: dict[str, np.ndarray], description: str) 
             np.savez(f, description=np.array(description), **arrays)
             f.flush()
             os.fsync(f.fileno())
+        # megatron_ext's one publish: a killed writer leaves only a stray temporary file (removed
+        # by the next writer); concurrent writers (every rank plans the same packs from the same
+        # seed) each publish a complete, identical file. Mode 0o666 minus the umask, group-readable
+        # like Megatron's caches.
         put_in_place(tmp, path)
     except OSError as err:  # a full disk or quota, mid-write: nothing is left behind
         raise ValueError(
@@ -90,16 +78,12 @@ def _create_temp(path: str) -> tuple[int, str]:
 def load(
     path: str, keys: tuple[str, ...] | None = None, with_description: bool = False
 ) -> dict[str, np.ndarray]:
-    """Loads a cache file written by :func:`save_atomically` (``keys`` None = all arrays).
+    """Loads a cache file written by :func:`save_atomically`, which must hold ``keys``.
 
-    Args:
-        path: The cache file.
-        keys: Arrays the file must hold.
-        with_description: Also return the stored description under ``"description"``.
+    ``with_description``: also return the stored description under ``"description"``.
 
     Raises:
-        ValueError: The file is not a readable pack index or lacks one of ``keys``; the message
-            names the file (delete it to rebuild).
+        ValueError: An unreadable file or one lacking a key, naming it (delete it to rebuild).
     """
     try:
         with np.load(path, allow_pickle=False) as npz:
@@ -120,22 +104,15 @@ def load_or_build(
     description: str,
     keys: tuple[str, ...] | None = None,
 ) -> tuple[dict[str, np.ndarray], bool]:
-    """Returns the cached arrays at ``path`` or builds, saves and returns them.
+    """``(arrays, cache_hit)``: the cached arrays at ``path``, else ``build()``'s, saved there.
 
-    Args:
-        path: Cache file, or None to always build without saving.
-        build: Computes the arrays.
-        description: Saved alongside (what the hash stands for).
-        keys: Arrays a cached file must hold.
-
-    Returns:
-        ``(arrays, cache_hit)``. A cached file whose stored description differs from
-        ``description`` is rebuilt and replaced, never reused.
+    ``path`` None: always build, never save. ``description`` (what the hash stands for) is saved
+    alongside; a cached file that holds another is rebuilt and replaced, never reused.
     """
     if path is not None and os.path.isfile(path):
         arrays = load(path, keys, with_description=True)
         stored = str(arrays.pop("description", ""))
-        if stored == description:
+        if stored == description:  # else copied in, or a hash collision: rebuilt, never reused
             return arrays, True
         logger.warning("index cache %s was built for other data or flags; rebuilding it", path)
     arrays = build()
@@ -145,6 +122,8 @@ def load_or_build(
 
 
 def _marker_path(cache_dir: str, key: str, suffix: str = "validated") -> str:
+    # The key (paths, identities) is no file name: hash it, and store it inside so a hash
+    # collision reads as "not validated".
     digest = hashlib.blake2b(key.encode("utf-8"), digest_size=16).hexdigest()
     return os.path.join(cache_dir, f"{digest}-{suffix}.txt")
 

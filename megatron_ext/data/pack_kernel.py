@@ -1,30 +1,11 @@
 """Compiled pack-planning loops (C through ctypes; pure numpy + stdlib, never imports megatron).
 
-:mod:`~megatron_ext.data.pack_planning` places pieces one at a time; in Python that costs about
-2 us per piece (0.6 s at 200k documents, 25x Megatron's whole ``GPTDataset`` build). The same
-loops in C take a few tens of nanoseconds per piece and give the *same* packs:
-
-- ``best_fit``: open packs are bucketed by remaining room (rooms are integers 1..capacity). A
-  64-ary bitmap tree over room values finds the smallest room >= the piece's length in a few
-  word operations (``ctz``; two levels up to capacity 4096, three up to 262144), and each bucket is a leftist heap of pack ids, so ties go to the
-  oldest pack -- exactly the ``(room, pack id)`` order the Python ``bisect`` version keeps.
-  Full packs (room 0) are never searched (pieces have >= 1 token), so they leave the buckets.
-- ``sequential``: next-fit, one pass.
-- regrouping pieces pack by pack in a shuffled pack order (``PackedDataset`` shuffles packs).
-
-Worked example (capacity 8, one window, lengths ``[5, 6, 3, 2]``): longest first 6 opens pack 0
-(room 2), 5 opens pack 1 (room 3), 3 -> smallest room >= 3 is pack 1 (room 0, leaves the
-buckets), 2 -> pack 0. Order ``[1, 3, 0, 2]``, offsets ``[0, 2, 4]``.
-
-The source below is compiled on first use -- only when an index is built, i.e. on a cache miss
--- with the system C compiler (``$CC``, else ``cc``; ``-O2``, no ``-march`` so a shared home
-directory serves every node of one architecture) into ``$MEGATRON_EXT_KERNEL_DIR``, else
-``$XDG_CACHE_HOME/megatron_ext`` (``~/.cache/megatron_ext``), named by a hash of the source,
-flags and machine type: later processes only ``dlopen`` it. Written to a temporary file and
-renamed, so concurrent ranks each publish a complete library. Without a working compiler
-:func:`library` returns None after one warning and the planner runs its Python loops (same packs,
-the loops about 40x slower). All buffers, scratch included, are numpy arrays passed in: the C code
-allocates nothing.
+In Python, :mod:`~megatron_ext.data.pack_planning` costs about 2 us per piece (0.6 s at 200k
+documents, 25x Megatron's whole ``GPTDataset`` build); these C loops (best-fit, next-fit, the pack
+shuffle's regrouping) take tens of nanoseconds and give the *same* packs. Best-fit, capacity 8,
+one window, lengths ``[5, 6, 3, 2]``: longest first 6 opens pack 0 (room 2), 5 opens pack 1
+(room 3), 3 -> smallest room >= 3 is pack 1 (room 0, leaves the buckets), 2 -> pack 0. Order
+``[1, 3, 0, 2]``, offsets ``[0, 2, 4]``.
 
 Legend: Q pieces, P packs.
 """
@@ -48,6 +29,12 @@ logger = logging.getLogger(__name__)
 KERNEL_VERSION = 1
 _FLAGS = ("-O2", "-std=c99", "-shared", "-fPIC")
 
+# best_fit: open packs bucketed by remaining room (integers 1..capacity). A 64-ary bitmap tree
+# over room values finds the smallest room >= the piece's length in a few word operations (ctz;
+# two levels up to capacity 4096, three up to 262144); each bucket is a leftist heap of pack ids,
+# so ties go to the oldest pack: the (room, pack id) order of the Python bisect version. Full
+# packs (room 0) leave the buckets (pieces have >= 1 token). Every buffer, scratch included, is a
+# numpy array passed in: the C code allocates nothing.
 _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
@@ -237,6 +224,7 @@ def library_name() -> str:
 
 def default_kernel_dir() -> str:
     """``$MEGATRON_EXT_KERNEL_DIR``, else ``$XDG_CACHE_HOME/megatron_ext`` (~/.cache)."""
+    # No -march in _FLAGS: a shared home directory serves every node of one architecture.
     if os.environ.get("MEGATRON_EXT_KERNEL_DIR"):
         return os.environ["MEGATRON_EXT_KERNEL_DIR"]
     cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
@@ -245,6 +233,8 @@ def default_kernel_dir() -> str:
 
 def compile_library(directory: str, compiler: str | None = None) -> str:
     """Compiles the kernel into ``directory`` unless already there; returns the library path.
+
+    Called only when an index is built (a cache miss); later processes only ``dlopen`` it.
 
     Raises:
         OSError: No compiler, an unwritable directory, or a failed compile (stderr included).
@@ -256,7 +246,9 @@ def compile_library(directory: str, compiler: str | None = None) -> str:
     if shutil.which(cc) is None:
         raise OSError(f"no C compiler {cc!r} on PATH")
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = create_temp(path)  # beside it, named for this process: a killed compile is cleaned
+    # Renamed into place from a temporary file beside it, named for this process: concurrent
+    # ranks each publish a complete library, a killed compile is cleaned.
+    fd, tmp = create_temp(path)
     os.close(fd)
     try:
         done = subprocess.run(

@@ -1,23 +1,12 @@
 """Pack planning: which document pieces go into which pack (pure numpy; never imports megatron).
 
-Whole documents are packed into packs of at most ``capacity`` tokens. Over-long documents are
-first ``split`` into capacity-sized pieces, ``truncate``d to their head, or ``drop``ped, and
-counted. Two algorithms:
-
-- ``sequential``: keep the (shuffled) order and close a pack when the next piece does not fit
-  (next-fit). One ``searchsorted`` per pack, no per-token work.
-- ``best_fit``: within each window of ``window`` consecutive pieces, place pieces longest first
-  into the open pack with the least room that still fits (best-fit-decreasing). Fewer pads;
-  the window bounds how far a document can move from its shuffled position.
-
-Worked example (capacity 8, lengths ``[5, 6, 3, 2]``)::
+Over-long documents are ``split``, ``truncate``d or ``drop``ped (and counted), then the pieces are
+packed ``sequential``ly (next-fit in the shuffled order) or ``best_fit`` (best-fit-decreasing
+within each window: fewer pads; the window bounds how far a document moves). Capacity 8, lengths
+``[5, 6, 3, 2]``::
 
     sequential: [5] [6] [3 2]        pads 3 + 2 + 3 = 8
     best_fit:   [6 2] [5 3]          pads 0 + 0     = 0   (window >= 4)
-
-Output is a :class:`PackPlan` (piece arrays + pack offsets), identical for identical inputs.
-The per-piece loops run compiled (:mod:`~megatron_ext.data.pack_kernel`, built on first use);
-without a C compiler the Python loops kept here (``*_python``) give the same packs, slower.
 
 Legend: D documents, Q pieces (documents after over-long handling), P packs, L over-long
 documents, R the pieces of those.
@@ -74,12 +63,7 @@ class PackPlan:
 def cut_overlong(
     doc_lens_D: np.ndarray, capacity: int, policy: OverlongPolicy
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, int]]:
-    """Turns documents into pieces of at most ``capacity`` tokens.
-
-    Args:
-        doc_lens_D: Token count of each document.
-        capacity: Most tokens in a pack (the sequence length).
-        policy: ``split`` | ``truncate`` | ``drop`` for documents longer than ``capacity``.
+    """Turns documents into pieces of at most ``capacity`` tokens, over-long ones by ``policy``.
 
     Returns:
         ``(piece_doc_Q, piece_start_Q, piece_len_Q, counts)``; pieces in document order, counts
@@ -131,11 +115,7 @@ def cut_overlong(
 
 
 def next_fit_offsets(piece_len_Q: np.ndarray, capacity: int) -> np.ndarray:
-    """Pack offsets of next-fit packing in the given order (each piece 1..capacity tokens).
-
-    Runs the compiled loop of :mod:`~megatron_ext.data.pack_kernel`, else
-    :func:`next_fit_offsets_python` (same offsets).
-    """
+    """Pack offsets of next-fit packing in the given order (each piece 1..capacity tokens)."""
     piece_len_Q = _checked_lengths(piece_len_Q, capacity)
     lib = _kernel(capacity, piece_len_Q.size)
     if lib is None:
@@ -144,11 +124,9 @@ def next_fit_offsets(piece_len_Q: np.ndarray, capacity: int) -> np.ndarray:
 
 
 def next_fit_offsets_python(piece_len_Q: np.ndarray, capacity: int) -> np.ndarray:
-    """:func:`next_fit_offsets` without the compiled kernel (the fallback and the reference).
-
-    One ``searchsorted`` per pack: a pack starting at piece i ends before the first piece
-    whose cumulative length exceeds ``cum[i] + capacity``.
-    """
+    """:func:`next_fit_offsets` without the compiled kernel (the fallback and the reference)."""
+    # One searchsorted per pack: a pack starting at piece i ends before the first piece whose
+    # cumulative length exceeds cum[i] + capacity.
     cum_Q1 = np.concatenate([[0], np.cumsum(piece_len_Q, dtype=np.int64)])
     offsets = [0]
     while offsets[-1] < piece_len_Q.size:
@@ -163,10 +141,8 @@ def best_fit_order(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Best-fit-decreasing inside consecutive windows of ``window`` pieces (1..capacity tokens).
 
-    Packs never span windows, so a piece stays within ``window`` of its input position.
-    Ties (equal lengths, equal room) break by input position / pack creation order, so the
-    result is deterministic. Runs the compiled loop of :mod:`~megatron_ext.data.pack_kernel`,
-    else :func:`best_fit_order_python` (same result).
+    Packs never span windows, so a piece stays within ``window`` of its input position. Ties
+    (equal lengths, equal room) break by input position / pack creation order: deterministic.
 
     Returns:
         ``(order_Q, pack_offsets_P1)``: piece permutation in pack order, and pack offsets.
@@ -217,8 +193,9 @@ def _checked_lengths(piece_len_Q: np.ndarray, capacity: int) -> np.ndarray:
 
 
 def _kernel(capacity: int, num_pieces: int) -> ctypes.CDLL | None:
-    """The compiled kernel, or None: no pieces (config checks plan nothing: no compile), rooms
-    too many to bucket cheaply, or no compiler."""
+    """The compiled loops (:mod:`~megatron_ext.data.pack_kernel`), or None: then the ``*_python``
+    loops kept here run (the same packs, slower; no C compiler needed)."""
+    # No pieces: config checks plan nothing, so no compile; too many rooms to bucket cheaply.
     if num_pieces == 0 or capacity > MAX_KERNEL_CAPACITY:
         return None
     return pack_kernel.library()
@@ -229,8 +206,7 @@ def pack_order(
 ) -> tuple[np.ndarray | None, np.ndarray]:
     """``(order_Q, pack_offsets_P1)`` of ``algorithm``; ``order_Q`` None: the pieces' own order.
 
-    The packing step of :func:`plan_packs`, for callers that compose the piece permutation with
-    their own (``PackedDataset`` shuffles packs) instead of gathering the piece arrays twice.
+    :func:`plan_packs`' packing step, for callers that compose the permutation with their own.
     """
     if algorithm not in PACKING_ALGORITHMS:
         raise ValueError(f"unknown --packing-algorithm {algorithm!r}; choose {PACKING_ALGORITHMS}")
@@ -243,8 +219,7 @@ def shuffle_packs(
     values_Q: np.ndarray, pack_offsets_P1: np.ndarray, order_P: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(values_Q, sizes_P)`` of packs ``order_P[0], order_P[1], ...``: per-piece values (in pack
-    order) regrouped in that order, each pack's run kept, and the packs' sizes. Compiled, else
-    :func:`shuffle_packs_python`."""
+    order) regrouped in that order, each pack's run kept, and the packs' sizes."""
     num_packs = pack_offsets_P1.size - 1
     if order_P.size != num_packs or (
         num_packs and not 0 <= order_P.min() <= order_P.max() < num_packs
@@ -285,11 +260,7 @@ def plan_packs(
         algorithm: ``sequential`` (next-fit) or ``best_fit`` (windowed best-fit-decreasing).
         window: Documents considered together by ``best_fit``.
         overlong: What happens to documents longer than ``capacity``.
-        doc_multiple: Each piece takes its length rounded up to this in a pack (2*CP under
-            context parallelism: every document is padded to it); ``capacity`` must be a multiple.
-
-    Returns:
-        The :class:`PackPlan`.
+        doc_multiple: Each piece takes its length rounded up to this (2*CP under CP).
     """
     if algorithm not in PACKING_ALGORITHMS:  # before any work on the lengths
         raise ValueError(f"unknown --packing-algorithm {algorithm!r}; choose {PACKING_ALGORITHMS}")

@@ -1,17 +1,9 @@
 """Packed Megatron dataset: whole documents packed into self-padded packs of <= seq_length tokens.
 
-Thin Megatron glue over the pure modules: :mod:`~megatron_ext.data.pack_planning` decides which
-document pieces form each pack (numpy, cached atomically on disk by
-:mod:`~megatron_ext.data.pack_index_cache`), :mod:`~megatron_ext.data.padding` pads each pack.
-Built through Megatron's ``BlendedMegatronDatasetBuilder`` exactly like ``GPTDataset``, so
-``--data-path`` blends with weights and train/valid/test splits keep working::
-
-    config = PackedDatasetConfig(random_seed=1, sequence_length=64, blend=(["/d/a", "/d/b"],
-                                 [0.3, 0.7]), split="98,1,1", tokenizer=tok, ...)
-    train, valid, test = BlendedMegatronDatasetBuilder(
-        PackedDataset, [1000, 10, 10], lambda: True, config).build()
-    train[0]  # {"tokens", "labels", "loss_mask", "position_ids", "padding_mask", "cu_seqlens",
-              #  "max_seqlen", "num_segments", "src_index", "dataset_id", ...sidecars}
+Glue over the pure planning, index and padding modules, built through Megatron's
+``BlendedMegatronDatasetBuilder`` like ``GPTDataset`` (so ``--data-path`` blends and splits work;
+docs/data.md has an example). A sample holds ``tokens, labels, loss_mask, position_ids,
+padding_mask, src_index, cu_seqlens, num_segments, max_seqlen`` (+ ``dataset_id``, sidecars).
 """
 
 import dataclasses
@@ -80,15 +72,10 @@ class Sidecar:
 
 @dataclasses.dataclass
 class PackedDatasetConfig(PadFillFields, GPTDatasetConfig):
-    """``GPTDatasetConfig`` plus packing and padding: what fills the pads (:class:`PadFillFields`)
-    and how packs are built (the fields below), all set from ``PaddingConfig``'s flags.
+    """``GPTDatasetConfig`` plus packing and padding, all set from ``PaddingConfig``'s flags.
 
-    Of ``GPTDatasetConfig``'s own fields, ``eod_mask_loss`` applies as in Megatron's GPTDataset
-    (no loss where the input token is the tokenizer's eod). Position ids and attention always
-    restart at each document (a pack keeps its documents apart: ``reset_position_ids`` /
-    ``reset_attention_mask`` are implied), and no dense attention mask is built in the dataset
-    (``create_attention_mask``: :func:`~megatron_ext.data.batch.gpt_forward_kwargs` builds the
-    per-document mask, or THD ``PackedSeqParams``, from ``cu_seqlens``).
+    ``reset_position_ids`` and ``reset_attention_mask`` are implied (a pack keeps its documents
+    apart), and no dense attention mask is built (``gpt_forward_kwargs`` does).
     """
 
     pad_to_seq_len: bool = False
@@ -148,22 +135,8 @@ class PackedLowLevelDataset:
 class PackedDataset(MegatronDataset):
     """Packs whole documents of an IndexedDataset into self-padded packs (one pack per sample).
 
-    Per-token sidecar hook (loss mask, routes): ANY IndexedDataset aligned with the tokens --
-    document d holding ``W * len(d)`` values, i.e. ``[len(d), W]`` flattened -- is gathered,
-    split/truncated and padded by the same code as the tokens: pieces are read with offsets
-    ``start * W`` / lengths ``len * W``, concatenated in pack order, then padded with
-    ``values[src_index]`` (:func:`~megatron_ext.data.padding.gather_by_src_index`). Register one
-    with ``PackedDatasetConfig.sidecars = {"routes": Sidecar("_routes", width=L * K)}``; the
-    sample then carries ``sample["routes"]`` of shape [S, W]. The loss mask (``loss_mask_suffix``,
-    W = 1) goes the same way and feeds the label logic instead.
-
-    Determinism: document order per epoch comes from ``numpy.random.default_rng((seed, epoch))``
-    and the plan from pure numpy, so every rank and run computes the same packs; the index is
-    cached under ``path_to_cache`` (else ``<data dir>/cache/PackedDataset_indices``), keyed by the
-    flags, the index layout (:data:`~megatron_ext.data.pack_index.PACK_INDEX_FORMAT`) and the
-    data's identity (document count and lengths fingerprint). The index holds one slot number per
-    piece (:class:`~megatron_ext.data.pack_index.PackIndex`, ~5 B per document); a sample decodes
-    its pack's documents, starts and lengths from the ``.idx`` lengths (:meth:`pack_pieces`).
+    A sidecar (``PackedDatasetConfig.sidecars = {"routes": Sidecar("_routes", width=L * K)}``)
+    is split and padded by the same code as the tokens: ``sample["routes"]`` is [S, W].
     """
 
     def __init__(
@@ -203,6 +176,7 @@ class PackedDataset(MegatronDataset):
                 config,
                 documents_in_split=int(self.indices.size),
             )
+        # Documents there, but every one dropped or empty: 0 packs would only fail later.
         if len(self) == 0 and self.indices.size and num_samples != 0:
             raise ValueError(
                 f"--data-path {dataset_path}: none of the {self.indices.size} documents of the "
@@ -270,6 +244,7 @@ class PackedDataset(MegatronDataset):
         num_packs, epoch = 0, 0
         target = self.num_samples if self.num_samples is not None else 1
         while num_packs < target or epoch == 0:
+            # Pure numpy seeded by (seed, epoch): every rank and run plans the same packs.
             rng = np.random.default_rng((cfg.random_seed, epoch))
             docs_D = rng.permutation(self.indices.astype(np.int64))
             # plan_packs' steps, with the pieces encoded once and gathered once into pack order.
@@ -334,6 +309,8 @@ class PackedDataset(MegatronDataset):
 
     @staticmethod
     def _gather(source: IndexedDataset, width: int, pieces: tuple[np.ndarray, ...]) -> np.ndarray:
+        # Document d of a sidecar holds [len(d), W] flattened: piece (start, len) is read at
+        # start * W, len * W values, so tokens and sidecars are split alike.
         parts = [
             source.get(int(d), offset=int(s) * width, length=int(n) * width)
             for d, s, n in zip(*pieces, strict=True)
@@ -384,7 +361,7 @@ class PackedDataset(MegatronDataset):
             "num_segments": torch.tensor(pack.num_segments, dtype=torch.int32),
             "max_seqlen": torch.tensor(pack.max_seqlen, dtype=torch.int32),
         }
-        for name, source in self.dataset.sidecars.items():
+        for name, source in self.dataset.sidecars.items():  # padded as the tokens: src_index
             spec = cfg.sidecars[name]
             values = self._gather(source, spec.width, pieces)
             sample[name] = torch.from_numpy(

@@ -1,14 +1,5 @@
 """What fills a sample's pads: the fields both Megatron dataset configs carry, declared once (pure
-Python; never imports megatron).
-
-``SelfPaddedGPTDatasetConfig`` and ``PackedDatasetConfig`` are Megatron ``GPTDatasetConfig``
-subclasses (mutable dataclasses, as Megatron's are); :class:`~megatron_ext.data.config.PaddingConfig`
-is a frozen feature config whose fields are the flags. Python's dataclasses cannot mix frozen
-and mutable bases, so the dataset side inherits these fields from :class:`PadFillFields` and takes
-their values from the run's ``PaddingConfig`` by name (:meth:`PadFillFields.values_of`); a test
-keeps each field's type and default equal to the flag's.
-
-Example::
+Python; never imports megatron)::
 
     PackedDatasetConfig(**gpt_kwargs, **PadFillFields.values_of(padding), ...)
 """
@@ -19,6 +10,10 @@ from typing import Any
 from megatron_ext.data.padding import PadPolicy, check_pad_policy
 
 
+# The dataset configs are Megatron GPTDatasetConfig subclasses (mutable dataclasses) and
+# PaddingConfig is a frozen feature config whose fields are the flags; dataclasses cannot mix
+# frozen and mutable bases, so the dataset side inherits these fields and takes their values from
+# PaddingConfig by name. A test keeps each field's type and default equal to the flag's.
 @dataclasses.dataclass(kw_only=True)
 class PadFillFields:
     """Pad content of a dataset config (set from ``--pad-policy``, ``--pad-constant-id``,

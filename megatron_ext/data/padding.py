@@ -1,40 +1,16 @@
 """Self-token padding of packed sequences (pure numpy; never imports megatron).
 
-Why: every framework pads packs with one constant id. Identical pad tokens get identical hidden
-states, so the MoE router sends all of a pack's pads to the same experts and one expert-parallel
-rank receives the whole pad run. Filling pads with the pack's own tokens, cycled from its first
-real token, makes pads route like real text. Pads stay loss-masked and form their own segment
-after every real token, so no real token can see them and the loss is unchanged.
+Pads copy the pack's own tokens, cycled from its first real token, so they route like real text
+instead of sending one constant id's whole run to one expert; they stay loss-masked, in their own
+segment after every real token. Documents ``[a b c]`` and ``[d e]`` padded to 8 (docs/data.md has
+the labels, the loss mask and the CP layout)::
 
-Worked example (two documents ``[a b c]`` and ``[d e]``, target length 8, ``policy="self"``)::
-
-    tokens_S      = [a  b  c  d  e  a  b  c ]     pads cycle the real tokens from the first
+    tokens_S      = [a  b  c  d  e  a  b  c ]
     src_index_S   = [0  1  2  3  4  0  1  2 ]     real index each position holds or copies
-    labels_S      = [b  c  -  e  -  -  -  - ]     "-" = IGNORE_INDEX (never compared with ids)
-    loss_mask_S   = [1  1  0  1  0  0  0  0 ]     the last token of a document predicts nothing
-    position_ids  = [0  1  2  0  1  0  1  2 ]     pads restart at 0: their own segment
     pad_mask_S    = [F  F  F  F  F  T  T  T ]     True = pad (Megatron's MoE padding_mask)
     cu_seqlens    = [0  3  5  8  8  8  8  8  8]   fixed length S+1, trailing entries = S
 
-Under context parallelism (``doc_multiple`` = 2*CP) every document is first padded to a multiple of
-2*CP with its own tokens, cycled; those pads stay in the document's segment, after its last real
-token, where Megatron's SFTDataset puts its CP pads (causal: no real token sees them), so every
-``cu_seqlens`` boundary is a multiple of 2*CP, as TE's THD partitioning needs. Same documents, CP 2::
-
-    tokens_S      = [a  b  c  a  d  e  d  e ]     cu_seqlens = [0 4 8 8 8 8 8 8 8]
-    pad_mask_S    = [F  F  F  T  F  F  T  T ]     position_ids = [0 1 2 3 0 1 2 3]
-
-With ``policy="constant"`` the pads are ``pad_id`` and ``src_index_S`` is -1 there. A pack that
-contains a multimodal placeholder id always gets the constant id, so a placeholder never
-appears outside its item.
-
-Contract used by route replay: ``src_index_S`` (int64) gives, for every output position, the
-index into the pack's concatenated real tokens that the position holds or copies (-1 for a
-constant pad). Any per-token payload (routes, loss weights) is padded as
-``payload[src_index_S]`` through :func:`gather_by_src_index`.
-
-Legend: N real tokens in the pack, B documents in the pack, S padded pack length,
-W per-token payload width.
+Legend: N real tokens, B documents, S padded pack length, W per-token payload width.
 """
 
 import dataclasses
@@ -84,21 +60,9 @@ def round_up(n: int, multiple: int) -> int:
 def target_length(
     num_tokens: int, *, seq_length: int, pad_to_seq_len: bool, pad_to_multiple_of: int
 ) -> int:
-    """Length a pack of ``num_tokens`` real tokens is padded to.
-
-    Args:
-        num_tokens: Real tokens in the pack (0..seq_length).
-        seq_length: The run's sequence length; packs never exceed it.
-        pad_to_seq_len: Pad every pack to exactly ``seq_length`` (static shapes).
-        pad_to_multiple_of: Otherwise pad to the next multiple of this (1 = no padding).
-
-    Returns:
-        The padded length S, ``num_tokens <= S <= seq_length``.
-
-    Raises:
-        ValueError: On a non-positive length/multiple, too many tokens, or a multiple that would
-            push a full pack past ``seq_length``.
-    """
+    """Length S a pack of ``num_tokens`` real tokens is padded to: ``seq_length`` with
+    ``pad_to_seq_len``, else the next multiple of ``pad_to_multiple_of`` (ValueError for a
+    multiple that would push a full pack past ``seq_length``)."""
     if seq_length < 1:
         raise ValueError(f"--seq-length must be >= 1, got {seq_length}")
     if pad_to_multiple_of < 1:
@@ -143,14 +107,7 @@ def derive_pad_multiple(
     sequence_parallel: bool = False,
     quantization_align: int = 1,
 ) -> int:
-    """Smallest pack-length multiple the run needs.
-
-    2*CP (each CP rank takes two load-balanced chunks), TP under sequence parallelism (the
-    sequence is split across TP ranks) and ``quantization_align``, the row multiple of the run's
-    fp8/fp4 GEMMs (the pack length is their M dimension): Megatron's ``get_fp8_align_size`` /
-    ``get_fp4_align_size`` (fp8 16, mxfp8 32, nvfp4 128), read by
-    :func:`megatron_ext.data.quantization_align.quantization_align_from_args` so this module
-    never imports megatron; 1 in bf16. The lcm of those that apply, 1 if none.
+    """Smallest pack-length multiple the run needs: the lcm of those that apply, 1 if none.
 
     Example: ``derive_pad_multiple(context_parallel_size=3, quantization_align=32) == 96``.
 
@@ -159,10 +116,13 @@ def derive_pad_multiple(
     """
     if quantization_align < 1:
         raise ValueError(f"quantization alignment must be >= 1, got {quantization_align}")
+    # The pack length is the M dimension of the run's fp8/fp4 GEMMs: Megatron's
+    # get_fp8_align_size / get_fp4_align_size (fp8 16, mxfp8 32, nvfp4 128; 1 in bf16), read by
+    # quantization_align.quantization_align_from_args so this module never imports megatron.
     multiple = quantization_align
-    if context_parallel_size > 1:
+    if context_parallel_size > 1:  # each CP rank takes two load-balanced chunks
         multiple = math.lcm(multiple, 2 * context_parallel_size)
-    if sequence_parallel and tensor_parallel_size > 1:
+    if sequence_parallel and tensor_parallel_size > 1:  # the sequence is split across TP ranks
         multiple = math.lcm(multiple, tensor_parallel_size)
     return multiple
 
@@ -211,9 +171,7 @@ def padded_doc_lengths(doc_lens_B: np.ndarray, doc_multiple: int = 1) -> np.ndar
 
 
 def real_positions(doc_lens_B: np.ndarray, doc_multiple: int = 1) -> np.ndarray:
-    """int64 [N]: the pack position of each real token (documents in order, each in its padded
-    slot). ``tokens_S[real_positions(...)]`` are the pack's real tokens; with ``doc_multiple`` 1
-    they are the first N positions.
+    """int64 [N]: the pack position of each real token (documents in order, each in its slot).
 
     Example: documents [3, 2], ``doc_multiple`` 4 -> [0, 1, 2, 4, 5].
     """
@@ -240,25 +198,16 @@ def pad_pack(
         tokens_N: The pack's real tokens, documents concatenated.
         doc_lens_B: Length of each document (each >= 1, summing to N).
         length: Target length S >= the padded documents' total (see :func:`target_length`).
-        policy: ``"self"`` repeats the pack's own tokens cycled from its first real token;
-            ``"constant"`` writes ``pad_id``.
+        policy: ``"self"`` cycles the pack's own tokens; ``"constant"`` writes ``pad_id``.
         pad_id: Id of a constant pad (``policy="constant"``, multimodal packs, empty packs).
-        placeholder_ids: Multimodal placeholder ids; a pack containing any of them is padded
-            with ``pad_id`` whatever the policy.
-        target_mask_N: Optional per-token training-target mask (1 = learn to predict this
-            token; 0 = e.g. a prompt token). None = every token is a target.
-        doc_multiple: Pad every document to a multiple of this first (2*CP under context
-            parallelism: TE's THD partitioning cuts every segment into 2*CP chunks). A document's
-            pads cycle its own tokens and stay in its segment, after its last real token.
-
-    Returns:
-        The :class:`PaddedPack`.
+        placeholder_ids: Multimodal placeholder ids; a pack holding one pads with ``pad_id``.
+        target_mask_N: Per-token training-target mask (0 = e.g. a prompt token); None = all 1.
+        doc_multiple: Pad every document to a multiple of this first (2*CP under CP).
 
     Raises:
         ValueError: On an unknown policy, inconsistent lengths or ``length`` too short.
     """
-    tokens_N = np.asarray(tokens_N)
-    doc_lens_B = np.asarray(doc_lens_B)
+    tokens_N, doc_lens_B = np.asarray(tokens_N), np.asarray(doc_lens_B)
     _check_pack_inputs(tokens_N, doc_lens_B, target_mask_N, policy)
     n = tokens_N.size
     doc_lens_B = doc_lens_B.astype(np.int64)
@@ -273,30 +222,20 @@ def pad_pack(
     is_multimodal = bool(np.isin(tokens_N, np.asarray(placeholder_ids, dtype=np.int64)).any())
     copy_pads = policy == "self" and not is_multimodal and n > 0
     src_index_S = _source_index(doc_lens_B, slots_B, length, copy_pads)
-    is_real_S = np.zeros(length, dtype=bool)
     real_S = real_positions(doc_lens_B, doc_multiple)
-    is_real_S[real_S] = True
+    pad_mask_S = np.ones(length, dtype=bool)
+    pad_mask_S[real_S] = False
     tokens_S = np.full(length, pad_id, dtype=np.int64)
     tokens_S[src_index_S >= 0] = tokens_N[src_index_S[src_index_S >= 0]]
 
-    # Segments: one per document (its slot: its pads stay in it, after its last real token, as
-    # Megatron's SFTDataset places its CP pads; causal, so no real token sees them), then one for
-    # the tail pads, so no real token attends to a pad.
-    tail = length - body
-    seg_lens = np.concatenate([slots_B, [tail] if tail else []]).astype(np.int64)
-    cu_seqlens = np.full(length + 1, length, dtype=np.int32)
-    cu_seqlens[0] = 0
-    cu_seqlens[1 : seg_lens.size + 1] = np.cumsum(seg_lens)
-    seg_starts = np.repeat(np.cumsum(seg_lens) - seg_lens, seg_lens)
-    position_ids_S = np.arange(length, dtype=np.int64) - seg_starts
-
+    seg_lens, cu_seqlens, position_ids_S = _segments(slots_B, length)
     labels_S, loss_mask_S = _labels(tokens_N, doc_lens_B, real_S, length, target_mask_N)
     return PaddedPack(
         tokens_S=tokens_S,
         labels_S=labels_S,
         loss_mask_S=loss_mask_S,
         position_ids_S=position_ids_S,
-        pad_mask_S=~is_real_S,
+        pad_mask_S=pad_mask_S,
         src_index_S=src_index_S,
         cu_seqlens=cu_seqlens,
         num_segments=int(seg_lens.size),
@@ -304,14 +243,25 @@ def pad_pack(
     )
 
 
+def _segments(slots_B: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Segment lengths, ``cu_seqlens`` [S + 1] and ``position_ids_S`` of a pack's slots."""
+    # One segment per document slot, then one for the tail pads, so no real token attends to a
+    # pad. Under CP a document's own pads stay in its slot after its last real token, where
+    # Megatron's SFTDataset places its CP pads (causal: no real token sees them), so every
+    # boundary is a multiple of 2*CP, as TE's THD partitioning needs.
+    tail = length - int(slots_B.sum())
+    seg_lens = np.concatenate([slots_B, [tail] if tail else []]).astype(np.int64)
+    cu_seqlens = np.full(length + 1, length, dtype=np.int32)  # fixed length: samples collate
+    cu_seqlens[0] = 0
+    cu_seqlens[1 : seg_lens.size + 1] = np.cumsum(seg_lens)
+    seg_starts = np.repeat(np.cumsum(seg_lens) - seg_lens, seg_lens)
+    return seg_lens, cu_seqlens, np.arange(length, dtype=np.int64) - seg_starts
+
+
 def _source_index(
     doc_lens_B: np.ndarray, slots_B: np.ndarray, length: int, copy_pads: bool
 ) -> np.ndarray:
-    """``src_index_S``: the real index each position holds or copies (-1 = a constant pad).
-
-    A document's own pads cycle that document from its first token; the tail pads cycle the
-    whole pack from its first real token.
-    """
+    """``src_index_S``: the real index each position holds or copies (-1 = a constant pad)."""
     n, body = int(doc_lens_B.sum()), int(slots_B.sum())
     doc_starts_B = np.cumsum(doc_lens_B) - doc_lens_B
     offset_in_slot = np.arange(body, dtype=np.int64) - np.repeat(
@@ -321,6 +271,9 @@ def _source_index(
     within = offset_in_slot < doc_lens_B[doc_of_slot]
     src_index_S = np.full(length, -1, dtype=np.int64)
     if copy_pads:
+        # A document's own pads cycle that document from its first token (they stay in its
+        # segment, so they copy nothing from another document); the tail pads cycle the whole
+        # pack from its first real token.
         src_index_S[:body] = doc_starts_B[doc_of_slot] + offset_in_slot % doc_lens_B[doc_of_slot]
         src_index_S[body:] = np.arange(length - body) % n
     else:
@@ -336,7 +289,8 @@ def _labels(
     target_mask_N: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Labels and loss mask by position: real token i predicts token i+1 when i+1 is in the same
-    document. Never derived from ids, so ``pad_id == eos`` is safe; pads predict nothing."""
+    document; pads predict nothing."""
+    # Never derived from ids (Megatron masks labels == pad id), so pad_id == eos is safe.
     n = tokens_N.size
     doc_starts_B = np.cumsum(doc_lens_B) - doc_lens_B
     has_next_N = np.ones(n, dtype=bool)
@@ -348,21 +302,16 @@ def _labels(
     labels_S[real_N] = np.where(has_next_N, tokens_N[next_N], IGNORE_INDEX)
     loss_mask_S = np.zeros(length, dtype=np.float32)
     loss_mask_S[real_N] = has_next_N
-    if target_mask_N is not None and n:
+    if target_mask_N is not None and n:  # a target's mask is read at the token it predicts
         loss_mask_S[real_N] *= np.asarray(target_mask_N, dtype=np.float32)[next_N]
     return labels_S, loss_mask_S
 
 
 def check_fill(fill: int, dtype: np.dtype | type, what: str) -> None:
-    """Raises ValueError unless ``fill`` is representable in ``dtype``.
+    """Raises ValueError naming ``what`` unless ``fill`` is representable in ``dtype``.
 
     Example: ``check_fill(-1, np.uint8, "routes sidecar")`` raises (uint8 holds 0..255), where
     numpy itself would only raise a bare OverflowError at the first constant pad.
-
-    Args:
-        fill: The constant-pad value of a payload.
-        dtype: The payload's dtype (e.g. an IndexedDataset sidecar's).
-        what: Names the payload in the message (e.g. ``"sidecar 'routes' (/d/a_routes)"``).
     """
     dtype = np.dtype(dtype)
     if dtype == np.bool_:
@@ -383,18 +332,13 @@ def check_fill(fill: int, dtype: np.dtype | type, what: str) -> None:
 def gather_by_src_index(values_NW: np.ndarray, src_index_S: np.ndarray, fill: int) -> np.ndarray:
     """Pads any per-token payload exactly like the tokens: ``values_NW[src_index_S]``.
 
+    Route replay relies on it: a self pad carries the routes (or loss weights) of the token it
+    copies, a constant pad (``src_index_S == -1``) gets ``fill``, which must fit the dtype.
+
     Args:
-        values_NW: Payload of the pack's N real tokens, shape [N] or [N, W] (e.g. routes
-            flattened to W = layers * topk).
+        values_NW: Payload of the pack's N real tokens, [N] or [N, W] (e.g. W = layers * topk).
         src_index_S: From :attr:`PaddedPack.src_index_S`.
-        fill: Value for positions with ``src_index_S == -1`` (constant pads); must fit
-            ``values_NW``'s dtype (:func:`check_fill`).
-
-    Returns:
-        Array of shape [S] or [S, W] with ``values_NW``'s dtype.
-
-    Raises:
-        ValueError: If ``fill`` does not fit the dtype or ``src_index_S`` indexes past N.
+        fill: Value for constant pads (:func:`check_fill`).
     """
     values_NW = np.asarray(values_NW)
     check_fill(fill, values_NW.dtype, "payload")

@@ -1,11 +1,6 @@
 """The one place that maps a run's ``PaddingConfig`` to a Megatron dataset class and its config.
 
-Megatron's ``--sft`` -> :class:`~megatron_ext.data.sft_dataset.SelfPaddedSFTDataset` with an
-``SFTDatasetConfig``; ``--pack-documents`` -> :class:`~megatron_ext.data.packed_dataset.PackedDataset`
-with a ``PackedDatasetConfig``; otherwise the self-padded ``GPTDataset``
-(:class:`~megatron_ext.data.gpt_dataset.SelfPaddedGPTDataset`). ``gpt_kwargs`` are exactly what
-Megatron's ``GPTDatasetConfig`` takes (``random_seed``, ``sequence_length``, ``blend``, ``split``,
-``tokenizer``, ...); the pair goes straight to Megatron's builder::
+The pair goes straight to Megatron's builder::
 
     padding = configs_from_args(args)[PaddingConfig]
     multiple = padding.pad_multiple(context_parallel_size=cp, quantization_align=align)
@@ -36,19 +31,16 @@ def dataset_class_and_config(
 
     Args:
         padding: The run's data flags.
-        pad_multiple: Resolved pack-length multiple (:meth:`PaddingConfig.pad_multiple`); used
-            by packed data only (the self-padded ``GPTDataset`` always fills ``sequence_length``).
-        doc_pad_multiple: Every packed document padded to a multiple of this (2*CP under context
-            parallelism, :meth:`PaddingConfig.doc_pad_multiple`); packed data only.
+        pad_multiple: Resolved pack-length multiple (:meth:`PaddingConfig.pad_multiple`); packed
+            data only (the self-padded ``GPTDataset`` always fills ``sequence_length``).
+        doc_pad_multiple: Every packed document padded to a multiple of this (2*CP under CP).
         sidecars: Extra per-token sidecars for packed data (e.g. routes); refused otherwise.
-        sft: Megatron's ``--sft``: the JSONL conversations of ``SelfPaddedSFTDataset`` (its
-            per-conversation pad multiple comes from ``context_parallel_size`` in ``gpt_kwargs``).
-        **gpt_kwargs: ``GPTDatasetConfig`` fields.
+        sft: Megatron's ``--sft`` (its CP pad multiple comes from ``gpt_kwargs``).
+        **gpt_kwargs: ``GPTDatasetConfig`` fields (``random_seed``, ``sequence_length``, ...).
 
     Returns:
-        ``(SelfPaddedSFTDataset, SFTDatasetConfig)`` under ``--sft``, ``(PackedDataset,
-        PackedDatasetConfig)`` under ``--pack-documents``, else ``(SelfPaddedGPTDataset,
-        SelfPaddedGPTDatasetConfig)``.
+        ``SelfPaddedSFTDataset`` under ``--sft``, ``PackedDataset`` under ``--pack-documents``,
+        else ``SelfPaddedGPTDataset``; with its config.
 
     Raises:
         ValueError: On sidecars without ``--pack-documents`` or any bad config value.

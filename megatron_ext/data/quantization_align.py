@@ -1,20 +1,9 @@
 """The row multiple a run's fp8/fp4 GEMMs need, read from Megatron's own rules (Megatron glue).
 
-Every alignment multiple in megatron_ext comes from here, and here from Megatron-Core's
-``get_align_size_for_quantization`` (``megatron.core.transformer.moe.moe_utils``): 256 under
-``use_transformer_engine_op_fuser`` (its CUTLASS grouped GEMM), else ``fp8_utils.
-get_fp8_align_size`` (16; 32 for the mxfp8 recipe, whose 1x32 scale blocks run along M in the
-weight-gradient GEMM) or ``fp4_utils.get_fp4_align_size`` (128; 32 is the hardware minimum, 128
-what the grouped nvfp4 kernels want), 0 without fp8/fp4. Megatron's function covers every recipe
-we support; what it has no rule for is ours and stated where it is decided: bf16 under the op
-fuser (Megatron says 256 but pads only under fp8/fp4;
-:func:`megatron_ext.moe.config.align_size_for_config`) and a user override
-(``--moe-dispatch-align-size``).
-
-Two users: a pack's length is the GEMMs' M dimension (tokens), so under fp8/fp4 the pack-length
-multiple includes the quantized GEMM's alignment (:func:`quantization_align`, fed to the pure
-``megatron_ext.data.padding.derive_pad_multiple``); the MoE dispatcher pads each expert group to
-it (:func:`megatron_align_size`, through ``align_size_for_config``).
+Every alignment multiple in megatron_ext comes from Megatron-Core's
+``get_align_size_for_quantization`` through here: the pack-length multiple (a pack's length is the
+GEMMs' M dimension) and each MoE expert group's. The rules Megatron has none for are ours, stated
+where decided (:func:`megatron_ext.moe.config.align_size_for_config`).
 
 Example: ``--fp8-format e4m3 --fp8-recipe mxfp8`` -> ``quantization_align_from_args(args) == 32``.
 """
@@ -26,25 +15,25 @@ def megatron_align_size(settings: object, *, op_fuser: bool | None = None) -> in
     """Megatron's ``get_align_size_for_quantization`` of a config or parsed arguments.
 
     Args:
-        settings: A ``TransformerConfig`` or Megatron's arguments (the same field names: ``fp8``,
-            ``fp8_recipe``, ``fp4``, ``fp4_recipe``, ``use_transformer_engine_op_fuser``; missing
-            ones count as off). Recipe names are read as Megatron's enums, defaulting to
-            Megatron's ``"delayed"`` / ``"nvfp4"``.
+        settings: A ``TransformerConfig`` or Megatron's arguments (``fp8``, ``fp8_recipe``,
+            ``fp4``, ``fp4_recipe``, ``use_transformer_engine_op_fuser``; missing ones are off).
         op_fuser: Overrides ``use_transformer_engine_op_fuser`` (None: read it from ``settings``).
 
     Returns:
         Megatron's multiple; 0 when it asks for none.
-
-    Raises:
-        ValueError: An unknown recipe name.
     """
     from megatron.core.enums import Fp4Recipe, Fp8Recipe
     from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
 
+    # megatron.core.transformer.moe.moe_utils: 256 under the op fuser (its CUTLASS grouped GEMM),
+    # else fp8_utils.get_fp8_align_size (16; 32 for mxfp8, whose 1x32 scale blocks run along M in
+    # the weight-gradient GEMM) or fp4_utils.get_fp4_align_size (128: 32 is the hardware minimum,
+    # 128 what the grouped nvfp4 kernels want), 0 without fp8/fp4.
     if op_fuser is None:
         op_fuser = bool(getattr(settings, "use_transformer_engine_op_fuser", False))
     fp8, fp4 = getattr(settings, "fp8", None), getattr(settings, "fp4", None)
     # A recipe is read only when its format is on (Megatron ignores it otherwise).
+    # Recipe names read as Megatron's enums, defaulting to Megatron's "delayed" / "nvfp4".
     fp8_recipe = getattr(settings, "fp8_recipe", None) or "delayed"
     fp4_recipe = getattr(settings, "fp4_recipe", None) or "nvfp4"
     view = argparse.Namespace(
@@ -62,14 +51,8 @@ def quantization_align(
 ) -> int:
     """Megatron's GEMM row alignment for these precision settings; 1 without fp8/fp4.
 
-    The pack length is a dense GEMM's M as well as the experts', so the op fuser's grouped-GEMM
-    256 is not part of it: :func:`megatron_align_size` without the op fuser.
-
-    Args:
-        fp8: Megatron's ``fp8`` (``--fp8-format``: ``"e4m3"``, ``"hybrid"``; None when off).
-        fp8_recipe: ``--fp8-recipe`` (name or ``Fp8Recipe``); Megatron's default ``"delayed"``.
-        fp4: Megatron's ``fp4`` (``--fp4-format``: ``"e2m1"``; None when off).
-        fp4_recipe: ``--fp4-recipe`` (name or ``Fp4Recipe``); Megatron's default ``"nvfp4"``.
+    ``fp8`` / ``fp4``: Megatron's (``--fp8-format`` / ``--fp4-format``; None when off); recipes
+    are names or Megatron's enums.
 
     Raises:
         ValueError: An unknown recipe name, or fp8 and fp4 together.
@@ -77,6 +60,8 @@ def quantization_align(
     if fp8 and fp4:
         raise ValueError("--fp8-format and --fp4-format cannot be used together")
     settings = argparse.Namespace(fp8=fp8, fp8_recipe=fp8_recipe, fp4=fp4, fp4_recipe=fp4_recipe)
+    # The pack length is a dense GEMM's M as well as the experts': the op fuser's grouped-GEMM 256
+    # is not part of it.
     return max(megatron_align_size(settings, op_fuser=False), 1)
 
 

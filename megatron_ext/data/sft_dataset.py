@@ -1,33 +1,10 @@
 """Megatron's ``--sft`` dataset with self pads and megatron_ext's packing (Megatron glue).
 
 :class:`SelfPaddedSFTDataset` subclasses Megatron's ``SFTDataset`` (megatron-core 0.19.2,
-``megatron/training/datasets/sft_dataset.py``): the same JSONL (one ``{"messages": [...]}`` per line,
-read by Megatron's ``SFTLowLevelDataset`` with the ``datasets`` library), the same split of a line
-into conversations at each system message (Megatron's ``_split_conversations``), the same tokens and
-prompt masks (Megatron's SFT tokenizer, ``tokenize_conversation(..., return_target=True)``: no loss
-on system and user turns), built by Megatron's ``BlendedMegatronDatasetBuilder``. What differs:
-
-- pads: ``--pad-policy self`` fills them with the conversation's own tokens (per-conversation pads
-  under CP) or the pack's (the tail), ``constant`` with the tokenizer's pad id (Megatron's); pads are
-  loss-masked by position and flagged in ``padding_mask``, the tail pad is its own segment
-  (:func:`~megatron_ext.data.padding.pad_pack`);
-- packing (``--sft-packing``): ``packed`` packs whole conversations across lines
-  (``--packing-algorithm best_fit``, :func:`~megatron_ext.data.pack_planning.plan_packs`), losing
-  no token; ``megatron`` keeps Megatron's rule, one line per sample, the overflowing conversation cut
-  (:func:`~megatron_ext.data.sft_packing.megatron_rule_kept`).
-
-The ``packed`` plan needs every conversation's length: one tokenizing pass over the JSONL, kept in
-the data cache under the file's identity and the tokenizer's (vocabulary, merges, chat template,
-prompt format), so an unchanged file is scanned once. Samples carry the keys of
-:class:`~megatron_ext.data.packed_dataset.PackedDataset`'s (``tokens, labels, loss_mask, position_ids,
-padding_mask, src_index, cu_seqlens, num_segments, max_seqlen``)::
-
-    config = SFTDatasetConfig(random_seed=1, sequence_length=4096, blend=(["/d/chat.jsonl"], None),
-                              split="98,1,1", tokenizer=sft_tokenizer, reset_position_ids=False,
-                              reset_attention_mask=False, eod_mask_loss=False,
-                              create_attention_mask=False, context_parallel_size=1)
-    train, valid, test = BlendedMegatronDatasetBuilder(
-        SelfPaddedSFTDataset, [1000, 10, 10], lambda: True, config).build()
+``megatron/training/datasets/sft_dataset.py``): the same JSONL, conversations, tokens and prompt
+masks, built by Megatron's builder with an ``SFTDatasetConfig``; pads are self pads
+(``--pad-policy``) and whole conversations are packed across lines (``--sft-packing packed``).
+Samples carry ``PackedDataset``'s keys; docs/data.md lists every difference from Megatron's.
 """
 
 import dataclasses
@@ -71,10 +48,9 @@ _PLAN_KEYS = ("piece_conv_Q", "piece_start_Q", "piece_len_Q", "pack_offsets_P1",
 
 @dataclasses.dataclass
 class SFTDatasetConfig(PadFillFields, GPTDatasetConfig):
-    """``GPTDatasetConfig`` (as Megatron's ``SFTDataset`` reads it: ``context_parallel_size`` sets
-    the per-conversation pad multiple ``2*CP``) plus what fills pads (:class:`PadFillFields`;
-    constant pads are the tokenizer's pad id, as in Megatron, so ``pad_constant_id`` is unused) and
-    how samples are packed."""
+    """``GPTDatasetConfig`` (``context_parallel_size`` sets the per-conversation pad multiple
+    ``2*CP``) plus what fills pads (constant pads are the tokenizer's pad id, as in Megatron:
+    ``pad_constant_id`` is unused) and how samples are packed."""
 
     sft_packing: SFTPacking = "packed"
     """'packed': whole conversations packed across lines; 'megatron': one line per sample."""
@@ -115,12 +91,12 @@ class SFTDatasetConfig(PadFillFields, GPTDatasetConfig):
 
 
 def tokenizer_identity(tokenizer: Any) -> str:
-    """What a conversation's tokens depend on: the Hugging Face tokenizer's full state (its
-    ``tokenizer.json`` for a fast one, else its vocabulary) and the SFT prompt config (format, chat
-    template, masks), hashed. ``tokenizer`` is Megatron's wrapper around its ``SFTTokenizer``."""
+    """What a conversation's tokens depend on, hashed: the Hugging Face tokenizer's full state and
+    the SFT prompt config (format, chat template, masks) of Megatron's ``SFTTokenizer`` wrapper."""
     sft = getattr(tokenizer, "_tokenizer", tokenizer)  # MegatronTokenizer -> SFTTokenizer
     hf = getattr(sft, "_tokenizer", sft)
     backend = getattr(hf, "backend_tokenizer", None)
+    # A fast tokenizer's whole tokenizer.json, else its vocabulary.
     state = backend.to_str() if backend is not None else json.dumps(sorted(hf.get_vocab().items()))
     prompt = f"{getattr(sft, '_prompt_format', None)}\n{getattr(sft, '_prompt_config', None)!r}"
     digest = hashlib.blake2b((state + "\n" + prompt).encode("utf-8"), digest_size=16)
@@ -128,7 +104,7 @@ def tokenizer_identity(tokenizer: Any) -> str:
 
 
 class SelfPaddedSFTDataset(SFTDataset):
-    """Megatron's ``SFTDataset`` with self pads and whole-conversation packing (module docstring)."""
+    """Megatron's ``SFTDataset`` with self pads and whole-conversation packing."""
 
     def __init__(
         self,
@@ -142,7 +118,7 @@ class SelfPaddedSFTDataset(SFTDataset):
         super().__init__(dataset, dataset_path, indices, num_samples, index_split, config)
         self.config: SFTDatasetConfig = config
         self.plan: dict[str, np.ndarray] | None = None
-        if config.sft_packing == "megatron":
+        if config.sft_packing == "megatron":  # one line a sample, read when asked: no plan
             return
         scan = self._conversation_lengths()
         self.conv_lens_Q, self.line_offsets_N1 = scan["conv_lens_Q"], scan["line_offsets_N1"]
@@ -179,8 +155,9 @@ class SelfPaddedSFTDataset(SFTDataset):
         return pack_index_cache.cache_path(cache_dir, digest, name, split)
 
     def _conversation_lengths(self) -> dict[str, np.ndarray]:
-        """Every line's conversations' token counts (the whole file, all splits), cached under the
-        identity of the file and of the tokenizer."""
+        """Every line's conversations' token counts (the whole file, all splits)."""
+        # One tokenizing pass, cached under the identity of the file and of the tokenizer: an
+        # unchanged file is scanned once; another tokenizer or prompt format scans again.
         path = self.dataset_path or ""
         description = (
             f"sft conversation lengths of {os.path.realpath(path)} {file_identity(path)} "
@@ -224,7 +201,7 @@ class SelfPaddedSFTDataset(SFTDataset):
 
     def _build_plan(self) -> dict[str, np.ndarray]:
         """Epochs of this split's conversations, shuffled, each planned into packs, until
-        ``num_samples`` packs (the pack order shuffled too: best_fit builds longest first)."""
+        ``num_samples`` packs."""
         cfg, offsets = self.config, self.line_offsets_N1
         lines = self.indices.astype(np.int64)
         counts_L = offsets[lines + 1] - offsets[lines]
@@ -252,6 +229,7 @@ class SelfPaddedSFTDataset(SFTDataset):
                 }
             if plan.num_packs == 0:
                 break
+            # best_fit builds packs longest first: shuffle the pack order too.
             piece_Q, sizes_P = shuffle_packs(
                 np.arange(plan.piece_len_Q.size),
                 plan.pack_offsets_P1,
@@ -301,10 +279,8 @@ class SelfPaddedSFTDataset(SFTDataset):
         return np.asarray(tokens, dtype=np.int64), np.asarray(targets, dtype=np.int64)
 
     def _megatron_rule_pieces(self, idx: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """The JSONL line of sample ``idx`` (Megatron's index rule) cut by Megatron's rule.
-
-        Conversations are tokenized in order until one overflows (those after it are never
-        read, as in Megatron)."""
+        """The JSONL line of sample ``idx`` (Megatron's index rule) cut by Megatron's rule."""
+        # Tokenized in order until one overflows: those after it are never read, as in Megatron.
         line = int(self.indices[idx % len(self.indices)])
         pieces: list[tuple[np.ndarray, np.ndarray]] = []
         lengths: list[int] = []
@@ -346,6 +322,7 @@ class SelfPaddedSFTDataset(SFTDataset):
         pieces = (
             self._packed_pieces(idx) if self.plan is not None else self._megatron_rule_pieces(idx)
         )
+        # Megatron's targets are IGNORE_INDEX on prompt tokens: that is the target mask.
         tokens_N = np.concatenate([t for t, _ in pieces]) if pieces else np.zeros(0, np.int64)
         targets_N = np.concatenate([g for _, g in pieces]) if pieces else np.zeros(0, np.int64)
         pack = pad_pack(

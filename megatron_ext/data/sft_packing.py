@@ -1,23 +1,13 @@
 """Which conversation tokens an SFT sample holds: Megatron's in-order rule and megatron_ext's packing
 (pure numpy; never imports megatron).
 
-Megatron's ``SFTDataset`` (megatron-core 0.19.2, ``megatron/training/datasets/sft_dataset.py``) makes
-one sample of ``seq_length`` tokens from each JSONL line: the line's conversations in order, each
-padded so the running length is a multiple of ``2*CP`` under context parallelism, until one
-overflows; that one is cut on the right and every later conversation of the line is dropped; the
-rest is one tail pad. :func:`megatron_rule_kept` gives, for every conversation, how many of its
-tokens that rule keeps. Worked example (``seq_length`` 8, CP 1, one line of conversations
-``[3, 4, 5]``)::
+Megatron's ``SFTDataset`` (megatron-core 0.19.2, ``megatron/training/datasets/sft_dataset.py``)
+fills one sample per JSONL line, cutting the conversation that overflows and dropping the rest of
+the line; megatron_ext packs whole conversations across lines (``plan_packs``) and loses none.
+``seq_length`` 8, CP 1, one line of conversations ``[3, 4, 5]`` under Megatron's rule::
 
     starts  0 3 7      kept  3 4 1      lost 0 0 4 (= 4 of 12 tokens)
     sample  a a a b b b b c             (no tail pad here)
-
-megatron_ext's packing instead treats each conversation as a document and packs whole conversations
-across lines with :func:`~megatron_ext.data.pack_planning.plan_packs` (``best_fit`` or
-``sequential``), each counted at its length padded to the per-document multiple (``2*CP``): no
-conversation is cut unless it is longer than ``seq_length`` on its own (``--pack-overlong-policy``),
-so ``split`` loses no token. :func:`megatron_rule_stats` and :func:`plan_stats` count the pads and
-lost tokens of either.
 
 Legend: N JSONL lines, Q conversations (all lines' concatenated, line by line), P packs.
 """
@@ -42,25 +32,13 @@ def megatron_rule_kept(
     seq_length: int,
     doc_multiple: int = 1,
 ) -> np.ndarray:
-    """Tokens of each conversation that Megatron's ``SFTDataset`` keeps (one sample per line).
-
-    Megatron appends a line's conversations in order, pads the running length to a multiple of
-    ``2*CP`` after each, and stops at the first whose end passes ``seq_length``: that one is cut to
-    the room left, every later one is dropped. With ``seq_length`` a multiple of the pad multiple,
-    a conversation that fits entirely is kept whole, so the kept count is
-    ``clip(seq_length - start, 0, length)`` with ``start`` its padded start in the line.
+    """``[Q]`` int64: the tokens of each conversation Megatron's ``SFTDataset`` keeps (0: dropped).
 
     Args:
         conv_lens_Q: Tokens of each conversation, lines concatenated.
         line_offsets_N1: ``[N + 1]`` offsets of each line's conversations in ``conv_lens_Q``.
-        seq_length: Tokens per sample.
+        seq_length: Tokens per sample (a multiple of ``doc_multiple``).
         doc_multiple: Megatron's ``2*CP`` under context parallelism, else 1.
-
-    Returns:
-        ``[Q]`` int64 kept tokens (0: dropped).
-
-    Raises:
-        ValueError: ``seq_length`` not a multiple of ``doc_multiple``, or bad offsets.
     """
     if seq_length < 1 or seq_length % doc_multiple:
         raise ValueError(
@@ -70,6 +48,10 @@ def megatron_rule_kept(
     offsets = np.asarray(line_offsets_N1, dtype=np.int64)
     if offsets.size < 1 or offsets[0] != 0 or offsets[-1] != conv_lens_Q.size:
         raise ValueError("line offsets must start at 0 and end at the number of conversations")
+    # Megatron appends a line's conversations, padding the running length to 2*CP after each, and
+    # cuts the first whose end passes seq_length to the room left, dropping every later one. With
+    # seq_length a multiple of 2*CP a conversation that fits is kept whole: the kept count is
+    # clip(seq_length - start, 0, length), start its padded start in the line.
     padded_Q = padded_doc_lengths(conv_lens_Q, doc_multiple)
     cum_Q1 = np.concatenate([[0], np.cumsum(padded_Q)])
     start_Q = cum_Q1[:-1] - cum_Q1[offsets[:-1]][line_of_conversations(offsets)]

@@ -1,21 +1,14 @@
 """The header of a per-token sidecar: what its values are and which token data they belong to
 (pure json + numpy, never imports megatron).
 
-A per-token sidecar ``P_S.bin/.idx`` holds one value per token of the token data ``P``, document
-for document (the loss mask ``P_loss_mask``; ``ingest-rollouts``' behaviour log-probs, advantages,
-rewards). Its ``.idx`` says how many values each document has, not what they mean nor which token
-file they were made for; the header ``P_S.sidecar.json`` beside it does::
+A sidecar ``P_S.bin/.idx`` holds one value per token of ``P``; its ``.idx`` says how many values
+each document has, not what they mean nor which token file they were made for. ``P_S.sidecar.json``
+does, so a sidecar beside rewritten tokens is refused (:func:`check_tokens_digest`) even at the
+same lengths::
 
     {"format": "megatron_ext.token_sidecar", "version": 1, "name": "advantages",
      "key": "advantages", "scope": "completion", "dtype": "float32", "num_documents": 4,
      "num_tokens": 40, "tokens_digest": "bac259f1..."}
-
-``scope`` ``completion``: a value per completion token (prompt tokens hold 0); ``sequence``: one
-per-sequence value broadcast to the completion's tokens; ``mask``: the loss mask (completion
-tokens 1); ``token``: a value per token (``--rl-record-logprobs``: a recording forward's log-probs,
-a document's first token 0). ``tokens_digest`` is :func:`~megatron_ext.replay.route_file.tokens_digest`'s of the token
-``.idx``/``.bin`` (the route header's, by the same function), so a sidecar left beside rewritten
-tokens is refused by :func:`check_tokens_digest`, even at the same lengths.
 """
 
 import json
@@ -27,6 +20,9 @@ import numpy as np
 SIDECAR_EXTENSION = ".sidecar.json"
 FORMAT = "megatron_ext.token_sidecar"
 VERSION = 1
+# completion: a value per completion token (prompt tokens hold 0); sequence: one per-sequence
+# value broadcast to the completion's tokens; mask: the loss mask (completion tokens 1); token: a
+# value per token (--rl-record-logprobs' log-probs, a document's first token 0).
 SCOPES = ("completion", "sequence", "mask", "token")
 
 
@@ -39,7 +35,11 @@ def sidecar_header_bytes(
     lengths_D: np.ndarray,
     tokens_digest: str,
 ) -> bytes:
-    """The header of a sidecar whose document d holds ``lengths_D[d]`` values."""
+    """The header of a sidecar whose document d holds ``lengths_D[d]`` values.
+
+    ``tokens_digest``: ``route_file.tokens_digest`` of the token ``.idx``/``.bin`` (the route
+    header records the same).
+    """
     assert scope in SCOPES, scope
     header = {
         "format": FORMAT,
@@ -56,11 +56,8 @@ def sidecar_header_bytes(
 
 
 def read_sidecar_header(path: str) -> dict:
-    """Reads and checks a sidecar header.
-
-    Raises:
-        ValueError: Not JSON, another format or version, or a malformed field; names the file.
-    """
+    """Reads a sidecar header; ValueError naming the file for one not JSON, of another format
+    or version, or with a malformed field."""
     try:
         with open(path, encoding="utf-8") as f:
             header = json.load(f)
@@ -73,6 +70,7 @@ def read_sidecar_header(path: str) -> dict:
             f"sidecar header {path} has version {header.get('version')}, not {VERSION}"
         )
     for key in ("num_documents", "num_tokens"):
+        # type() is not int: a JSON true would pass isinstance(..., int).
         if type(header.get(key)) is not int or header[key] < 0:
             raise ValueError(f"sidecar header {path}: {key!r} must be a non-negative integer")
     if header.get("scope") not in SCOPES or not isinstance(header.get("tokens_digest"), str):
@@ -81,15 +79,8 @@ def read_sidecar_header(path: str) -> dict:
 
 
 def check_tokens_digest(sidecar_prefix: str, tokens_prefix: str, digest: str | None = None) -> dict:
-    """Refuses a sidecar whose header names other token data than ``tokens_prefix``'s content
-    (``digest``: that content's, when the caller already read it for another sidecar).
-
-    Returns:
-        The header.
-
-    Raises:
-        ValueError: No header, or a digest of other tokens; one line naming both prefixes.
-    """
+    """The sidecar's header, refused (ValueError naming both prefixes) when missing or naming
+    other token data than ``tokens_prefix``'s content (``digest``: that content's, if known)."""
     from megatron_ext.common.safe_files import content_digest
 
     path = sidecar_prefix + SIDECAR_EXTENSION

@@ -1,23 +1,13 @@
 """The tokenizers of ``tools/preprocess_data.py``, loaded the way Megatron-LM's own preprocessing
 loads them, so the two write the same ids.
 
-Three kinds, described by a picklable :class:`TokenizerSpec` (each ``--workers`` process loads its
-own copy from it):
-
-- ``byte``: the built-in byte-level tokenizer (UTF-8 bytes, ids 0..255, end-of-document id 256).
-- ``file``: a bare Hugging Face ``tokenizer.json``, run by the ``tokenizers`` library.
-- ``directory``: a Hugging Face tokenizer directory (``save_pretrained`` layout), built by
-  Megatron-Core's own ``build_tokenizer`` as ``--tokenizer-type HuggingFaceTokenizer
-  --tokenizer-model DIR`` builds it: its ``eod`` (the ``eos_token``), its ``vocab_size``
-  (``len(AutoTokenizer)``, added tokens included) and, unless ``include_special_tokens`` is off
-  (Megatron's ``--tokenizer-hf-no-include-special-tokens``), the special tokens of the
-  tokenizer's post-processor (e.g. a BOS before every text)::
+Three kinds, each loaded in every ``--workers`` process from a picklable :class:`TokenizerSpec`:
+the built-in byte-level one (ids 0..255, eod 256), a bare Hugging Face ``tokenizer.json``, and a
+tokenizer directory built by Megatron-Core's own ``build_tokenizer``, whose post-processor's
+special tokens start every text unless ``--tokenizer-hf-no-include-special-tokens``::
 
       "a stubborn clock" -> [1, 572, 461, 407]     BOS (id 1) included, Megatron's default
                          ->    [572, 461, 407]     --tokenizer-hf-no-include-special-tokens
-
-Texts are encoded in batches (one call into the Rust library per chunk of records); a test checks
-the ids equal Megatron's ``tokenizer.tokenize(text)``, one text at a time, as its script calls it.
 """
 
 import dataclasses
@@ -64,11 +54,7 @@ def byte_encode(text: str) -> np.ndarray:
 
 
 def load_tokenizer(spec: TokenizerSpec) -> TextTokenizer:
-    """Loads ``spec``'s tokenizer.
-
-    Raises:
-        ValueError: A missing or unreadable tokenizer, naming the flag and the file.
-    """
+    """Loads ``spec``'s tokenizer (ValueError naming the flag and file if missing or unreadable)."""
     if spec.path is None:
         return TextTokenizer(
             encode_batch=lambda texts, special: [byte_encode(t) for t in texts],
@@ -128,7 +114,9 @@ def megatron_tokenizer_args(path: str, include_special_tokens: bool) -> types.Si
 
 
 def _megatron_hf_tokenizer(spec: TokenizerSpec) -> TextTokenizer:
-    """A tokenizer directory, built by Megatron-Core's ``build_tokenizer`` (no network)."""
+    """A tokenizer directory, built by Megatron-Core's ``build_tokenizer`` (no network), as
+    ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR`` builds it: its ``eod`` the
+    ``eos_token``, its ``vocab_size`` ``len(AutoTokenizer)``, added tokens included."""
     if not os.path.isfile(os.path.join(spec.path, "tokenizer.json")):
         raise ValueError(
             f"{spec.flag} {spec.path} is a directory without tokenizer.json (a Hugging Face "
@@ -149,7 +137,8 @@ def _megatron_hf_tokenizer(spec: TokenizerSpec) -> TextTokenizer:
 
     def encode_batch(texts: Sequence[str], special: bool) -> list[np.ndarray]:
         # Megatron: tokenizer(text).input_ids with special tokens, else convert_tokens_to_ids(
-        # tokenize(text)); a batch call gives the same ids per text (tested).
+        # tokenize(text)), one text at a time; one batch call per chunk gives the same ids per
+        # text (tested against Megatron's tokenizer.tokenize).
         ids = hf(list(texts), add_special_tokens=special and include).input_ids
         return [np.asarray(i, dtype=np.int64) for i in ids]
 
@@ -164,6 +153,7 @@ def special_prefix(tok: TextTokenizer, spec: TokenizerSpec) -> list[int]:
     Raises:
         ValueError: It adds tokens after the text too (a prompt would end with them).
     """
+    # Told apart on a one-character text: what special tokens add is the difference.
     with_special, plain = tok.encode_batch(["x"], True)[0], tok.encode_batch(["x"], False)[0]
     n = with_special.size - plain.size
     if n < 0 or not np.array_equal(with_special[n:], plain):

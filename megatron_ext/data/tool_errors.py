@@ -1,8 +1,8 @@
 """One-line errors for the command-line tools (``tools/*.py``): exit status 2, no traceback.
 
-A tool's ``main(argv)`` raises ``ValueError`` for bad input (naming the flag, file, line or key)
-and lets ``OSError`` through for I/O failures; :func:`run_tool` turns both into one line on
-stderr and exit status 2, like argparse's own usage errors. ``--debug`` shows the traceback::
+A tool's ``main(argv)`` raises ``ValueError`` for bad input and lets ``OSError`` through;
+:func:`run_tool` prints either as one line, like argparse's own usage errors (``--debug``: the
+traceback)::
 
     $ python tools/preprocess_data.py --input missing.jsonl --output-prefix /d/x
     preprocess_data.py: error: --input missing.jsonl does not exist
@@ -43,6 +43,7 @@ def one_line(err: BaseException) -> str:
 def run_tool(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
     """Runs ``main(argv)``; a ``ValueError`` / ``OSError`` becomes one stderr line and status 2."""
     args = sys.argv[1:] if argv is None else argv
+    # Read off argv, not the parsed flags: the parser may be what fails.
     if "--verbose" not in args:
         from megatron_ext.common.quiet import quiet_warnings
 
@@ -52,6 +53,7 @@ def run_tool(main: Callable[[list[str] | None], int], argv: list[str] | None = N
     except (ValueError, OSError) as err:
         if "--debug" in args:
             raise
+        # As argparse prints its own usage errors: "prog: error: ...".
         prog = os.path.basename(sys.argv[0]) if argv is None else "error"
         prefix = f"{prog}: error: " if argv is None else "error: "
         print(prefix + one_line(err), file=sys.stderr)

@@ -1,28 +1,15 @@
 """Megatron's chunk sort with the pads in it, as one gather planned on the device (pure torch,
 never imports megatron).
 
-After the EP all-to-all the dispatcher holds rows in ``[source rank][local expert]`` chunks and
-sorts them by expert. When the chunk counts are on the host (Megatron copies them for its own
-chunk sort) :mod:`megatron_ext.moe.aligned_chunk_sort` splices the pads into that ``cat``. Under
-Transformer Engine's fused permute the counts stay on the device; reading them would be a
-device-to-host sync, so this module plans the sorted, padded layout on the device instead, with
-sync-free ops (``cumsum``, ``searchsorted``, gathers), and moves the data once: one gather through
-the inverse index and a zero fill of only the pad rows, never a zero-filled buffer plus a scatter.
+Under Transformer Engine's fused permute the all-to-all's chunk counts stay on the device (reading
+them would sync), so the sorted, padded layout is planned there with sync-free ops and the data
+moves once. Align 4, one source chunk, 2 experts with 3 and 1 tokens::
 
-Worked example (align 4, one source chunk, 2 experts with 3 and 1 tokens)::
+    received rows    [a b c | d]       ->  aligned buffer [a b c _ | d _ _ _]
+    gather_idx_P     [0 1 2 0 | 3 0 0 0]   (pads gather row 0, then are zeroed)
 
-    received rows    [a b c | d]               tokens_per_expert_E = [3, 1]
-    aligned buffer   [a b c _ | d _ _ _]       aligned counts      = [4, 4]
-    dest_idx_N       [0 1 2 4]                 (row i of the input lands at dest_idx_N[i])
-    gather_idx_P     [0 1 2 0 | 3 0 0 0]       (pads gather row 0, then are zeroed)
-
-The one host integer needed, the buffer length, comes from counts the dispatcher already holds
-on the host (exact, no new sync) or from the static bound ``static_aligned_rows`` (the last
-expert's group absorbs the slack so all groups stay aligned).
-
-Shape legend: N rows received (unaligned), P rows of the aligned buffer, E local experts,
-R source chunks the rows arrive in (TP x EP ranks; 1 when already expert-major), C = R*E chunks,
-D hidden size, Q = P - N pad rows.
+Shape legend: N rows received, P rows of the aligned buffer, E local experts, R source chunks
+(TP x EP ranks; 1 when already expert-major), C = R*E chunks, D hidden size, Q = P - N pad rows.
 """
 
 from dataclasses import dataclass
@@ -40,52 +27,28 @@ from megatron_ext.moe.alignment import (
 
 @dataclass(frozen=True)
 class AlignedLayout:
-    """Where each received row sits in the aligned expert-major buffer, and back.
+    """Where each received row sits in the aligned expert-major buffer, and back."""
 
-    Attributes:
-        dest_idx_N: Buffer row of each received row (device, int64).
-        gather_idx_P: Received row each buffer row copies (device, int64); pad rows point at
-            row 0 (any real row) and are zeroed after the gather.
-        pad_idx_Q: The ``Q = P - N`` pad rows of the buffer, ascending (device, int64).
-        tokens_per_expert_E: Aligned group sizes (device, int64), each a multiple of the
-            alignment, summing to ``num_rows``.
-        num_rows: Buffer length P (host int).
-        align: The alignment multiple used.
-    """
-
+    #: Buffer row of each received row (device int64, as the other tensors).
     dest_idx_N: torch.Tensor
+    #: Received row each buffer row copies; pad rows point at row 0 and are zeroed after.
     gather_idx_P: torch.Tensor
+    #: The ``Q = P - N`` pad rows of the buffer, ascending.
     pad_idx_Q: torch.Tensor
+    #: Aligned group sizes, summing to ``num_rows``.
     tokens_per_expert_E: torch.Tensor
-    num_rows: int
+    num_rows: int  # P (host int)
     align: int
 
 
 def plan_aligned_layout(
     counts_RE: torch.Tensor, align: int, num_received: int, num_rows: int
 ) -> AlignedLayout:
-    """Plans the aligned expert-major layout of rows arriving in ``[source chunk][expert]`` order.
-
-    Rows arrive as chunks ``(r=0,e=0), (r=0,e=1), ..., (r=1,e=0), ...`` of sizes ``counts_RE``
-    (Megatron's all-to-all order; pass ``counts.view(1, E)`` for rows already sorted by expert).
-    Chunk ``(r, e)`` goes to ``aligned_start[e] + sum_{r' < r} counts_RE[r', e]``, so the copy
-    that pads also sorts by expert.
-
-    Sync-free: only ``cumsum``/``searchsorted``/gathers/scatters on device tensors; the two
-    lengths are host ints the caller already has.
-
-    Args:
-        counts_RE: Rows per (source chunk, local expert); device tensor, shape [R, E], summing
-            to ``num_received``.
-        align: Alignment multiple (> 1).
-        num_received: Rows received N (the received tensor's ``shape[0]``).
-        num_rows: Buffer length P, from ``aligned_rows_from_host_counts`` or
-            ``static_aligned_rows``; must be at least the exact aligned total (a smaller value
-            cannot be detected without a sync and would corrupt the last group).
-
-    Returns:
-        The layout. With a static bound, the last expert's group absorbs the slack rows.
-    """
+    """Plans, sync-free, the aligned expert-major layout of ``num_received`` rows arriving in
+    chunks of ``counts_RE`` (device ``[R, E]``, Megatron's all-to-all order; ``view(1, E)`` for
+    rows already sorted by expert), into ``num_rows`` rows (exact or a static bound)."""
+    # num_rows is never less than the exact total: undetectable without a sync, it would corrupt
+    # the last group (which absorbs a static bound's slack).
     assert counts_RE.dim() == 2, "counts_RE must be [R, E]"
     assert not is_identity(align), "identity alignment needs no layout"
     assert num_rows >= num_received, "the buffer holds every received row"
@@ -97,7 +60,8 @@ def plan_aligned_layout(
     real_E = counts_RE.sum(0)
     aligned_E = give_slack_to_last(round_up(real_E, align), num_rows)
     aligned_start_E = aligned_E.cumsum(0) - aligned_E
-    # Offset of chunk (r, e) inside expert e's group: rows of the same expert in earlier chunks.
+    # Chunk (r, e) goes to aligned_start[e] + sum_{r' < r} counts_RE[r', e]: the copy that pads
+    # also sorts by expert.
     within_RE = counts_RE.cumsum(0) - counts_RE
     dest_start_C = (aligned_start_E.unsqueeze(0) + within_RE).reshape(-1)
 
@@ -150,19 +114,10 @@ class _StripRows(torch.autograd.Function):
 
 
 def pad_to_layout(x_N: torch.Tensor, layout: AlignedLayout) -> torch.Tensor:
-    """Copies received rows into the zero-padded aligned buffer.
-
-    One gather through the inverse index, then only the pad rows are zeroed (no zero-fill of
-    the whole buffer, no second copy). Differentiable: the gradient of ``x_N`` is the buffer
-    gradient gathered at ``dest_idx_N``; pad rows receive nothing.
-
-    Args:
-        x_N: Received rows, shape [N, ...] (hidden states ``[N, D]`` or probs ``[N]``).
-        layout: From ``plan_aligned_layout``.
-
-    Returns:
-        ``x_P`` of shape [P, ...] with zero pad rows.
-    """
+    """``x_P`` ``[P, ...]``: received rows ``x_N`` (hidden states or probs) in the zero-padded
+    aligned buffer; the gradient is the buffer's gathered at ``dest_idx_N``."""
+    # One gather through the inverse index, then only the pad rows zeroed: no zero-fill of the
+    # whole buffer, no second copy.
     assert x_N.shape[0] == layout.dest_idx_N.shape[0], "x_N rows differ from the planned layout"
     return _PadRows.apply(x_N, layout.dest_idx_N, layout.gather_idx_P, layout.pad_idx_Q)
 
@@ -175,30 +130,15 @@ def pad_received_rows(
     num_rows: int,
     host_tokens_per_expert_E: torch.Tensor,
 ) -> tuple[AlignedLayout, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plans the layout on the device and gathers the rows and their probs into it.
-
-    Args: as :func:`plan_aligned_layout`; ``host_tokens_per_expert_E``: the per-expert counts
-    Megatron already copied to the host (the aligned group sizes are rounded from them).
-
-    Returns:
-        ``(layout, x_P, aligned group sizes, probs_P)``.
-    """
+    """``(layout, x_P, aligned group sizes, probs_P)``: the layout planned on the device, the
+    rows and probs gathered into it; the sizes rounded from ``host_tokens_per_expert_E``."""
     layout = plan_aligned_layout(counts_RE, align, x_N.shape[0], num_rows)
     aligned_E = give_slack_to_last(round_up(host_tokens_per_expert_E.long(), align), num_rows)
     return layout, pad_to_layout(x_N, layout), aligned_E, pad_to_layout(probs_N, layout)
 
 
 def strip_layout(y_P: torch.Tensor, layout: AlignedLayout) -> torch.Tensor:
-    """Drops pad rows and restores the received row order (undoing the sort by expert too).
-
-    Differentiable: the gradient of ``y_P`` is zero on pad rows.
-
-    Args:
-        y_P: Rows of the aligned buffer, shape [P, ...].
-        layout: The layout ``pad_to_layout`` used.
-
-    Returns:
-        ``y_N`` of shape [N, ...] in the order the rows were received.
-    """
+    """``y_N``: the buffer's rows without pads, in the order they were received (the gradient of
+    ``y_P`` is zero on pad rows)."""
     assert y_P.shape[0] == layout.num_rows, "y_P rows differ from the planned layout"
     return _StripRows.apply(y_P, layout.dest_idx_N, layout.gather_idx_P, layout.pad_idx_Q)

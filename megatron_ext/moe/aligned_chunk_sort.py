@@ -1,10 +1,9 @@
 """Megatron's chunk sort with the grouped-GEMM pads spliced in (pure torch, never imports megatron).
 
-After the EP all-to-all, Megatron's dispatcher sorts the received ``[source rank][local expert]``
-chunks by expert with one split + ``cat`` (``sort_chunks_by_idxs``), from chunk counts it already
-copied to the host. Here the same ``cat`` also pads: after each expert's chunks comes a slice of a
-shared zero buffer (never written, so it is reused across calls), and the un-sort drops those
-slices again. One copy of the rows, as Megatron's, and no kernel to plan it: the plan is host ints.
+After the EP all-to-all Megatron sorts the received ``[source rank][local expert]`` chunks by expert
+with one split + ``cat`` from host counts; here the same ``cat`` also pads, with slices of a shared
+zero buffer (never written), which the un-sort drops. One copy of the rows, as Megatron's, and a
+plan of host ints only.
 
 Shape legend: N rows received, P rows of the aligned buffer, E local experts, R source chunks
 (TP x EP ranks), C = R*E chunks.
@@ -29,19 +28,16 @@ class ChunkLayout:
         buffer pieces  [a] [d e] [_]  [b c] [] [_ _]     ->   [a d e _ | b c _ _]
         buffer_sizes   [1, 2, 1, 2, 0, 2]      source_C [0, 2, -1, 1, 3, -1]   (-1: pad)
 
-    Attributes:
-        received_sizes_C: Chunk sizes in arrival order ``(r, e)``, r-major.
-        buffer_sizes: Piece sizes in buffer order.
-        source_C: For each buffer piece, its received chunk, or -1 for a pad piece.
-        tokens_per_expert_E: Aligned group sizes (the last takes any static-bound slack).
-        num_rows: P.
     """
 
+    #: Chunk sizes in arrival order ``(r, e)``, r-major.
     received_sizes_C: list[int]
+    #: Piece sizes in buffer order, and each piece's received chunk (-1: a pad piece).
     buffer_sizes: list[int]
     source_C: list[int]
+    #: Aligned group sizes (the last takes any static-bound slack).
     tokens_per_expert_E: list[int]
-    num_rows: int
+    num_rows: int  # P
 
     @property
     def max_pad(self) -> int:
@@ -53,16 +49,8 @@ class ChunkLayout:
 def plan_chunk_layout(
     counts_RE: Sequence[Sequence[int]], align: int, num_rows: int | None = None
 ) -> ChunkLayout:
-    """Plans the padded chunk sort from per-chunk counts already on the host.
-
-    Args:
-        counts_RE: Rows per (source chunk, local expert) as Python ints, [R][E].
-        align: Alignment multiple (> 1).
-        num_rows: Buffer length P (a static bound); None for the exact aligned total.
-
-    Returns:
-        The layout (host ints only: planning it launches no kernel).
-    """
+    """Plans the padded chunk sort from per-chunk counts ``[R][E]`` already on the host (no
+    kernel); ``num_rows``: a static bound P, None for the exact aligned total."""
     assert not is_identity(align), "identity alignment needs no layout"
     num_experts = len(counts_RE[0])
     received = [int(n) for counts_E in counts_RE for n in counts_E]
@@ -83,11 +71,8 @@ def plan_chunk_layout(
 
 
 def pad_chunks(x_N: torch.Tensor, layout: ChunkLayout, zeros: torch.Tensor) -> torch.Tensor:
-    """Sorts received chunks by expert and pads each group: one ``cat`` (Megatron's own copy).
-
-    Differentiable (split/cat); pad rows are slices of ``zeros`` (at least ``layout.max_pad``
-    zero rows shaped like ``x_N``'s), never written.
-    """
+    """Sorts received chunks by expert and pads each group: one ``cat`` (Megatron's own copy);
+    pad rows are slices of ``zeros`` (at least ``layout.max_pad`` rows like ``x_N``'s)."""
     chunks = x_N.split(layout.received_sizes_C)
     pieces = [
         chunks[c] if c >= 0 else zeros[:n]
@@ -104,14 +89,9 @@ def pad_received_chunks(
     align: int,
     num_rows: int | None = None,
 ) -> tuple[ChunkLayout, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plans the padded chunk sort and sorts the rows and their probs into it.
-
-    Args: as :func:`plan_chunk_layout`; ``x_N``/``probs_N`` are the received rows and probs.
-
-    Returns:
-        ``(layout, x_P, aligned group sizes (a host tensor), probs_P)``; the pads are slices of
-        :func:`~megatron_ext.moe.alignment.shared_zero_rows`.
-    """
+    """``(layout, x_P, aligned group sizes (a host tensor), probs_P)``: the padded chunk sort
+    planned and the received rows and probs sorted into it."""
+    # The pads are slices of the process's shared zero rows: reused across calls, never written.
     layout = plan_chunk_layout(counts_RE, align, num_rows)
     x_P = pad_chunks(x_N, layout, shared_zero_rows(x_N, layout.max_pad))
     probs_P = pad_chunks(probs_N, layout, shared_zero_rows(probs_N, layout.max_pad))

@@ -1,30 +1,13 @@
 """Megatron's token permute with the grouped-GEMM alignment folded in (pure torch, no megatron).
 
-Megatron-Core's dropless permute sorts the ``(token, expert)`` pairs of a routing map expert-major
-(tokens ascending within an expert) and gathers the token rows in that order; unpermute
-scatter-adds the rows back onto their tokens. Padding each expert's group afterwards costs a
-second copy. Here the padding is in the *index*: each routed pair's buffer row is its rank
-within its expert plus the expert's aligned start, so one gather builds the aligned buffer
-(pad rows zeroed, nothing else written) and one scatter-add strips and unpermutes (pad rows go
-to a trash row). The same idea as Transformer Engine's ``pad_offsets`` and torchtitan's
-permute indices; the order of real rows is exactly Megatron's, so fp32 results are bitwise.
-
-Worked example (align 4, 3 tokens, 2 experts; token 0 -> e0, e1; token 1 -> e1; token 2 -> e0)::
+The padding is in the *index*, not a second copy: each routed pair's buffer row is its rank within
+its expert plus the expert's aligned start, so one gather builds the aligned buffer and one
+scatter-add strips and unpermutes (as Transformer Engine's ``pad_offsets`` and torchtitan's permute
+indices). Real rows keep Megatron's order: fp32 results are bitwise. Align 4, 3 tokens, 2 experts::
 
     routing_map_TE   [[1 1] [0 1] [1 0]]       counts [2 2] -> aligned [4 4], starts [0 4]
     Megatron permute [t0 t2 | t0 t1]           (expert-major, tokens ascending)
     aligned buffer   [t0 t2 _ _ | t0 t1 _ _]   token_idx_P = [0 2 T T 0 1 T T], T = 3 (trash)
-
-The pair ranks come from one ``cumsum`` down the routing map (its last row is the per-expert
-count: :func:`rank_within_expert`) instead of Megatron's ``masked_select``; one scatter writes
-the inverse index; nothing reads a device value. The buffer length P is a host int: exact from
-counts already on the host, or the static bound of ``alignment.static_aligned_rows`` (the last
-group takes the slack; ``narrow`` cuts a static plan to the exact length once host counts
-arrive).
-
-Contract (Megatron's own): the routing map holds exactly ``num_out_tokens`` routed pairs. A token
-routed nowhere (an all-False row) simply has no row; callers that clear rows lower
-``num_out_tokens`` to match, as Megatron's permute requires.
 
 Shape legend: T tokens, E local experts, D hidden, P aligned buffer rows, Q = P - N pad rows,
 N routed pairs (Megatron's ``num_out_tokens``).
@@ -46,60 +29,44 @@ from megatron_ext.moe.alignment import (
 )
 
 
+# Not frozen: a frozen dataclass sets each field through object.__setattr__, which costs more than
+# the rest of the layout's bookkeeping on the few-token path, where host work is the whole cost.
 @dataclass(slots=True, eq=False)
 class PermuteLayout:
     """The aligned permute of one routing map (never changed once planned: :meth:`narrow` makes
-    a new one).
+    a new one)."""
 
-    Not ``frozen``: a frozen dataclass sets each field through ``object.__setattr__``, which
-    costs more than the rest of the layout's bookkeeping on the few-token path, where host work
-    is the whole cost.
-
-    Attributes:
-        pair_idx_P: Flat ``t * E + e`` pair of each buffer row (the probs' element); ``T * E``
-            on pad rows (device int64). The probs are gathered through it, so their backward
-            keeps ``[P]`` indices, not a ``[T, E]`` map.
-        token_idx_P: Token of each buffer row; ``T`` (a trash row) on pad rows.
-        aligned_E: Each expert's real count rounded up (device int64); None once narrowed or
-            when planned from host group starts (the caller's host counts are the sizes then).
-        num_rows: P (host int).
-        num_tokens: T (host int).
-        num_pads: Q = P - N (host int).
-        exact: P is the exact aligned total (no static-bound slack).
-        host_sizes: ``(counts, aligned sizes)`` per group as Python ints, when the caller holds
-            them on the host (the last size takes any slack): the pad rows are then listed on
-            the host, one copy to the device, instead of a ``topk`` there.
-    """
-
+    #: Flat ``t * E + e`` pair of each buffer row (the probs' element); ``T * E`` on pad rows.
     pair_idx_P: torch.Tensor
+    #: Token of each buffer row; ``T`` (a trash row) on pad rows.
     token_idx_P: torch.Tensor
+    #: Each expert's real count rounded up (device int64); None once narrowed or when planned
+    #: from host group starts.
     aligned_E: torch.Tensor | None
-    num_rows: int
+    num_rows: int  # P, T and Q = P - N: host ints
     num_tokens: int
     num_pads: int
+    #: P is the exact aligned total (no static-bound slack).
     exact: bool = False
+    #: ``(counts, aligned sizes)`` per group as Python ints, when the caller holds them on the
+    #: host (the last size takes any slack).
     host_sizes: tuple[list[int], list[int]] | None = None
 
     @property
     def tokens_per_expert_E(self) -> torch.Tensor | None:
         """Aligned group sizes summing to ``num_rows`` (device): the last group takes a static
-        bound's slack. None once narrowed (the host counts are the group sizes by then).
-
-        On demand (three small kernels under a static bound): callers that hold host counts
-        never need it.
-        """
+        bound's slack. None once narrowed (the host counts are the group sizes by then)."""
+        # On demand (three small kernels under a static bound): callers holding host counts never
+        # need it.
         if self.aligned_E is None or self.exact:
             return self.aligned_E
         return give_slack_to_last(self.aligned_E.clone(), self.num_rows)
 
     @property
     def pad_idx_Q(self) -> torch.Tensor:
-        """The pad rows: from the host sizes when the caller gave them (ascending, one pinned
-        asynchronous copy on a GPU), else the Q largest pair indices, which hold ``T * E`` (a
-        ``topk`` on the device, any order).
-
-        Computed on demand: only the gather that zeroes pads after copying needs them.
-        """
+        """The pad rows (on demand: only the gather that zeroes pads after copying needs them)."""
+        # Listed on the host when the caller holds the sizes (one pinned asynchronous copy on a
+        # GPU), else the Q largest pair indices, which hold T * E (a topk on the device).
         if self.host_sizes is not None:
             return host_to_device(
                 torch.from_numpy(host_pad_rows(*self.host_sizes)), self.pair_idx_P
@@ -109,12 +76,10 @@ class PermuteLayout:
     def narrow(
         self, num_rows: int, host_sizes: tuple[list[int], list[int]] | None = None
     ) -> "PermuteLayout":
-        """The first ``num_rows`` rows: a static-bound plan cut to the exact aligned length.
-
-        Groups start at the same offsets under both sizings and the slack sits at the end of
-        the last group, so the exact layout is a prefix of the static one (views, no copy).
-        ``host_sizes``: as the attribute, for the cut layout (the host counts that sized it).
-        """
+        """The first ``num_rows`` rows: a static-bound plan cut to the exact aligned length
+        (``host_sizes``: the host counts that sized it)."""
+        # Groups start at the same offsets under both sizings and the slack sits at the end of
+        # the last group: the exact layout is a prefix of the static one (views, no copy).
         assert num_rows <= self.num_rows, "narrow only cuts"
         return PermuteLayout(  # not dataclasses.replace: it re-reads the fields on every call
             pair_idx_P=self.pair_idx_P[:num_rows],
@@ -130,11 +95,7 @@ class PermuteLayout:
 
 def rank_within_expert(routing_map_TE: torch.Tensor) -> torch.Tensor:
     """1-based rank of each routed pair within its expert, ``[T, E]`` int64: the plan's first step.
-
-    Its last row is each expert's count, Megatron's ``routing_map.sum(dim=0)``: a caller that
-    copies those counts to the host anyway (the all-gather dispatcher) reads them from here and
-    hands the ranks to :func:`plan_aligned_permute`, saving the sum.
-    """
+    Its last row is Megatron's ``routing_map.sum(dim=0)`` (the all-gather dispatcher's counts)."""
     return routing_map_TE.cumsum(0)
 
 
@@ -157,27 +118,16 @@ def plan_aligned_permute(
 ) -> PermuteLayout:
     """Plans Megatron's dropless permute into an aligned, zero-padded expert-major buffer.
 
-    Sync-free and short (ten small kernels; six given ``start_E``, five given ``rank_TE`` too:
-    at a few tokens their launch cost is the whole cost): a ``cumsum`` down the map ranks each
-    routed pair within its expert and one scatter writes the inverse index.
-
     Args:
-        routing_map_TE: Bool map of token to (local) expert, [T, E], with ``num_out_tokens``
-            True entries.
-        align: Alignment multiple (> 1).
-        num_out_tokens: N, Megatron's ``num_out_tokens`` (a host int).
+        routing_map_TE: Bool ``[T, E]`` map with exactly ``num_out_tokens`` (N) True entries
+            (Megatron's contract: a caller that clears rows lowers N to match).
         num_rows: P, exact (from host counts) or ``static_aligned_rows(N, E, align)``.
-        exact: P is the exact aligned total (no slack to hand to the last group).
-        start_E: Each group's first buffer row (int64, on the map's device), from counts the
-            caller holds on the host; None: computed here from the map.
-        rank_TE: ``rank_within_expert(routing_map_TE)`` when the caller already has it (read,
-            not written: its last row may be the caller's counts).
-        host_sizes: The groups' ``(counts, aligned sizes)`` as host ints, when the caller holds
-            them (see :attr:`PermuteLayout.host_sizes`).
-
-    Returns:
-        The layout; the last group absorbs any slack of a static bound.
+        start_E: Each group's first buffer row (device int64) from host counts; None: from the map.
+        rank_TE: ``rank_within_expert(routing_map_TE)`` if the caller has it (read, not written).
     """
+    # Sync-free and short (ten small kernels; six given start_E, five given rank_TE too: at a
+    # few tokens their launch cost is the whole cost). The cumsum replaces Megatron's
+    # masked_select; nothing reads a device value.
     assert routing_map_TE.dtype == torch.bool and align > 1 and num_rows >= num_out_tokens
     num_tokens, num_experts = routing_map_TE.shape  # (a map that is not 2-D fails here)
     num_pairs = num_tokens * num_experts
@@ -218,18 +168,8 @@ def pad_by_permute(
 ) -> tuple[PermuteLayout, torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Plans the aligned permute and builds the buffer of the tokens and of their probs.
 
-    Args:
-        x_TD, probs_TE, routing_map_TE: The tokens, their probs and their routing map.
-        align: Alignment multiple (> 1).
-        num_out_tokens: N, for a plan sized by the static bound before host counts arrive.
-        counts: Per-expert counts already on the host (Python ints): the groups' starts come
-            from them, and P is exact unless ``static``; None: the static bound of
-            ``num_out_tokens`` now, cut by :meth:`PermuteLayout.narrow` later.
-        static: With ``counts``: size by the static bound.
-        rank_TE: As :func:`plan_aligned_permute`.
-
-    Returns:
-        ``(layout, x_P, aligned host counts or None, probs_P)``.
+    ``counts``: per-expert host counts (P exact unless ``static``); None: the static bound of
+    ``num_out_tokens``, cut later. Returns ``(layout, x_P, aligned host counts or None, probs_P)``.
     """
     if counts is None:
         num_rows = static_aligned_rows(num_out_tokens, routing_map_TE.shape[1], align)
@@ -257,13 +197,10 @@ _ARANGES: dict[torch.device, torch.Tensor] = {}
 
 
 def _arange_buffer(n: int, like: torch.Tensor) -> torch.Tensor:
-    """An int64 ``arange`` at least ``n`` long on ``like``'s device: the plan's scatter source.
-
-    One buffer per device, rebuilt only when a larger ``n`` comes, so the memory held is one
-    ``T * E`` index of the largest plan, not one per distinct size (variable-length batches
-    would otherwise keep a device tensor per token count). The scatter reads its source only
-    where its index is, so the buffer is passed whole (no slicing op) and never written.
-    """
+    """An int64 ``arange`` at least ``n`` long on ``like``'s device: the plan's scatter source."""
+    # One buffer per device, rebuilt only for a larger n: one T * E index of the largest plan,
+    # not one per size (variable-length batches would keep a tensor per token count). Passed
+    # whole (the scatter reads it only where its index is) and never written.
     device = like.device
     values = _ARANGES.get(device)
     if values is None or values.numel() < n:
@@ -301,11 +238,8 @@ SMALL_TOKENS_BYTES = 256 * 1024
 
 
 def permute_to_layout(x_TD: torch.Tensor, layout: PermuteLayout) -> torch.Tensor:
-    """Megatron's permute of the token rows, straight into the aligned buffer ``[P, D]``.
-
-    The gradient adds buffer rows back onto their tokens with ``index_add_`` in buffer order
-    (Megatron's gather backward), pad rows onto a dropped trash row.
-    """
+    """Megatron's permute of the token rows, straight into the aligned buffer ``[P, D]``; the
+    gradient adds rows back in buffer order (Megatron's gather backward), pads onto a trash row."""
     assert x_TD.shape[0] == layout.num_tokens, "x_TD rows differ from the routing map"
     if layout.num_pads == 0:
         # Every group already a multiple (a host int says so): Megatron's own gather, no zero
@@ -322,30 +256,18 @@ def permute_to_layout(x_TD: torch.Tensor, layout: PermuteLayout) -> torch.Tensor
 
 
 def permute_probs(probs_TE: torch.Tensor, layout: PermuteLayout) -> torch.Tensor:
-    """The routed pairs' probabilities in buffer order ``[P]``, 0 on pad rows.
-
-    Probs are small (``T * E`` values): one appended zero is the pads' source, and plain
-    autograd routes the pads' gradient onto it. A gather, not a scatter into place: its backward
-    keeps the ``[P]`` pair indices, where a scatter's would keep the ``[T, E]`` slots (8 bytes per
-    token and local expert per layer, more than Megatron's own bool map and probs).
-    """
+    """The routed pairs' probabilities in buffer order ``[P]``, 0 on pad rows."""
+    # Probs are small (T * E values): one appended zero is the pads' source. A gather, not a
+    # scatter into place: its backward keeps the [P] pair indices, where a scatter's would keep
+    # the [T, E] slots (8 bytes per token and local expert per layer, more than Megatron's map).
     assert probs_TE.shape[0] == layout.num_tokens, "probs rows differ from the routing map"
     flat = probs_TE.reshape(-1)
     return torch.cat([flat, shared_zero_row(flat)]).index_select(0, layout.pair_idx_P)
 
 
 def unpermute_from_layout(y_PD: torch.Tensor, layout: PermuteLayout) -> torch.Tensor:
-    """Strips the pads and unpermutes in one scatter-add: ``[P, D]`` -> ``[T, D]``.
-
-    Megatron's unpermute without probs: real rows add onto their tokens in buffer order, which
-    is Megatron's order; pad rows add onto a trash row that is dropped. On a GPU the kernel is
-    Megatron's (``index_add_`` under deterministic algorithms, ``scatter_add_`` otherwise). On
-    CPU it is always ``index_add_``: the same sums in the same order as ``scatter_add_`` (bitwise
-    in fp32, bf16 and fp16; tests/moe/test_aligned_permute.py checks it against Megatron's
-    unpermute), reading one index per row instead of one per element; its backward gathers rows
-    instead of elements, which is where most of the CPU time goes under autograd. GPUs keep
-    Megatron's choice until it is measured there.
-    """
+    """Strips the pads and unpermutes in one scatter-add: ``[P, D]`` -> ``[T, D]`` (Megatron's
+    unpermute without probs, in its order; pad rows add onto a dropped trash row)."""
     assert y_PD.shape[0] == layout.num_rows, "y_PD rows differ from the planned layout"
     if not (y_PD.requires_grad and torch.is_grad_enabled()):  # no graph: skip the Function
         return _ScatterAddWithTrash.forward(None, y_PD, layout)
@@ -353,13 +275,11 @@ def unpermute_from_layout(y_PD: torch.Tensor, layout: PermuteLayout) -> torch.Te
 
 
 class _ScatterAddWithTrash(torch.autograd.Function):
-    """Rows added onto their tokens, pads onto a dropped trash row; the backward gathers.
+    """Rows added onto their tokens, pads onto a dropped trash row; the backward gathers."""
 
-    Its own backward, not autograd's of ``index_add_`` then ``[:T]``: the slice's backward fills
-    a ``[T + 1, D]`` zero buffer and copies the gradient into it before the gather, a full
-    buffer written for one trash row. Here the gradient is gathered straight from ``[T, D]``
-    and only the Q pad rows are zeroed (the same values: pad rows read the trash row's zeros).
-    """
+    # Its own backward, not autograd's of index_add_ then [:T]: the slice's backward fills a
+    # [T + 1, D] zero buffer for one trash row. Here the gradient is gathered straight from
+    # [T, D] and only the Q pad rows are zeroed (the same values).
 
     @staticmethod
     def forward(ctx, y_PD, layout):
@@ -367,6 +287,10 @@ class _ScatterAddWithTrash(torch.autograd.Function):
             ctx.layout = layout
         # The scatter-add's zeros are its identity (Megatron's unpermute starts from zeros too).
         out = y_PD.new_zeros((layout.num_tokens + 1, *y_PD.shape[1:]))
+        # A GPU keeps Megatron's kernel (index_add_ if deterministic, else scatter_add_) until
+        # measured there. On CPU index_add_: the same sums in the same order as scatter_add_
+        # (bitwise in fp32, bf16, fp16; tested against Megatron's unpermute), one index per row
+        # not per element, and a backward gathering rows, where most of the CPU time goes.
         if y_PD.is_cpu or torch.are_deterministic_algorithms_enabled():
             out.index_add_(0, layout.token_idx_P, y_PD)
         else:

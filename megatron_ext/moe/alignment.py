@@ -1,22 +1,9 @@
 """Grouped-GEMM alignment of dispatched MoE tokens: multiples, sizes, shared pieces (pure torch,
 never imports megatron).
 
-Low-precision grouped GEMMs need every expert's group of rows to start and end on a multiple of
-the quantization block: 16 rows for fp8, 32 for mxfp8 (the 1x32 scale blocks run along M in the
-weight-gradient GEMM ``dW = dO^T @ X``), 128 for nvfp4. bf16/fp16 need nothing, and padding them
-only costs time, so their alignment is 0 and every function here is then the identity (no copy).
-The multiple itself is Megatron's rule, decided once per layer outside this module
-(:func:`megatron_ext.moe.config.align_size_for_config`); here it is a plain int.
-
-This module holds what every aligned layout shares: rounding counts
-up (on the device and on the host), the buffer length (exact from host counts, or the static
-bound ``static_aligned_rows`` when no count has reached the host), the pad rows of a layout, the
-shared zero rows pads are copied from, and the gather that zeroes pads. The layouts themselves:
-:mod:`~megatron_ext.moe.aligned_permute` (pads folded into Megatron's permute),
-:mod:`~megatron_ext.moe.aligned_chunk_sort` (pads spliced into its chunk sort, host counts) and
-:mod:`~megatron_ext.moe.aligned_chunk_gather` (the chunk sort planned on the device).
-
-Worked example (align 4, 2 experts with 3 and 1 tokens)::
+Low-precision grouped GEMMs need every expert's group of rows to be a multiple of the quantization
+block (fp8 16, mxfp8 32, nvfp4 128); bf16/fp16 need nothing (alignment 0: every function here is
+then the identity). Align 4, 2 experts with 3 and 1 tokens::
 
     tokens_per_expert_E  [3, 1]  ->  round_up  [4, 4]      buffer [a b c _ | d _ _ _]
     static_aligned_rows(4 rows, 2 experts, 4) = 8         (any split of 4 rows fits in 8)
@@ -47,8 +34,9 @@ def round_up(n: torch.Tensor, align: int) -> torch.Tensor:
 
 
 def give_slack_to_last(aligned_E: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """In place: the last group takes the rows a static bound ``num_rows`` adds to the aligned
-    total. Both are multiples of the alignment, so every group stays aligned. Returns it."""
+    """In place (and returned): the last group takes the rows a static bound ``num_rows`` adds
+    to the aligned total."""
+    # Both are multiples of the alignment: every group stays aligned.
     aligned_E[-1:] += num_rows - aligned_E.sum()
     return aligned_E
 
@@ -70,10 +58,8 @@ def _zero_entry(like: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def shared_zero_rows(like: torch.Tensor, rows: int) -> torch.Tensor:
-    """At least ``rows`` zero rows shaped, typed and placed like ``like``'s rows (never write).
-
-    One buffer per kind for the whole process, grown by doubling; callers slice what they need.
-    """
+    """At least ``rows`` zero rows shaped, typed and placed like ``like``'s rows (never write)."""
+    # One buffer per kind for the whole process, grown by doubling; callers slice what they need.
     return _zero_entry(like, rows)[0]
 
 
@@ -86,26 +72,15 @@ def shared_zero_row(like: torch.Tensor) -> torch.Tensor:
 def aligned_rows_from_host_counts(
     tokens_per_expert_E: torch.Tensor | Sequence[int], align: int
 ) -> int:
-    """Exact aligned buffer length from counts the caller already holds on the host.
-
-    Args:
-        tokens_per_expert_E: Per-expert counts as a CPU tensor or a Python sequence. Passing a
-            device tensor is a bug: reading it would be a new device-to-host sync.
-        align: Alignment multiple.
-
-    Returns:
-        ``sum(round_up(tokens_per_expert_E, align))``.
-    """
+    """``sum(round_up(tokens_per_expert_E, align))`` from counts already on the host (a CPU
+    tensor or a Python sequence: a device tensor would be a new device-to-host sync)."""
     return real_and_aligned_rows_from_host_counts(tokens_per_expert_E, align)[1]
 
 
 def real_and_aligned_rows_from_host_counts(
     tokens_per_expert_E: torch.Tensor | Sequence[int], align: int
 ) -> tuple[int, int]:
-    """``(sum(counts), sum(round_up(counts, align)))`` from host counts, in one read.
-
-    Args: as :func:`aligned_rows_from_host_counts`.
-    """
+    """``(sum(counts), sum(round_up(counts, align)))`` from host counts, in one read."""
     if isinstance(tokens_per_expert_E, torch.Tensor):
         assert tokens_per_expert_E.device.type == "cpu", "host counts must already be on the host"
         counts = tokens_per_expert_E.tolist()
@@ -118,27 +93,16 @@ def real_and_aligned_rows_from_host_counts(
 
 
 def round_up_host(counts: Sequence[int], align: int) -> list[int]:
-    """Each host count rounded up to a multiple of ``align`` (> 1): the aligned group sizes.
-
-    Python ints, for counts already on the host; :func:`round_up` is the device version.
-    """
+    """Each host count (Python ints) rounded up to a multiple of ``align`` (> 1)."""
     return [-(-int(c) // align) * align for c in counts]
 
 
 def host_group_sizes(
     counts: list[int], align: int, static: bool
 ) -> tuple[int, int, torch.Tensor, torch.Tensor, tuple[list[int], list[int]]]:
-    """A permute's group sizes from per-expert counts already on the host (Python ints).
-
-    Args:
-        counts: Routed rows per local expert.
-        align: Alignment multiple (> 1).
-        static: Size by the static bound (the last group takes the slack) instead of exactly.
-
-    Returns:
-        ``(real rows N, buffer rows P, aligned sizes [E], group starts [E], (counts, aligned
-        sizes))``; the two tensors are host int64 tensors.
-    """
+    """``(real rows N, buffer rows P, aligned sizes [E], group starts [E], (counts, aligned
+    sizes))`` of per-expert host counts, exact or (``static``) by the static bound; the two
+    tensors are host int64."""
     aligned = round_up_host(counts, align)
     num_real, num_rows = sum(counts), sum(aligned)
     if static:
@@ -155,16 +119,11 @@ def host_group_sizes(
 
 
 def host_pad_rows(counts: Sequence[int], aligned: Sequence[int]) -> np.ndarray:
-    """The buffer rows of every pad, ascending, from host counts and their aligned group sizes.
-
-    Host work only (numpy, a few microseconds): group ``e`` holds its ``counts[e]`` real rows
-    and then ``aligned[e] - counts[e]`` pads (the last group may also hold a static bound's
-    slack). :func:`pad_rows_of_groups` is the device
-    version, for counts that stay on the device.
-
-    Returns:
-        int64 array ``[Q]``, ``Q = sum(aligned) - sum(counts)``.
-    """
+    """int64 ``[Q]``: the buffer rows of every pad, ascending, from host counts and their
+    aligned group sizes (numpy, a few microseconds; :func:`pad_rows_of_groups` is the device
+    version)."""
+    # Group e holds its counts[e] real rows, then aligned[e] - counts[e] pads (the last group
+    # may also hold a static bound's slack).
     counts_E = np.asarray(counts, dtype=np.int64)
     aligned_E = np.asarray(aligned, dtype=np.int64)
     pads_E = aligned_E - counts_E
@@ -178,16 +137,8 @@ def host_pad_rows(counts: Sequence[int], aligned: Sequence[int]) -> np.ndarray:
 def pad_rows_of_groups(
     first_pad_E: torch.Tensor, pads_E: torch.Tensor, num_pads: int
 ) -> torch.Tensor:
-    """Lists the pad rows of an aligned buffer, sync-free, from per-group pad ranges.
-
-    Args:
-        first_pad_E: First pad row of each group (its start plus its real rows), device int64.
-        pads_E: Pad rows of each group (device int64), summing to ``num_pads``.
-        num_pads: Q, a host int (buffer length minus real rows).
-
-    Returns:
-        ``pad_idx_Q``: ascending buffer rows of every pad, shape [Q].
-    """
+    """``pad_idx_Q``: the ascending buffer rows of every pad, sync-free, from each group's first
+    pad row and pad count (device int64; ``num_pads`` Q their host-known sum)."""
     pad_end_E = pads_E.cumsum(0)
     q_Q = torch.arange(num_pads, device=pads_E.device)
     group_Q = torch.searchsorted(pad_end_E, q_Q, right=True)
@@ -195,18 +146,9 @@ def pad_rows_of_groups(
 
 
 def static_aligned_rows(num_rows: int, num_experts: int, align: int) -> int:
-    """Smallest static buffer length that fits any split of ``num_rows`` rows over the experts.
-
-    ``sum_e A*ceil(c_e/A) <= A*floor((N + E*(A-1))/A)``, because each ceil adds at most A-1.
-
-    Args:
-        num_rows: Rows received (N), known on the host from the received tensor's shape.
-        num_experts: Local experts (E).
-        align: Alignment multiple (A).
-
-    Returns:
-        The bound P; a multiple of ``align``.
-    """
+    """Smallest static buffer length P (a multiple of ``align``) that fits any split of
+    ``num_rows`` rows (N, known on the host from the received shape) over the experts."""
+    # sum_e A*ceil(c_e/A) <= A*floor((N + E*(A-1))/A): each ceil adds at most A-1.
     if is_identity(align):
         return num_rows
     return (num_rows + num_experts * (align - 1)) // align * align
@@ -215,28 +157,22 @@ def static_aligned_rows(num_rows: int, num_experts: int, align: int) -> int:
 def gather_and_zero_pads(
     src_M: torch.Tensor, gather_idx_P: torch.Tensor, pad_idx_Q: torch.Tensor
 ) -> torch.Tensor:
-    """``src_M[gather_idx_P]`` with the pad rows zeroed: one gather, then only Q rows written.
-
-    The pad rows are written twice (the gather copies a real row there first): torch's gather
-    that writes each row once, ``embedding_bag`` with empty bags, turns -0.0 into +0.0
-    (tests/moe/test_aligned_permute_writes.py pins it), and these rows must be Megatron's bits.
-
-    No autograd of its own: the callers' ``autograd.Function``s use it in forward or backward.
-    With no source rows (M = 0) every row is a pad: a zero buffer.
-    """
-    if src_M.shape[0] == 0:
+    """``src_M[gather_idx_P]`` with the pad rows zeroed: one gather, then only Q rows written (no
+    autograd of its own: the callers' ``autograd.Function``s use it)."""
+    # The pad rows are written twice (the gather copies a real row there first): the gather that
+    # writes each row once, embedding_bag with empty bags, turns -0.0 into +0.0
+    # (tests/moe/test_aligned_permute_writes.py pins it), and these rows must be Megatron's bits.
+    if src_M.shape[0] == 0:  # no source rows: every row is a pad
         return src_M.new_zeros((gather_idx_P.shape[0], *src_M.shape[1:]))
     out_P = src_M.index_select(0, gather_idx_P)
     return out_P.index_fill_(0, pad_idx_Q, 0)
 
 
 def leading_rows(buffer_P: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """The first ``num_rows`` rows of a buffer (a view), whose gradient writes each row once.
-
-    A static-bound buffer cut to its exact length once host counts arrive: autograd's own slice
-    backward fills a zero buffer of the whole length and copies the gradient into its prefix
-    (the kept rows written twice); here the kept rows are copied and only the cut rows zeroed.
-    """
+    """The first ``num_rows`` rows of a buffer (a view), whose gradient writes each row once."""
+    # A static-bound buffer cut once host counts arrive: autograd's slice backward fills a zero
+    # buffer of the whole length and copies into its prefix (kept rows written twice); here the
+    # kept rows are copied and only the cut rows zeroed.
     if num_rows == buffer_P.shape[0] or not (buffer_P.requires_grad and torch.is_grad_enabled()):
         return buffer_P[:num_rows]
     return _LeadingRows.apply(buffer_P, num_rows)

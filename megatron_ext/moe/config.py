@@ -72,11 +72,8 @@ class MoEAlignmentConfig:
         return align_size_for_config(precision, self)
 
     def check_megatron_args(self, args: _moe_argparse.Namespace) -> None:
-        """Refuses combinations with Megatron's flags that would double-pad, cannot align or crash.
-
-        Raises:
-            ValueError: Naming both flags of the refused combination.
-        """
+        """Refuses (naming both flags) combinations with Megatron's flags that would double-pad,
+        cannot align or crash."""
         view = MegatronView.from_args(args)
         if self.moe_expert_load_metrics and not view.num_experts:
             raise ValueError(
@@ -107,16 +104,10 @@ class MoEAlignmentConfig:
                 )
 
     def refuse_unalignable(self, args: _moe_argparse.Namespace) -> bool:
-        """The refusals of :meth:`check_megatron_args` for an aligned run, without its warnings.
-
-        ``args`` is Megatron's arguments or a layer's ``TransformerConfig`` (the same names), so
-        :class:`~megatron_ext.moe.moe_layer.AlignedMoELayer` refuses at construction what
-        ``pretrain_gpt`` refuses at argument time, for a model built from a spec in a user's own
-        script. Returns whether the run's GEMMs are quantized (fp8/fp4).
-
-        Raises:
-            ValueError: Naming both flags of the refused combination.
-        """
+        """The refusals of :meth:`check_megatron_args` for an aligned run, without its warnings, of
+        Megatron's arguments or a layer's ``TransformerConfig``; returns whether it is fp8/fp4."""
+        # The same names on both: AlignedMoELayer refuses at construction, for a model built from
+        # a spec in a user's own script, what pretrain_gpt refuses at argument time.
         view = MegatronView.from_args(args)
         if view.moe_router_padding_for_quantization:
             raise ValueError(
@@ -205,11 +196,8 @@ class MoEPadRoutingConfig:
             )
 
     def resolve(self, args: _moe_argparse.Namespace) -> tuple[str, str]:
-        """``(mode, reason)`` for these Megatron arguments: 'skip' or 'dispatch'.
-
-        Raises:
-            ValueError: ``skip`` with a configuration that needs the pads' rows, naming both flags.
-        """
+        """``(mode, reason)`` for these Megatron arguments: 'skip' or 'dispatch' (ValueError for
+        ``skip`` with a configuration that needs the pads' rows, naming both flags)."""
         from megatron_ext.moe.pad_routing import resolve_pad_routing
 
         view = MegatronView.from_args(args)
@@ -248,10 +236,8 @@ def _cuda_graph_over_moe(view: MegatronView) -> bool:
 
 def check_load_log(path: str) -> None:
     """Refuses a ``--moe-expert-load-log`` that appending would damage: a directory, a place
-    that cannot be written, or an existing file that is not such a log (a data file, say: every
-    line of a load log is a JSON object with an ``iteration``). A missing directory is created
-    when the first line is written.
-    """
+    that cannot be written, or an existing file that is not such a log (a data file, say)."""
+    # A missing directory is created when the first line is written.
     import json
     import os
 
@@ -269,7 +255,7 @@ def check_load_log(path: str) -> None:
         record = json.loads(first)
     except (UnicodeDecodeError, ValueError):
         record = None
-    if not isinstance(record, dict) or "iteration" not in record:
+    if not isinstance(record, dict) or "iteration" not in record:  # every log line has one
         raise ValueError(
             f"{flag} {path} exists and is not an expert-load log (its first line is not one of "
             "its JSON records); appending would change that file: name a new file"
@@ -277,22 +263,18 @@ def check_load_log(path: str) -> None:
 
 
 def align_size_for_config(config: object, alignment: "MoEAlignmentConfig") -> int:
-    """The group multiple for a Megatron config (0: no alignment): the one place it is decided.
-
-    Megatron's ``get_align_size_for_quantization`` (read through
-    :func:`megatron_ext.data.quantization_align.megatron_align_size`) gives it for quantized GEMMs:
-    fp8 16, mxfp8 32, fp4 128, and 256 under ``use_transformer_engine_op_fuser`` (CUTLASS grouped
-    GEMM). Two rules are ours, where Megatron has none: a ``--moe-dispatch-align-size`` override
-    wins (``check_megatron_args`` keeps it a multiple of Megatron's value; 0 or 1 disables), and
-    without fp8/fp4 it is 0, unlike Megatron's function, which returns 256 under the op fuser even
-    for bf16: Megatron only *uses* that value when fp8/fp4 is on (``TEGroupedMLP`` builds and calls
-    its ``Fp8Padding`` only then), and bf16 must stay Megatron's path, untouched.
-    """
+    """The group multiple for a Megatron config (0: no alignment): the one place it is decided,
+    from Megatron's ``get_align_size_for_quantization`` (fp8 16, mxfp8 32, fp4 128, 256 under
+    ``use_transformer_engine_op_fuser``)."""
+    # Ours, where Megatron has no rule: without fp8/fp4 it is 0, though Megatron's function says
+    # 256 under the op fuser even for bf16 (Megatron only uses it under fp8/fp4: TEGroupedMLP
+    # builds and calls its Fp8Padding only then), and bf16 must stay Megatron's path, untouched.
     if not alignment.moe_dispatch_align or not (config.fp8 or config.fp4):
         return 0
     override = alignment.moe_dispatch_align_size
+    # Ours too: an override wins (check_megatron_args keeps it a multiple of Megatron's value).
     if override is not None:
-        return override if override > 1 else 0
+        return override if override > 1 else 0  # 0 or 1 disables
     from megatron_ext.data.quantization_align import megatron_align_size
 
     return megatron_align_size(config)

@@ -1,21 +1,10 @@
 """The alignment state a token dispatcher carries from dispatch to combine (Megatron glue).
 
-Both aligned dispatchers (:mod:`megatron_ext.moe.token_dispatcher`) own one
-:class:`GroupAligner`. Its group multiple is decided once per layer, from Megatron's rules for the
-config's precision (:func:`align_size_for_config`); it picks the layout for what the dispatcher holds, pads
-on the way to the experts and strips on the way back:
-
-- a routing map (EP=1, or the all-gather dispatcher): :mod:`~megatron_ext.moe.aligned_permute`,
-  the pad folded into Megatron's permute;
-- received chunks with host counts (all-to-all, EP > 1):
-  :mod:`~megatron_ext.moe.aligned_chunk_sort`, the pad spliced into Megatron's chunk sort;
-- received chunks with device counts (TE's fused permute):
-  :mod:`~megatron_ext.moe.aligned_chunk_gather`, one gather planned on the device.
-
-The buffer is sized exactly from host counts Megatron already holds (``host_counts``) or by a
-static bound (``static_bound``): no sizing adds a device-to-host sync.
-
-Example (fp8, 2 experts with 3 and 1 rows): ``pad`` returns 32 rows ``[a b c _*13 | d _*15]`` and
+Each aligned dispatcher owns one :class:`GroupAligner`: it picks the layout for what the dispatcher
+holds (a routing map: :mod:`~megatron_ext.moe.aligned_permute`; received chunks with host counts:
+:mod:`~megatron_ext.moe.aligned_chunk_sort`; with device counts, TE's fused permute:
+:mod:`~megatron_ext.moe.aligned_chunk_gather`), pads on the way to the experts and strips on the
+way back. fp8, 2 experts with 3 and 1 rows: ``pad`` returns 32 rows ``[a b c _*13 | d _*15]`` and
 sizes ``[16, 16]``; ``strip`` of the experts' output returns the 4 real rows in their order.
 """
 
@@ -30,16 +19,16 @@ from megatron_ext.moe import alignment as al
 class GroupAligner:
     """The alignment state one dispatcher carries between dispatch and combine.
 
-    The multiple is given once, by the MoE layer that owns the dispatcher
-    (:func:`align_size_for_config` of its config at construction; ``AlignedMoELayer.realign``
-    passes a new one down when a caller changes the precision). ``pad`` and ``strip`` are the only
-    entry points that touch rows (tools/gpu/gpu_check.py guards exactly these two). The zero rows
-    the chunk sort splices in are slices of :func:`~megatron_ext.moe.alignment.shared_zero_rows`.
-
     Args:
-        align: The group multiple (0 or 1: no alignment; the dispatchers defer to Megatron's).
-        buffer_sizing: ``--moe-dispatch-align-buffer`` (``host_counts`` or ``static_bound``).
+        align: The group multiple, given once by the MoE layer that owns the dispatcher
+            (``AlignedMoELayer.realign`` passes a new one); 0 or 1: the dispatchers defer to
+            Megatron's.
+        buffer_sizing: ``--moe-dispatch-align-buffer``: exact from host counts Megatron already
+            holds (``host_counts``) or a static bound (``static_bound``); neither adds a sync.
     """
+
+    # pad and strip are the only entry points that touch rows (tools/gpu/gpu_check.py guards
+    # exactly these two).
 
     def __init__(self, align: int, buffer_sizing: str) -> None:
         self.align = align
@@ -64,62 +53,75 @@ class GroupAligner:
         num_out_tokens: int | None = None,
         rank_TE: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Builds the aligned buffer with one copy of the rows.
-
-        Three layouts, told apart by ``routing``:
-
-        - a bool routing map ``[T, E]``: ``x`` are the tokens ``[T, D]`` and ``probs`` their
-          ``[T, E]`` probabilities; Megatron's permute and the pad in one gather.
-        - host counts ``[R][E]`` (Python ints): ``x``/``probs`` are rows received in ``[source
-          chunk][expert]`` order; Megatron's chunk sort (one ``cat``) with the pads spliced in.
-        - device counts ``[R, E]``: the same rows; one gather through an inverse index sorts
-          and pads (when the counts never reached the host: Megatron's fused-permute path).
+        """Builds the aligned buffer with one copy of the rows, in the layout ``routing`` asks.
 
         Args:
-            x: Rows to lay out (see above).
-            probs: Their routing probabilities.
-            routing: The local routing map, or the received chunks' counts.
-            host_tokens_per_expert_E: The per-expert counts Megatron already copied to the host
-                (permute only), or None where they have not arrived yet (all-to-all at EP=1:
-                a static-bound buffer, cut to the exact length by ``exact_host_sizes``).
-            num_out_tokens: Rows the permute emits (Megatron's ``num_out_tokens``); permute
-                without host counts only.
-            rank_TE: The routing map's ``rank_within_expert`` when the caller took its counts
-                from it (permute only).
+            x, probs: The tokens and their ``[T, E]`` probabilities (a routing map), or rows
+                received in ``[source chunk][expert]`` order and their probabilities.
+            routing: The local bool routing map ``[T, E]``, or the received chunks' counts:
+                host ``[R][E]`` Python ints, or device ``[R, E]`` (TE's fused permute).
+            host_tokens_per_expert_E: The per-expert counts Megatron already copied to the host;
+                None before they arrive (EP=1 all-to-all: cut by :meth:`exact_host_sizes`).
 
-        Returns:
-            ``(x_P, aligned tokens_per_expert_E, probs_P)``; the counts are a host tensor, or
-            None for a permute without host counts (its caller gets them from
-            ``exact_host_sizes`` once Megatron's host counts arrive).
+        Returns ``(x_P, aligned host counts or None, probs_P)``.
         """
-        align = self.align
-        if isinstance(routing, list):  # host chunk counts
-            static_rows = self._static_rows(x.shape[0], routing, align)
-            self.layout, x_P, aligned_E, probs_P = cs.pad_received_chunks(
-                x, probs, routing, align, static_rows
+        if isinstance(routing, list):
+            self.layout, x_P, aligned_E, probs_P = self._pad_host_chunks(x, probs, routing)
+        elif routing.dtype != torch.bool:
+            self.layout, x_P, aligned_E, probs_P = self._pad_device_chunks(
+                x, probs, routing, host_tokens_per_expert_E
             )
-        elif routing.dtype != torch.bool:  # device chunk counts
-            num_rows = self._static_rows(x.shape[0], routing, align)
-            if num_rows is None:
-                num_rows = _host_rows(host_tokens_per_expert_E, align)[1]
-            self.layout, x_P, aligned_E, probs_P = cg.pad_received_rows(
-                x, probs, routing, align, num_rows, host_tokens_per_expert_E
-            )
-        else:  # a routing map: the permute, sized now from host counts or by the static bound
-            counts = None
-            if host_tokens_per_expert_E is not None:
-                counts = read_host_counts(host_tokens_per_expert_E)
-            self.layout, x_P, aligned_E, probs_P = ap.pad_by_permute(
-                x,
-                probs,
-                routing,
-                align,
-                num_out_tokens,
-                counts=counts,
-                static=self.buffer_sizing != "host_counts",
-                rank_TE=rank_TE,
+        else:
+            self.layout, x_P, aligned_E, probs_P = self._pad_permute(
+                x, probs, routing, host_tokens_per_expert_E, num_out_tokens, rank_TE
             )
         return x_P, aligned_E, probs_P
+
+    def _pad_host_chunks(self, x: torch.Tensor, probs: torch.Tensor, counts: list) -> tuple:
+        """Host chunk counts: Megatron's chunk sort (one ``cat``) with the pads spliced in."""
+        static_rows = self._static_rows(x.shape[0], counts, self.align)
+        return cs.pad_received_chunks(x, probs, counts, self.align, static_rows)
+
+    def _pad_device_chunks(
+        self,
+        x: torch.Tensor,
+        probs: torch.Tensor,
+        counts_RE: torch.Tensor,
+        host_tokens_per_expert_E: torch.Tensor | None,
+    ) -> tuple:
+        """Device chunk counts (they never reached the host: Megatron's fused-permute path): one
+        gather through an inverse index sorts and pads."""
+        num_rows = self._static_rows(x.shape[0], counts_RE, self.align)
+        if num_rows is None:
+            num_rows = _host_rows(host_tokens_per_expert_E, self.align)[1]
+        return cg.pad_received_rows(
+            x, probs, counts_RE, self.align, num_rows, host_tokens_per_expert_E
+        )
+
+    def _pad_permute(
+        self,
+        x: torch.Tensor,
+        probs: torch.Tensor,
+        routing_map_TE: torch.Tensor,
+        host_tokens_per_expert_E: torch.Tensor | None,
+        num_out_tokens: int | None,
+        rank_TE: torch.Tensor | None,
+    ) -> tuple:
+        """A routing map: Megatron's permute and the pad in one gather, sized now from host
+        counts or by the static bound."""
+        counts = None
+        if host_tokens_per_expert_E is not None:
+            counts = read_host_counts(host_tokens_per_expert_E)
+        return ap.pad_by_permute(
+            x,
+            probs,
+            routing_map_TE,
+            self.align,
+            num_out_tokens,
+            counts=counts,
+            static=self.buffer_sizing != "host_counts",
+            rank_TE=rank_TE,
+        )
 
     def _static_rows(
         self, num_received: int, counts: torch.Tensor | list, align: int
@@ -132,11 +134,9 @@ class GroupAligner:
     def exact_host_sizes(
         self, x_P: torch.Tensor, probs_P: torch.Tensor, host_tokens_per_expert_E: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sizes a static-bound permute once Megatron's host counts have arrived.
-
-        ``host_counts`` sizing cuts the buffer to the exact aligned length (a prefix: views, no
-        copy); ``static_bound`` keeps it. Returns ``(x_P, host aligned counts, probs_P)``.
-        """
+        """Sizes a static-bound permute once Megatron's host counts have arrived: ``host_counts``
+        cuts it to the exact aligned length (a prefix: views, no copy), ``static_bound`` keeps it.
+        Returns ``(x_P, host aligned counts, probs_P)``."""
         assert self.fused, "exact_host_sizes follows a permute-folded pad"
         if self.buffer_sizing != "host_counts":
             aligned_E = al.round_up(host_tokens_per_expert_E.long(), self.align)
@@ -164,9 +164,9 @@ class GroupAligner:
 def read_host_counts(host_counts: torch.Tensor) -> list:
     """The values of counts Megatron already holds on the host, in one read.
 
-    NOTE: reads a CPU tensor that Megatron's dispatcher already copied to the host and
-    synchronised (``_maybe_dtoh_and_synchronize``, or the all-gather dispatcher's ``.cpu()``); on
-    a GPU this is no device-to-host sync. The CPU sync detector still counts it as a value read.
+    NOTE: reads a CPU tensor Megatron's dispatcher already copied and synchronised
+    (``_maybe_dtoh_and_synchronize``, the all-gather's ``.cpu()``): no device-to-host sync on a
+    GPU, though the CPU sync detector counts it as a value read.
     """
     assert host_counts.is_cpu, "host counts must already be on the host"
     return host_counts.tolist()

@@ -1,25 +1,9 @@
-"""A grouped-linear expert backend for Megatron's ``TEGroupedMLP`` built on ``torch._grouped_mm``.
+"""A grouped-linear expert backend for Megatron's ``TEGroupedMLP`` built on ``torch._grouped_mm``
+(``GroupedMLPSubmodules(linear_fc1=GroupedMMLinear, linear_fc2=GroupedMMLinear)``).
 
-Megatron-Core 0.19's ``TEGroupedMLP`` takes pluggable ``linear_fc1``/``linear_fc2`` builders;
-this one runs without Transformer Engine (CPU or GPU) and, when the config says the GEMM is
-quantized (fp8, mxfp8, nvfp4), refuses unaligned groups the way the real low-precision grouped
-kernels do. That turns "every group reached the GEMM aligned" into something a CPU test can
-observe: Megatron's router padding raises here for nvfp4 when a rank has fewer tokens than 128,
-megatron_ext's aligning dispatcher does not. The math itself stays in the config's dtype (the
-fp8 kernel is exercised on a GPU by tools/gpu_check.sh).
-
-Empty groups. An expert with no tokens is a 0-row group. PyTorch issue 172439: on B200 (SM100)
-``torch._grouped_mm``'s backward writes non-zero (uninitialised) weight gradients for 0-row groups;
-they should be exactly 0. The aligner keeps empty groups empty (0 rounds up to 0), so this layer
-guards the weight gradient itself: when the host group sizes show an empty group, the gradient
-of those groups' weights is replaced by 0 (``torch.where``, so NaN/inf garbage is dropped too). The
-mask comes from the host list the kernel already takes: no device-to-host sync, and nothing runs
-when no group is empty.
-
-Example::
-
-    submodules = GroupedMLPSubmodules(linear_fc1=GroupedMMLinear, linear_fc2=GroupedMMLinear)
-    experts = ModuleSpec(module=TEGroupedMLP, submodules=submodules)
+It runs without Transformer Engine and, when the config says the GEMM is quantized, refuses
+unaligned groups as the real low-precision kernels do: a CPU test can observe that every group
+reached the GEMM aligned (the math stays in the config's dtype; tools/gpu_check.sh runs fp8).
 """
 
 import torch
@@ -32,13 +16,8 @@ class UnalignedGroupError(RuntimeError):
 
 
 def check_groups_aligned(tokens_per_expert: list[int], align: int, where: str) -> None:
-    """Raises like a low-precision grouped kernel when a group is not a multiple of ``align``.
-
-    Args:
-        tokens_per_expert: Host split sizes (the kernels take them on the host too).
-        align: Required multiple (0 or 1: anything goes).
-        where: Module name for the message.
-    """
+    """Raises like a low-precision grouped kernel when a group of the host split sizes is not a
+    multiple of ``align`` (0 or 1: anything goes); ``where`` names the module."""
     if align <= 1:
         return
     bad = [(e, n) for e, n in enumerate(tokens_per_expert) if n % align]
@@ -50,10 +29,11 @@ def check_groups_aligned(tokens_per_expert: list[int], align: int, where: str) -
 
 
 def _zero_grad_of_empty_groups(w_GIO: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
-    """An alias of ``w_GIO`` whose gradient is exactly 0 for the groups with no rows.
-
-    A per-call alias (``w_GIO[:]``) carries the hook, so hooks never pile up on the parameter.
-    """
+    """An alias of ``w_GIO`` whose gradient is exactly 0 for the groups with no rows."""
+    # PyTorch issue 172439: on B200 (SM100) _grouped_mm's backward writes uninitialised weight
+    # gradients for 0-row groups; torch.where drops NaN/inf garbage too. The mask comes from the
+    # host list the kernel takes: no sync. A per-call alias carries the hook, so hooks never pile
+    # up on the parameter.
     empty_G = torch.tensor([n == 0 for n in tokens_per_expert], device=w_GIO.device)
     alias_GIO = w_GIO[:]
     alias_GIO.register_hook(lambda grad: torch.where(empty_G[:, None, None], 0, grad))
@@ -61,11 +41,8 @@ def _zero_grad_of_empty_groups(w_GIO: torch.Tensor, tokens_per_expert: list[int]
 
 
 class GroupedMMLinear(torch.nn.Module):
-    """One weight per local expert, applied to contiguous row groups with ``torch._grouped_mm``.
-
-    Matches Megatron's ``GroupedLinearFc1Builder``/``GroupedLinearFc2Builder`` signature. Expert
-    tensor parallelism and biases are not supported (refused).
-    """
+    """One weight per local expert, applied to contiguous row groups with ``torch._grouped_mm``
+    (Megatron's ``GroupedLinearFc1Builder`` signature; expert TP and biases are refused)."""
 
     def __init__(
         self,
@@ -107,20 +84,13 @@ class GroupedMMLinear(torch.nn.Module):
     def forward(
         self, x: torch.Tensor, tokens_per_expert: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Applies expert ``g``'s weight to its group of rows.
-
-        Args:
-            x: Rows grouped by expert, [sum(tokens_per_expert), in].
-            tokens_per_expert: Host group sizes.
-
-        Returns:
-            ``(y, None)``; y is [rows, out].
-        """
+        """``(y, None)``: expert g's weight applied to its group of ``x``'s rows (grouped by
+        expert by the host sizes ``tokens_per_expert``), y ``[rows, out]``."""
         check_groups_aligned(tokens_per_expert, self.required_align(), self.name)
         assert x.shape[0] == sum(tokens_per_expert), "rows differ from the group sizes"
         offs = torch.tensor(tokens_per_expert, device=x.device).cumsum(0, dtype=torch.int32)
         w = self.weight.to(x.dtype)
-        if w.requires_grad and 0 in tokens_per_expert:
+        if w.requires_grad and 0 in tokens_per_expert:  # nothing runs when no group is empty
             w = _zero_grad_of_empty_groups(w, tokens_per_expert)
         y = torch._grouped_mm(x, w, offs=offs)
         if y.requires_grad:
@@ -131,14 +101,11 @@ class GroupedMMLinear(torch.nn.Module):
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
     ) -> dict:
-        """The weight as this EP rank's slice of every expert's weight (distributed checkpoints).
-
-        The local weight ``[G, in, out]`` holds experts ``ep_rank * G .. ep_rank * G + G - 1``, so it is
-        placed at that offset along the expert axis of a global ``[ep_size * G, in, out]`` tensor;
-        the expert-data-parallel ranks hold replicas. Without this, Megatron's default mapping gave
-        every EP rank the same key and shape, and a ``torch_dist`` checkpoint kept one EP rank's
-        experts (or, at TP 2, failed with an invalid access pattern).
-        """
+        """The weight as this EP rank's slice of every expert's weight (distributed checkpoints)."""
+        # The local [G, in, out] holds experts ep_rank * G .. + G - 1: placed at that offset of a
+        # global [ep_size * G, in, out], expert-data-parallel ranks holding replicas. Megatron's
+        # default mapping gave every EP rank the same key and shape: a torch_dist checkpoint kept
+        # one EP rank's experts (or, at TP 2, failed with an invalid access pattern).
         from megatron.core import parallel_state
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 

@@ -1,17 +1,6 @@
 """Layer-spec functions that switch Megatron models onto :class:`AlignedMoELayer` and
-:class:`~megatron_ext.moe.router.PaddedTopKRouter`.
-
-Megatron-Core 0.19 has two MoE model classes: ``GPTModel`` (deprecated in 0.19, used by most runs;
-one layer spec) and ``HybridModel`` (its successor; a ``HybridStack`` spec plus a layer pattern
-such as ``"*E*E"``). Both reach ``MoELayer`` through a ``functools.partial(MoELayer, ...)`` or a
-``ModuleSpec(module=MoELayer)`` inside the spec; :func:`with_aligned_moe` swaps that for
-``AlignedMoELayer`` wherever it sits, so it works on any spec, stock or custom.
-:func:`with_padded_router` likewise swaps the ``router`` of every ``MoESubmodules`` for
-``PaddedTopKRouter`` (pads out of the expert-bias counts); megatron_ext's spec functions use it
-by default (``padded_router=True``), and the model provider applies it exactly when
-``--moe-router-enable-expert-bias`` is on.
-
-Example::
+:class:`~megatron_ext.moe.router.PaddedTopKRouter`, wherever in a spec (stock or custom) the
+``MoELayer`` and ``TopKRouter`` sit, for ``GPTModel`` and ``HybridModel`` alike::
 
     alignment = MoEAlignmentConfig(moe_dispatch_align=True)
     gpt_spec = get_aligned_gpt_layer_local_spec(alignment, num_experts=8)
@@ -53,19 +42,12 @@ def with_aligned_moe(
 ) -> Any:
     """Returns a copy of ``spec`` with every ``MoELayer`` replaced by ``AlignedMoELayer``.
 
-    Args:
-        spec: A layer spec, block spec or stack spec (``ModuleSpec``, partial or dataclass).
-        alignment: megatron_ext's MoE config.
-        load_metrics: Optional tracker every MoE layer records into.
-        pad_routing: The run's :class:`~megatron_ext.moe.pad_routing.PadRouting` (``skip``: pads
-            reach no expert); None routes pads like text.
-        padded_router: Also swap Megatron's ``TopKRouter`` for :class:`PaddedTopKRouter`
-            (:func:`with_padded_router`; needed with expert bias and a padding mask, the same
-            as ``TopKRouter`` otherwise).
-
-    Raises:
-        ValueError: ``spec`` contains no ``MoELayer`` (nothing would be aligned).
+    ``spec``: a layer, block or stack spec holding a ``MoELayer`` (else ValueError);
+    ``pad_routing`` None routes pads like text; ``padded_router``: also :func:`with_padded_router`
+    (needed with expert bias and a padding mask, the same as ``TopKRouter`` otherwise).
     """
+    # Megatron's MoE models reach MoELayer through a functools.partial(MoELayer, ...) or a
+    # ModuleSpec(module=MoELayer): both are swapped.
     found: list[bool] = []
     extra = {"alignment": alignment, "load_metrics": load_metrics, "pad_routing": pad_routing}
     out = _swap(spec, extra, found)
@@ -81,19 +63,11 @@ def with_aligned_moe(
 
 def with_padded_router(spec: Any, *, require: str | None = None) -> Any:
     """Returns ``spec`` with every ``MoESubmodules.router`` that is Megatron's ``TopKRouter``
-    replaced by :class:`PaddedTopKRouter` (pads out of the expert-bias counts).
+    replaced by :class:`PaddedTopKRouter`; other routers (``InferenceTopKRouter``, a user's own)
+    are kept, and parts without a router returned as they are (same objects).
 
-    Other routers (``InferenceTopKRouter``, a user's own) are kept; parts of the spec without a
-    router are returned as they are (same objects).
-
-    Args:
-        spec: A layer, block or stack spec (``ModuleSpec``, partial, dataclass, list).
-        require: A flag name (e.g. ``"--moe-router-enable-expert-bias"``): then every MoE router
-            of the spec must end up a ``PaddedTopKRouter``, and there must be one.
-
-    Raises:
-        ValueError: ``require`` is given and the spec has no MoE router, or one that would count
-            pads (naming the router class and the flag).
+    ``require``: a flag name (the model provider's ``"--moe-router-enable-expert-bias"``): every
+    MoE router, and one at least, must then end up a ``PaddedTopKRouter`` (else ValueError).
     """
     routers: list[type] = []
     out = _walk_routers(spec, routers, swap=True)
@@ -143,11 +117,8 @@ def _walk_routers(node: Any, routers: list[type], swap: bool) -> Any:
 
 
 def map_moe_submodules(node: Any, fn: Any) -> Any:
-    """``node`` (a layer, block or stack spec) with every ``MoESubmodules`` replaced by ``fn(it)``.
-
-    Parts of the spec where nothing changed are returned as they are (same objects), so a spec
-    without MoE layers comes back untouched.
-    """
+    """``node`` (a layer, block or stack spec) with every ``MoESubmodules`` replaced by ``fn(it)``;
+    parts where nothing changed are returned as they are (same objects)."""
     if isinstance(node, MoESubmodules):
         return fn(node)
     if isinstance(node, functools.partial):
@@ -250,15 +221,8 @@ def get_aligned_gpt_layer_local_spec(
     load_metrics: ExpertLoadMetrics | None = None,
 ) -> ModuleSpec:
     """``GPTModel`` layer spec from local (non-TE) modules with ``AlignedMoELayer`` and
-    :class:`PaddedTopKRouter`.
-
-    Args:
-        alignment: megatron_ext's MoE config.
-        num_experts: Number of routed experts.
-        grouped_mm: Use ``TEGroupedMLP`` with the ``torch._grouped_mm`` backend instead of
-            ``SequentialMLP``.
-        load_metrics: Optional load tracker.
-    """
+    :class:`PaddedTopKRouter`; ``grouped_mm``: ``TEGroupedMLP`` with the ``torch._grouped_mm``
+    backend instead of ``SequentialMLP``."""
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
     if grouped_mm:
         spec = _use_grouped_mm_experts(spec)
@@ -266,12 +230,10 @@ def get_aligned_gpt_layer_local_spec(
 
 
 class LocalHybridStack(HybridStack):
-    """``HybridStack`` whose final norm is a local module instead of TE's ``TENorm``.
+    """``HybridStack`` whose final norm is a local module instead of TE's ``TENorm``."""
 
-    Megatron 0.19's ``HybridStack`` builds ``TENorm`` unconditionally for its final norm; this
-    subclass builds the stack without it and adds the norm of the local GPT spec instead, so a
-    ``HybridModel`` runs without Transformer Engine (CPU tests, demo).
-    """
+    # Megatron 0.19's HybridStack builds TENorm unconditionally for its final norm: built without
+    # it, the local GPT spec's norm added, a HybridModel runs without TE (CPU tests, demo).
 
     def __init__(self, config: Any, submodules: Any, *args: Any, **kwargs: Any) -> None:
         post_layer_norm = kwargs.pop("post_layer_norm", True)
@@ -299,14 +261,10 @@ def get_local_hybrid_stack_spec(
     padded_router: bool = True,
     sequence_parallel: bool = False,
 ) -> ModuleSpec:
-    """A ``HybridStack`` spec from local modules (attention ``*`` and MoE ``E`` layers).
-
-    Megatron's stock ``hybrid_stack_spec`` needs Transformer Engine; this one runs on CPU. With
-    ``alignment`` its MoE layers are ``AlignedMoELayer``; without, Megatron's ``MoELayer``. Its
-    routers are :class:`PaddedTopKRouter` unless ``padded_router=False``. ``sequence_parallel``
-    (the model config's): the layers' norms are :class:`~megatron_ext.cpu.local_norms.
-    SequenceParallelTorchNorm` (Megatron's torch norms refuse sequence parallelism).
-    """
+    """A ``HybridStack`` spec from local modules (attention ``*`` and MoE ``E`` layers), for CPU:
+    MoE layers ``AlignedMoELayer`` with ``alignment``, else Megatron's ``MoELayer``."""
+    # Megatron's stock hybrid_stack_spec needs Transformer Engine; and its torch norms refuse
+    # sequence parallelism (sequence_parallel: SequenceParallelTorchNorm instead).
     gpt = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False)
     if grouped_mm:
         gpt = _use_grouped_mm_experts(gpt)

@@ -1,12 +1,9 @@
 """Per-layer expert load: token counts per expert and per EP rank, kept on the device.
 
-Load imbalance is what decides MoE step time: the busiest expert (and the busiest EP rank) sets
-the pace. This tracker adds each MoE layer's routing counts on the device at every forward (no
-host sync) and reduces across ranks and reads them only when a caller logs them. With a pad mask
-(True = pad, as Megatron's router treats it) it also counts real tokens only, which shows whether
-pads form a hot spot.
-
-Example (one layer, 4 experts on 2 EP ranks, 3 tokens of top-2, the last token a pad)::
+The busiest expert (and EP rank) sets the MoE step's pace. Counts are added on the device at every
+forward (no host sync), reduced and read only when logged; with a pad mask real tokens are counted
+apart, which shows whether pads form a hot spot. One layer, 4 experts on 2 EP ranks, 3 tokens of
+top-2, the last token a pad::
 
     routing_map_TE = [[1,1,0,0], [1,0,1,0], [1,1,0,0]]    pad_mask_T = [0, 0, 1]
     tokens per expert        [3, 2, 1, 0]   per EP rank [5, 1]   max/mean 3/1.5 -> max_vio 1.0
@@ -22,18 +19,8 @@ from megatron_ext.common.micro_batch import MicroBatchContext
 
 
 def load_stats(counts_LE: torch.Tensor, ep_size: int) -> dict[str, torch.Tensor]:
-    """Max, mean and ``max_vio = (max - mean) / mean`` per layer, per expert and per EP rank.
-
-    Sync-free: device tensor math only.
-
-    Args:
-        counts_LE: Tokens routed to each expert, per layer.
-        ep_size: EP ranks; experts are split into contiguous blocks of ``E / ep_size``.
-
-    Returns:
-        Tensors of shape [L]: ``expert_max``, ``expert_mean``, ``expert_max_vio``, ``rank_max``,
-        ``rank_mean``, ``rank_max_vio``, plus ``rank_counts_LR``.
-    """
+    """``{expert,rank}_{max,mean,max_vio}`` ``[L]`` (``max_vio = (max - mean) / mean``) and
+    ``rank_counts_LR``, experts in contiguous blocks of ``E / ep_size`` per EP rank; sync-free."""
     num_layers, num_experts = counts_LE.shape
     if num_experts % ep_size:
         raise ValueError(f"{num_experts} experts do not split over {ep_size} EP ranks")
@@ -50,12 +37,8 @@ def load_stats(counts_LE: torch.Tensor, ep_size: int) -> dict[str, torch.Tensor]
 
 
 def peak_over_mean(stats: dict[str, torch.Tensor], unit: str, prefix: str = "") -> float:
-    """Worst layer's ``max / mean`` (= 1 + ``max_vio``) from :func:`load_stats` output, for reports.
-
-    Args:
-        stats: ``load_stats`` / ``ExpertLoadMetrics.device_stats`` output.
-        unit: ``"rank"`` (per EP rank) or ``"expert"``.
-        prefix: ``""`` for all tokens, ``"real_"`` for real tokens only.
+    """Worst layer's ``max / mean`` of ``unit`` (``"rank"``, ``"expert"``) from :func:`load_stats`
+    output, for reports; ``prefix`` ``"real_"``: real tokens only.
 
     NOTE: device-to-host sync (``float``); call it when reporting, not in a step.
     """
@@ -64,14 +47,7 @@ def peak_over_mean(stats: dict[str, torch.Tensor], unit: str, prefix: str = "") 
 
 class ExpertLoadMetrics:
     """Accumulates per-layer routing counts on the device; reduce and read with :meth:`summary`.
-
-    Args:
-        num_experts: Global number of experts E.
-        ep_size: Expert-parallel ranks, for per-rank load.
-        micro_batches: The run's micro-batch context (:meth:`counts_pass` asks it whether a pass
-            is a training micro-batch's forward). None: a context of its own, which nobody
-            begins or attaches: every forward of a module in training mode counts.
-    """
+    ``micro_batches`` None: a context nobody begins (every training-mode forward counts)."""
 
     def __init__(
         self, num_experts: int, ep_size: int = 1, micro_batches: MicroBatchContext | None = None
@@ -86,23 +62,17 @@ class ExpertLoadMetrics:
 
     def counts_pass(self, module: torch.nn.Module) -> bool:
         """Whether this pass of ``module`` (a MoE layer) belongs in the metrics: the forward of a
-        training micro-batch, with or without grad (a checkpointed forward runs without), never
-        its activation recompute in backward and never an evaluation forward (an evaluation
-        micro-batch, or ``module.eval()``). So each micro-batch counts once under full,
-        selective and MoE recompute, on every virtual pipeline stage."""
+        training micro-batch, with or without grad, never its recompute nor an evaluation."""
+        # A checkpointed forward runs without grad: each micro-batch then counts once under full,
+        # selective and MoE recompute, on every virtual pipeline stage.
         context = self.micro_batches
         return module.training and context.training and not context.recomputing
 
     def record(
         self, layer: int, routing_map_TE: torch.Tensor, pad_mask_T: torch.Tensor | None = None
     ) -> None:
-        """Adds one forward's routing of ``layer`` (device ops only, no sync).
-
-        Args:
-            layer: Layer number (Megatron's 1-based ``layer_number``).
-            routing_map_TE: Boolean token-to-expert map of this rank's tokens.
-            pad_mask_T: True where a token is a pad, or None.
-        """
+        """Adds one forward's routing of ``layer`` (Megatron's 1-based number), device ops only;
+        ``pad_mask_T`` (True = pad, or None) counts real tokens apart."""
         if routing_map_TE.shape[-1] != self.num_experts:
             raise ValueError(
                 f"layer {layer}: routing map has {routing_map_TE.shape[-1]} experts, "
@@ -127,12 +97,8 @@ class ExpertLoadMetrics:
         return sorted(self._tokens)
 
     def device_stats(self, group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
-        """Stacks, optionally all-reduces across ``group`` and computes stats, all on device.
-
-        Returns:
-            ``tokens_LE`` and ``load_stats`` of it; with a pad mask recorded on every layer also
-            ``real_tokens_LE`` and its stats under ``real_`` keys.
-        """
+        """``tokens_LE`` and its :func:`load_stats`, all-reduced across ``group``, on the device;
+        with a pad mask on every layer also ``real_tokens_LE`` and its stats (``real_``)."""
         layers = self.layers
         if not layers:
             return {}

@@ -1,22 +1,9 @@
 """``AlignedMoELayer``: Megatron's ``MoELayer`` with megatron_ext's aligning token dispatcher.
 
 Megatron-Core 0.19 picks the dispatcher by a string inside ``MoELayer.__init__``, so the seam is a
-subclass: it builds the stock layer, then swaps in :mod:`megatron_ext.moe.token_dispatcher`'s
-subclass of the same dispatcher and tells the experts that groups arrive aligned, so nothing pads
-twice:
-
-- ``TEGroupedMLP``: its ``Fp8Padding``/``Fp8Unpadding`` pair (and its ``tolist``-then-pad path)
-  is replaced, when the aligner is active, by a pass-through that checks the host split sizes
-  it already has against our multiple and Megatron's;
-- ``SequentialMLP``: pads each group to the same multiple, which is now a no-op (0 rows).
-- flex (HybridEP): no swap; HybridEP pads inside its dispatch and Megatron already hands it
-  ``pad_multiple``; an override of the multiple is passed as that ``pad_multiple`` (GPU only).
-
-Example::
-
-    spec = get_gpt_layer_local_spec(num_experts=8)            # or a HybridStack spec
-    spec = with_aligned_moe(spec, MoEAlignmentConfig(moe_dispatch_align=True))
-    # every MoELayer in it is now an AlignedMoELayer (see megatron_ext.moe.layer_specs)
+subclass: it builds the stock layer, then swaps in the aligning subclass of the same dispatcher
+and tells the experts that groups arrive aligned, so nothing pads twice. Specs get it through
+:func:`megatron_ext.moe.layer_specs.with_aligned_moe`.
 """
 
 import logging
@@ -48,14 +35,8 @@ _ALIGNED_DISPATCHERS = {
 
 
 class AlreadyAlignedPadding(torch.nn.Module):
-    """Stands in for TE's ``Fp8Padding`` while the dispatcher aligns every group.
-
-    Takes and returns ``(rows, split sizes)`` like ``Fp8Padding``; the split sizes are a host list
-    there, so the check is free. It checks both our multiple and the one Megatron's own
-    ``get_align_size_for_quantization`` asks for the config's recipe. When the aligner is not
-    active for the current precision it defers to the padding it replaced (``fallback``), and
-    refuses when there is none, rather than let unaligned groups reach a quantized GEMM.
-    """
+    """Stands in for TE's ``Fp8Padding`` while the dispatcher aligns every group: checks the host
+    split sizes (free) against our multiple and Megatron's; inactive, defers to ``fallback``."""
 
     def __init__(
         self, aligner: Any, config: TransformerConfig, fallback: torch.nn.Module | None = None
@@ -67,6 +48,7 @@ class AlreadyAlignedPadding(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, m_splits: list[int]) -> tuple[torch.Tensor, list[int]]:
         if not self.aligner.active:
+            # Refused without a fallback, rather than let unaligned groups reach a quantized GEMM.
             if self.fallback is None:
                 raise ValueError(
                     "AlignedMoELayer: the experts run a quantized GEMM but --moe-dispatch-align "
@@ -82,11 +64,8 @@ class AlreadyAlignedPadding(torch.nn.Module):
 
 
 class AlreadyAlignedUnpadding(torch.nn.Module):
-    """Stands in for TE's ``Fp8Unpadding``: the dispatcher strips the pads itself.
-
-    Defers to the unpadding it replaced when the aligner is inactive (matching
-    :class:`AlreadyAlignedPadding`).
-    """
+    """Stands in for TE's ``Fp8Unpadding``: the dispatcher strips the pads itself (inactive, it
+    defers to the unpadding it replaced)."""
 
     def __init__(self, aligner: Any, fallback: torch.nn.Module | None = None) -> None:
         super().__init__()
@@ -100,14 +79,11 @@ class AlreadyAlignedUnpadding(torch.nn.Module):
 
 
 def tell_experts_groups_are_aligned(experts: torch.nn.Module, aligner: Any) -> None:
-    """Stops Megatron's experts from padding groups the dispatcher already aligned.
-
-    ``TEGroupedMLP`` builds its ``Fp8Padding`` pair only under fp8/fp4 and calls it only then.
-    The stand-ins are installed only when the aligner is active for the config's precision, or
-    when the experts have no padding to lose (a bf16 build; the stand-in then refuses unaligned
-    use rather than pass it through); TE's own padding stays in place otherwise and keeps
-    serving whenever the aligner is inactive.
-    """
+    """Stops Megatron's experts from padding groups the dispatcher already aligned."""
+    # TEGroupedMLP builds its Fp8Padding pair only under fp8/fp4. The stand-ins go in when the
+    # aligner is active, or when the experts have no padding to lose (a bf16 build: the stand-in
+    # then refuses unaligned use); TE's own padding stays otherwise. Flex (HybridEP) is not
+    # swapped: it pads inside its dispatch (_pass_multiple_to_flex).
     if not isinstance(experts, TEGroupedMLP):
         return  # SequentialMLP pads each group to the same multiple: 0 rows once aligned.
     padding = getattr(experts, "quantization_padding", None)
@@ -119,17 +95,9 @@ def tell_experts_groups_are_aligned(experts: torch.nn.Module, aligner: Any) -> N
 
 
 class AlignedMoELayer(MoELayer):
-    """``MoELayer`` whose token dispatcher aligns expert groups, whose pads can skip dispatch
-    (``--moe-pad-routing skip``), and which optionally logs load.
-
-    Args:
-        config, submodules, layer_number, pg_collection, is_mtp_layer, name: As ``MoELayer``.
-        alignment: megatron_ext's MoE config (``--moe-dispatch-align`` and friends).
-        load_metrics: Optional tracker recording this layer's routing (``--moe-expert-load-metrics``).
-        pad_routing: The run's pad routing (None or ``dispatch``: pads are routed like text); in
-            ``skip`` mode pads' routes are cleared after routing, so they send no all-to-all row and
-            reach no expert.
-    """
+    """``MoELayer`` whose token dispatcher aligns expert groups (``alignment``), whose pads can
+    skip dispatch (``pad_routing``; None: routed like text), and which optionally records its
+    load (``load_metrics``)."""
 
     def __init__(
         self,
@@ -190,13 +158,9 @@ class AlignedMoELayer(MoELayer):
         return self.pad_routing is not None and self.pad_routing.skip
 
     def realign(self, config: TransformerConfig | None = None) -> int:
-        """Re-decides the group multiple after a caller changed the precision, and passes it down.
-
-        The multiple is decided once, at construction; a caller that changes the fp8/fp4 settings
-        of a built layer (a benchmark timing several precisions on one layer, the CPU rehearsal of
-        a quantized run) calls this with the changed config (default: the layer's own). Returns
-        the new multiple.
-        """
+        """Re-decides the group multiple after a caller changed the fp8/fp4 settings of a built
+        layer (a benchmark, the CPU rehearsal of a quantized run), passes it down and returns it.
+        ``config``: the changed config (default: the layer's own)."""
         self.align = align_size_for_config(config or self.config, self.alignment)
         aligner = getattr(self.token_dispatcher, "aligner", None)
         if aligner is not None:
@@ -230,23 +194,17 @@ class AlignedMoELayer(MoELayer):
             )
 
     def _pass_multiple_to_flex(self) -> None:
-        """HybridEP pads inside its dispatch with ``pad_multiple``; hand it ours (GPU only).
-
-        Under fp8/fp4 Megatron re-derives the same multiple from the recipe at every dispatch
-        (``check_megatron_args`` refuses an override that differs); under bf16 the multiple is 0
-        and nothing is passed. DeepEP / NCCL-EP align through Megatron's own recipe-derived size.
-        """
+        """HybridEP pads inside its dispatch with ``pad_multiple``; hand it ours (GPU only)."""
+        # Under fp8/fp4 Megatron re-derives the same multiple from the recipe at every dispatch
+        # (check_megatron_args refuses an override that differs); under bf16 it is 0 and nothing
+        # is passed. DeepEP / NCCL-EP align through Megatron's own recipe-derived size.
         manager = getattr(self.token_dispatcher, "_comm_manager", None)
         if manager is not None and hasattr(manager, "pad_multiple") and self.align > 1:
             manager.pad_multiple = self.align
 
     def route(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None = None):
-        """Megatron's routing (and replay), then in skip mode pads' routes cleared; recorded into
-        the load tracker when one is attached (pads then count 0).
-
-        Only training forwards are recorded (:meth:`ExpertLoadMetrics.counts_pass`): a recompute
-        or an evaluation forward does not count a micro-batch again.
-        """
+        """Megatron's routing (and replay), then in skip mode pads' routes cleared (no all-to-all
+        row, no expert); recorded into the load tracker when one is attached (pads then count 0)."""
         probs, routing_map = super().route(hidden_states, padding_mask)
         real_tokens = None
         if self.skips_pads and padding_mask is not None:
@@ -255,6 +213,7 @@ class AlignedMoELayer(MoELayer):
             probs, routing_map = clear_pad_routes(probs, routing_map, padding_mask)
             if isinstance(self.token_dispatcher, SkipPadRowsMixin):
                 self.token_dispatcher.real_tokens = real_tokens
+        # Training forwards only: a recompute or an evaluation does not count a micro-batch again.
         if self.load_metrics is not None and self.load_metrics.counts_pass(self):
             pad_mask_T = None if padding_mask is None else padding_mask.reshape(-1)
             self.load_metrics.record(self.layer_number, routing_map, pad_mask_T)

@@ -1,27 +1,16 @@
 """Pads cost nothing in the MoE layer: skip-dispatch of pad tokens and pads-first capacity dropping
-(pure torch, never imports megatron).
+(pure torch, never imports megatron; docs/pad_routing.md).
 
-Self-token padding spreads pads evenly over the experts, but Megatron still routes them: they go through
-the all-to-all and the expert GEMMs and their outputs are thrown away (the loss masks them). In ``skip``
-mode the MoE layer clears the pads' rows of the routing map and zeroes their probabilities after routing
-(after replay too), so pads send no row through the all-to-all and reach no expert GEMM; a pad's MoE
-output is then the shared experts' output (or zero). Real tokens are untouched: their routes, their
-probabilities and the rows they send are the same as in ``dispatch`` mode.
-
-Worked example (4 tokens, 3 experts, top-1; tokens 2 and 3 are pads)::
+In ``skip`` mode the MoE layer clears the pads' rows of the routing map after routing (and replay),
+so pads send no row through the all-to-all and reach no expert GEMM; real tokens are untouched.
+4 tokens, 3 experts, top-1, tokens 2 and 3 pads::
 
     routing_map = [[1 0 0]    pad_T = [F F T T]    cleared = [[1 0 0]
                    [0 1 0]                                    [0 1 0]
                    [0 1 0]                                    [0 0 0]
                    [0 0 1]]                                   [0 0 0]]
-    Megatron's dropless all-to-all sizes its permute output N * topk = 4 rows on the host; with the pads
-    cleared only (N - pads) * topk = 2 rows exist, a number the host knows before the batch reaches the
-    device (:class:`PadRouting` carries it; nothing is read back from the device).
-
-Under a capacity factor (``dispatch`` mode), Megatron's token dropping ranks pads and real tokens
-together, so a pad can hold an expert slot while a real token is dropped. :func:`pads_first_keep` keeps
-Megatron's own choice among the real tokens (its drop function on the real tokens alone) and gives pads
-only the slots real tokens left free, ranked by the same policy (probability, or position).
+    Megatron sizes its permute output N * topk = 4 rows on the host; (N - pads) * topk = 2 rows
+    exist, which the host knows before the batch reaches the device (:class:`PadRouting`).
 
 Legend: T tokens the router sees, E experts.
 """
@@ -48,30 +37,36 @@ def resolve_pad_routing(
     router_padding: bool,
     gloo_expert_tp: bool = False,
 ) -> tuple[Literal["dispatch", "skip"], str]:
-    """The pad routing a run uses, and why.
-
-    ``auto`` is ``skip`` wherever nothing needs the pads' rows: dropless dispatch (no capacity factor),
-    no static expert shapes (capacity padding, CUDA graphs over the MoE layer), Megatron's alltoall or
-    allgather dispatcher and no router padding for quantization (it re-adds rows to the routing map).
-
-    Args:
-        mode: ``--moe-pad-routing``.
-        capacity_factor: ``--moe-expert-capacity-factor`` (None: dropless).
-        pad_to_capacity: ``--moe-pad-expert-input-to-capacity``.
-        cuda_graph_over_moe: Whether CUDA graphs capture (part of) the MoE layer.
-        dispatcher: ``--moe-token-dispatcher-type``.
-        router_padding: ``--moe-router-padding-for-quantization``.
-        gloo_expert_tp: ``--cpu`` with expert tensor parallelism > 1: the dispatcher's TP all-gather
-            then gets uneven sizes (real tokens differ per TP rank), which gloo cannot gather.
-
-    Returns:
-        ``(resolved mode, reason)``.
-
-    Raises:
-        ValueError: ``skip`` asked for where it cannot run, naming both flags.
-    """
+    """``(resolved mode, reason)`` of ``--moe-pad-routing`` ``mode`` and the flags of the same
+    names (``capacity_factor`` None: dropless; ``gloo_expert_tp``: ``--cpu`` with expert TP > 1):
+    ``auto`` is ``skip`` wherever nothing needs the pads' rows; ``skip`` asked for where it
+    cannot run is a ValueError naming both flags."""
     if mode not in PAD_ROUTING_MODES:
         raise ValueError(f"--moe-pad-routing must be one of {PAD_ROUTING_MODES}, got {mode!r}")
+    blockers = _skip_blockers(
+        pad_to_capacity, cuda_graph_over_moe, dispatcher, router_padding, gloo_expert_tp
+    )
+    if mode == "skip" and blockers:
+        raise ValueError(f"--moe-pad-routing skip cannot be combined with {blockers[0]}")
+    if mode == "dispatch":
+        return "dispatch", "asked for"
+    if mode == "skip":
+        return "skip", "asked for"
+    if blockers:
+        return "dispatch", f"auto: {blockers[0].split(' (')[0]} needs the pads' rows"
+    if capacity_factor is not None:  # not a blocker: pads are dropped first instead
+        return "dispatch", "auto: --moe-expert-capacity-factor (pads are dropped first instead)"
+    return "skip", "auto: dropless dispatch, nothing needs the pads' rows"
+
+
+def _skip_blockers(
+    pad_to_capacity: bool,
+    cuda_graph_over_moe: bool,
+    dispatcher: str,
+    router_padding: bool,
+    gloo_expert_tp: bool,
+) -> list[str]:
+    """The settings under which pads' rows are needed, each with why."""
     blockers = []
     if pad_to_capacity:
         blockers.append(
@@ -87,20 +82,11 @@ def resolve_pad_routing(
             "use --moe-dispatch-align)"
         )
     if gloo_expert_tp:
+        # The dispatcher's TP all-gather then gets uneven sizes (real tokens differ per TP rank).
         blockers.append(
             "--cpu and --expert-tensor-parallel-size > 1 (gloo has no uneven all-gather; NCCL has)"
         )
-    if mode == "skip" and blockers:
-        raise ValueError(f"--moe-pad-routing skip cannot be combined with {blockers[0]}")
-    if mode == "dispatch":
-        return "dispatch", "asked for"
-    if mode == "skip":
-        return "skip", "asked for"
-    if blockers:
-        return "dispatch", f"auto: {blockers[0].split(' (')[0]} needs the pads' rows"
-    if capacity_factor is not None:
-        return "dispatch", "auto: --moe-expert-capacity-factor (pads are dropped first instead)"
-    return "skip", "auto: dropless dispatch, nothing needs the pads' rows"
+    return blockers
 
 
 def clear_pad_routes(
@@ -108,14 +94,9 @@ def clear_pad_routes(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pads route nowhere: their routing-map rows cleared, their probabilities zeroed (sync-free).
 
-    Real tokens' rows are returned bit for bit (``masked_fill`` only writes pad rows), and so are their
-    probabilities' gradients.
-
-    Args:
-        probs_TE: The router's probabilities ``[T, E]`` (zero where not routed).
-        routing_map_TE: bool ``[T, E]``.
-        pad_T: ``[T]`` (any shape with T elements, in the router's token order), True = pad.
+    ``pad_T``: any shape with T elements in the router's token order, True = pad.
     """
+    # masked_fill writes only pad rows: real tokens' rows and gradients come back bit for bit.
     pad_T1 = pad_T.reshape(-1, 1).bool()
     assert pad_T1.shape[0] == routing_map_TE.shape[0], (
         f"padding_mask has {pad_T1.shape[0]} tokens, routing map {routing_map_TE.shape[0]}"
@@ -131,19 +112,9 @@ def pads_first_keep(
     capacity: int,
     drop_policy: str,
 ) -> torch.Tensor:
-    """Which pads keep their slot: only the slots real tokens left free, per expert (sync-free).
-
-    Args:
-        kept_real_TE: bool ``[T, E]``, the real tokens' routes that survived Megatron's dropping.
-        routing_map_TE: bool ``[T, E]``, every token's routes before dropping.
-        probs_TE: Routing probabilities ``[T, E]`` (the ``probs`` policy ranks pads by them).
-        pad_T: ``[T]``, True = pad.
-        capacity: Slots per expert (Megatron's ``get_capacity``).
-        drop_policy: ``"probs"`` (highest probability first) or ``"position"`` (earliest first).
-
-    Returns:
-        bool ``[T, E]``: the pads' routes that are kept.
-    """
+    """bool ``[T, E]``: the pads' routes (of ``routing_map_TE``, before dropping) that keep a
+    slot: per expert only the ``capacity`` slots ``kept_real_TE`` left free, ranked as Megatron's
+    ``drop_policy`` ranks (``"probs"``: highest first; ``"position"``: earliest first)."""
     pad_T1 = pad_T.reshape(-1, 1).bool()
     pad_map_TE = routing_map_TE & pad_T1
     free_E = capacity - kept_real_TE.sum(dim=0)
@@ -176,17 +147,11 @@ def count_router_tokens(
 ) -> tuple[int, int]:
     """``(router rows, real among them)`` on this rank, from a host pad mask (no device read).
 
-    The rows a rank's routers see are the micro-batch in the model's layout ``model_shape`` (``[B, S]``,
-    or THD's ``[1, B*S]``), sliced for context parallelism and, under sequence parallelism, for this TP
-    rank (:func:`megatron_ext.common.token_positions.router_row_positions`).
-
-    Args:
-        pad_mask: The micro-batch's pad mask on the host (True = pad), any shape with B*S elements.
-        model_shape: The model's ``[batch, seq]``.
-        cp_size, cp_rank, tp_size, tp_rank, sequence_parallel: This rank's parallel layout.
-        cu_seqlens: A THD row's flattened segment boundaries on the host: CP splits it per document,
-            as Megatron's ``get_batch_on_this_cp_rank`` does on the device; None: the zigzag.
+    ``pad_mask``: the micro-batch's, on the host (True = pad); ``model_shape``: the model's
+    ``[batch, seq]`` (THD: ``[1, B*S]``); ``cu_seqlens``: a THD row's host boundaries (CP splits it
+    per document; None: the zigzag).
     """
+    # The rows a rank's routers see: the micro-batch sliced for CP and, under SP, for this TP rank.
     from megatron_ext.common.token_positions import router_row_positions
 
     assert pad_mask.device.type == "cpu", "the pad count is taken on the host copy"
@@ -206,25 +171,15 @@ def count_router_tokens(
 class PadRouting:
     """The pad routing of one run and the host-side real-token count of each micro-batch.
 
-    Megatron's dropless all-to-all sizes its permute output on the host; in skip mode that size is the
-    number of real tokens the router sees times top-k. The forward step knows it before the batch goes
-    to the device (:meth:`set_micro_batch`, after it began the micro-batch on the run's
-    :class:`~megatron_ext.common.micro_batch.MicroBatchContext`); the MoE layer asks for it
-    (:meth:`real_tokens`). Activation recompute reruns the layer during backward, possibly after later
-    micro-batches' forwards (pipeline schedules, virtual pipeline stages): the count is kept per
-    micro-batch key, and a recompute reads the count of the micro-batch the context says is in
-    backward.
-
-    A forward step that announces nothing (a user's own, calling the model directly) gets, under
-    ``required=False`` (``--moe-pad-routing auto``), Megatron's behaviour for that micro-batch, pads
-    routed like text, with one warning; under ``required=True`` (``skip`` asked for) an error.
+    The forward step announces the count before the batch goes to the device
+    (:meth:`set_micro_batch`); the MoE layer asks for it (:meth:`real_tokens`).
 
     Args:
         mode: The resolved mode, ``"skip"`` or ``"dispatch"``.
-        required: Whether a micro-batch without an announced count is an error.
-        micro_batches: The run's micro-batch context (the forward step begins each micro-batch on
-            it). None: a context of its own, where each :meth:`set_micro_batch` begins a
-            micro-batch (and nothing is ever a recompute unless it is attached to the model).
+        required: A micro-batch without an announced count is an error (``skip`` asked for);
+            else (``auto``) its pads are routed like text, with one warning.
+        micro_batches: The run's micro-batch context (None: one of its own, each
+            :meth:`set_micro_batch` beginning a micro-batch).
     """
 
     def __init__(
@@ -242,7 +197,8 @@ class PadRouting:
         self.required = required
         self._owns_context = micro_batches is None
         self.micro_batches = MicroBatchContext() if micro_batches is None else micro_batches
-        #: Per micro-batch key: (router rows, real rows) on this rank.
+        #: Per micro-batch key: (router rows, real rows) on this rank. Kept per key: activation
+        #: recompute reruns the layer in backward, possibly after later micro-batches' forwards.
         self._counts: dict[Hashable, tuple[int, int]] = {}
         #: The context's serial when the current count was announced (-1: none is current).
         self._announced = -1
@@ -275,16 +231,9 @@ class PadRouting:
     def real_tokens(self, padding_mask: torch.Tensor, layer: Hashable = None) -> int | None:
         """Real tokens among the rows of ``padding_mask`` (host int; nothing read from the device).
 
-        Args:
-            padding_mask: The mask the MoE layer received.
-            layer: The asking layer (its number): a layer that already took the announced count
-                in a forward is running the next micro-batch, which was not announced.
-
-        Returns:
-            The count, or None (route pads like text) when none was announced and not ``required``.
-
-        Raises:
-            ValueError: No count was announced (``required``), or one for another number of tokens.
+        ``layer``: the asking layer's number (one that already took the count in a forward runs
+        the next micro-batch, unannounced). Returns None (route pads like text) when nothing was
+        announced and not ``required``; ValueError when required, or for another token count.
         """
         context = self.micro_batches
         if context.recomputing:  # the micro-batch in backward, whatever ran forward since

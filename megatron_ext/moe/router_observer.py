@@ -1,16 +1,6 @@
-"""Records the routing of every Megatron ``TopKRouter`` of a model into :class:`ExpertLoadMetrics`.
-
-``AlignedMoELayer`` records its own routing; this observer does the same for any model, including stock
-``MoELayer`` ones (benchmarks and tests compare Megatron's path with ours). It reads the router's output
-``routing_map`` and the ``padding_mask`` Megatron hands the router (already in the router's token order),
-so pads are counted apart exactly as in ``AlignedMoELayer``. Device ops only.
-
-Example::
-
-    metrics = ExpertLoadMetrics(num_experts=8, ep_size=2)
-    with observe_routers(model, metrics):
-        model(tokens, position_ids, attention_mask=None, padding_mask=pad_mask)
-    metrics.device_stats(dp_group)["rank_max_vio"]
+"""Records the routing of every Megatron ``TopKRouter`` of a model into :class:`ExpertLoadMetrics`
+(``with observe_routers(model, metrics): model(...)``): what ``AlignedMoELayer`` records of itself,
+for any model (benchmarks and tests compare Megatron's path with ours). Device ops only.
 """
 
 import contextlib
@@ -26,16 +16,14 @@ from megatron_ext.moe.load_metrics import ExpertLoadMetrics
 def observe_routers(
     model: torch.nn.Module, metrics: ExpertLoadMetrics
 ) -> Iterator[ExpertLoadMetrics]:
-    """Within the block, every forward of ``model``'s routers is recorded into ``metrics``.
-
-    Raises:
-        ValueError: ``model`` has no MoE router.
-    """
+    """Within the block, every forward of ``model``'s routers (ValueError: none) is recorded
+    into ``metrics``."""
     routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
     if not routers:
         raise ValueError("observe_routers: the model has no MoE layer (no TopKRouter)")
 
     def record(router: torch.nn.Module, inputs: tuple, output: tuple) -> None:
+        # The padding_mask Megatron hands the router is in the router's token order already.
         padding_mask = inputs[1] if len(inputs) > 1 else None
         pad_mask_T = None if padding_mask is None else padding_mask.reshape(-1)
         metrics.record(router.layer_number, output[1].detach(), pad_mask_T)

@@ -1,26 +1,10 @@
 """Megatron token dispatchers that hand the experts fp8/mxfp8/nvfp4-aligned token groups.
 
-Thin subclasses of Megatron-Core 0.19's ``MoEAlltoAllTokenDispatcher`` and
-``MoEAllGatherTokenDispatcher``; each owns a :class:`~megatron_ext.moe.group_aligner.GroupAligner`
-(the layouts' math is pure torch beside it). The pad is in the *index*, not an extra copy of the
-data, and no pad row is ever communicated:
-
-- All-gather, and all-to-all at EP=1 (TP=1): the padded layout is folded into Megatron's permute
-  (one gather builds the aligned buffer, pad rows zeroed) and the strip into its unpermute (one
-  scatter-add, pads onto a dropped trash row). Megatron's identity chunk sort at EP=1 disappears.
-- All-to-all, EP > 1 or TP > 1: the pad goes into Megatron's chunk sort after the exchange: the
-  same split + ``cat`` of the received ``[source rank][local expert]`` chunks by expert, from the
-  chunk counts Megatron already copied to the host for it, with slices of one reused zero buffer
-  spliced in as each group's pad; the un-sort in ``combine_preprocess`` drops them. (Under TE's
-  fused permute the counts stay on the device: one gather through an inverse index sorts and
-  pads instead, planned on the device, sync-free.) Megatron's TP all-gather / reduce-scatter
-  around it.
-- Alignment 0 (bf16/fp16): every method defers to Megatron's, so outputs are bitwise identical.
-
-Example: 37 tokens, top-2, 8 experts on one rank, nvfp4 (128)::
-
-    Megatron router padding: tokens_per_expert = [37]*8    (only real tokens to duplicate)
-    this dispatcher:          tokens_per_expert = [128]*8   (zero rows, never sent anywhere)
+Thin subclasses of Megatron-Core 0.19's all-to-all and all-gather dispatchers, each owning a
+:class:`~megatron_ext.moe.group_aligner.GroupAligner`: the pad is in the *index*, never an extra
+copy of the data nor a communicated row; under bf16/fp16 every method is Megatron's. 37 tokens,
+top-2, 8 experts on one rank, nvfp4: Megatron's router padding gives ``[37]*8`` (unaligned: only
+real tokens to duplicate), this dispatcher ``[128]*8``.
 """
 
 import torch
@@ -39,22 +23,9 @@ from megatron_ext.moe.group_aligner import GroupAligner, read_host_counts
 
 
 class AlignedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
-    """``MoEAlltoAllTokenDispatcher`` whose experts receive aligned token groups.
-
-    At EP=1 and TP=1 the pad is folded into Megatron's permute (``dispatch_preprocess``) and the
-    strip into its unpermute (``combine_postprocess``); otherwise the pad goes into the chunk sort
-    after the all-to-all. Either way the all-to-all carries exactly the unaligned rows.
-
-    Args:
-        num_local_experts: Experts on this rank.
-        local_expert_indices: Their global indices.
-        config: Megatron's transformer config.
-        pg_collection: Process groups (Megatron's default when None).
-        alignment: megatron_ext's MoE config (``--moe-dispatch-align-buffer``).
-        align: The group multiple, decided once by the MoE layer
-            (:func:`~megatron_ext.moe.config.align_size_for_config`; 0 under bf16/fp16:
-            Megatron's behaviour, untouched).
-    """
+    """``MoEAlltoAllTokenDispatcher`` whose experts receive aligned token groups (``align``, the
+    multiple the MoE layer decided; 0 under bf16/fp16: Megatron's behaviour, untouched); the
+    all-to-all carries exactly the unaligned rows."""
 
     def __init__(
         self,
@@ -84,6 +55,8 @@ class AlignedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
         """Megatron's dispatch_preprocess; at EP=1 its permute writes the aligned buffer."""
+        # At EP=1 (TP=1) the pad folds into the permute and the strip into the unpermute (one
+        # scatter-add, pads onto a dropped trash row): Megatron's identity chunk sort disappears.
         if not self._folds_into_permute():
             return super().dispatch_preprocess(hidden_states, routing_map, probs)
         # Megatron's steps, in its order, with the permute replaced (no router padding here);
@@ -132,6 +105,9 @@ class AlignedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             return self.aligner.exact_host_sizes(
                 global_input_tokens, global_probs, host_tokens_per_expert
             )
+        # EP > 1 or TP > 1: Megatron's chunk sort (split + cat of the received [source rank][local
+        # expert] chunks by expert) with slices of one reused zero buffer spliced in as pads;
+        # combine_preprocess's un-sort drops them.
         if self.num_local_experts == 1:  # one group: nothing to sort, pads at the end
             chunks = [[global_input_tokens.shape[0]]]
         elif self.num_global_tokens_per_local_expert.device.type == "cpu":
@@ -176,12 +152,9 @@ def _host_int(n: int | torch.Tensor) -> int:
 
 
 class AlignedAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
-    """``MoEAllGatherTokenDispatcher`` whose experts receive aligned token groups.
-
-    The pad is folded into Megatron's permute and the strip into its unpermute. Megatron's router
-    padding is refused for this dispatcher; this one aligns it anyway. Args as
-    :class:`AlignedAlltoAllTokenDispatcher`.
-    """
+    """``MoEAllGatherTokenDispatcher`` whose experts receive aligned token groups (Megatron's
+    router padding is refused for this dispatcher; this one aligns anyway). Args as
+    :class:`AlignedAlltoAllTokenDispatcher`."""
 
     def __init__(
         self,
@@ -197,7 +170,8 @@ class AlignedAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
         self.aligner = GroupAligner(align, alignment.moe_dispatch_align_buffer)
 
     def dispatch_postprocess(self, hidden_states, probs):
-        """Megatron's permute by local expert, writing the aligned buffer directly."""
+        """Megatron's permute by local expert, writing the aligned buffer directly (the strip is
+        folded into its unpermute)."""
         if not self.aligner.active:
             return super().dispatch_postprocess(hidden_states, probs)
         self.hidden_shape_before_permute = hidden_states.shape

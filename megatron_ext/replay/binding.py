@@ -1,30 +1,8 @@
 """Binds route buffers to Megatron's ``RouterReplay``: per micro-batch, keyed, recompute-safe.
 
-Megatron 0.19.2 gives each ``TopKRouter`` a ``RouterReplay`` whose targets are a single tensor for
-the forward and a FIFO (``pop(0)``) for recompute in backward, set through a process-global list
-in construction order. This binding replaces, on the MoE layers of this pipeline stage only, each
-router's instance with a :class:`~megatron_ext.replay.keyed_router_replay.KeyedRouterReplay` (a
-``RouterReplay`` subclass, swapped in place in Megatron's global list) that looks its targets up
-by ``(micro-batch key, MoE layer)``:
-
-- ``install(routes_BSLK, key)`` before a micro-batch's forward slices the pack's routes for this
-  rank (CP: the zigzag, or a packed row's per-document index the forward step split the batch
-  with; then SP; :mod:`~megatron_ext.replay.layout`) in one gather, layer-major and
-  narrow (uint8/uint16), for this stage's MoE ordinals; dense and MTP layers route natively. The
-  first router of a pass widens them to int64 for all layers at once; each router then gathers.
-- Activation recompute reruns routers during backward, possibly after later micro-batches ran
-  their forward (pipeline schedules, virtual pipeline stages). The run's
-  :class:`~megatron_ext.common.micro_batch.MicroBatchContext` says which micro-batch a router call
-  belongs to, in its forward and in its recompute; recomputed routers read that key. No FIFO.
-- ``native`` missing rows (all-max marker, see :mod:`~megatron_ext.replay.routes`) take the
-  router's own top-k: ``where(missing, native_topk, replayed)``, no host sync. The missing mask is
-  built once per micro-batch for all layers; a micro-batch the data says has no missing row
-  (``install(..., has_missing=False)``, counted on the host by the dataset) skips the mask, the
-  native top-k and the ``where``: the router then only gathers, as Megatron's replay does.
-- ``record`` mode keeps the forward's top-k per key and layer; :meth:`recorded_routes` gathers
-  them back to ``[B, S, L, K]`` (:mod:`~megatron_ext.replay.recorded_rows`).
-
-Example::
+Megatron 0.19.2's ``RouterReplay`` holds one target tensor for the forward and a FIFO (``pop(0)``)
+for recompute in backward, which pipeline schedules break. Here each router of this stage looks its
+targets up by ``(micro-batch key, MoE layer)`` (docs/replay.md, "How the binding works")::
 
     binding = RouteReplayBinding(model_chunks, mode="replay", missing_route_policy="native")
     binding.install(batch["routes"], key=micro_batch_index,   # routes_BSLK, uint8
@@ -62,18 +40,12 @@ class RouteReplayBinding:
     """Owns the route state of one model chunk (or of several whose MoE layers are contiguous).
 
     Args:
-        model: The model chunk(s) on this rank (``GPTModel`` or ``HybridModel``, possibly
-            wrapped).
+        model: The model chunk(s) on this rank (``GPTModel`` or ``HybridModel``, maybe wrapped).
         mode: ``"replay"`` or ``"record"``.
-        missing_route_policy: ``"native"`` (rows with the missing marker take the router's own
-            top-k) or ``"balanced"`` (the data already filled them; no native top-k is computed).
-        micro_batches: The run's micro-batch context, begun by the forward step before
-            :meth:`install` / :meth:`begin_record` (which then check its key). None: the binding
-            keeps its own, begun by :meth:`install` / :meth:`begin_record`.
-
-    Raises:
-        ValueError: The model's config is one where Megatron would bypass replay, or the model
-            has no MoE router on any layer.
+        missing_route_policy: ``"native"`` (missing rows take the router's own top-k) or
+            ``"balanced"`` (the data filled them).
+        micro_batches: The run's micro-batch context, begun by the forward step (None: the
+            binding keeps its own, begun by :meth:`install` / :meth:`begin_record`).
     """
 
     def __init__(
@@ -103,6 +75,8 @@ class RouteReplayBinding:
         self._owns_context = micro_batches is None
         self.micro_batches = MicroBatchContext() if micro_batches is None else micro_batches
         for chunk in chunks:
+            # Dense and MTP layers route natively; each MoE router's instance is swapped in place
+            # in Megatron's process-global list (construction order).
             for module in replayed_routers(chunk):
                 self._restore.append((module, module.router_replay))
                 self.replays.append(swap_in(module, self, ordinal_of[module.layer_number]))
@@ -211,37 +185,55 @@ class RouteReplayBinding:
         """Stores a micro-batch's routes for the MoE layers of this stage and makes it current.
 
         Args:
-            routes_BSLK: Routes of the whole micro-batch in the layout the model sees (un-sharded;
-                uint8 or uint16 as produced by :mod:`~megatron_ext.replay.routes`), on the model's
-                device (move it with the rest of the batch). THD (packed sequences, tokens
-                ``[1, B*S]``): the router rows run ``b * S + s``, so pass
-                ``routes_BSLK.reshape(1, B * S, L, K)``, not ``[B, S, L, K]``.
+            routes_BSLK: Routes of the whole micro-batch as the model sees it (un-sharded, uint8
+                or uint16), on the model's device. THD (tokens ``[1, B*S]``): router rows run
+                ``b * S + s``, so pass ``routes_BSLK.reshape(1, B * S, L, K)``.
             key: Identifies the micro-batch until :meth:`clear` (e.g. its index in the step).
-            has_missing: Whether any row of the micro-batch is missing, as the host knows it
-                (:func:`~megatron_ext.replay.route_dataset.has_missing_routes` of the batch).
-                ``False`` skips the missing mask and, in every router call, the native top-k and
-                the ``where`` (a missing row would then index out of range: pass ``False`` only
-                from the data's count). ``None``: unknown, the mask is built (on the device, no
-                sync). Only the ``native`` policy reads it; ``balanced`` rows are never missing.
-            filled_BSL: ``balanced`` only, optional: the rows the data filled because they had
-                no recorded route (``sample["route_filled"]``, same layout as the routes), so
-                the replay check tells them from recorded ones; not read for routing.
-            cp_index: THD under context parallelism: the positions of the ``[1, B*S]`` row this CP
-                rank holds, the index Megatron's per-document ``get_batch_on_this_cp_rank`` split
-                the batch with (on the routes' device; sequence parallelism then splits it). None:
-                Megatron's per-sequence zigzag (nothing at CP 1).
+            has_missing: Whether any row is missing, as the host knows it (``has_missing_routes``);
+                ``False`` skips the mask, the native top-k and the ``where``; None: unknown.
+            filled_BSL: ``balanced`` only, optional: the rows the data filled
+                (``sample["route_filled"]``), for the replay check; not read for routing.
+            cp_index: THD under CP: the positions of the ``[1, B*S]`` row this rank holds (the
+                index Megatron's per-document split used); None: the per-sequence zigzag.
 
         Raises:
             ValueError: Wrong rank, MoE layer count or top-k; ``has_missing`` not a host bool.
         """
+        has_missing = self._checked_install(routes_BSLK, has_missing, filled_BSL, cp_index)
+        batch_size, seq_len = routes_BSLK.shape[:2]
+        position_N = self._device_rows(routes_BSLK, batch_size, seq_len, cp_index)
+        # This stage's layers [lo, hi) in one gather, layer-major: every layer's rows (and mask)
+        # are then a contiguous slice, made by one kernel per micro-batch instead of one per layer.
+        lo, hi = self._stage_range
+        rows_LNK = stage_rows_layer_major(routes_BSLK, position_N, lo, hi)
+        missing_LN = filled_LN = None
+        # has_missing False comes only from the data's count: a missing row would then index out
+        # of range. The mask is built once per micro-batch for all layers, on the device (no
+        # sync); the balanced policy's rows are never missing.
+        if self.native_missing and has_missing is not False:
+            missing_LN = (rows_LNK == torch.iinfo(rows_LNK.dtype).max).all(-1)
+        if filled_BSL is not None:
+            filled_LN = stage_rows_layer_major(filled_BSL.unsqueeze(-1), position_N, lo, hi)[..., 0]
+        # Kept narrow (K bytes per token per layer); widened to int64 once per pass (_wide_rows).
+        self._targets[key] = (rows_LNK, missing_LN, filled_LN)
+        self._shapes[key] = (batch_size, seq_len)
+        self._make_current(key)
+
+    def _checked_install(
+        self,
+        routes_BSLK: torch.Tensor,
+        has_missing: Any,
+        filled_BSL: torch.Tensor | None,
+        cp_index: torch.Tensor | None,
+    ) -> bool | None:
+        """Refuses what :meth:`install` cannot replay; returns ``has_missing`` as a host bool."""
         if self.mode != "replay":
             raise ValueError("install() needs --route-replay-mode replay")
         if has_missing is not None and not isinstance(has_missing, (bool, np.bool_)):
-            # A device tensor here would be read by `if` below: a device-to-host sync.
+            # A device tensor here would be read by `if` in install: a device-to-host sync.
             raise ValueError(
                 f"install(has_missing=...) takes a host bool or None, got {type(has_missing)}"
             )
-        has_missing = None if has_missing is None else bool(has_missing)
         if routes_BSLK.dim() != 4:
             raise ValueError(
                 f"routes must be [batch, seq, moe_layers, topk], got {routes_BSLK.shape}"
@@ -259,31 +251,14 @@ class RouteReplayBinding:
                 f"cp_index ({cp_index.numel()} positions) splits a THD row [1, B*S]: routes are "
                 f"[{batch_size}, {seq_len}]"
             )
-        position_N = self._device_rows(routes_BSLK, batch_size, seq_len, cp_index)
-        # This stage's layers [lo, hi) in one gather, layer-major: every layer's rows (and mask)
-        # are then a contiguous slice, made by one kernel per micro-batch instead of one per layer.
-        lo, hi = self._stage_range
-        rows_LNK = stage_rows_layer_major(routes_BSLK, position_N, lo, hi)
-        missing_LN = filled_LN = None
-        if self.native_missing and has_missing is not False:
-            missing_LN = (rows_LNK == torch.iinfo(rows_LNK.dtype).max).all(-1)
-        if filled_BSL is not None:
-            filled_LN = stage_rows_layer_major(filled_BSL.unsqueeze(-1), position_N, lo, hi)[..., 0]
-        # Kept narrow (K bytes per token per layer); widened to int64 once per pass (_wide_rows).
-        self._targets[key] = (rows_LNK, missing_LN, filled_LN)
-        self._shapes[key] = (batch_size, seq_len)
-        self._make_current(key)
+        return None if has_missing is None else bool(has_missing)
 
     def begin_record(
         self, key: Hashable, batch_size: int, seq_len: int, cu_seqlens: torch.Tensor | None = None
     ) -> None:
-        """Makes ``key`` current for a recording forward of a ``[batch_size, seq_len]`` batch.
-
-        THD (tokens ``[1, B*S]``): pass ``batch_size=1, seq_len=B*S``; :meth:`recorded_routes`
-        then returns ``[1, B*S, L, K]`` (reshape to ``[B, S, L, K]`` for per-sample routes).
-        ``cu_seqlens``: under context parallelism, the THD row's flattened segment boundaries on
-        the host: each CP rank's rows are put back by the per-document split (else the zigzag's).
-        """
+        """Makes ``key`` current for a recording forward of a ``[batch_size, seq_len]`` batch (THD:
+        ``batch_size=1, seq_len=B*S``). ``cu_seqlens``: under CP, the THD row's host boundaries
+        (each rank's rows are put back by the per-document split, else the zigzag's)."""
         if self.mode != "record":
             raise ValueError("begin_record() needs --route-replay-mode record")
         self._shapes[key] = (batch_size, seq_len)
@@ -318,9 +293,9 @@ class RouteReplayBinding:
         return installed, sum(t.nbytes for t in self._device_positions.values())
 
     def _check_block_input(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        """A decoder's input ``[S, B, H]`` must have the batch the routes were installed for:
-        ``[B, S, L, K]`` routes under a THD forward (``[1, B*S]`` tokens) would otherwise
-        replay each row's route at another token, with no error (the row counts agree)."""
+        """A decoder's input ``[S, B, H]`` must have the batch the routes were installed for."""
+        # [B, S, L, K] routes under a THD forward ([1, B*S] tokens) would otherwise replay each
+        # row's route at another token, with no error (the row counts agree).
         del module
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         key = self.micro_batches.forward_key
@@ -353,16 +328,10 @@ class RouteReplayBinding:
                 f"MoE layer {replay.layer_number} routed with no micro-batch installed: call "
                 "RouteReplayBinding.install()/begin_record() before the forward"
             )
-        if not in_backward:  # every forward routes each layer once per install/begin_record
-            if self._routed_serial != self.micro_batches.serial:
-                self._routed, self._routed_serial = set(), self.micro_batches.serial
-            elif replay.moe_ordinal in self._routed:
-                raise RuntimeError(
-                    f"MoE layer {replay.layer_number} routed micro-batch {key!r} a second time: "
-                    "call RouteReplayBinding.install()/begin_record() before every forward (it "
-                    "would replay, or record over, the previous micro-batch's routes)"
-                )
-            self._routed.add(replay.moe_ordinal)
+        # Activation recompute reruns routers in backward, possibly after later micro-batches'
+        # forwards: the context says which micro-batch this call belongs to. No FIFO.
+        if not in_backward:
+            self._note_routed(replay, key)
         if self.mode == "record":
             probs, idx_NK = default_compute_topk(scores, topk, num_groups, group_topk)
             if not in_backward:
@@ -401,14 +370,25 @@ class RouteReplayBinding:
             )
         return scores.gather(1, idx_NK), idx_NK
 
-    def _wide_rows(self, rows_LNK: torch.Tensor) -> torch.Tensor:
-        """``rows_LNK`` as int64 (the gather's index type), widened once per pass over the stage.
+    def _note_routed(self, replay: KeyedRouterReplay, key: Hashable) -> None:
+        """Every forward routes each layer once per install/begin_record: a second time is the
+        next micro-batch's forward, which nobody installed."""
+        if self._routed_serial != self.micro_batches.serial:
+            self._routed, self._routed_serial = set(), self.micro_batches.serial
+        elif replay.moe_ordinal in self._routed:
+            raise RuntimeError(
+                f"MoE layer {replay.layer_number} routed micro-batch {key!r} a second time: "
+                "call RouteReplayBinding.install()/begin_record() before every forward (it "
+                "would replay, or record over, the previous micro-batch's routes)"
+            )
+        self._routed.add(replay.moe_ordinal)
 
-        The first router of a forward (or of a recompute in backward) widens every layer of the
-        stage in one kernel; the next routers of that pass slice it, so a layer's replay is a
-        gather, as Megatron's. Only the last pass's copy is cached: routers that saved their
-        slice for backward keep their own micro-batch's copy alive, as they would per layer.
-        """
+    def _wide_rows(self, rows_LNK: torch.Tensor) -> torch.Tensor:
+        """``rows_LNK`` as int64 (the gather's index type), widened once per pass over the stage."""
+        # The first router of a forward (or of a recompute) widens every layer in one kernel; the
+        # next routers slice it, so a layer's replay is a gather, as Megatron's. Only the last
+        # pass's copy is cached: routers that saved their slice for backward keep their own
+        # micro-batch's copy alive, as they would per layer.
         cached = self._wide
         if cached is None or cached[0] is not rows_LNK:
             cached = self._wide = (rows_LNK, rows_LNK.to(torch.int64))
@@ -416,12 +396,9 @@ class RouteReplayBinding:
 
     # ----- record mode output ----------------------------------------------------------------
     def recorded_routes(self, key: Hashable) -> torch.Tensor:
-        """The routes the forward of ``key`` chose, in the data layout ``[B, S, L, K]``.
+        """The routes the forward of ``key`` chose, in the data layout ``[B, S, L, K]`` (uint8 or
+        uint16), the same on every rank of the TP (with SP), CP and PP groups.
 
-        uint8 or uint16 as :func:`~megatron_ext.replay.routes.route_dtype` picks for the model.
-        All-gathers over the TP group (with SP) and the CP group, so every rank of those groups
-        returns the same tensor; layers of other pipeline stages are gathered over the PP group
-        (:func:`~megatron_ext.replay.recorded_rows.gather_recorded_routes`).
         NOTE: device-to-host sync (PP gather of Python objects); record mode only, not a hot path.
         """
         batch_size, seq_len = self._shapes[key]

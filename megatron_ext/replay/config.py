@@ -133,11 +133,10 @@ class ReplayConfig:
 
     @staticmethod
     def _check_header(route_prefix: str, args: _argparse.Namespace) -> None:
-        """The model a route file was written for (its header: L, K, E and, when recorded, the
-        source's decoder layers of its rows, mapped onto this model's MoE layers in order)
-        against this run's, now
-        rather than at dataset build (after the model and optimizer are built). A file without a
-        header is checked at dataset build as before (L x K per token, with a warning)."""
+        """The model a route file's header was written for (L, K, E, its rows' decoder layers)
+        against this run's."""
+        # Now rather than at dataset build, after the model and optimizer are built. A file
+        # without a header is checked there (L x K per token, with a warning).
         from megatron_ext.replay.layout import moe_layer_numbers_for_args
         from megatron_ext.replay.route_file import (
             HEADER_EXTENSION,
@@ -164,8 +163,9 @@ class ReplayConfig:
 
     def _check_tokens_digest(self, route_prefix: str, tokens_prefix: str) -> None:
         """Refuses a route file that records no tokens digest unless
-        --route-replay-allow-undigested: only the digest tells its routes from routes left
-        beside rewritten tokens of the same lengths (the dataset compares it when built)."""
+        --route-replay-allow-undigested."""
+        # Only the digest tells its routes from routes left beside rewritten tokens of the same
+        # lengths (the dataset compares it when built).
         from megatron_ext.replay.route_file import HEADER_EXTENSION, read_header
 
         header_path = route_prefix + HEADER_EXTENSION

@@ -1,12 +1,8 @@
 """The ``RouterReplay`` subclass route replay swaps into routers, and which routers those are.
 
-Megatron 0.19.2 gives each ``TopKRouter`` a ``RouterReplay`` that the router asks for its top-k
-(``get_replay_topk``). :class:`KeyedRouterReplay` answers by asking its :class:`RouteSource`
-(the :class:`~megatron_ext.replay.binding.RouteReplayBinding`, which looks the targets up by
-``(micro-batch key, MoE layer)``; this module never imports it). The binding finds what to bind
-here: the decoder's routers (:func:`replayed_routers`, MTP layers' excluded) and their MoE
-ordinals (absolute layer number -> index among the MoE layers, :func:`model_moe_layer_numbers`).
-Example, a ``HybridModel`` with pattern ``*E*E``::
+Megatron 0.19.2's ``TopKRouter`` asks its ``RouterReplay`` for the top-k (``get_replay_topk``);
+:class:`KeyedRouterReplay` asks the binding instead, which looks the targets up by key. A
+``HybridModel`` with pattern ``*E*E``::
 
     model_moe_layer_numbers(model)                      # [2, 4]: the E positions
     [r.layer_number for r in replayed_routers(model)]   # [2, 4] -> MoE ordinals 0, 1
@@ -64,6 +60,8 @@ class KeyedRouterReplay(RouterReplay):
 def swap_in(router: TopKRouter, binding: RouteSource, moe_ordinal: int) -> KeyedRouterReplay:
     """Replaces ``router.router_replay`` (and its slot in Megatron's global list) with a
     :class:`KeyedRouterReplay` asking ``binding``; returns it."""
+    # RouterReplay.__init__ appends itself to Megatron's global list: take the new one off the end
+    # and put it in the old one's slot, so the list keeps construction order.
     old = router.router_replay
     new = KeyedRouterReplay(binding, moe_ordinal, router.layer_number)  # appended to the list
     instances = RouterReplay.global_router_replay_instances

@@ -1,10 +1,8 @@
 """Where each route row goes in Megatron's parallel layout (pure torch, never imports megatron).
 
-A micro-batch's routes arrive as ``routes_BSLK`` (the data layout, one row per token of each
-sample). Which ``b * S + s`` position each router row holds on a rank under CP and SP is
-:func:`megatron_ext.common.token_positions.router_row_positions` (shared with pad skipping); this
-module slices and gathers route rows by those positions, and maps absolute layer numbers to
-MoE-layer ordinals (the L axis of a route buffer).
+Route rows are sliced and gathered by the ``b * S + s`` positions each rank's routers hold
+(:func:`megatron_ext.common.token_positions.router_row_positions`, shared with pad skipping), and
+absolute layer numbers mapped to MoE-layer ordinals (the L axis of a route buffer).
 
 Legend: B samples of a micro-batch, S sequence length, N router rows on this rank, L MoE layers,
 K top-k, R ranks gathered.
@@ -35,11 +33,9 @@ def rows_for_router(routes_BSLK: torch.Tensor, positions_N: torch.Tensor) -> tor
 def stage_rows_layer_major(
     routes_BSLK: torch.Tensor, positions_N: torch.Tensor, lo: int, hi: int
 ) -> torch.Tensor:
-    """This rank's router rows of MoE layers ``[lo, hi)``, layer-major: ``[hi - lo, N, K]``.
-
-    One gather (same dtype, no host sync): the selection of :func:`rows_for_router` and the
-    layer-major copy in one kernel, so each layer's rows are then a contiguous slice.
-    """
+    """This rank's router rows of MoE layers ``[lo, hi)``, layer-major: ``[hi - lo, N, K]``."""
+    # One gather (same dtype, no host sync): rows_for_router's selection and the layer-major copy
+    # in one kernel, so each layer's rows are then a contiguous slice.
     batch_size, seq_len = routes_BSLK.shape[:2]
     flat_XLK = routes_BSLK.reshape(batch_size * seq_len, *routes_BSLK.shape[2:])
     return flat_XLK[:, lo:hi].transpose(0, 1).index_select(1, positions_N)
@@ -50,14 +46,8 @@ def assemble_from_ranks(
 ) -> torch.Tensor:
     """Inverse of :func:`rows_for_router` over the ranks that split a micro-batch.
 
-    Args:
-        rows_RNLK: Router rows of each rank (gathered over the TP and CP groups).
-        positions_RN: Each rank's :func:`~megatron_ext.common.token_positions.router_row_positions`.
-        batch_size: B.
-        seq_len: S.
-
-    Returns:
-        ``routes_BSLK``.
+    ``rows_RNLK``: each rank's router rows (gathered over the TP and CP groups);
+    ``positions_RN``: each rank's ``router_row_positions``. Returns ``routes_BSLK``.
     """
     assert positions_RN.numel() == batch_size * seq_len, "ranks must cover the micro-batch once"
     flat_XLK = torch.empty(
@@ -72,16 +62,10 @@ def assemble_from_ranks(
 def moe_layer_numbers_from_hybrid_pattern(pattern: str) -> list[int]:
     """Absolute (1-based) numbers of the MoE (``E``) layers of a ``HybridModel`` decoder.
 
-    Only the main decoder pattern counts: pipeline separators ``|`` take no layer number
-    (``HybridStack`` numbers layers across stages), and MTP patterns after the first ``/`` are
-    skipped (MTP routers route natively). Example: ``"*E|*E/*E"`` -> ``[2, 4]``.
-
-    Args:
-        pattern: ``--hybrid-layer-pattern`` (``HybridModel.hybrid_layer_pattern``).
-
-    Raises:
-        ValueError: A symbol that is not a hybrid layer symbol.
+    Example: ``"*E|*E/*E"`` -> ``[2, 4]``; ValueError for a symbol that is not a layer symbol.
     """
+    # Only the main decoder pattern: '|' takes no layer number (HybridStack numbers layers
+    # across stages), and MTP patterns after the first '/' route natively.
     main = pattern.split(_HYBRID_MTP, 1)[0]
     bad = sorted(set(main) - _HYBRID_LAYER_SYMBOLS - {_HYBRID_PIPE})
     if bad:
@@ -94,12 +78,9 @@ def moe_layer_numbers_from_hybrid_pattern(pattern: str) -> list[int]:
 
 
 def moe_layer_numbers_for_args(args: Any) -> list[int]:
-    """MoE layer numbers of the model Megatron's parsed ``args`` describe.
-
-    ``args.hybrid_layer_pattern`` (or the deprecated ``hybrid_override_pattern`` before Megatron's
-    ``validate_args`` copies it over) when set, i.e. a ``HybridModel``; else a ``GPTModel`` with
-    ``args.num_layers`` and ``args.moe_layer_freq`` (no MoE layer without ``--num-experts``).
-    """
+    """MoE layer numbers of the model Megatron's parsed ``args`` describe (a ``HybridModel``'s
+    pattern, else a ``GPTModel``'s ``moe_layer_freq``; none without ``--num-experts``)."""
+    # The deprecated hybrid_override_pattern too: Megatron's validate_args copies it over later.
     from megatron_ext.config.megatron_view import MegatronView
 
     view = MegatronView.from_args(args)
@@ -112,14 +93,9 @@ def moe_layer_numbers_for_args(args: Any) -> list[int]:
 
 
 def moe_layer_numbers(num_layers: int, moe_layer_freq: int | Sequence[int]) -> list[int]:
-    """Absolute (1-based) numbers of the MoE layers of the decoder, MTP layers excluded.
-
-    Follows Megatron's ``moe_layer_freq``: an int N puts an MoE layer at every layer index
-    divisible by N (counting from 0); a list gives 1 (MoE) or 0 (dense) per layer.
-
-    Raises:
-        ValueError: A list whose length is not ``num_layers``.
-    """
+    """Absolute (1-based) numbers of the MoE layers of the decoder, MTP layers excluded, by
+    Megatron's ``moe_layer_freq`` (an int N: every layer index divisible by N, from 0; a list:
+    1 (MoE) or 0 (dense) per layer, ``num_layers`` long)."""
     if isinstance(moe_layer_freq, int):
         pattern = [1 if i % moe_layer_freq == 0 else 0 for i in range(num_layers)]
     else:

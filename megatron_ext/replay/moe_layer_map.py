@@ -1,34 +1,9 @@
 """Which decoder layers of a model are MoE layers, and selecting their rows from an engine's
 per-decoder-layer route dump (pure numpy + json, never imports megatron).
 
-vLLM (0.34, ``model_executor/layers/fused_moe/routed_experts_capturer.py``: ``num_layers =
-model_config.get_total_num_hidden_layers()``) and SGLang (0.5.23, ``state_capturer/routed_experts.py``:
-``num_layers = hf_text_config.num_hidden_layers``) return one row per *decoder* layer. Their
-capture buffers are zeroed when allocated (``torch.zeros``; SGLang's host cache ``zero_()``,
-``state_capturer/base.py``) and only MoE layers write to them, so a dense layer's row is all zeros.
-Training needs the MoE rows only. A :class:`MoeLayerMap` names them (0-based decoder-layer
-indices), from ``--moe-layer-ids`` or from the model's Hugging Face ``config.json`` by the rules
-the engines build their layers with:
-
-- DeepSeek-V2/V3, Kimi-K2, GLM-4.5 (vLLM ``models/deepseek_v2.py``, ``models/glm4_moe.py``):
-  layer i is MoE iff ``n_routed_experts`` is set, ``i >= first_k_dense_replace`` and
-  ``i % moe_layer_freq == 0`` (``moe_layer_freq`` defaults to 1);
-- Qwen2-MoE / Qwen3-MoE (``models/qwen3_moe.py``): iff ``i not in mlp_only_layers`` and
-  ``(i + 1) % decoder_sparse_step == 0``;
-- Nemotron-H style ``layers_block_type`` lists: iff the entry is ``"moe"``;
-- otherwise (Mixtral and the like) every decoder layer is MoE.
-
-vLLM 0.21 is the exception (``model_executor/layers/fused_moe/routed_experts_capturer.py``): it
-sizes its buffer with ``_count_moe_layers(hf_text_config)``, which knows ``layers_block_type``,
-``decoder_sparse_step`` and ``mlp_only_layers`` but not DeepSeek's ``first_k_dense_replace`` (it
-counts every layer MoE), and writes layer rows at ``FusedMoE.moe_layer_id``, a class counter
-incremented per constructed ``FusedMoE`` (``layers/fused_moe/layer.py``), i.e. the MoE layers in
-order. For such a config its rows are the MoE layers first, then zero rows; for configs it counts
-right, exactly the MoE rows. :func:`select_moe_rows` takes ``moe_rows_first`` from the engine
-version (the response's ``system_fingerprint``, ``vllm-0.21.0-...``, or 0.21's split form) or
-``--vllm-moe-rows first``; never from which rows are zero.
-
-Worked example (DeepSeek-style, 5 layers, ``first_k_dense_replace = 2``, K = 2)::
+vLLM and SGLang return one row per *decoder* layer, a dense layer's all zeros; training needs the
+MoE rows only. A :class:`MoeLayerMap` names them, from ``--moe-layer-ids`` or a Hugging Face
+``config.json``. DeepSeek-style, 5 layers, ``first_k_dense_replace = 2``, K = 2::
 
     dump row of a token  [[0 0] [0 0] [3 7] [1 2] [6 0]]   (decoder layers 0..4)
     moe_layer_ids (2, 3, 4) -> MoE rows [[3 7] [1 2] [6 0]]; layers 0 and 1 must be all zero
@@ -67,11 +42,8 @@ class MoeLayerMap:
 
 
 def parse_layer_ids(text: str, flag: str = "--moe-layer-ids") -> tuple[int, ...]:
-    """``"3,4,5"`` or ranges ``"3-60"`` -> ``(3, 4, 5)``; distinct, increasing, non-negative.
-
-    Raises:
-        ValueError: Anything else, naming ``flag``.
-    """
+    """``"3,4,5"`` or ranges ``"3-60"`` -> ``(3, 4, 5)``: distinct, increasing, non-negative
+    (ValueError naming ``flag`` otherwise)."""
     ids: list[int] = []
     for part in text.split(","):
         lo, sep, hi = part.strip().partition("-")
@@ -92,14 +64,15 @@ def _first(config: dict, keys: tuple[str, ...]) -> Any:
 
 
 def moe_layer_ids_from_config(config: dict, name: str) -> tuple[int, ...]:
-    """The 0-based MoE decoder layers of a Hugging Face text config (rules in the module doc)."""
+    """The 0-based MoE decoder layers of a Hugging Face text config, by the rules the engines
+    build their layers with."""
     num_layers = config.get("num_hidden_layers")
     if type(num_layers) is not int or num_layers < 1:
         raise ValueError(
             f"{name}: 'num_hidden_layers' must be a positive integer, got {num_layers!r}"
         )
     block_types = config.get("layers_block_type")
-    if isinstance(block_types, list):
+    if isinstance(block_types, list):  # Nemotron-H style: the entries that are "moe"
         if len(block_types) != num_layers:  # the engines dump one row per hidden layer
             raise ValueError(
                 f"{name}: 'layers_block_type' lists {len(block_types)} layers, "
@@ -107,6 +80,8 @@ def moe_layer_ids_from_config(config: dict, name: str) -> tuple[int, ...]:
             )
         return tuple(i for i, kind in enumerate(block_types) if kind == "moe")
     if "first_k_dense_replace" in config:
+        # DeepSeek-V2/V3, Kimi-K2, GLM-4.5 (vLLM models/deepseek_v2.py, models/glm4_moe.py):
+        # MoE iff n_routed_experts is set, i >= first_k_dense_replace, i % moe_layer_freq == 0.
         first = config["first_k_dense_replace"]
         freq = config.get("moe_layer_freq", 1)
         if type(first) is not int or type(freq) is not int or first < 0 or freq < 1:
@@ -114,6 +89,8 @@ def moe_layer_ids_from_config(config: dict, name: str) -> tuple[int, ...]:
         if config.get("n_routed_experts") is None:
             return ()
         return tuple(i for i in range(num_layers) if i >= first and i % freq == 0)
+    # Qwen2-MoE / Qwen3-MoE (models/qwen3_moe.py): MoE iff i not in mlp_only_layers and
+    # (i + 1) % decoder_sparse_step == 0; without those keys (Mixtral and the like) every layer.
     mlp_only = config.get("mlp_only_layers") or []
     step = config.get("decoder_sparse_step", 1) or 1
     if not isinstance(mlp_only, list) or type(step) is not int or step < 1:
@@ -122,11 +99,8 @@ def moe_layer_ids_from_config(config: dict, name: str) -> tuple[int, ...]:
 
 
 def read_model_config(path: str) -> MoeLayerMap:
-    """A :class:`MoeLayerMap` (with K and E) from a Hugging Face ``config.json``.
-
-    A multimodal config's ``text_config`` is the decoder's. Raises ValueError naming ``path``
-    for an unreadable file or a config without MoE layers.
-    """
+    """A :class:`MoeLayerMap` (with K and E) from a Hugging Face ``config.json`` (ValueError
+    naming ``path`` for an unreadable file or a config without MoE layers)."""
     try:
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
@@ -134,7 +108,7 @@ def read_model_config(path: str) -> MoeLayerMap:
         raise ValueError(f"--model-config {path}: not a readable JSON config ({err})") from err
     if not isinstance(config, dict):
         raise ValueError(f"--model-config {path}: not a JSON object")
-    if isinstance(config.get("text_config"), dict):
+    if isinstance(config.get("text_config"), dict):  # a multimodal config's decoder
         config = config["text_config"]
     name = f"--model-config {path}"
     ids = moe_layer_ids_from_config(config, name)
@@ -152,18 +126,15 @@ def select_moe_rows(
 ) -> np.ndarray:
     """The MoE layers' rows of a dump, after checking every other row is all zero.
 
-    A dump of ``len(moe_layer_ids)`` layers is taken as MoE rows already (vLLM 0.21's split
-    form for configs it counts right, Megatron inference); one of N decoder layers is selected:
-    row i is decoder layer i, or, with ``moe_rows_first`` (vLLM 0.21, module doc), the MoE
-    layers' rows come first in order and the rest are zero. The engines leave the rows no MoE
-    layer writes zero: a non-zero one means the layer map (or the row order) is not the dump's.
+    A dump of N decoder layers has row i for decoder layer i, or, with ``moe_rows_first``
+    (vLLM 0.21), the MoE layers' rows first, in order. A dump of L rows is taken as MoE rows.
 
     Raises:
         ValueError: Another layer count, or a non-zero row where zeros belong (naming its
             layer and token, and both possible causes).
     """
     num_moe, num_rows = len(layer_map.moe_layer_ids), rows_TNK.shape[1]
-    if num_rows == num_moe:
+    if num_rows == num_moe:  # vLLM 0.21 for configs it counts right, Megatron inference
         return rows_TNK
     if num_rows != layer_map.num_decoder_layers:
         decoder = (
@@ -175,6 +146,13 @@ def select_moe_rows(
             f"{name}: rows of {num_rows} layers, neither the {num_moe} MoE layers{decoder} "
             "(--moe-layer-ids / --model-config)"
         )
+    # vLLM 0.34 (routed_experts_capturer.py: get_total_num_hidden_layers()) and SGLang 0.5.23
+    # (state_capturer/routed_experts.py: num_hidden_layers) zero their capture buffers when
+    # allocated (SGLang's host cache zero_(), state_capturer/base.py) and only MoE layers write:
+    # a non-zero row where zeros belong means the layer map or the row order is not the dump's.
+    # vLLM 0.21 sizes its buffer with _count_moe_layers (blind to first_k_dense_replace) and
+    # writes at FusedMoE.moe_layer_id, a counter per constructed layer (layers/fused_moe/layer.py):
+    # the MoE rows first, then zero rows.
     if moe_rows_first:
         moe = list(range(num_moe))
         zero = np.arange(num_moe, num_rows)

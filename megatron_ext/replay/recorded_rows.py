@@ -1,11 +1,9 @@
 """Record mode's output: one micro-batch's recorded top-k, gathered back to the data layout.
 
-A recording forward leaves each MoE layer of this rank with its router rows ``[N, K]`` (this
-rank's share of the micro-batch under SP/CP, this stage's layers under PP). The sidecar needs the
-whole micro-batch ``[B, S, L, K]``: rows are all-gathered over SP (the TP group) and CP, put back
-in sequence order with each rank's :func:`~megatron_ext.common.token_positions.router_row_positions`, and
-the layers of the other pipeline stages gathered over the PP group. Layers nobody recorded keep
-the missing marker (the dtype's max).
+Each rank holds its router rows ``[N, K]`` of its stage's layers; the sidecar needs the whole
+micro-batch ``[B, S, L, K]``: rows all-gathered over SP (the TP group) and CP and put back by each
+rank's router-row positions, other stages' layers gathered over PP. Layers nobody recorded keep the
+missing marker.
 """
 
 from collections.abc import Callable
@@ -35,15 +33,8 @@ def gather_recorded_routes(
 ) -> torch.Tensor:
     """The recorded routes of one micro-batch as ``[B, S, L, K]`` (uint8 or uint16).
 
-    Args:
-        recorded: This rank's rows ``[N, K]`` per MoE ordinal of its stage.
-        batch_size: B.
-        seq_len: S.
-        num_layers: L, MoE layers of the whole model.
-        topk: K.
-        num_experts: Experts per layer (picks the dtype, :func:`route_dtype`).
-        sequence_parallel: Rows are split over the TP group.
-        row_positions: Positions of a rank's rows in the micro-batch.
+    ``recorded``: this rank's rows ``[N, K]`` per MoE ordinal of its stage; ``num_layers``: the
+    whole model's L; ``row_positions``: a rank's rows' positions in the micro-batch.
 
     NOTE: device-to-host sync (PP gather of Python objects); record mode only, not a hot path.
     """
@@ -51,6 +42,7 @@ def gather_recorded_routes(
     sharing = parallel_state.get_context_parallel_world_size()
     if sequence_parallel:
         sharing *= parallel_state.get_tensor_model_parallel_world_size()
+    # Layers of other stages (and any not recorded) start as the missing marker.
     rows_NLK = torch.full(
         (batch_size * seq_len // sharing, num_layers, topk),
         torch.iinfo(dtype).max,
@@ -62,7 +54,7 @@ def gather_recorded_routes(
         rows_NLK, batch_size, seq_len, sequence_parallel, row_positions
     )
     routes_BSLK = assemble_from_ranks(rows_RNLK, positions_RN, batch_size, seq_len)
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # each stage's own layers
         stages: list[Any] = [None] * parallel_state.get_pipeline_model_parallel_world_size()
         torch.distributed.all_gather_object(
             stages,

@@ -1,24 +1,9 @@
 """Verifies route replay inside the training loop: which routes did Megatron's routers use?
 
-With ``--route-replay-check``, the first forward of every training micro-batch through a replaying
-MoE router is compared, on the device, with what the binding decided for it. Each (token, layer)
-row is one of:
-
-- **recorded**: the data holds a route for it; ``recorded_exact`` counts those whose routing map
-  holds exactly the recorded top-k (anything else is an error);
-- **missing**: no recorded route; ``--replay-missing-route-policy`` decided it (``native``: the
-  router's own top-k; ``balanced``: the data's synthetic fill), ``missing_as_decided`` counts those
-  routed exactly as the policy decided;
-
-and ``natural_differs`` counts the recorded rows where the router's own top-k of the same scores
-(computed once more, for this diagnostic only) would have chosen another set. When pads are
-skipped (``--moe-pad-routing skip``) the MoE layer clears a pad's route after routing, so a pad
-reaches no expert: its rows are not replayed rows and are not counted. The forward is
-counted whether or not it runs with grad (activation recompute runs it without), never its
-recompute in backward, and never an evaluation forward, so each micro-batch's rows count once.
-All counts are device tensors, read (one device-to-host copy) only when Megatron logs.
-
-Example (what the loop prints at a log iteration, ``native`` policy)::
+With ``--route-replay-check``, each training micro-batch's first forward through a replaying router
+is compared on the device with what the binding decided: recorded rows used exactly, missing rows
+routed as the policy decided, and how often the router's own top-k would differ (docs/replay.md,
+"Replay check"). At a log iteration, ``native`` policy::
 
     megatron_ext replay check: 1024 (token, layer) rows with a recorded route, 1024 used exactly;
     1024 without one, 1024 routed by the model's own router (native); the model's own router would
@@ -88,10 +73,8 @@ class ReplayCounts:
 class ReplayCheck:
     """Device counters of the (token, layer) rows replayed by one rank's routers.
 
-    Args:
-        policy: ``--replay-missing-route-policy`` (named in the report).
-        pads_skipped: ``--moe-pad-routing`` resolved to ``skip``: the rows of the tokens the
-            router's ``padding_mask`` marks as pads reach no expert and are not counted.
+    ``policy`` is named in the report; ``pads_skipped`` (``--moe-pad-routing skip``): pads'
+    rows reach no expert and are not counted.
     """
 
     #: Order of the counters in :attr:`counts`.
@@ -134,12 +117,16 @@ class ReplayCheck:
     ) -> None:
         """Called by the binding in every forward (not recompute) routing of a replaying layer,
         with the indices it returns and the rows without a recorded route (None: none)."""
+        # Every forward, with or without grad (activation recompute runs it without), never a
+        # recompute in backward nor an evaluation forward: each micro-batch's rows count once.
         if key is None or key != self._counted_key:
             return
+        # The router's own top-k of the same scores, one more top-k for this diagnostic only.
         differs_N = ~_same_sets(natural(), idx_NK, scores_NE.shape[-1])
         self._pending = (idx_NK, missing_N, differs_N)
 
     def _compare(self, router: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        # The router's routing map (output[1]) is what Megatron dispatches by: compare with it.
         del router
         pending = self._pending
         if pending is None:  # not counted (evaluation, a recompute in backward)
@@ -156,6 +143,7 @@ class ReplayCheck:
         if pad_N is not None:  # rows that reached no expert: neither recorded nor missing
             assert pad_N.shape == hit_N.shape, (pad_N.shape, hit_N.shape)
             recorded_N, missing_N = recorded_N & ~pad_N, missing_N & ~pad_N
+        # Device tensors only: read when the loop logs (take).
         row = torch.stack(
             [
                 recorded_N.sum(),

@@ -1,30 +1,10 @@
 """One rollout sequence -> its training data: token ids, loss mask and per-token values (pure
 numpy, never imports megatron).
 
-``ingest-rollouts`` reads the records with the route readers
-(:mod:`~megatron_ext.replay.route_records`: each :class:`RolloutDocument` carries the sequence's
-prompt + completion ids and where its prompt ends) and writes, per document, the tokens, a loss
-mask (completion tokens 1, prompt tokens 0: what ``--pack-loss-mask-suffix`` reads, value i for
-token i, the target it masks) and one float32 value per token for each key asked for. Where the
-ids come from, per engine (read from the released source):
-
-- vLLM 0.34 / 0.21 responses (``return_token_ids: true``): ``prompt_token_ids`` (chat: on the
-  response; completion: on each choice) and each choice's ``token_ids``
-  (``entrypoints/openai/{completion,chat_completion}/protocol.py``);
-- SGLang 0.5.23 ``/generate``: ``prompt_token_ids`` (the request's ``return_prompt_token_ids``) and
-  ``output_ids`` (``managers/tokenizer_manager.py``), or a sample's ``tokens`` split at
-  ``meta_info.prompt_tokens``; OpenAI-compatible: ``sglext.input_ids`` / the choice's
-  ``prompt_token_ids`` and ``output_ids`` / ``token_ids`` / ``response_token_ids``
-  (``entrypoints/openai/protocol.py``);
-- records (prime-rl, Megatron inference): ``prompt_ids`` + ``completion_ids`` (prime-rl's
-  ``TrainingSample``) or ``prompt_token_ids`` + ``completion_token_ids``.
-
-Per-token keys (``--token-keys NAME[=KEY]``) are looked up in the record's objects most specific
-first (a choice, then its response; an SGLang record, then its ``meta_info``) and must hold one
-finite number per completion token: a list, vLLM's ``logprobs`` object (a completion's
-``token_logprobs``, a chat's ``content[i].logprob``) or SGLang's ``[[logprob, id, text], ...]``.
-Per-sequence keys (``--sequence-keys``, e.g. a reward or prime-rl's ``advantage``) are one
-finite number, broadcast to the completion's tokens. Prompt tokens hold 0. Worked example::
+``ingest-rollouts`` writes, per document the route readers return, the tokens, a loss mask
+(completion tokens 1, prompt tokens 0: what ``--pack-loss-mask-suffix`` reads) and one float32
+value per token for each key asked for (``--token-keys``: one per completion token;
+``--sequence-keys``: one, broadcast to the completion). Prompt tokens hold 0::
 
     prompt [5 6], completion [7 8 9], advantages [0.5 -1 2]
     tokens     [5 6 7 8 9]
@@ -61,11 +41,7 @@ class TokenKey:
 
 def parse_token_keys(text: str | None, flag: str, per_sequence: bool) -> list[TokenKey]:
     """``"advantages,logprobs=completion_logprobs"`` -> keys (``NAME=KEY``, or a key as its own
-    name).
-
-    Raises:
-        ValueError: An empty or malformed entry, or a reserved name; names ``flag``.
-    """
+    name); ValueError naming ``flag`` for a malformed entry or a reserved name."""
     keys = []
     for part in (text or "").split(","):
         if not part.strip() and text is None:
@@ -81,12 +57,15 @@ def parse_token_keys(text: str | None, flag: str, per_sequence: bool) -> list[To
 
 
 def sequence_tokens(doc: RolloutDocument) -> tuple[np.ndarray, np.ndarray]:
-    """``(tokens_T, loss_mask_T)`` of one sequence: int32 ids, uint8 1 on completion tokens.
-
-    Raises:
-        ValueError: No token ids, no prompt/completion split, or ids that are not integers
-            an int32 holds; names the record.
-    """
+    """``(tokens_T, loss_mask_T)`` of one sequence: int32 ids, uint8 1 on completion tokens
+    (ValueError naming the record without ids, a prompt/completion split, or int32 ids)."""
+    # Where the readers find the ids (read from the engines' released source): vLLM
+    # prompt_token_ids (chat: response; completion: each choice) and each choice's token_ids
+    # (entrypoints/openai/{completion,chat_completion}/protocol.py); SGLang /generate
+    # prompt_token_ids + output_ids (managers/tokenizer_manager.py) or a sample's tokens split at
+    # meta_info.prompt_tokens, OpenAI-compatible sglext.input_ids / output_ids or the choice's
+    # (entrypoints/openai/protocol.py); records prompt_ids + completion_ids (prime-rl's
+    # TrainingSample) or prompt_token_ids + completion_token_ids.
     if doc.token_ids is None:
         raise ValueError(
             f"{doc.name}: carries no token ids (vLLM: send return_token_ids: true; SGLang "
@@ -105,11 +84,12 @@ def sequence_tokens(doc: RolloutDocument) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"{doc.name}: {doc.num_prompt} prompt tokens of {len(ids)} tokens")
     tokens_T = np.asarray(ids, dtype=TOKEN_DTYPE)
     mask_T = np.zeros(tokens_T.size, dtype=np.uint8)
-    mask_T[doc.num_prompt :] = 1
+    mask_T[doc.num_prompt :] = 1  # value i is for token i as a target, as the sidecar reads it
     return tokens_T, mask_T
 
 
 def _lookup(doc: RolloutDocument, key: str) -> Any:
+    # Most specific object first: a choice, then its response; an SGLang record, then meta_info.
     for fields in doc.fields:
         if isinstance(fields, dict) and fields.get(key) is not None:
             return fields[key]
@@ -139,10 +119,9 @@ def _check_number(value: Any, where: str) -> float:
 def token_values(doc: RolloutDocument, key: TokenKey, num_tokens: int) -> np.ndarray:
     """One sidecar document ``[T]`` float32: prompt tokens 0, the completion's values after.
 
-    Raises:
-        ValueError: The key missing, a per-token list of another length than the completion,
-            a per-sequence value that is not one number, or a NaN / infinite / non-number value;
-            names the record and the key.
+    A per-token key holds a list, vLLM's ``logprobs`` object (a completion's ``token_logprobs``,
+    a chat's ``content[i].logprob``) or SGLang's ``[[logprob, id, text], ...]``; every value a
+    finite number (else ValueError naming the record and the key).
     """
     num_prompt = doc.num_prompt
     assert num_prompt is not None

@@ -1,19 +1,10 @@
-"""Reading rollout route dumps into route buffers (pure numpy, never imports megatron).
+"""What the rollout engines' route readers share (pure numpy, never imports megatron).
 
-Rollout engines return routes as ``[rows, layers, topk]`` arrays; the engine-specific readers
-(:mod:`~megatron_ext.replay.vllm_routes`, :mod:`~megatron_ext.replay.sglang_routes`) turn their
-answers into :class:`RolloutDocument` s. This module holds what they share:
-
-- :func:`decode_routed_experts`: nested lists ``[rows][L][K]`` (vLLM 0.21's JSON lists, Megatron
-  inference's ``moe_topk_indices``) or the ``{"data": <base64 of the raw bytes>, "shape": [...],
-  "dtype": "uint8"}`` object one RL framework (prime-rl) wraps vLLM's array in, decoded exactly;
-- :func:`repair_document`: one document's rows -> a validated ``[T, L, K]`` route buffer. Rows
-  before an engine's start offset (vLLM ``routed_experts_prompt_start``, SGLang
-  ``routed_experts_start_len``) and the last token's row (engines route ``T - 1`` tokens) become
-  missing; invalid rows are rejected (made missing) or raise; the missing-route policy is applied;
-  it returns counts of what it fixed.
-
-Worked example (E = 8, K = 2, T = 4, start offset 1)::
+The readers (:mod:`~megatron_ext.replay.vllm_routes`, :mod:`~megatron_ext.replay.sglang_routes`)
+turn answers into :class:`RolloutDocument` s; :func:`repair_document` makes each a validated
+``[T, L, K]`` buffer: rows before the engine's start offset and the last token's row (engines
+route ``T - 1`` tokens) missing, invalid rows rejected or refused, the missing-route policy
+applied. E = 8, K = 2, T = 4, start offset 1::
 
     rows [[1 2]] [[4 4]]            -> offset row and T-1 row missing, the duplicate rejected:
     [-- --] [[1 2]] [-- --] [-- --]    counts: offset 1, appended 1, rejected 1 (native policy)
@@ -104,20 +95,14 @@ def decode_routed_experts(
     """Decodes a vLLM / prime-rl ``routed_experts`` value or Megatron's nested lists, exactly.
 
     Ids are never coerced: fractional, NaN, huge, boolean or string ids, ragged rows and
-    payloads whose bytes do not match their shape are refused.
+    payloads whose bytes do not match their shape are refused (ValueError naming ``name``).
 
     Args:
-        payload: Nested lists ``[rows][L][K]`` of integers, or ``{"data": base64, "shape":
-            [rows, L, K], "dtype": "uint8" | "uint16" | ...}``.
+        payload: Nested lists ``[rows][L][K]`` (vLLM 0.21's JSON, Megatron inference's
+            ``moe_topk_indices``), or prime-rl's ``{"data": base64 of the raw bytes, "shape":
+            [rows, L, K], "dtype": "uint8" | ...}``; decoded in its own integer dtype.
         name: Names the payload in errors (``file:line key``).
-        may_hold_booleans: False when the caller knows the payload has none (its JSON text holds
-            no ``true``/``false``): the scan for booleans among integer ids is skipped.
-
-    Returns:
-        ``[rows, L, K]`` array (its own integer dtype).
-
-    Raises:
-        ValueError: Any of the above, naming ``name``.
+        may_hold_booleans: False when the JSON text holds no ``true``/``false``: skips a scan.
     """
     if isinstance(payload, dict):
         array = _decode_base64(payload, name)
@@ -142,9 +127,9 @@ def decode_routed_experts(
 
 
 def _refuse_mixed_booleans(payload_TLK: list, array_TLK: np.ndarray, name: str) -> None:
-    """Refuses a boolean among integer ids: numpy reads ``[true, 3]`` as ``[1, 3]`` (an all-bool
-    payload keeps a bool dtype and :func:`check_route_array` refuses it). Only ids read as 0 or
-    1 can have been booleans, so only those entries of the payload are looked at."""
+    """Refuses a boolean among integer ids: numpy reads ``[true, 3]`` as ``[1, 3]``."""
+    # An all-bool payload keeps a bool dtype (check_route_array refuses it). Only ids read as 0
+    # or 1 can have been booleans: only those entries of the payload are looked at.
     for t, layer, k in np.argwhere((array_TLK == 0) | (array_TLK == 1)).tolist():
         value = payload_TLK[t][layer][k]
         if type(value) is bool:
@@ -154,11 +139,8 @@ def _refuse_mixed_booleans(payload_TLK: list, array_TLK: np.ndarray, name: str) 
 
 
 def check_route_array(array: np.ndarray, name: str) -> None:
-    """Refuses an array that is not ``[T, L, K]`` integer ids (bools, floats, strings, objects).
-
-    Raises:
-        ValueError: Naming ``name``, the dtype and the first offending value.
-    """
+    """Refuses an array that is not ``[T, L, K]`` integer ids (bools, floats, strings, objects),
+    naming ``name``, the dtype and the first offending value."""
     if array.dtype.kind not in "iu":
         flat = array.reshape(-1)
         kind = {"b": "boolean", "U": "string", "S": "string"}.get(
@@ -238,25 +220,13 @@ def repair_document(
     Args:
         rows_TLK: Decoded rows (``num_tokens - start`` or ``num_tokens - 1 - start`` of them).
         num_tokens: T; None takes the rows (after ``start`` missing ones) as complete.
-        num_layers: L.
-        topk: K.
-        num_experts: E.
-        policy: ``native`` or ``balanced``.
-        reject_invalid: True: out-of-range / duplicate rows become missing and are counted;
-            False: they raise.
-        name: For error messages (file and request number).
-        seed: The document index: ``balanced`` fills differ per document (see
-            :func:`~megatron_ext.replay.routes.fill_missing_balanced`).
-        start: The first token the rows cover (:attr:`RolloutDocument.start`).
-        exact: Only ``T - 1 - start`` rows are accepted (:attr:`RolloutDocument.exact`).
+        reject_invalid: Out-of-range / duplicate rows become missing (counted), else raise.
+        seed: The document index: ``balanced`` fills differ per document.
+        start, exact: :attr:`RolloutDocument.start` and :attr:`RolloutDocument.exact`.
 
     Returns:
-        ``(routes_TLK, counts)`` with the dtype of :func:`route_dtype`.
-
-    Raises:
-        ValueError: Wrong layer count / top-k, a row count that is neither T - start nor
-            T - 1 - start (only the latter when ``exact``), or (with
-            ``reject_invalid=False``) an invalid row; messages name the document, token, layer.
+        ``(routes_TLK, counts)`` with the dtype of :func:`route_dtype`. ValueError (naming the
+        document, token and layer) for wrong L or K, another row count, or an invalid row.
     """
     dtype = route_dtype(num_experts, topk)
     rows_TLK = _shaped_rows(rows_TLK, num_tokens, num_layers, topk, name, start, exact)
@@ -266,14 +236,7 @@ def repair_document(
     bad_TL = _invalid_rows(wide, num_experts, reject_invalid, name)
     counts = RepairCounts(documents=1, rejected_rows=int(bad_TL.sum()))
     routes_TLK = np.where(bad_TL[..., None], missing_value(dtype), wide)
-    routes_TLK = routes_TLK.astype(dtype)
-    if start:
-        counts.offset_rows = start
-        routes_TLK = np.concatenate([missing_routes(start, num_layers, topk, dtype), routes_TLK])
-    if num_tokens is not None:
-        counts.appended_rows = num_tokens - routes_TLK.shape[0]
-        where = f"{name} (rows from token {start} on)" if start else name
-        routes_TLK = reconcile_t_minus_1(routes_TLK, num_tokens, name=where)
+    routes_TLK = _place_rows(routes_TLK.astype(dtype), num_tokens, start, counts, name)
     counts.tokens = routes_TLK.shape[0]
     counts.layer_rows = routes_TLK.shape[0] * num_layers
     before = int(missing_mask(routes_TLK).sum())
@@ -286,6 +249,23 @@ def repair_document(
     return routes_TLK, counts
 
 
+def _place_rows(
+    routes_TLK: np.ndarray, num_tokens: int | None, start: int, counts: RepairCounts, name: str
+) -> np.ndarray:
+    """The rows at their tokens: ``start`` missing rows before them, the T - 1 row after."""
+    if start:  # vLLM routed_experts_prompt_start, SGLang routed_experts_start_len
+        counts.offset_rows = start
+        num_layers, topk = routes_TLK.shape[1:]
+        routes_TLK = np.concatenate(
+            [missing_routes(start, num_layers, topk, routes_TLK.dtype), routes_TLK]
+        )
+    if num_tokens is not None:
+        counts.appended_rows = num_tokens - routes_TLK.shape[0]
+        where = f"{name} (rows from token {start} on)" if start else name
+        routes_TLK = reconcile_t_minus_1(routes_TLK, num_tokens, name=where)
+    return routes_TLK
+
+
 def _shaped_rows(
     rows_TLK: np.ndarray,
     num_tokens: int | None,
@@ -295,7 +275,7 @@ def _shaped_rows(
     start: int,
     exact: bool,
 ) -> np.ndarray:
-    """The decoded rows as ``[T', L, K]``, their shape and count checked (:func:`repair_document`)."""
+    """The decoded rows as ``[T', L, K]``, their shape and count checked."""
     if rows_TLK.shape in ((0,), (0, 0, 0)):  # no rows and no shape (an empty list)
         rows_TLK = np.zeros((0, num_layers, topk), dtype=np.int64)
     if rows_TLK.ndim != 3:

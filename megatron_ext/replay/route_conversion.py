@@ -1,18 +1,11 @@
 """Rollout records -> repaired route documents: the conversion ``convert-routes`` and
-``ingest-rollouts`` share (pure numpy, never imports megatron).
-
-Both tools take the same model flags (:func:`add_route_flags`: ``--model-config``, or
-``--num-layers/--topk/--num-experts`` with ``--moe-layer-ids/--num-decoder-layers``, the start
-offset, the missing-route policy and the limits) and convert one record at a time with a
-:class:`RouteConverter`::
+``ingest-rollouts`` share (pure numpy, never imports megatron). The tools differ only in where the
+token ids come from (``--tokens-prefix``, or the records) and what they write beside the routes::
 
     converter = RouteConverter.from_args(args)           # refuses flags that disagree
     for index, doc in enumerate(converter.documents(args.input, args.format)):
         routes_TLK = converter.convert(doc, index, num_tokens)   # [T, L, K] route dtype
     converter.check_fractions()                          # the limits, after the last record
-
-The tools differ only in where the token ids come from (``--tokens-prefix`` for convert-routes, the
-records themselves for ingest-rollouts) and what they write beside the routes.
 
 Legend: T tokens of a document, L MoE layers, K top-k.
 """

@@ -1,22 +1,11 @@
 """How much of a run's training data has a recorded route, checked when the datasets are built.
 
-A route sidecar may cover its tokens only in part: vLLM's last token of each document has no
-route, ``tools/convert_routes.py --reject-invalid-rows`` turns invalid rows into missing ones, a
-recording covers only the packs it trained on. ``--replay-missing-route-policy`` decides the
-missing rows, so a run over poorly covered data trains on the router's (or a synthetic) routing
-while calling it replay. :func:`training_route_coverage` counts, over the real tokens of the packs
-the run will train on (from the samples already consumed to the last), the (token, layer) rows
-that have no recorded route; :func:`check_route_coverage` logs the fraction and refuses a run
-above ``--route-replay-max-missing``. Pads are left out: they copy a token's route (self pads) or
-are decided by the policy by design (constant pads).
-
-The count reads every training pack's routes (a scan of the route sidecar over the run's samples),
-so :func:`check_route_coverage` keeps its result in the data cache (``--data-cache-path``, else
-beside the data), keyed like the vocabulary scan: each component dataset's pack plan (its
-``unique_description_hash``) and the identity of its token and route files, the blend's, and the
-sample range. An unchanged launch reads no route; a rewritten route file is scanned again.
-
-Example (2 packs of one 3-token document each, 2 MoE layers, one row missing)::
+The missing-route policy decides rows without a route (vLLM's last token per document, rows
+``--reject-invalid-rows`` rejected, packs a recording did not cover): a poorly covered run would
+train on the router's (or a synthetic) routing while calling it replay. The (token, layer) rows of
+the real tokens of the packs the run will train on are counted, and a run above
+``--route-replay-max-missing`` is refused (pads left out: they copy a token's route or are the
+policy's by design). 2 packs of one 3-token document each, 2 MoE layers, one row missing::
 
     training_route_coverage(train_dataset, 0, 2)   # (1, 12): 1 of 12 rows has no route
 
@@ -36,11 +25,8 @@ from megatron_ext.replay.routes import missing_value
 def training_route_coverage(dataset: Any, first: int, end: int) -> tuple[int, int]:
     """``(missing rows, rows)`` over the real tokens of samples ``[first, end)`` of ``dataset``.
 
-    Args:
-        dataset: A :class:`~megatron_ext.replay.route_dataset.RoutedPackedDataset`, or Megatron's
-            ``BlendedDataset`` of them.
-        first: The first sample the run trains on (the samples consumed before a resume).
-        end: One past the last (the run's training samples); clipped to the dataset's length.
+    ``dataset``: a ``RoutedPackedDataset`` or Megatron's ``BlendedDataset`` of them; ``first``:
+    the samples consumed before a resume; ``end`` is clipped to the dataset's length.
     """
     missing = rows = 0
     for packs, index in _packs(dataset, first, min(end, len(dataset))):
@@ -56,10 +42,10 @@ def training_route_coverage(dataset: Any, first: int, end: int) -> tuple[int, in
 
 
 def _count_missing_rows(routes_NLK: np.ndarray) -> int:
-    """Missing rows of routes validated when the dataset was built (no row mixes the marker with
-    ids, a real row's ids are distinct): a row is missing iff its first two slots hold the marker
-    (its only slot at K = 1). Two passes over the buffer instead of K
-    (:func:`~megatron_ext.replay.routes.missing_mask`), the cost of this check."""
+    """Missing rows of routes validated when the dataset was built."""
+    # Validated rows never mix the marker with ids and a real row's ids are distinct: a row is
+    # missing iff its first two slots hold the marker (its only slot at K = 1). Two passes over
+    # the buffer instead of missing_mask's K: the cost of this check.
     marker = missing_value(routes_NLK.dtype)
     missing_NL = routes_NLK[..., 0] == marker
     if routes_NLK.shape[-1] > 1:
@@ -132,14 +118,10 @@ def check_route_coverage(
     log: Any = print,
     cache: bool = False,
 ) -> float:
-    """Logs the training packs' fraction of rows without a recorded route; refuses a run above
-    ``max_missing`` (``--route-replay-max-missing``). Returns the fraction.
+    """Logs the training packs' fraction of rows without a recorded route and returns it; a
+    fraction above ``max_missing`` (``--route-replay-max-missing``) is a ValueError.
 
-    With ``cache`` the count is kept in the data cache (:func:`cached_route_coverage`); the log
-    line says when it was read from there.
-
-    Raises:
-        ValueError: More rows than ``max_missing`` allows have no recorded route.
+    ``cache``: keep the count in the data cache (the log line says when it was read there).
     """
     if cache:
         (missing, rows), cached = cached_route_coverage(dataset, first, end)

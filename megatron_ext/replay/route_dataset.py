@@ -1,23 +1,9 @@
 """Route sidecar datasets: routes stored beside the token data and packed exactly like it.
 
-A route sidecar is a Megatron ``IndexedDataset`` at ``<data prefix><suffix>`` whose document d
-holds ``len(d) * L * K`` uint8/uint16 ids, i.e. ``routes_TLK`` of that document flattened. It
-plugs into the data blender's per-token sidecar hook
-(:class:`~megatron_ext.data.packed_dataset.Sidecar`), so the packer gathers, splits, truncates
-and self-pads routes with the *same* code path as the tokens (one code path; a document whose
-route count differs from its token count is refused when the dataset is built). When the dataset
-is built, :class:`RoutedPackedDataset` checks the file's header (L, K, E it was written for,
-:mod:`~megatron_ext.replay.route_file`) and validates every row of the file once, vectorized
-(ids, distinct top-k; errors name the file, document, token and layer), remembering the pass in the
-index cache under the file's identity; a bad route never stops a run mid-training. Samples then
-only get the missing-route policy. It is built through ``BlendedMegatronDatasetBuilder`` and uses
-the pack cache like ``PackedDataset``.
-
-:class:`RouteRecorder` is the way back: routes recorded per pack (record mode) are streamed to
-disk with the pack's pieces and assembled (atomically, with the header) into a route sidecar
-aligned with the tokens (:mod:`~megatron_ext.replay.route_stream`; peak RAM one pack).
-
-Example::
+A route sidecar (``<data prefix><suffix>``, document d holding ``routes_TLK`` flattened) plugs
+into the packer's per-token sidecar hook, so routes are split and self-padded by the tokens' own
+code path; its header and every row are checked once when the dataset is built (never
+mid-training), and samples then only get the missing-route policy::
 
     config = RoutedPackedDatasetConfig(..., route_suffix="_routes", route_num_layers=2,
                                        route_topk=2, route_num_experts=8)
@@ -87,19 +73,12 @@ _WARNED_NO_DIGEST: set[str] = set()
 
 
 def has_missing_routes(batch: dict[str, Any]) -> bool | None:
-    """Whether any route row of a micro-batch is missing, from its host-side counts.
-
-    What ``RouteReplayBinding.install(..., has_missing=...)`` takes: ``False`` lets every router
-    skip the native top-k and the ``where``. ``None`` when the batch carries no counts (not a
-    :class:`RoutedPackedDataset` batch).
-
-    Raises:
-        ValueError: The counts were moved to an accelerator (reading them would sync).
-    """
+    """Whether any route row of a micro-batch is missing, from its host-side counts (None: the
+    batch carries none), for ``RouteReplayBinding.install(..., has_missing=...)``."""
     counts = batch.get(MISSING_ROWS_KEY)
     if counts is None:
         return None
-    if counts.device.type != "cpu":
+    if counts.device.type != "cpu":  # reading them there would be a sync per micro-batch
         raise ValueError(
             f"batch[{MISSING_ROWS_KEY!r}] is on {counts.device}: keep it on the host (reading "
             "it from the device would be a device-to-host sync per micro-batch)"
@@ -208,17 +187,12 @@ def write_route_sidecar(
     """Writes route documents ``[T, L, K]`` with the header (L, K, E) beside them, atomically.
 
     ``routes_per_doc`` may be a generator: documents are written as they come (memory holds
-    one), the header is made from their lengths at the end, and an exception raised by the
-    generator (even after its last document) leaves nothing written.
+    one), and an exception it raises (even after its last document) leaves nothing written.
+    ``tokens_prefix`` and ``moe_layer_ids`` go into the header
+    (:func:`~megatron_ext.replay.route_file.header_bytes`).
 
-    ``tokens_prefix``: the token data the routes belong to; its content digest goes into the
-    header, so the dataset refuses these routes beside other tokens (even of the same lengths).
-    ``moe_layer_ids``: the 0-based decoder layers the L rows belong to, recorded in the header
-    (the training model's MoE layers are checked against them).
-
-    Raises:
-        ValueError: An existing output without ``overwrite``, an output equal to one of
-            ``inputs``, or a route buffer of another shape / dtype.
+    ValueError: an existing output without ``overwrite``, an output equal to one of ``inputs``,
+    or a route buffer of another shape / dtype.
     """
     dtype = route_dtype(num_experts, topk)
     exts = (".bin", ".idx", HEADER_EXTENSION)
@@ -235,7 +209,7 @@ def write_route_sidecar(
             lengths.append(routes.shape[0])
             yield routes
 
-    def header() -> bytes:
+    def header() -> bytes:  # called after the last document: made from their lengths
         return header_bytes(
             num_layers=num_layers,
             topk=topk,
@@ -290,6 +264,8 @@ def _check_route_shape(
             stacklevel=2,
         )
     width = config.route_num_layers * config.route_topk
+    # A constant ratio other than L x K is another model's file: say so in those terms, before
+    # the per-document alignment check would name only a document.
     if route_lens.shape == lens.shape and lens.sum() and (route_lens != width * lens).any():
         per_token = route_lens[lens > 0] / lens[lens > 0]
         if (per_token == per_token[0]).all() and float(per_token[0]).is_integer():
@@ -309,8 +285,8 @@ def _check_route_shape(
 def _check_tokens_digest(
     digest: str, dataset_path: str, route_prefix: str, config: RoutedPackedDatasetConfig
 ) -> None:
-    """Refuses routes written for other token data than ``dataset_path``'s. The token files are
-    read once per state (the pass is remembered under their identities in the index cache)."""
+    """Refuses routes written for other token data than ``dataset_path``'s (the token files read
+    once per state)."""
     key = (
         f"tokens {digest} {os.path.realpath(dataset_path)} "
         f"{file_identity(dataset_path + '.idx')} {file_identity(dataset_path + '.bin')}"
@@ -345,8 +321,8 @@ def _validate_route_file(
     route_prefix: str,
     config: RoutedPackedDatasetConfig,
 ) -> None:
-    """Validates every row of the route file once (chunked, vectorized); remembered by the file's
-    identity in the index cache, so an unchanged file is read once."""
+    """Validates every row of the route file once (chunked, vectorized; an unchanged file is read
+    once)."""
     num_layers, topk, num_experts = (
         config.route_num_layers,
         config.route_topk,

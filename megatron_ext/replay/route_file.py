@@ -2,29 +2,12 @@
 megatron).
 
 A route sidecar ``P.bin/.idx`` stores ``routes_TLK`` flattened per document, so its ``.idx`` alone
-cannot tell a file written for L = 2, K = 2 from one for L = 4, K = 1 (both 4 ids per token). The
-header ``P.routes.json`` beside it says what the ids mean::
+cannot tell L = 2, K = 2 from L = 4, K = 1 (both 4 ids per token); ``P.routes.json`` beside it says
+what the ids mean and which token data they belong to (docs/replay.md, "Format")::
 
     {"format": "megatron_ext.routes", "version": 1, "num_layers": 2, "topk": 2,
      "num_experts": 8, "dtype": "uint8", "num_documents": 3, "num_tokens": 15,
      "tokens_digest": "9b1c..."}
-
-``tokens_digest`` (optional; written when the writer knows the token data: ``RouteRecorder``, and
-``tools/convert_routes.py --tokens-prefix``) is the content digest of the token ``.idx``/``.bin``
-the routes belong to: routes left beside rewritten tokens of the same lengths are refused.
-``moe_layer_ids`` (optional; written by ``tools/convert_routes.py --moe-layer-ids/--model-config``,
-``ingest-rollouts`` and route recording) are the 0-based decoder layers the L rows belong to, in
-the *source* model's numbering, e.g. ``[1, 2]`` for a model whose layer 0 is dense. Training
-replays row i on the training model's i-th MoE layer, whatever its number: a HybridModel counts
-attention and MoE as layers of their own (``*E*E``: MoE layers 1 and 3 for the rows of a Hugging
-Face config's decoder layers 0 and 1). Only a true mismatch, another number of MoE layers, is
-refused at argument time, naming both lists (:func:`check_layer_ids`; top-k and experts:
-:func:`check_written_for`).
-
-It is written with the pair by ``tools/convert_routes.py`` and ``RouteRecorder`` and checked when
-the dataset is built (:func:`check_header`): a model whose L, K or E differs is refused, naming the
-layers and top-k (alignment with the token documents is checked per document by the dataset). :func:`first_invalid_row` scans a whole file's rows once, vectorized, so a bad
-route stops the run before training, naming the document, token and layer.
 
 Legend: T tokens (rows), L MoE layers, K top-k, E experts.
 """
@@ -59,9 +42,10 @@ def header_bytes(
 ) -> bytes:
     """The header of a route sidecar whose document d holds ``lengths_D[d]`` tokens.
 
-    ``tokens``: :func:`tokens_digest` of the token data the routes were recorded or converted
-    for, stored as ``tokens_digest`` (the dataset then refuses the routes beside other tokens,
-    even of the same lengths); None when the writer does not know the token data.
+    ``tokens``: :func:`tokens_digest` of the token data the routes belong to (the dataset then
+    refuses them beside other tokens, even of the same lengths); None when the writer does not
+    know it. ``moe_layer_ids``: the 0-based decoder layers of the L rows, in the *source*
+    model's numbering.
     """
     header = {
         "format": FORMAT,
@@ -82,11 +66,8 @@ def header_bytes(
 
 
 def read_header(path: str) -> dict:
-    """Reads and checks the fields of a header file.
-
-    Raises:
-        ValueError: Not JSON, another format, or a missing / non-integer field; names the file.
-    """
+    """Reads a header file; ValueError naming it for one not JSON, of another format, or with a
+    missing or malformed field."""
     try:
         with open(path, encoding="utf-8") as f:
             header = json.load(f)
@@ -117,11 +98,11 @@ def read_header(path: str) -> dict:
 
 
 def check_layer_ids(header: dict, path: str, moe_layer_ids: Sequence[int]) -> None:
-    """Refuses a route file whose rows cannot map onto the model's MoE layers (0-based): its
-    header's ``moe_layer_ids`` (the source model's MoE layers) must be as many as the model's.
-    They map in order, row i onto the model's i-th MoE layer, so the numbers may differ (a
-    HybridModel's layers count attention and MoE separately; a source config numbers its own
-    decoder layers); the message names both lists."""
+    """Refuses a route file whose header's ``moe_layer_ids`` are not as many as the model's MoE
+    layers (0-based), naming both lists."""
+    # Row i replays on the model's i-th MoE layer, whatever the numbers: a HybridModel counts
+    # attention and MoE as layers of their own (*E*E: MoE layers 1 and 3 for a Hugging Face
+    # config's decoder layers 0 and 1). Only another count is a true mismatch.
     written = header.get("moe_layer_ids")
     if written is not None and len(written) != len(moe_layer_ids):
         raise ValueError(
@@ -173,17 +154,10 @@ def check_header(
     num_documents: int,
     num_values: int,
 ) -> None:
-    """Refuses a route file written for another model or other data.
+    """Refuses a route file written for another model (L without MTP, K, E) or other data (the
+    ``dtype``, ``num_documents`` and ``num_values`` its ``.idx`` stores).
 
-    Args:
-        header: :func:`read_header` of ``path``.
-        path: For the message.
-        num_layers: L of the model (MoE layers, MTP excluded).
-        topk: K of the model.
-        num_experts: E of the model.
-        dtype: The sidecar's stored dtype (from its ``.idx``).
-        num_documents: Documents of the sidecar's ``.idx``.
-        num_values: Ids the sidecar's ``.idx`` indexes (tokens x L x K).
+    Alignment with the token documents is checked per document by the dataset.
     """
     check_written_for(header, path, num_layers=num_layers, topk=topk, num_experts=num_experts)
     if header.get("dtype") != np.dtype(dtype).name:
@@ -205,18 +179,14 @@ BLOCK_VALUES = 1 << 16
 
 
 def first_invalid_row(routes_TLK: np.ndarray, num_experts: int) -> tuple[int, int, str] | None:
-    """The first (token, layer) row that is not a valid route, or None.
+    """``(token, layer, what)`` of the first (token-major) row that is not a valid route, or None.
 
-    A row is valid when it is missing (all K entries equal the dtype's maximum) or holds K
-    distinct ids below ``num_experts``; the rules of
-    :func:`~megatron_ext.replay.routes.validate_routes`, vectorized. Rows are checked in blocks
-    of at most an eighth of the input (and :data:`BLOCK_VALUES` values), slot by slot with
-    ``[rows, L]`` temporaries only, so checking never holds more than the input's size again
-    (a ``[T, L, K]`` mask per rule and a sorted copy used to take 4.5-11 times the input).
-
-    Returns:
-        ``(token, layer, what)`` of the first bad row in token-major order.
+    A row is valid when it is missing or holds K distinct ids below ``num_experts``: the rules
+    of :func:`~megatron_ext.replay.routes.validate_routes`, vectorized.
     """
+    # Blocks of at most an eighth of the input (and BLOCK_VALUES values), slot by slot with
+    # [rows, L] temporaries: never more than the input's size again (a [T, L, K] mask per rule
+    # and a sorted copy used to take 4.5-11 times the input).
     num_rows, num_layers, topk = routes_TLK.shape
     width = max(num_layers * topk, 1)
     block = max(1, min(-(-num_rows // 8), BLOCK_VALUES // width))

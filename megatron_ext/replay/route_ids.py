@@ -1,8 +1,7 @@
 """Expert ids a caller hands :class:`~megatron_ext.replay.route_replay.RouteReplay`, checked and
 narrowed to the route sidecar's dtype (pure numpy, never imports megatron).
 
-An engine's ids come as any integer array; the sidecar's dtype (uint8 up to 255 experts at top-k,
-else uint16) marks a missing row with all-max ids, other inputs with -1::
+The sidecar's dtype marks a missing row with all-max ids; any other integer input with -1::
 
     narrow_routes(np.array([[[3, 1]], [[-1, -1]]]), 8, np.dtype(np.uint8))
     # -> [[[3, 1]], [[255, 255]]] uint8
@@ -14,13 +13,9 @@ from megatron_ext.replay.routes import missing_value
 
 
 def narrow_routes(routes: np.ndarray, num_experts: int, dtype: np.dtype) -> np.ndarray:
-    """Expert ids in ``dtype`` with its missing marker: an input already of ``dtype`` keeps its
-    markers; any other integer input marks a missing row with -1 (all K entries).
-
-    Raises:
-        ValueError: A non-integer input, an id outside ``[0, E)`` (or -1), a partly missing row
-            or a repeated id in a row.
-    """
+    """Expert ids in ``dtype`` with its missing marker (an input of another dtype marks a missing
+    row with -1 in all K entries). ValueError: a non-integer input, an id outside ``[0, E)``, a
+    partly missing row or a repeated id in a row."""
     if not np.issubdtype(routes.dtype, np.integer):
         raise ValueError(f"routes must hold integer expert ids, got {routes.dtype}")
     marker = missing_value(dtype)

@@ -27,30 +27,17 @@ from megatron_ext.replay.routes import route_dtype
 class RouteRecorder(RouteStream):
     """Streams routes recorded per pack to disk and writes them as a route sidecar.
 
-    A :class:`~megatron_ext.replay.route_stream.RouteStream` that knows its documents: each
-    pack's rows go to the stream files as they are recorded (``add_pack(pieces, routes_SLK,
-    pad_mask_S=None)``, pads written as missing); :meth:`write` assembles the sidecar
-    from the stream(s) on disk. Peak RAM is one pack plus fixed buffers, whatever the number of
-    documents (the recorder used to hold ``L * K`` bytes per token of every document). Tokens
-    that were never recorded (documents no pack reached, dropped overlong tails, pads written as
-    missing) stay missing, so a replay routes them natively or by the balanced policy. The
-    sidecar is byte-identical to what the in-memory recorder wrote for the same packs.
+    A :class:`~megatron_ext.replay.route_stream.RouteStream` that knows its documents. Tokens
+    never recorded (documents no pack reached, dropped tails, pads) stay missing.
 
     Args:
         doc_lengths: Token count of every document of the token dataset (may be memory-mapped).
-        num_layers: L.
-        topk: K.
-        num_experts: E (selects uint8/uint16).
+        num_layers, topk, num_experts: L, K, E.
         stream: Path prefix of this recorder's stream (``.pieces``/``.rows``); None: in a
             temporary directory, removed by :meth:`close`.
-        doc_offsets: Token offset of each document in units of ``offset_unit`` (the token
-            index's ``sequence_pointers``, read per piece); None: the running sum of the lengths.
-        offset_unit: Divides ``doc_offsets`` (the token dtype's size for byte pointers).
-        tokens_prefix: The token data recorded on; its content digest goes into the header (the
-            dataset then refuses the routes beside rewritten tokens). None: not recorded.
-        moe_layer_ids: The 0-based decoder layers of the L rows (the recording model's MoE
-            layers), written into the header so a replay on another layer layout is refused.
-            None: not recorded.
+        doc_offsets, offset_unit: As ``assemble_route_sidecar``'s ``doc_offsets_D``.
+        tokens_prefix, moe_layer_ids: For the header (the recording's token data and MoE
+            layers); None: not recorded.
     """
 
     def __init__(
@@ -113,19 +100,9 @@ class RouteRecorder(RouteStream):
         self, path_prefix: str, overwrite: bool = False, streams: list[str] | None = None
     ) -> int:
         """Writes ``path_prefix.bin/.idx`` and its header atomically; returns the number of
-        documents.
-
-        Args:
-            path_prefix: The output.
-            overwrite: Replace an existing output.
-            streams: Stream bases to assemble, in precedence order (later ones win where two
-                recorded the same token); None: this recorder's own. This recorder's stream is
-                flushed and closed first.
-
-        Raises:
-            ValueError: The output exists (without ``overwrite``) or its directory is unusable,
-                or the token data was rewritten since recording started.
-        """
+        documents. ``streams``: the stream bases to assemble, later ones winning (None: this
+        recorder's own, flushed and closed first). ValueError for an existing output (without
+        ``overwrite``) or token data rewritten since recording started."""
         super().close()  # flushed, not removed
         if (
             self.tokens_prefix is not None
@@ -180,10 +157,9 @@ def record_streams(path_prefix: str) -> tuple[int | None, bool, list[str]]:
     """Who records where in a run: ``(this rank's data-parallel rank, or None off the data-parallel
     group of global rank 0; whether this rank writes the sidecar; the stream base of each DP rank
     of that group, in DP rank order)``. Streams sit beside the output: ``<path_prefix>.dp<r>``.
-
-    The other data-parallel groups record the same routes (every rank of a model-parallel group
-    holds the whole micro-batch's routes after ``recorded_routes``), so they stream nothing.
     """
+    # The other data-parallel groups record the same routes (every rank of a model-parallel
+    # group holds the whole micro-batch's routes after recorded_routes): they stream nothing.
     import torch
     from megatron.core import parallel_state
 

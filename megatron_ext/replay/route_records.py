@@ -1,17 +1,8 @@
 """Rollout dump files -> route documents, one record at a time (pure numpy, never imports megatron).
 
-What ``tools/convert_routes.py`` reads, per ``--format``:
-
-- ``vllm``: a JSONL line is a whole vLLM ``CompletionResponse`` / ``ChatCompletionResponse``
-  (``choices`` present; :mod:`~megatron_ext.replay.vllm_routes`), or a record ``{"routed_experts":
-  ..., "num_tokens": T or "token_ids": [...]}`` whose value is vLLM 0.34's ``.npy`` base64 string,
-  nested lists, or prime-rl's ``{"data", "shape", "dtype"}`` object;
-- ``megatron``: ``{"prompt_moe_topk_indices": ..., "moe_topk_indices": ..., "num_tokens": T}``;
-- ``sglang``: :mod:`~megatron_ext.replay.sglang_routes`;
-- ``npy`` (one file per document) and ``safetensors`` (one tensor per document).
-
-A JSONL line holding a JSON list (a batched answer) is one record per element, in order. Lines
-are read one at a time: memory holds one record, whatever the file's size. Example::
+What ``tools/convert_routes.py`` reads, per ``--format`` (``vllm``, ``megatron``, ``sglang``,
+``npy``, ``safetensors``; docs/replay.md, "Converting rollouts"). Memory holds one record,
+whatever the file's size::
 
     for doc in read_documents(["rollouts.jsonl"], "vllm", wire_layers=61, topk=8):
         doc.name, doc.rows_TLK.shape, doc.num_tokens   # "rollouts.jsonl:1 choice 0", ...
@@ -114,15 +105,10 @@ def read_documents(
     """Yields the documents of ``paths`` in order.
 
     Args:
-        paths: Input files.
         fmt: One of :data:`FORMATS`.
-        wire_layers: Layers per row of a shapeless payload (SGLang's base64): the model's decoder
-            layers when a layer map is given, else its MoE layers.
-        topk: K (shapes SGLang's base64).
-        start: The requests' start offset (vLLM ``routed_experts_prompt_start``, SGLang
-            ``routed_experts_start_len``); a record's own key overrides it.
-        vllm_moe_rows: ``--vllm-moe-rows`` (vLLM 0.21's MoE-first rows;
-            :func:`~megatron_ext.replay.vllm_routes.moe_rows_first`).
+        wire_layers, topk: The rows' layers and K where the payload has no shape (SGLang's
+            base64): the model's decoder layers with a layer map, else its MoE layers.
+        start: The requests' start offset; a record's own key overrides it.
     """
     for path in paths:
         if fmt == "npy":
@@ -161,7 +147,7 @@ def documents_of_line(
     # A boolean can only be there if the JSON text spells one: else skip the scan for them.
     booleans = "true" in line or "false" in line
     shape = (wire_layers, topk, start, booleans, vllm_moe_rows)
-    if isinstance(record, list):
+    if isinstance(record, list):  # a batched answer: one record per element, in order
         if not record:
             raise ValueError(f"{name}: an empty JSON list holds no record")
         return [
@@ -188,6 +174,9 @@ def _documents(
         )
     if not isinstance(record, dict):
         raise ValueError(f"{name}: expected a JSON object, got {type(record).__name__}")
+    # vllm: a whole response, or a record {"routed_experts": .npy base64 | nested lists |
+    # prime-rl's {"data", "shape", "dtype"}, "num_tokens": T or "token_ids": [...]}; megatron:
+    # {"prompt_moe_topk_indices", "moe_topk_indices", "num_tokens"}.
     if fmt == "vllm" and "choices" in record:
         return vllm_response_documents(
             record, name, prompt_start=start, vllm_moe_rows=vllm_moe_rows

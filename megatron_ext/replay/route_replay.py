@@ -1,10 +1,6 @@
 """Route replay inside any training loop: engine routes installed on a Megatron-Core model the
-caller built and runs (RL frameworks' own loops; no ``pretrain``, no dataset).
-
-:class:`RouteReplay` wraps the entry's :class:`~megatron_ext.replay.binding.RouteReplayBinding`
-(``KeyedRouterReplay`` in every decoder router; missing rows routed natively; keyed per micro-batch
-so activation recompute in backward replays the same routes, in any pipeline schedule): per
-micro-batch the caller hands it the routes of the micro-batch's tokens before the forward::
+caller built and runs (RL frameworks' own loops; no ``pretrain``, no dataset), over the entry's
+:class:`~megatron_ext.replay.binding.RouteReplayBinding`::
 
     with RouteReplay(model) as replay:                   # GPTModel / HybridModel, or its VPP chunks
         for step in range(steps):
@@ -14,14 +10,6 @@ micro-batch the caller hands it the routes of the micro-batch's tokens before th
             optimizer.step()
             replay.clear()                             # after the step's last backward
     # leaving the block puts Megatron's own RouterReplay back: the model routes natively again
-
-Routes are what the route sidecar holds (uint8 / uint16, a row of all-max ids is missing) or any
-integer array with -1 for a missing row. Self-padded batches pass ``src_index`` (``[B, S]``: the
-position each token copies, -1 for a constant pad), and each pad replays its source's route, as
-the packed dataset does. THD forwards (``packed_seq_params``, tokens ``[1, B*S]``) pass
-``thd=True``. Under sequence parallelism each rank's routers get its slice. Context parallelism is
-refused for now (the entry's packed batches will be split per document; the routes must follow
-the same split).
 
 Legend: B samples, S positions, T tokens, L MoE layers, K top-k.
 """
@@ -42,14 +30,9 @@ from megatron_ext.replay.routes import missing_value, pad_routes, route_dtype
 class RouteReplay:
     """Engine routes on the MoE routers of a model the caller built (a context manager).
 
-    Args:
-        model: The model on this rank (``GPTModel`` or ``HybridModel``, possibly wrapped), or
-            its model chunks under virtual pipeline stages.
-        missing_route_policy: ``"native"``: rows without a route take the router's own top-k.
-
-    Raises:
-        ValueError: No MoE router on this rank, or a config under which Megatron would bypass
-            replay (the binding's checks).
+    ``model``: the model on this rank (``GPTModel`` or ``HybridModel``, maybe wrapped), or its
+    chunks under virtual pipeline stages. Rows without a route take the router's own top-k.
+    ValueError: no MoE router on this rank, or a config where Megatron would bypass replay.
     """
 
     def __init__(
@@ -105,25 +88,23 @@ class RouteReplay:
 
         Args:
             routes: ``[B, S, L, K]`` or one sequence ``[T, L, K]`` (numpy or torch, host or
-                device), in the data layout of the micro-batch (the tokens' order).
+                device), in the tokens' order: the route sidecar's rows (all-max: missing) or
+                any integer ids with -1 for a missing row.
             model: The chunk that runs next (under virtual pipeline stages); None: the first.
-            key: Names the micro-batch until :meth:`clear`; default ``(step, index)``, the
-                index counted per chunk, so a micro-batch has one key on every chunk.
+            key: Names the micro-batch until :meth:`clear`; default ``(step, index)``.
             src_index: ``[B, S]`` (or ``[S]``): the position each token copies (a self pad),
                 -1 for a constant pad (a missing row); None: every token its own.
             thd: The forward runs THD packed sequences (tokens ``[1, B*S]``).
-            cu_seqlens: Under context parallelism with ``thd``: the packed row's boundaries as
-                the forward's ``PackedSeqParams`` has them (``cu_seqlens_q``, 1-D, every one a
-                multiple of 2*CP). The whole micro-batch's routes are given; this rank's are
-                taken by the split Megatron's ``get_batch_on_this_cp_rank`` makes of the tokens
-                (Transformer Engine's ``thd_get_partitioned_indices``), as the dataset path does.
-                Without ``thd``, routes follow Megatron's per-sequence zigzag by themselves.
+            cu_seqlens: Under context parallelism with ``thd``: the forward's
+                ``PackedSeqParams.cu_seqlens_q`` (1-D, every one a multiple of 2*CP); the whole
+                micro-batch's routes are given and this rank keeps its share.
 
         Raises:
             ValueError: Routes of another shape, an id outside ``[0, E)`` or -1, or repeated
                 ids in a row (host routes are checked; device routes are not read).
         """
         chunk = 0 if model is None else self._chunk_index(model)
+        # The index counted per chunk: a micro-batch has one key on every chunk.
         if key is None:
             key = (self.step, self._positions.get(chunk, 0))
             self._positions[chunk] = key[1] + 1
@@ -161,6 +142,9 @@ class RouteReplay:
         from megatron.core import parallel_state
         from megatron.core import utils as mcore_utils
 
+        # The split Megatron's get_batch_on_this_cp_rank makes of the tokens (TE's
+        # thd_get_partitioned_indices), as the dataset path does. Without thd, the binding
+        # follows Megatron's per-sequence zigzag by itself.
         return mcore_utils.tex.thd_get_partitioned_indices(
             cu_seqlens.to(torch.int32),
             total,
@@ -198,7 +182,7 @@ class RouteReplay:
 
     def _narrow(self, routes: Any, src_index: Any) -> tuple[torch.Tensor, bool | None]:
         """``routes`` as ``[B, S, L, K]`` of the sidecar's dtype, and whether a row is missing
-        (known on the host; None for device routes, whose missing mask is built on the device)."""
+        (None for device routes: never read, their missing mask is built on the device)."""
         on_device = torch.is_tensor(routes) and routes.device.type != "cpu"
         if on_device:
             if src_index is not None:
@@ -210,7 +194,7 @@ class RouteReplay:
         array = array if array.ndim == 4 else array[None]
         self._check_shape(array.shape)
         narrow = narrow_routes(array, self.num_experts, self.dtype)
-        if src_index is not None:
+        if src_index is not None:  # each pad replays its source's route, as the dataset pads
             index_BS = np.asarray(src_index).reshape(narrow.shape[:2])
             narrow = np.stack([pad_routes(r, i) for r, i in zip(narrow, index_BS, strict=True)])
         marker = missing_value(self.dtype)

@@ -1,24 +1,14 @@
 """Recording routes at any scale: per-rank streams on disk, assembled into a route sidecar (pure
 numpy + os, never imports megatron).
 
-Record mode used to keep every document's routes in host RAM (``L * K`` bytes per token plus an
-array per document: about 3 TiB for 10M documents at 48 layers, top-8) and to gather them to rank
-0. Here each data-parallel rank appends what it records to a stream of its own, and the sidecar is
-assembled from the streams at the end by streaming, so peak RAM is one micro-batch plus fixed
-buffers (:data:`CHUNK_BYTES`), whatever the recording's size.
-
-A stream ``B`` is two append-only files: ``B.pieces`` (int64 ``[doc, start, length]`` per document
-piece, in recording order) and ``B.rows`` (those pieces' route rows, ``length * L * K`` ids each,
-in the same order). :func:`assemble_route_sidecar` writes a temporary ``.bin`` filled with the
-missing marker, writes every piece's rows at its document offset (streams in the given order, each
-in recording order: a token recorded twice keeps its last recording, as the in-memory recorder
-did), writes the ``.idx`` in chunks and the header, and renames the three into place::
+Each data-parallel rank appends what it records to a stream of its own (``B.pieces``: int64
+``[doc, start, length]`` per piece; ``B.rows``: their route rows), assembled into the sidecar at the
+end by streaming: peak RAM is one micro-batch plus fixed buffers, whatever the recording's size (in
+host RAM it was ``L * K`` bytes per token: about 3 TiB for 10M documents at 48 layers, top-8)::
 
     pack pieces [(doc 4, start 0, len 3), (doc 7, start 10, len 2)], routes_SLK [r0 r1 r2 r3 r4 _ _]
     B.pieces += [[4, 0, 3], [7, 10, 2]]     B.rows += r0 r1 r2 r3 r4     (pads are not documents)
     sidecar: doc 4 tokens 0..2 <- r0 r1 r2, doc 7 tokens 10..11 <- r3 r4, every other token missing
-
-The output is byte-identical to what ``write_route_sidecar`` writes for the same documents.
 
 Legend: S positions of a pack, Q pieces, L MoE layers, K top-k, D documents.
 """
@@ -49,14 +39,8 @@ def stream_files(base: str) -> tuple[str, str]:
 
 
 class RouteStream:
-    """Appends recorded packs to stream ``base`` (truncating a stale one of a killed run).
-
-    Args:
-        base: Path prefix of the two stream files.
-        num_layers: L.
-        topk: K.
-        num_experts: E (selects uint8/uint16).
-    """
+    """Appends recorded packs to stream ``base`` (truncating a stale one of a killed run), rows
+    of L MoE layers x top-K over E experts."""
 
     def __init__(self, base: str, num_layers: int, topk: int, num_experts: int) -> None:
         self.base = base
@@ -74,19 +58,9 @@ class RouteStream:
         pad_mask_S: np.ndarray | None = None,
         doc_multiple: int = 1,
     ) -> None:
-        """Appends one pack: its pieces and the rows of its real positions.
-
-        Args:
-            pieces: ``(doc_Q, start_Q, len_Q)`` of the pack (``RoutedPackedDataset.pack_pieces``).
-            routes_SLK: The routes the forward chose for the pack's S positions.
-            pad_mask_S: Optional, True at pad positions: their rows are written as missing
-                (a "skip pads" MoE layer gives pads no expert, so what it chose is no route).
-            doc_multiple: The pack's per-document pad multiple (2*CP under context parallelism):
-                where its real tokens sit (:func:`~megatron_ext.data.padding.real_positions`).
-
-        Raises:
-            ValueError: More real tokens than routes, or routes of another shape or dtype.
-        """
+        """Appends one pack: its pieces ``(doc_Q, start_Q, len_Q)`` and the rows of its real
+        positions in ``routes_SLK`` (laid out by ``doc_multiple``, 2*CP under CP); rows where
+        ``pad_mask_S`` is True are written as missing."""
         doc_Q, start_Q, len_Q = (np.asarray(a, dtype=np.int64) for a in pieces)
         num_real = int(len_Q.sum())
         if routes_SLK.ndim != 3 or routes_SLK.shape[1:] != self.row_shape:
@@ -96,6 +70,7 @@ class RouteStream:
             )
         if routes_SLK.dtype != self.dtype:
             raise ValueError(f"recorded routes are {routes_SLK.dtype}, expected {self.dtype}")
+        # Only real tokens are documents: a recording at CP 2 equals one at CP 1.
         real_N = real_positions(len_Q, doc_multiple)
         if num_real and real_N[-1] >= routes_SLK.shape[0]:
             raise ValueError(
@@ -103,6 +78,7 @@ class RouteStream:
                 f"{routes_SLK.shape[0]} routes"
             )
         rows_NLK = np.ascontiguousarray(routes_SLK[real_N])
+        # A "skip pads" MoE layer gives pads no expert: what it chose is no route.
         pads_N = None if pad_mask_S is None else np.asarray(pad_mask_S, dtype=bool)[real_N]
         if pads_N is not None and pads_N.any():
             rows_NLK = rows_NLK.copy()  # never the caller's array
@@ -142,52 +118,31 @@ def assemble_route_sidecar(
     tokens_prefix: str | None = None,
     moe_layer_ids: Sequence[int] | None = None,
 ) -> int:
-    """Writes the route sidecar of the documents from closed streams (later streams win).
+    """Writes the route sidecar of the documents from closed streams; returns the documents.
 
     Args:
-        path_prefix: Output ``.bin/.idx`` prefix (its ``.routes.json`` header beside it).
-        streams: Stream bases in precedence order (data-parallel rank order).
+        streams: Stream bases in precedence order (data-parallel rank order; later ones win).
         doc_lengths_D: Token count per document (may be memory-mapped: read in chunks).
-        doc_offsets_D: Token offset of each document in the token ``.bin``, in units of
-            ``offset_unit`` (Megatron's ``sequence_pointers`` with the token dtype's size: read
-            per piece, never copied); None: the running sum of ``doc_lengths_D`` (a copy).
-        offset_unit: Divides ``doc_offsets_D``.
-        num_layers: L.
-        topk: K.
-        num_experts: E.
-        overwrite: Replace an existing output.
-        flag: Names the output in errors.
-        tokens_prefix: The token data the routes were recorded on: its
-            :func:`~megatron_ext.replay.route_file.tokens_digest` goes into the header (read
-            after the output check passes); None: not recorded.
-        moe_layer_ids: The 0-based decoder layers of the L rows, recorded in the header (a
-            replay checks the model's MoE layers against them); None: not recorded.
-
-    Returns:
-        The number of documents written.
+        doc_offsets_D: Each document's offset in the token ``.bin`` in units of ``offset_unit``
+            (Megatron's ``sequence_pointers``: read per piece); None: from the lengths.
+        overwrite, flag: Replace an existing output (else ValueError naming ``flag``).
+        tokens_prefix, moe_layer_ids: For the header (the token data recorded on, the rows'
+            decoder layers).
 
     Raises:
-        ValueError: An existing output (without ``overwrite``), a missing stream, or a piece
-            outside its document.
+        ValueError: An existing output, a missing stream, or a piece outside its document.
     """
     dtype = route_dtype(num_experts, topk)
     exts = (".bin", ".idx", HEADER_EXTENSION)
     check_output_prefix(path_prefix, flag=flag, overwrite=overwrite, extensions=exts)
+    # Read after the output check passes (a refused run reads no token data).
     tokens = None if tokens_prefix is None else tokens_digest(tokens_prefix)
     _check_streams(streams, flag)
-    if doc_offsets_D is None:
-        doc_offsets_D = np.concatenate([[0], np.cumsum(doc_lengths_D, dtype=np.int64)[:-1]])
     row_bytes = num_layers * topk * dtype.itemsize
-    num_tokens = int(np.sum(doc_lengths_D, dtype=np.int64))
     finals = [path_prefix + ext for ext in exts]
+    # Byte-identical to what write_route_sidecar writes for the same documents.
     with temp_paths(finals) as temps:
-        _fill(temps[0], num_tokens * row_bytes)
-        fd = os.open(temps[0], os.O_WRONLY)
-        try:
-            for base in streams:
-                _replay_stream(fd, base, doc_lengths_D, doc_offsets_D, offset_unit, row_bytes)
-        finally:
-            os.close(fd)
+        _write_rows(temps[0], streams, doc_lengths_D, doc_offsets_D, offset_unit, row_bytes)
         _write_index(temps[1], doc_lengths_D, num_layers * topk, dtype)
         header = header_bytes(
             num_layers=num_layers,
@@ -216,6 +171,29 @@ def _check_streams(streams: Sequence[str], flag: str) -> None:
                     "writes one beside the output: the path must be on a filesystem all ranks "
                     "share)"
                 )
+
+
+def _write_rows(
+    path: str,
+    streams: Sequence[str],
+    lengths_D: np.ndarray,
+    offsets_D: np.ndarray | None,
+    offset_unit: int,
+    row_bytes: int,
+) -> None:
+    """The sidecar's ``.bin``: every token missing, then each stream's pieces at their offsets."""
+    if offsets_D is None:
+        offsets_D = np.concatenate([[0], np.cumsum(lengths_D, dtype=np.int64)[:-1]])
+    num_tokens = int(np.sum(lengths_D, dtype=np.int64))
+    _fill(path, num_tokens * row_bytes)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        # Streams in order, each in recording order: a token recorded twice keeps its last
+        # recording, as the former in-memory recorder did.
+        for base in streams:
+            _replay_stream(fd, base, lengths_D, offsets_D, offset_unit, row_bytes)
+    finally:
+        os.close(fd)
 
 
 def _fill(path: str, nbytes: int) -> None:
@@ -274,6 +252,8 @@ def _write_index(path: str, lengths_D: np.ndarray, width: int, dtype: np.dtype) 
     with open(path, "wb") as f:
         f.write(_INDEX_HEADER + struct.pack("<Q", 1) + struct.pack("<B", _DTYPE_CODES[dtype]))
         f.write(struct.pack("<Q", num_docs) + struct.pack("<Q", num_docs + 1))
+        # Sizes (int32), then byte pointers (int64), then document indices (int64): each streamed
+        # in chunks, so a memory-mapped lengths array is never copied whole.
         for lo in range(0, num_docs, per_chunk):
             values = np.asarray(lengths_D[lo : lo + per_chunk], dtype=np.int64) * width
             if values.size and values.max() > _INT32_MAX:

@@ -1,37 +1,14 @@
-"""Route buffers for route replay (R3): compact ``[tokens, moe_layers, topk]`` expert ids.
+"""Route buffers for route replay (R3): compact ``[tokens, moe_layers, topk]`` expert ids (pure
+numpy, never imports megatron).
 
-In MoE RL the inference engine that generated a rollout chose experts for every token at every MoE
-layer. Replaying those choices in the training forward (R3) removes the train/inference routing
-mismatch. This module is the pure part of that feature (numpy only, never imports megatron): the
-storage format, validation, padding consistent with self-token padding, the policy for positions
-that have no recorded route, and vLLM's ``T - 1`` off-by-one.
-
-Format. ``routes_TLK`` holds expert ids as ``uint8`` when they fit (<= 256 experts) and ``uint16``
-otherwise, so a route costs K bytes per token per MoE layer. A row (one token at one layer) whose
-K entries all equal the dtype's maximum (``0xFF`` / ``0xFFFF``) is *missing*: no route was
-recorded there (vLLM's final token, tool tokens, constant-id pads). A real row has K distinct ids,
-so an all-max row is unambiguous whenever K >= 2; with K == 1 and exactly 256 experts id 255 would
-collide, so that case uses uint16 (:func:`route_dtype`).
-
-Padding. The data blender's self-token padding returns ``src_index_S``: for each output position
-the index of the real token it holds or copies, ``-1`` for a constant-id pad. Routes are padded
-with the same index, so a pad replays the route of the token it copies::
+The storage format (uint8 ids up to 256 experts, else uint16; a row whose K entries all equal the
+dtype's maximum is *missing*: no route recorded), validation, vLLM's ``T - 1`` off-by-one, the
+policy for missing rows, and padding by self-token padding's ``src_index_S``, so a pad replays
+the route of the token it copies::
 
     tokens  [a b c]      src_index_S [0 1 2 0 1]   ->  tokens [a b c a b]
     routes  [ra rb rc]                             ->  routes [ra rb rc ra rb]
     src_index_S [0 1 2 -1 -1]                      ->  routes [ra rb rc -- --]   (-- missing)
-
-Missing rows. ``native`` leaves them missing: the router decides those rows at train time.
-``balanced`` fills them here with distinct top-k spread so that, for every EP size P dividing the
-expert count (ranks own contiguous blocks of E / P experts), the number of filled (row, slot)
-assignments per EP rank differs by at most one. Construction: the m filled slots of a layer are
-``m // E`` full cycles over all experts plus ``r = m % E`` experts at evenly spaced points
-``floor(c + j * E / r)``; any interval of E / P consecutive experts contains ``floor(r / P)`` or
-``ceil(r / P)`` of those points, for every P at once. The offset ``c`` comes from a golden-ratio
-(Kronecker) sequence over ``layer + seed``, where the caller passes something that differs per
-pack (the pack index): packs with the same number of missing rows then pick different experts, so
-a micro-batch of packs stays balanced too (a layer-only phase sent one missing row per pack to
-experts 0 and 4 in every pack).
 
 Legend: T tokens (rows of a route buffer), S positions of a padded pack, L MoE layers, K top-k,
 E experts, M missing rows of one layer.
@@ -53,22 +30,14 @@ _LAYER_PHASE_STEP = (math.sqrt(5.0) - 1.0) / 2.0
 
 
 def route_dtype(num_experts: int, topk: int) -> np.dtype:
-    """Returns the narrowest dtype that holds expert ids plus the missing-row marker.
-
-    Args:
-        num_experts: E, the number of routed experts per MoE layer.
-        topk: K, experts per token.
-
-    Returns:
-        ``uint8`` for E <= 256 (E <= 255 when K == 1), else ``uint16``.
-
-    Raises:
-        ValueError: E or K out of range (E > 65535, K > E, non-positive values).
-    """
+    """The narrowest dtype that holds E expert ids plus the missing-row marker: ``uint8`` for
+    E <= 256 (E <= 255 when K == 1), else ``uint16``; ValueError for E or K out of range."""
     if num_experts < 1 or topk < 1:
         raise ValueError(f"num_experts ({num_experts}) and topk ({topk}) must be positive")
     if topk > num_experts:
         raise ValueError(f"topk ({topk}) exceeds num_experts ({num_experts})")
+    # A real row has K distinct ids, so an all-max row is unambiguous when K >= 2; with K == 1
+    # and 256 experts, id 255 would be the marker.
     if num_experts <= 255 or (num_experts == 256 and topk >= 2):
         return np.dtype(np.uint8)
     if num_experts <= 65535:
@@ -87,11 +56,9 @@ def missing_routes(num_tokens: int, num_layers: int, topk: int, dtype: np.dtype)
 
 
 def missing_mask(routes_TLK: np.ndarray) -> np.ndarray:
-    """Returns ``missing_TL``: True where the row holds no recorded route.
-
-    Built slot by slot into one ``[T, L]`` array (temporaries ``2 T L`` bools, i.e. ``2 / K`` of
-    a uint8 buffer), not through a ``[T, L, K]`` comparison.
-    """
+    """Returns ``missing_TL``: True where the row holds no recorded route."""
+    # Slot by slot into one [T, L] array (temporaries 2 T L bools, 2 / K of a uint8 buffer), not
+    # through a [T, L, K] comparison.
     marker = missing_value(routes_TLK.dtype)
     missing_TL = routes_TLK[..., 0] == marker
     for k in range(1, routes_TLK.shape[-1]):
@@ -117,21 +84,10 @@ def validate_routes(
     name: str = "routes",
     token_offset: int = 0,
 ) -> None:
-    """Checks shape, dtype, id range and distinctness; errors name the layer and token.
+    """Checks shape, dtype, id range and distinctness (ValueError naming the layer and token).
 
-    Missing rows (all entries at the dtype maximum) are allowed; a row mixing the marker with
-    real ids is not.
-
-    Args:
-        routes_TLK: The route buffer.
-        num_layers: Expected L (MoE layers of the model, MTP excluded).
-        num_experts: E; every id must be < E.
-        topk: Expected K.
-        name: What the buffer is (a file, a document) for error messages.
-        token_offset: Added to token numbers in error messages (position of row 0 in a file).
-
-    Raises:
-        ValueError: On the first problem found, naming layer and token.
+    Missing rows are allowed; a row mixing the marker with real ids is not. ``name`` (a file, a
+    document) and ``token_offset`` (row 0's position in a file) are for the messages.
     """
     if routes_TLK.ndim != 3:
         raise ValueError(
@@ -165,11 +121,8 @@ def _first_partial_or_too_big(
     routes_TLK: np.ndarray, num_experts: int
 ) -> tuple[int, int, str] | None:
     """``(token, layer, what)`` of the first row mixing the marker with real ids, else of the
-    first row holding an id >= E, else None.
-
-    In blocks of :data:`~megatron_ext.replay.route_file.BLOCK_VALUES` values, slot by slot
-    (``[rows, L]`` temporaries only); ``what`` is worded as ``first_invalid_row`` words it.
-    """
+    first row holding an id >= E, else None (``what`` worded as ``first_invalid_row`` words it)."""
+    # In blocks of BLOCK_VALUES values, slot by slot: [rows, L] temporaries only.
     num_rows, num_layers, topk = routes_TLK.shape
     marker = missing_value(routes_TLK.dtype)
     block = max(1, BLOCK_VALUES // max(num_layers * topk, 1))
@@ -195,19 +148,8 @@ def _first_partial_or_too_big(
 
 
 def pad_routes(routes_TLK: np.ndarray, src_index_S: np.ndarray) -> np.ndarray:
-    """Pads routes exactly as self-token padding pads tokens: ``routes_SLK = routes[src_index]``.
-
-    Args:
-        routes_TLK: Routes of the T real tokens of a pack.
-        src_index_S: For each output position, the real token it holds or copies; -1 for a
-            constant-id pad, which gets a missing row.
-
-    Returns:
-        ``routes_SLK`` with the dtype of ``routes_TLK``.
-
-    Raises:
-        ValueError: An index outside ``[-1, T)``.
-    """
+    """Pads routes exactly as self-token padding pads tokens: ``routes_SLK = routes[src_index]``;
+    a constant pad (-1) gets a missing row. ValueError for an index outside ``[-1, T)``."""
     src_index_S = np.asarray(src_index_S)
     num_tokens = routes_TLK.shape[0]
     if src_index_S.size and (src_index_S.min() < -1 or src_index_S.max() >= num_tokens):
@@ -225,19 +167,15 @@ def pad_routes(routes_TLK: np.ndarray, src_index_S: np.ndarray) -> np.ndarray:
 
 
 def balanced_experts(num_slots: int, num_experts: int, phase: float = 0.0) -> np.ndarray:
-    """A sequence of ``num_slots`` expert ids balanced over every EP size dividing E.
+    """``experts_m`` (int64): ``num_slots`` expert ids balanced over every EP size dividing E.
 
     Any K <= E consecutive entries are distinct, and for every P dividing E the count per EP rank
-    (contiguous blocks of E / P experts) differs by at most one.
-
-    Args:
-        num_slots: m, how many (row, slot) assignments to make.
-        num_experts: E.
-        phase: In [0, 1): shifts the evenly spaced remainder points within their spacing.
-
-    Returns:
-        ``experts_m`` (int64).
+    (contiguous blocks of E / P experts) differs by at most one. ``phase`` in [0, 1) shifts the
+    evenly spaced remainder points within their spacing.
     """
+    # m slots are m // E full cycles over all experts plus r = m % E experts at evenly spaced
+    # points floor(c + j * E / r): any interval of E / P consecutive experts holds floor(r / P)
+    # or ceil(r / P) of them, for every P at once.
     cycles, rem = divmod(num_slots, num_experts)
     if rem == 0:
         order_E = np.arange(num_experts)
@@ -261,32 +199,19 @@ def fill_missing_balanced(
 ) -> np.ndarray:
     """Fills every missing row with a distinct top-k, EP-balanced per layer (policy ``balanced``).
 
-    Example (E = 8, K = 2, three missing rows at one layer): the 6 slots are 8 // 8 = 0 cycles
-    plus 6 evenly spaced experts ``[0 1 2 4 5 6]`` -> rows ``[0 1] [2 4] [5 6]``; at EP = 2 the
-    ranks get 3 and 3, at EP = 4 they get 2, 1, 2, 1.
-
-    A padded pack passes its ``src_index_T``: a self pad then replays exactly what its source
-    replays. The fill is made over the rows that hold their own token (``src_index_T[t] == t``)
-    and the constant pads (``-1``), and each copy takes its source's row::
+    Example (E = 8, K = 2, three missing rows at one layer, seed 0): the 6 slots are 6 evenly
+    spaced experts ``[0 1 2 4 5 6]`` -> rows ``[0 1] [2 4] [5 6]``; EP 2 gets 3 and 3, EP 4 2, 1,
+    2, 1. With a padded pack's ``src_index_T`` a self pad replays exactly its source's fill::
 
         routes      [ra -- rc | -- -- ]     src_index_T [0 1 2 1 -1]
         filled      [ra f1 rc | f1 f2 ]     (the pad at 3 copies token 1: f1, not a fill of its own)
 
-    Args:
-        routes_TLK: Route buffer, possibly with missing rows.
-        num_experts: E.
-        seed: Differs per pack (e.g. the pack index) so that packs with equally many missing
-            rows spread over different experts; 0 gives the example above.
-        src_index_T: Optional, for a padded pack: the row each row holds or copies (-1: none),
-            as :mod:`megatron_ext.data.padding` returns it.
-
-    Returns:
-        A copy with no missing rows.
-
-    Raises:
-        ValueError: ``src_index_T`` does not fit the buffer or a copy's source is itself a copy.
+    ``seed`` differs per pack (e.g. its index): packs with equally many missing rows then
+    spread over different experts. Returns a copy with no missing rows.
     """
     routes_TLK = routes_TLK.copy()
+    # The fill covers the rows that hold their own token and the constant pads (-1); each copy
+    # then takes its source's row (a copy of a copy is refused).
     own_T = _own_rows(src_index_T, routes_TLK.shape[0])
     missing_TL = missing_mask(routes_TLK) & own_T[:, None]
     topk = routes_TLK.shape[2]
@@ -294,10 +219,12 @@ def fill_missing_balanced(
         rows_M = np.flatnonzero(missing_TL[:, layer])
         if rows_M.size == 0:
             continue
+        # A phase over layer + seed (golden-ratio Kronecker sequence): a layer-only phase sent one
+        # missing row per pack to experts 0 and 4 in every pack, unbalancing a micro-batch.
         phase = ((layer + seed) * _LAYER_PHASE_STEP) % 1.0
         experts = balanced_experts(rows_M.size * topk, num_experts, phase)
         routes_TLK[rows_M, layer] = experts.reshape(rows_M.size, topk).astype(routes_TLK.dtype)
-    if src_index_T is not None:
+    if src_index_T is not None:  # the fill covered own rows and constant pads; copies follow
         copies_C = np.flatnonzero(~own_T)
         routes_TLK[copies_C] = routes_TLK[src_index_T[copies_C]]
     return routes_TLK
@@ -333,16 +260,9 @@ def apply_missing_policy(
     seed: int = 0,
     src_index_T: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Applies ``--replay-missing-route-policy`` at data time.
-
-    ``native`` returns the buffer unchanged (rows stay missing, a pad's copy of a missing row
-    too; the router decides them in the forward). ``balanced`` fills
-    them with :func:`fill_missing_balanced` (``seed``: the pack or document index;
-    ``src_index_T``: a padded pack's, so a self pad replays its source's fill; see there).
-
-    Raises:
-        ValueError: An unknown policy.
-    """
+    """Applies ``--replay-missing-route-policy`` at data time: ``native`` leaves rows missing
+    (the router decides them in the forward), ``balanced`` fills them
+    (:func:`fill_missing_balanced`)."""
     if policy == "native":
         return routes_TLK
     if policy == "balanced":
@@ -355,23 +275,10 @@ def apply_missing_policy(
 def reconcile_t_minus_1(
     routes_TLK: np.ndarray, num_tokens: int, name: str = "routes"
 ) -> np.ndarray:
-    """Reconciles vLLM-style routes (T - 1 rows for T tokens) with the token count.
-
-    vLLM and Megatron inference return routes for the tokens that were fed through the model, which
-    is every token but the last sampled one. The last row is appended as missing, so the missing
-    policy decides it rather than a zero row that would send it to expert 0.
-
-    Args:
-        routes_TLK: ``num_tokens - 1`` (or already ``num_tokens``) rows.
-        num_tokens: T, the token count of the sample.
-        name: For the error message.
-
-    Returns:
-        ``[num_tokens, L, K]``.
-
-    Raises:
-        ValueError: Any other row count.
-    """
+    """``[T, L, K]`` of vLLM-style routes (T - 1 rows for T tokens, or already T; ValueError
+    for any other count): the last row appended as missing."""
+    # vLLM and Megatron inference route the tokens fed through the model: all but the last
+    # sampled one. A missing row lets the policy decide it (a zero row would go to expert 0).
     rows = routes_TLK.shape[0]
     if rows == num_tokens:
         return routes_TLK
@@ -385,11 +292,7 @@ def reconcile_t_minus_1(
 
 
 def rank_counts(experts: np.ndarray, num_experts: int, ep_size: int) -> np.ndarray:
-    """Counts ids per EP rank, ranks owning contiguous blocks of ``E / ep_size`` experts.
-
-    Raises:
-        ValueError: ``ep_size`` does not divide E.
-    """
+    """Counts ids per EP rank, ranks owning contiguous blocks of ``E / ep_size`` experts."""
     if num_experts % ep_size:
         raise ValueError(f"EP size {ep_size} does not divide num_experts ({num_experts})")
     ranks = np.asarray(experts, dtype=np.int64).reshape(-1) // (num_experts // ep_size)

@@ -1,10 +1,6 @@
 """Route documents in a ``.safetensors`` file: one tensor ``[T, L, K]`` per document, keyed
-``"0" .. "N-1"`` (pure numpy, never imports megatron).
-
-The file is an 8-byte little-endian header size, a JSON header ``{key: {"dtype", "shape",
-"data_offsets"}}`` and the tensors' bytes (the format of huggingface/safetensors). Tensors are
-memory-mapped, not read: converting a file larger than memory holds one document at a time.
-Example::
+``"0" .. "N-1"`` (pure numpy, never imports megatron). Tensors are memory-mapped, not read: a file
+larger than memory converts one document at a time::
 
     write_safetensors("r.safetensors", {"0": routes_a, "1": routes_b})
     [key for key, _ in safetensors_documents(read_safetensors("r.safetensors"), "r.safetensors")]
@@ -37,11 +33,10 @@ DTYPES = {
 
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """Maps every tensor of a ``.safetensors`` file (8-byte header size, JSON header, bytes).
-
-    Raises:
-        ValueError: A truncated or corrupt file, naming the file and the tensor's key.
-    """
+    """Maps every tensor of a ``.safetensors`` file; ValueError naming the file and the tensor's
+    key for a truncated or corrupt one."""
+    # huggingface/safetensors' format: an 8-byte little-endian header size, a JSON header
+    # {key: {"dtype", "shape", "data_offsets"}}, then the tensors' bytes.
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
@@ -92,28 +87,15 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
 def safetensors_documents(
     tensors: dict[str, np.ndarray], path: str
 ) -> list[tuple[str, np.ndarray]]:
-    """Orders a safetensors file's per-document tensors by document index.
-
-    Keys must be the document indices ``"0" .. "N-1"``; they are sorted as numbers (a lexical sort
-    would put ``"10"`` before ``"2"`` and misalign every document from the tenth on).
-
-    Args:
-        tensors: :func:`read_safetensors` of ``path``.
-        path: For the error message.
-
-    Returns:
-        ``[(key, routes_TLK), ...]`` in document order.
-
-    Raises:
-        ValueError: A non-numeric key, or keys that are not exactly ``0 .. N-1``.
-    """
+    """``[(key, routes_TLK), ...]`` of :func:`read_safetensors`' tensors in document order; keys
+    must be exactly ``"0" .. "N-1"`` (ValueError naming ``path``)."""
     bad = [key for key in tensors if not (key.isascii() and key.isdigit())]
     if bad:
         raise ValueError(
             f"{path}: safetensors keys must be document indices 0..N-1; got non-numeric key(s) "
             f"{sorted(bad)[:5]}"
         )
-    ordered = sorted(tensors, key=int)
+    ordered = sorted(tensors, key=int)  # lexically "10" < "2": every document from the tenth off
     if [int(key) for key in ordered] != list(range(len(ordered))):
         gaps = sorted(set(range(len(ordered))) - {int(key) for key in ordered})[:5]
         raise ValueError(

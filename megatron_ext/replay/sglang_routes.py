@@ -1,27 +1,9 @@
 """SGLang ``return_routed_experts`` answers -> route documents (pure numpy, never imports megatron).
 
-Read from SGLang 0.5.23's released source (``--enable-return-routed-experts`` on the server,
-``"return_routed_experts": true`` on the request; what slime and miles replay from):
-
-- ``/generate``: ``meta_info.routed_experts`` is base64 of the raw bytes of an int32 array
-  (``managers/tokenizer_manager.py``: ``pybase64.b64encode(val.numpy().tobytes())``;
-  ``state_capturer/routed_experts.py``'s ``extract_routed_experts_from_meta_info`` decodes it with
-  ``dtype=np.int32``) of shape ``[T - 1 - start, N, K]`` (``state_capturer/base.py`` ``get_topk``:
-  rows ``[start_len, seqlen - 1)``, ``start_len = min(routed_experts_start_len, seqlen - 1)``;
-  ``N = num_hidden_layers``, every decoder layer, dense ones zero), ``T = meta_info.prompt_tokens +
-  meta_info.completion_tokens``. The base64 carries no shape or dtype: the element type is int32
-  by the format, N and K come from the caller, the row count must then be exactly ``T - 1 -
-  start`` (never taken from the byte count). A batched ``/generate`` answer is a JSON list of
-  such responses. Some dumps keep the value as nested lists instead.
-- OpenAI-compatible ``/v1/completions`` and ``/v1/chat/completions``
-  (``entrypoints/openai/serving_{chat,completions}.py``, ``protocol.py`` ``SglExt``): the same
-  base64 in the response's ``sglext.routed_experts``, for the *first* choice only; with the
-  request's ``return_meta_info`` (chat) every choice carries its own ``meta_info``.
-
-A record is a response, or a training sample that carries its ``tokens`` (or ``token_ids``)
-beside ``meta_info``; in a multi-turn rollout each turn's value covers the whole sequence so far
-(unless ``routed_experts_start_len`` was set), so the last turn's record is the one to keep.
-Worked example (N = 1, K = 2)::
+SGLang 0.5.23 (what slime and miles replay from) sends base64 of raw int32 ids ``[T - 1 - start, N,
+K]``, every decoder layer, with no shape or dtype: in ``/generate``'s ``meta_info``, or an
+OpenAI-compatible response's ``sglext`` (first choice only) or per-choice ``meta_info``
+(docs/replay.md, "Converting rollouts"). N = 1, K = 2::
 
     {"meta_info": {"prompt_tokens": 2, "completion_tokens": 1,
                    "routed_experts": base64(int32 [[[1, 4]], [[0, 2]]])}}
@@ -57,14 +39,8 @@ def _count(meta: dict, key: str, name: str) -> int:
 
 
 def sglang_num_tokens(record: dict, name: str) -> int | None:
-    """T of one record: ``prompt_tokens + completion_tokens`` and/or the sample's token list.
-
-    Both given must agree (neither wins); neither given is None.
-
-    Raises:
-        ValueError: A count that is not a non-negative integer, only one of the two counts,
-            ``tokens`` and ``token_ids`` of different lengths, or counts that disagree.
-    """
+    """T of one record: ``prompt_tokens + completion_tokens`` and/or the sample's token list, which
+    must agree (neither wins; ValueError); None when neither is given."""
     meta = record["meta_info"]
     counted = None
     present = [key for key in ("prompt_tokens", "completion_tokens") if key in meta]
@@ -96,14 +72,12 @@ def sglang_num_tokens(record: dict, name: str) -> int | None:
 def decode_sglang_base64(
     data: str, num_tokens: int | None, *, num_layers: int, topk: int, name: str, start: int = 0
 ) -> np.ndarray:
-    """SGLang's base64 int32 payload -> ``[rows, N, K]`` int32 rows, exactly.
-
-    The ids must be whole rows of ``N * K``; with T known, exactly ``T - 1 - start`` of them.
-
-    Raises:
-        ValueError: Invalid base64, a byte count that is not whole int32 ids, or an id count
-            that is not those rows of ``[N, K]``; the message says what it holds.
-    """
+    """SGLang's base64 int32 payload -> ``[rows, N, K]`` int32 rows, exactly: whole rows of
+    ``N * K``; with T known, exactly ``T - 1 - start`` of them (ValueError saying what it holds)."""
+    # managers/tokenizer_manager.py: pybase64.b64encode(val.numpy().tobytes()), decoded by
+    # state_capturer/routed_experts.py's extract_routed_experts_from_meta_info as np.int32;
+    # state_capturer/base.py get_topk: rows [start_len, seqlen - 1). The element type is fixed
+    # by the format, N and K come from the caller: the row count is never read off the bytes.
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as err:
@@ -148,9 +122,8 @@ def _document(
     token_ids: list | None = None,
     fields: tuple[dict, ...] = (),
 ) -> RolloutDocument:
-    """One ``meta_info`` (and the sample fields beside it) -> a document; ``token_ids``: the
-    document's ids from an OpenAI-compatible answer (prompt and completion); ``fields``: the
-    objects describing it (:attr:`RolloutDocument.fields`), ``record`` and ``meta`` after them."""
+    """One ``meta_info`` (and the sample fields beside it) -> a document; ``token_ids``: the ids
+    of an OpenAI-compatible answer; ``fields``: the objects describing it, before ``record``."""
     num_tokens = sglang_num_tokens({**record, "meta_info": meta}, name)
     payload, where = meta["routed_experts"], f"{name} meta_info.routed_experts"
     if payload is None:
@@ -158,6 +131,7 @@ def _document(
             f"{where} is null: start the server with --enable-return-routed-experts and send "
             "return_routed_experts with the request"
         )
+    # start_len = min(routed_experts_start_len, seqlen - 1), as get_topk takes it.
     start = start_len if num_tokens is None else min(start_len, max(num_tokens - 1, 0))
     ids = next((record[k] for k in ("tokens", "token_ids") if k in record), token_ids)
     if ids is None and all(isinstance(record.get(k), list) for k in GENERATE_ID_KEYS):
@@ -168,7 +142,7 @@ def _document(
         "num_prompt": prompt if type(prompt) is int else None,
         "fields": (*fields, record, meta),
     }
-    if isinstance(payload, str):
+    if isinstance(payload, str):  # some dumps keep the value as nested lists instead
         rows = decode_sglang_base64(
             payload, num_tokens, num_layers=num_layers, topk=topk, name=where, start=start
         )
@@ -182,21 +156,13 @@ def decode_sglang_record(
 ) -> list[RolloutDocument]:
     """One SGLang answer or sample -> its documents for ``repair_document``.
 
-    Args:
-        record: A parsed JSONL line: a ``/generate`` response ``{"meta_info": {"routed_experts":
-            ..., "prompt_tokens": P, "completion_tokens": C, ...}, ...}`` (or a sample with
-            ``tokens``/``token_ids`` beside it), or an OpenAI-compatible response.
-        num_layers: N, the layers per row of the payload (the base64 form has no shape).
-        topk: K.
-        name: Names the record in errors (``file:line``).
-        start_len: The requests' ``routed_experts_start_len`` (``--routed-experts-start``); a
-            ``routed_experts_start_len`` key in the record overrides it.
-
-    Raises:
-        ValueError: A record without routes (or with them null), or any error of
-            :func:`sglang_num_tokens`, :func:`decode_sglang_base64` or
-            :func:`~megatron_ext.replay.rollout_routes.decode_routed_experts`.
+    ``record``: a ``/generate`` response (or a sample with ``tokens``/``token_ids`` beside its
+    ``meta_info``) or an OpenAI-compatible one; ``num_layers`` N (the base64 has no shape);
+    ``start_len``: ``--routed-experts-start``, a record's own key overriding it. ValueError for
+    a record without routes, or a payload or count refused.
     """
+    # In a multi-turn rollout each turn's value covers the whole sequence so far (unless
+    # routed_experts_start_len was set): the last turn's record is the one to keep.
     if not isinstance(record, dict):
         raise ValueError(f"{name}: expected a JSON object, got {type(record).__name__}")
     start_len = _start_len(record, start_len, name)
@@ -214,7 +180,8 @@ def decode_sglang_record(
 
 def _openai_documents(response: dict, name: str, shape: dict) -> list[RolloutDocument]:
     """An OpenAI-compatible response: each choice's ``meta_info`` (``return_meta_info``), or
-    ``sglext.routed_experts`` with the first choice's tokens."""
+    ``sglext.routed_experts`` with the first choice's tokens (entrypoints/openai/
+    serving_{chat,completions}.py, ``protocol.py`` ``SglExt``)."""
     choices = response["choices"]
     metas = [c.get("meta_info") if isinstance(c, dict) else None for c in choices]
     if metas and all(isinstance(m, dict) and "routed_experts" in m for m in metas):

@@ -1,13 +1,10 @@
 """Startup check that the ranks recording routes see one filesystem at ``--route-record-path``.
 
-Record mode streams each data-parallel rank's routes into files beside ``--route-record-path`` and
-rank 0 assembles the sidecar from all of them at the end, so the directory must be shared by those
-ranks; without the check that is discovered only when the run is over and a stream is missing. At
-setup every rank writes a marker (temporary name, then renamed), a barrier, every rank looks for all
-ranks' markers, the verdict is all-reduced (every rank raises, none is left in a collective), and
-each rank removes its marker::
+Each data-parallel rank streams its routes beside the output and rank 0 assembles them at the
+end: without the check, a directory the ranks do not share is found out only when the run is
+over and a stream is missing::
 
-    rank 0 writes .rec.shared-3f2a.rank0, rank 1 writes .rec.shared-3f2a.rank1 (each in its own /tmp)
+    rank 0 writes .rec.shared-3f2a.rank0, rank 1 .rec.shared-3f2a.rank1 (each in its own /tmp)
     -> every rank: ValueError: --route-record-path /tmp/rec: the 2 recording ranks do not share ...
 """
 
@@ -43,20 +40,13 @@ def check_shared_directory(
 ) -> None:
     """Checks that the ``world_size`` ranks of ``group`` see the same ``directory`` (collective).
 
-    Args:
-        directory: Where the ranks will write files the others must read.
-        rank: This rank's index in ``group``.
-        world_size: The size of ``group``.
-        group: The process group of those ranks; None: the world.
-        prefix: Names the markers (the output's base name).
-        flag: Names the setting in the error.
-        path: The setting's value in the error (default: ``directory``).
-        timeout_s: How long a rank waits for the others' markers to appear (a network filesystem
-            may publish another client's file late); None: :data:`MARKER_TIMEOUT_S`.
-
-    Raises:
-        ValueError: On every rank, when some rank does not see another's marker.
+    ``rank`` and ``world_size`` are in ``group`` (None: the world); ``prefix`` names the
+    markers; ``flag`` and ``path`` (default ``directory``) the setting in the ValueError every
+    rank raises when some rank does not see another's marker within ``timeout_s``.
     """
+    # Every rank writes a marker (temporary name, renamed), a barrier, every rank looks for all
+    # the others', the verdict is all-reduced (every rank raises: none is left in a collective),
+    # and each removes its own.
     device = "cuda" if torch.distributed.get_backend(group) == "nccl" else "cpu"
     token_1 = torch.tensor([secrets.randbits(62) if rank == 0 else 0], device=device)
     src = 0 if group is None else torch.distributed.get_global_rank(group, 0)

@@ -1,24 +1,10 @@
 """Megatron 0.19.2 settings under which route replay would be silently skipped or undone.
 
 Megatron's ``RouterReplay`` hooks only the unfused top-k inside
-``moe_utils.topk_routing_with_score_function``. Every path that routes around that hook, or that
-changes the routing map after it, would train on routes other than the replayed ones without any
-error. This module lists them, so they are refused when arguments are parsed and again when the
-binding sees the model's ``TransformerConfig`` (never imports megatron: it reads attributes, and
-Megatron's argument names equal its config field names).
-
-=============================================  ===============================================
-setting                                        why replay does not hold
-=============================================  ===============================================
-``--moe-router-fusion``                        TE's fused top-k returns before the replay hook
-``--moe-router-load-balancing-type sinkhorn``  sinkhorn routing never calls the hook
-``... quantile_balancing``                     top-k is precomputed and passed past the hook
-``--moe-expert-capacity-factor``               token dropping edits the routing map afterwards
-``--cuda-graph-impl`` (not ``none``)           a captured graph replays the captured indices
-``--hybrid-context-parallel``                  its per-rank token layout is not the zigzag one
-=============================================  ===============================================
-
-Example::
+``moe_utils.topk_routing_with_score_function``: every path that routes around that hook, or edits
+the routing map after it, would train on other routes without an error. They are refused when
+arguments are parsed and again when the binding sees the model's ``TransformerConfig`` (this
+module reads attributes only: Megatron's argument names equal its config field names)::
 
     replay_blockers(argparse.Namespace(num_experts=8, moe_router_fusion=True))
     # -> ['--moe-router-fusion (the fused TE top-k returns before RouterReplay is consulted)']
@@ -34,16 +20,14 @@ def load_balancing_types(settings: Any) -> list[str]:
 
 
 def replay_blockers(settings: Any) -> list[str]:
-    """Returns one line per setting that would bypass or undo route replay (empty: supported).
-
-    Args:
-        settings: Megatron's parsed ``args`` or a ``TransformerConfig`` (same attribute names).
-    """
+    """One line per setting of ``settings`` (Megatron's ``args`` or a ``TransformerConfig``) that
+    would bypass or undo route replay; empty: supported."""
     blockers = []
     if getattr(settings, "moe_router_fusion", False):
         blockers.append(
             "--moe-router-fusion (the fused TE top-k returns before RouterReplay is consulted)"
         )
+    # sinkhorn never calls the hook; quantile_balancing precomputes the top-k past it.
     for kind in ("sinkhorn", "quantile_balancing"):
         if kind in load_balancing_types(settings):
             blockers.append(
@@ -58,6 +42,7 @@ def replay_blockers(settings: Any) -> list[str]:
         blockers.append(
             f"--cuda-graph-impl {cuda_graph_impl} (a captured router replays captured indices)"
         )
+    # Its per-rank token layout is not the zigzag the binding slices routes by.
     if getattr(settings, "hybrid_context_parallel", False):
         blockers.append("--hybrid-context-parallel (routes are laid out for zigzag CP only)")
     # Megatron's args call it num_experts, its TransformerConfig num_moe_experts.
@@ -67,12 +52,8 @@ def replay_blockers(settings: Any) -> list[str]:
 
 
 def check_replay_supported(settings: Any, mode_flag: str) -> None:
-    """Raises ``ValueError`` naming ``mode_flag`` and every blocking Megatron flag.
-
-    Args:
-        settings: Megatron's ``args`` or a ``TransformerConfig``.
-        mode_flag: How replay was turned on, e.g. ``"--route-replay-mode replay"``.
-    """
+    """Raises ``ValueError`` naming ``mode_flag`` (how replay was turned on, e.g.
+    ``"--route-replay-mode replay"``) and every blocking Megatron flag."""
     blockers = replay_blockers(settings)
     if blockers:
         raise ValueError(
@@ -83,12 +64,9 @@ def check_replay_supported(settings: Any, mode_flag: str) -> None:
 
 
 def check_virtual_pipeline(settings: Any) -> None:
-    """Route replay or record under virtual pipeline stages: a ``GPTModel`` binds each model chunk
-    (tested in Megatron's loop against the plain pipeline); a ``HybridModel`` is refused (untested).
-
-    Raises:
-        ValueError: Replay or record with virtual pipeline stages on a ``HybridModel``.
-    """
+    """Refuses route replay or record under virtual pipeline stages on a ``HybridModel``."""
+    # A GPTModel binds each model chunk (tested in Megatron's loop against the plain pipeline);
+    # a HybridModel's is untested.
     vpp = getattr(settings, "virtual_pipeline_model_parallel_size", None) or 1
     mode = getattr(settings, "route_replay_mode", "off")
     if vpp > 1 and mode != "off" and getattr(settings, "hybrid_layer_pattern", None) is not None:

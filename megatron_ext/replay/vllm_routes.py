@@ -1,35 +1,10 @@
 """vLLM's routed experts as its OpenAI-compatible server returns them -> route documents (pure
 numpy, never imports megatron).
 
-Read from vLLM's released source (``--enable-return-routed-experts`` on the server):
-
-- **vLLM 0.34** (``entrypoints/openai/{completion,chat_completion}/serving.py``): each choice's
-  ``routed_experts`` is ``numpy2base64(output.routed_experts)``; ``utils/serial_utils.py``
-  ``numpy2base64`` is ``np.save(buffer, array, allow_pickle=False)`` and base64 of the whole
-  buffer, i.e. a complete ``.npy`` file (magic, header with dtype and shape, data), decoded as
-  ``np.load(io.BytesIO(base64.b64decode(s)))`` (the protocol's comment). The array is
-  ``[T - 1 - start, N, K]``: one row per *decoder* layer (``routed_experts_capturer.py``:
-  ``get_total_num_hidden_layers()``; dense layers' rows stay zero), uint8 for up to 256 experts
-  else uint16 (``output_dtype_name``), and ``start = min(routed_experts_prompt_start, P)``
-  (``distributed/aux_output_connector/connector.py``; the request parameter skips prompt rows).
-  The dtype and shape come from the ``.npy`` header, never from the byte count.
-- **vLLM 0.21** (``v1/engine/output_processor.py`` ``split_routed_experts``): the response's
-  ``prompt_routed_experts`` ``[P, L, K]`` (shared by the ``n`` choices) and each choice's
-  ``routed_experts`` ``[C - 1, L, K]`` (C with MTP), nested JSON lists (``.tolist()`` of int16),
-  L the MoE layers only (``_count_moe_layers``).
-
-Row order. vLLM 0.34 writes row i for decoder layer i; vLLM 0.21 writes the MoE layers' rows first
-(``FusedMoE.moe_layer_id``) and, for configs its ``_count_moe_layers`` misreads (DeepSeek's
-``first_k_dense_replace``), zero rows after them (:mod:`~megatron_ext.replay.moe_layer_map`). Which
-one a response holds comes from the engine version: ``--vllm-moe-rows first|decoder``, else the
-response's ``system_fingerprint`` (``vllm-<version>[-tp2...]-<hash8>`` by default, 0.21's
-``entrypoints/openai/fingerprint.py``), else 0.21's split form (``prompt_routed_experts``, absent
-from 0.34's protocol) means 0.21.
-
-Tokens: a chat response carries ``prompt_token_ids`` at response level, a completion response
-on each choice; each choice's ``token_ids`` is its completion only (both need the request's
-``return_token_ids: true``). Each choice is one document, in choice order: ``T = P + C``.
-Worked example (0.34, N = 2 decoder layers, K = 1, P = 2, C = 2)::
+vLLM 0.34 sends each choice's ``routed_experts`` as base64 of a whole ``.npy`` file, one row per
+decoder layer; vLLM 0.21 sends nested lists of the MoE layers' rows, split into the response's
+prompt rows and each choice's completion rows (docs/replay.md, "Converting rollouts"). Each
+choice is one document, ``T = P + C`` (0.34, N = 2 decoder layers, K = 1, P = 2, C = 2)::
 
     {"prompt_token_ids": [5, 6], "choices": [{"token_ids": [7, 8],
      "routed_experts": b64(np.save([[[0], [3]], [[0], [1]], [[0], [2]]]))}]}
@@ -55,19 +30,21 @@ from megatron_ext.replay.rollout_routes import (
 
 #: Request parameter (vLLM >= 0.34) whose value a record may carry beside the response.
 PROMPT_START_KEY = "routed_experts_prompt_start"
-#: ``system_fingerprint`` of vLLM's OpenAI-compatible server: ``vllm-<version>...``.
+#: ``system_fingerprint`` of vLLM's OpenAI-compatible server: ``vllm-<version>[-tp2...]-<hash8>``
+#: by default (0.21's ``entrypoints/openai/fingerprint.py``).
 _FINGERPRINT = re.compile(r"vllm-(\d+)\.(\d+)(?:[.\-+]|rc|$)")
 
 
 def moe_rows_first(record: dict, mode: str = "auto") -> bool:
     """Whether a vLLM answer's decoder-layer rows hold the MoE layers first (vLLM 0.21).
 
-    Args:
-        record: The response (or a record kept beside one).
-        mode: ``--vllm-moe-rows``: ``first`` / ``decoder`` decide; ``auto`` reads the engine
-            version from ``system_fingerprint``, else takes 0.21's split form
-            (``prompt_routed_experts``) as 0.21. Never decided from which rows are zero.
+    ``mode``: ``--vllm-moe-rows`` (``first`` / ``decoder`` decide; ``auto`` reads the response).
     """
+    # vLLM 0.34 writes row i for decoder layer i; 0.21 the MoE layers' rows first
+    # (FusedMoE.moe_layer_id), then zero rows where its _count_moe_layers misreads the config
+    # (DeepSeek's first_k_dense_replace; moe_layer_map). Decided by the engine version, else by
+    # 0.21's split form (prompt_routed_experts, absent from 0.34's protocol); never by which rows
+    # are zero.
     if mode != "auto":
         return mode == "first"
     fingerprint = record.get("system_fingerprint")
@@ -78,11 +55,11 @@ def moe_rows_first(record: dict, mode: str = "auto") -> bool:
 
 
 def decode_npy_base64(text: str, name: str) -> np.ndarray:
-    """vLLM 0.34's ``numpy2base64`` string -> the array, dtype and shape from its ``.npy`` header.
-
-    Raises:
-        ValueError: Bad base64, not a ``.npy`` file, or not a 3-D integer array; names ``name``.
-    """
+    """vLLM 0.34's ``numpy2base64`` string -> the array (ValueError naming ``name`` for bad
+    base64, not a ``.npy`` file, or not a 3-D integer array)."""
+    # utils/serial_utils.py numpy2base64 is np.save(buffer, array, allow_pickle=False), base64'd
+    # whole: a complete .npy file (uint8 up to 256 experts, else uint16: routed_experts_capturer's
+    # output_dtype_name). Dtype and shape come from its header, never from the byte count.
     try:
         raw = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as err:
@@ -137,9 +114,7 @@ def vllm_response_documents(
             a ``routed_experts_prompt_start`` key in the record overrides it.
         vllm_moe_rows: ``--vllm-moe-rows`` (:func:`moe_rows_first`).
 
-    Raises:
-        ValueError: A choice without routes or token ids, or 0.21 prompt rows that do not fit
-            the choice's prompt; names the choice.
+    ValueError naming the choice: no routes or token ids, or 0.21 prompt rows that do not fit.
     """
     choices = response["choices"]
     if not isinstance(choices, list) or not choices:
@@ -153,54 +128,20 @@ def vllm_response_documents(
     documents = []
     for i, choice in enumerate(choices):
         where = f"{name} choice {i}"
-        if not isinstance(choice, dict):
-            raise ValueError(f"{where}: not a JSON object")
-        prompt = _ids(choice.get("prompt_token_ids"), f"{where} prompt_token_ids") or shared_prompt
-        completion = _ids(choice.get("token_ids"), f"{where} token_ids")
-        if prompt is None or completion is None:
-            raise ValueError(
-                f"{where}: needs prompt_token_ids and the choice's token_ids to count its tokens; "
-                "send the request with return_token_ids: true"
-            )
-        payload = choice.get("routed_experts")
-        num_tokens = len(prompt) + len(completion)
-        if "prompt_routed_experts" in response:  # vLLM 0.21: an empty part is null
-            if payload is not None and not isinstance(payload, list):
-                raise ValueError(
-                    f"{where}: prompt_routed_experts (vLLM 0.21) beside a non-list "
-                    "routed_experts: not one vLLM version's answer"
-                )
-            gen = decode_routed_experts(payload or [], f"{where} routed_experts")
-            if prompt_rows is None and payload is None:
-                raise ValueError(
-                    f"{where}: prompt_routed_experts and routed_experts are null "
-                    "(start vLLM with --enable-return-routed-experts)"
-                )
-            rows = _join_split(prompt_rows, gen, len(prompt), where)
-            documents.append(
-                RolloutDocument(
-                    where,
-                    rows,
-                    num_tokens,
-                    token_ids=prompt + completion,
-                    num_prompt=len(prompt),
-                    moe_rows_first=first,
-                    fields=(choice, response),
-                )
-            )
-            continue
-        if payload is None:
-            raise ValueError(
-                f"{where} has no routed_experts (start vLLM with --enable-return-routed-experts; "
-                "an aborted request has none)"
-            )
-        rows = decode_vllm_routes(payload, f"{where} routed_experts")
-        start_row = min(start, len(prompt))
+        prompt, completion = _choice_tokens(choice, shared_prompt, where)
+        if "prompt_routed_experts" in response:  # vLLM 0.21
+            rows = _split_form_rows(choice.get("routed_experts"), prompt_rows, len(prompt), where)
+            start_row = 0
+        else:
+            rows = _npy_rows(choice.get("routed_experts"), where)
+            # The array is [T - 1 - start, N, K], start = min(routed_experts_prompt_start, P)
+            # (distributed/aux_output_connector/connector.py).
+            start_row = min(start, len(prompt))
         documents.append(
             RolloutDocument(
                 where,
                 rows,
-                num_tokens,
+                len(prompt) + len(completion),
                 start=start_row,
                 token_ids=prompt + completion,
                 num_prompt=len(prompt),
@@ -209,6 +150,51 @@ def vllm_response_documents(
             )
         )
     return documents
+
+
+def _choice_tokens(choice: Any, shared_prompt: list | None, where: str) -> tuple[list, list]:
+    """A choice's prompt and completion token ids."""
+    if not isinstance(choice, dict):
+        raise ValueError(f"{where}: not a JSON object")
+    # A chat response carries prompt_token_ids at response level, a completion response on each
+    # choice; a choice's token_ids is its completion only (both need return_token_ids: true).
+    prompt = _ids(choice.get("prompt_token_ids"), f"{where} prompt_token_ids") or shared_prompt
+    completion = _ids(choice.get("token_ids"), f"{where} token_ids")
+    if prompt is None or completion is None:
+        raise ValueError(
+            f"{where}: needs prompt_token_ids and the choice's token_ids to count its tokens; "
+            "send the request with return_token_ids: true"
+        )
+    return prompt, completion
+
+
+def _npy_rows(payload: Any, where: str) -> np.ndarray:
+    """vLLM 0.34: a choice's own ``routed_experts``."""
+    if payload is None:
+        raise ValueError(
+            f"{where} has no routed_experts (start vLLM with --enable-return-routed-experts; "
+            "an aborted request has none)"
+        )
+    return decode_vllm_routes(payload, f"{where} routed_experts")
+
+
+def _split_form_rows(
+    payload: Any, prompt_rows: np.ndarray | None, num_prompt: int, where: str
+) -> np.ndarray:
+    """vLLM 0.21 (``v1/engine/output_processor.py`` ``split_routed_experts``): the response's
+    prompt rows (shared by the ``n`` choices) then the choice's ``routed_experts``."""
+    if payload is not None and not isinstance(payload, list):
+        raise ValueError(
+            f"{where}: prompt_routed_experts (vLLM 0.21) beside a non-list "
+            "routed_experts: not one vLLM version's answer"
+        )
+    gen = decode_routed_experts(payload or [], f"{where} routed_experts")  # an empty part is null
+    if prompt_rows is None and payload is None:
+        raise ValueError(
+            f"{where}: prompt_routed_experts and routed_experts are null "
+            "(start vLLM with --enable-return-routed-experts)"
+        )
+    return _join_split(prompt_rows, gen, num_prompt, where)
 
 
 def _join_split(

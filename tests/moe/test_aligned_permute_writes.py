@@ -85,7 +85,7 @@ def test_permute_forward_writes_pads_without_filling_a_buffer(path, monkeypatch)
 
 
 def test_the_single_write_gather_torch_offers_changes_negative_zeros(monkeypatch):
-    """The reason the large path writes its pad rows twice (see the module docstring): the layout's
+    """Why the large path writes its pad rows twice (alignment.gather_and_zero_pads): the layout's
     gather keeps a token's -0.0, embedding_bag's empty-bag gather of the same rows does not. If a
     torch release keeps it there, a single write becomes possible and this test says so."""
     monkeypatch.setattr(ap, "SMALL_TOKENS_BYTES", -1)
@@ -102,4 +102,4 @@ def test_the_single_write_gather_torch_offers_changes_negative_zeros(monkeypatch
     offsets = real.long().cumsum(0) - real.long()
     bags = torch.nn.functional.embedding_bag(layout.token_idx_P[real], x, offsets, mode="sum")
     assert torch.equal(bags, x_P)  # equal values, pads zero ...
-    assert not torch.signbit(bags[real, 0]).any(), "embedding_bag now keeps -0.0: see docstring"
+    assert not torch.signbit(bags[real, 0]).any(), "embedding_bag keeps -0.0 (gather_and_zero_pads)"
