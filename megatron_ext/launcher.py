@@ -1,18 +1,8 @@
 """torchrun that exits with the failed rank's status and leaves its refusal the last thing printed.
 
-``python -m torch.distributed.run`` (torchrun) turns any failed worker into a ``ChildFailedError``:
-about 40 lines of traceback and failure report after the worker's own message, and exit status 1,
-so a launch that refused its arguments (a worker's exit 2) reads as a crash. This runs torchrun's
-own ``run`` with the same arguments and, when a worker fails, exits with the status of the first
-worker that failed (2 for a refusal) after one line naming it; a worker killed by a signal exits
-1, as torchrun does. Everything else (rendezvous, per-rank environment, monitoring) is torchrun's.
-
-Stopping it: SIGTERM or SIGINT (Ctrl-C) stops every rank with SIGTERM (torchrun's agent signals
-each rank's process group, then SIGKILLs what is left after its shutdown timeout) and exits
-128 + the signal's number after one line; torchrun would pass SIGINT on to the ranks (a
-KeyboardInterrupt traceback from each) and end with its own traceback. A ``kill -9`` of the
-launcher cannot be answered here: ``megatron_ext.pretrain_gpt`` ranks die with it by their
-parent-death signal (:func:`~megatron_ext.common.process_exit.die_with_the_agent`).
+torchrun turns any failed worker into ~40 lines of traceback and exit status 1, so a launch that
+refused its arguments (a worker's exit 2) reads as a crash; this is torchrun's own ``run`` with one
+line naming the failed rank instead (docs/rehearse.md)::
 
     python -m megatron_ext.launcher --nproc-per-node 2 -m megatron_ext.pretrain_gpt --cpu ...
 """
@@ -69,12 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(args)
     except ChildFailedError as err:
+        # The first worker that failed; one killed by a signal exits 1, as torchrun does.
         rank, failure = err.get_first_failure()
         status = failure.exitcode if failure.exitcode > 0 else 1
         how = f"exit status {failure.exitcode}" if failure.exitcode > 0 else failure.signal_name()
         print(f"launcher: {err.name} failed on rank {rank} ({how})", file=sys.stderr, flush=True)
         return status
     except SignalException as err:
+        # torchrun's agent has signalled each rank's process group and SIGKILLed what was left
+        # after its shutdown timeout. A kill -9 of the launcher never gets here: pretrain_gpt
+        # ranks die with it by their parent-death signal (common.process_exit.die_with_the_agent).
         sig = received[0] if received else signal.Signals(err.sigval)
         print(
             f"launcher: {args.training_script} stopped by {sig.name}: every rank was stopped",

@@ -1,16 +1,10 @@
 """Pretrain / SFT / RL-style training of MoE GPT or Hybrid models with megatron_ext, on megatron.training.
 
-Mirrors Megatron-LM's ``pretrain_gpt.py``: parse and validate Megatron's arguments plus megatron_ext's
-(``extra_args_provider=add_megatron_ext_args``), then ``megatron.training.pretrain`` with
-megatron_ext's model provider (Megatron's builders, our MoE layer spec), datasets provider (self-padded /
-packed datasets, route sidecars) and forward step (pad mask, document boundaries, replay routes).
+Megatron-LM's ``pretrain_gpt.py`` with megatron_ext's flags, model provider, datasets provider and
+forward step::
 
     torchrun --nproc-per-node 8 -m megatron_ext.pretrain_gpt <Megatron flags> <megatron_ext flags>
     python -m megatron_ext.pretrain_gpt <flags> --dry-run     # validate and print, no GPU needed
-
-In megatron-core 0.19.2, ``pretrain`` takes a config container instead of ``extra_args_provider``; the
-arguments are parsed first with ``parse_and_validate_args(extra_args_provider=...)`` and the container is
-built with Megatron's ``pretrain_cfg_container_from_args``, as the wheel's own entry points do.
 """
 
 import argparse
@@ -37,18 +31,21 @@ CPU_IMPLIED_FLAGS: tuple[str, ...] = (
 def parse_arguments(dry_run: bool, cpu: bool = False) -> argparse.Namespace:
     """Megatron's ``parse_args`` + ``validate_args`` with megatron_ext's flags.
 
-    A dry run skips ``set_global_variables`` (tokenizer files, writers) and, without CUDA, validates
-    against the target GPU's compute capability. ``--cpu`` implies ``--distributed-backend gloo``
-    (an explicit ``nccl`` is refused later, naming the flag) and validates as a dry run does.
+    A dry run skips ``set_global_variables`` (tokenizer files, writers); a dry run without CUDA and
+    ``--cpu`` validate against the target GPU's compute capability.
     """
     from megatron.training.arguments import parse_and_validate_args, parse_args, validate_args
 
     from megatron_ext.cpu.model_stack import assume_device_capability
     from megatron_ext.training.launch_log import argument_dump_when_asked
 
+    # Before the user's flags, so an explicit --distributed-backend nccl wins here and is refused
+    # later, naming the flag.
     if cpu:
         sys.argv[1:1] = list(CPU_IMPLIED_FLAGS)
     rehearsal = _fp4_rehearsal_validation() if cpu else contextlib.nullcontext()
+    # Megatron 0.19.2's pretrain takes a config container, not extra_args_provider: the arguments
+    # are parsed here and the container is built in train(), as the wheel's own entry points do.
     if not dry_run:
         with assume_device_capability() if cpu else contextlib.nullcontext(), rehearsal:
             with argument_dump_when_asked():
@@ -72,10 +69,10 @@ def _one_line_parser_errors(parser: argparse.ArgumentParser) -> argparse.Argumen
 
 
 def _fp4_rehearsal_validation() -> Any:
-    """``--cpu`` with ``--fp4-format``: Megatron's validation requires Transformer Engine >= 2.7
-    for NVFP4 kernels, which a rehearsal never runs (the model is built unquantized; only the
-    expert groups are aligned and checked, :mod:`megatron_ext.training.cpu_rehearsal`). Within
-    the block that one version check (2.7.0.dev0) passes; every other asks TE as before."""
+    """Under ``--cpu``, a block within which Megatron's NVFP4 check of Transformer Engine (2.7.0.dev0)
+    passes; every other version check asks TE as before."""
+    # A rehearsal never runs the NVFP4 kernels: the model is built unquantized and only the expert
+    # groups are aligned and checked (megatron_ext.training.cpu_rehearsal).
     from megatron_ext import compat
 
     return compat.patched("fp4_rehearsal")
@@ -104,34 +101,20 @@ def resolved_configuration(args: argparse.Namespace) -> dict[str, Any]:
         MoEAlignmentConfig,
         MoEPadRoutingConfig,
         PaddingConfig,
-        ReplayConfig,
     )
-    from megatron_ext.training.model_provider import uses_aligned_moe
 
     cfgs = run_state.configs(args)  # raises ValueError naming the flag on any bad value/combination
-    alignment, padding, replay = cfgs[MoEAlignmentConfig], cfgs[PaddingConfig], cfgs[ReplayConfig]
+    alignment, padding = cfgs[MoEAlignmentConfig], cfgs[PaddingConfig]
     pad_routing, why = (
         cfgs[MoEPadRoutingConfig].resolve(args) if args.num_experts else ("none", "dense model")
     )
-    if args.sft:
-        dataset = "SelfPaddedSFTDataset"
-    elif replay.route_replay_mode == "replay":
-        dataset = "RoutedPackedDataset"
-    elif padding.pack_documents:
-        dataset = "PackedDataset"
-    else:
-        dataset = "MockGPTDataset" if args.mock_data else "SelfPaddedGPTDataset"
     return {
         "model": "HybridModel" if is_hybrid_model(args) else "GPTModel",
-        "moe_layer": "AlignedMoELayer"
-        if args.num_experts and uses_aligned_moe(alignment, pad_routing == "skip")
-        else "MoELayer"
-        if args.num_experts
-        else "dense",
+        "moe_layer": _moe_layer(args, alignment, pad_routing),
         "moe_pad_routing": f"{pad_routing} ({why})",
         # The dispatcher's own rule (256 under the op fuser), read off the same attribute names.
         "expert_group_alignment": align_size_for_config(args, alignment),
-        "dataset": dataset,
+        "dataset": _dataset_class(args, cfgs),
         "pack_length": f"multiple of {pad_multiple_from_args(args)}"
         if padding.pack_documents and not padding.pad_to_seq_len
         else args.seq_length,
@@ -153,10 +136,32 @@ def resolved_configuration(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _moe_layer(args: argparse.Namespace, alignment: Any, pad_routing: str) -> str:
+    """The MoE layer class the model provider builds (``dense`` without experts)."""
+    from megatron_ext.training.model_provider import uses_aligned_moe
+
+    if not args.num_experts:
+        return "dense"
+    return "AlignedMoELayer" if uses_aligned_moe(alignment, pad_routing == "skip") else "MoELayer"
+
+
+def _dataset_class(args: argparse.Namespace, cfgs: dict[type, Any]) -> str:
+    """The dataset class the datasets provider builds (the order of data/provider.py's choice)."""
+    from megatron_ext.training.feature_configs import PaddingConfig, ReplayConfig
+
+    if args.sft:
+        return "SelfPaddedSFTDataset"
+    if cfgs[ReplayConfig].route_replay_mode == "replay":
+        return "RoutedPackedDataset"
+    if cfgs[PaddingConfig].pack_documents:
+        return "PackedDataset"
+    return "MockGPTDataset" if args.mock_data else "SelfPaddedGPTDataset"
+
+
 def main() -> int:
-    """Entry point (``python -m megatron_ext.pretrain_gpt``): before Megatron's import, the startup
-    check; then Megatron's arguments and ours, validated once; what the launch builds before data;
-    then the dry run's report or Megatron's training loop. A refusal is one line, exit 2."""
+    """Entry point (``python -m megatron_ext.pretrain_gpt``): the startup check, the arguments
+    validated once, then the dry run's report or Megatron's training loop. A refusal is one line,
+    exit 2."""
     argv = sys.argv[1:]
     dry_run, cpu = "--dry-run" in argv, "--cpu" in argv
     from megatron_ext.training.launch_log import configuration_lines, refuse
@@ -267,46 +272,58 @@ def _announce_rehearsal(args: argparse.Namespace, resolved: dict[str, Any]) -> N
 
 def train(args: argparse.Namespace) -> int:
     """Runs Megatron's training loop with megatron_ext's providers (CUDA, or CPU under ``--cpu``)."""
-    import torch
-    from megatron.core.enums import ModelType
-    from megatron.training import pretrain
-    from megatron.training.argument_utils import pretrain_cfg_container_from_args
-
-    from megatron_ext import compat
-    from megatron_ext.training import run_state
-    from megatron_ext.training.dataset_provider import (
-        DataRefusedError,
-        train_valid_test_datasets_provider,
-    )
+    from megatron_ext.training.dataset_provider import DataRefusedError
     from megatron_ext.training.dry_run import one_line
-    from megatron_ext.training.forward_step import forward_step
     from megatron_ext.training.launch_log import refuse
-    from megatron_ext.training.model_provider import model_provider
 
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    if args.cpu:
-        from megatron_ext.training.startup import fork_checkpoint_results_queue
-
-        fork_checkpoint_results_queue(args)  # before any process group: see its docstring
-    # The loss log's reset, no make for prebuilt helpers, a failed load exits 1, and the lines
-    # that do not apply to the run left out (megatron_ext.training.launch_log).
-    compat.apply("launch")
-    cfg = pretrain_cfg_container_from_args(args)
     try:
-        # By keyword: 0.18.2 takes model_provider second, 0.19.2 after forward_step_func.
-        pretrain(
-            cfg,
-            train_valid_test_dataset_provider=train_valid_test_datasets_provider,
-            model_provider=model_provider,
-            model_type=ModelType.encoder_or_decoder,
-            forward_step_func=forward_step,
-        )
+        _pretrain(args)
     except DataRefusedError as err:  # bad data only the built datasets show: one line, exit 2
         if "--verbose" in sys.argv:
             raise
         status = refuse(f"invalid data: {one_line(err)}")
         destroy_process_groups()
         return status
+    _finish(args)
+    destroy_process_groups()
+    return 0
+
+
+def _pretrain(args: argparse.Namespace) -> None:
+    """``megatron.training.pretrain`` with megatron_ext's providers and the ``launch`` rows."""
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+    from megatron_ext import compat
+    from megatron_ext.training.dataset_provider import train_valid_test_datasets_provider
+    from megatron_ext.training.forward_step import forward_step
+    from megatron_ext.training.model_provider import model_provider
+
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    if args.cpu:
+        from megatron_ext.training.startup import fork_checkpoint_results_queue
+
+        fork_checkpoint_results_queue(args)  # before any process group (startup.py says why)
+    # The loss log's reset, no make for prebuilt helpers, a failed load exits 1, and the lines
+    # that do not apply to the run left out (megatron_ext.training.launch_log).
+    compat.apply("launch")
+    cfg = pretrain_cfg_container_from_args(args)
+    # By keyword: 0.18.2 takes model_provider second, 0.19.2 after forward_step_func.
+    pretrain(
+        cfg,
+        train_valid_test_dataset_provider=train_valid_test_datasets_provider,
+        model_provider=model_provider,
+        model_type=ModelType.encoder_or_decoder,
+        forward_step_func=forward_step,
+    )
+
+
+def _finish(args: argparse.Namespace) -> None:
+    """After the loop: the last log lines, the rehearsal's summary and what record modes wrote."""
+    import torch
+
+    from megatron_ext.training import run_state
     from megatron_ext.training.forward_step import flush_logs
 
     flush_logs(args)
@@ -325,20 +342,16 @@ def train(args: argparse.Namespace) -> int:
     written = finish_logprobs(args)  # --rl-record-logprobs
     if written is not None:
         print(f"megatron_ext: wrote recorded log-probs of {written} documents")
-    destroy_process_groups()
-    return 0
 
 
 def destroy_process_groups() -> None:
     """Destroys every process group while the interpreter is still whole (Megatron's loop leaves
-    them to interpreter exit).
-
-    Left to exit, a gloo group's C++ worker threads can still hold work items whose tensors
-    reference Python objects; freeing them during finalization aborts the process ("terminate
-    called without an active exception", SIGABRT after training finished: seen once in this
-    project's CI, and described in pytorch/pytorch#179291 and #190489). With NCCL it is what
-    PyTorch asks for at exit. Local to each rank: every collective has completed by now.
-    """
+    them to interpreter exit)."""
+    # Left to exit, a gloo group's C++ worker threads can still hold work items whose tensors
+    # reference Python objects; freeing them during finalization aborts the process ("terminate
+    # called without an active exception", SIGABRT after training finished: seen once in this
+    # project's CI, and described in pytorch/pytorch#179291 and #190489). With NCCL it is what
+    # PyTorch asks for at exit. Local to each rank: every collective has completed by now.
     import torch
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():

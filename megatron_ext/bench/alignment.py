@@ -1,48 +1,11 @@
 """Benchmark: grouped-GEMM alignment in the token dispatcher, ours vs unaligned vs router padding.
 
-Runs Megatron's real all-to-all and all-gather dispatchers (8 experts, top-2, fp32 rows, CPU) on
-the routing of a real ``TopKRouter``, at EP=1 (one process) and EP=2 (two gloo processes). For
-fp8 / mxfp8 / nvfp4, in one process per EP size:
-
-- dispatch + combine time of Megatron's dispatcher without alignment (the bf16 path), with
-  megatron_ext's alignment, and (all-to-all) with ``--moe-router-padding-for-quantization``.
-  The variants are interleaved round by round, in an order balanced so that each follows every
-  other equally often (:mod:`.rounds`), and the figure is the median of the per-round paired
-  ratios ``ours / unaligned`` with its min and max (paired ratios cancel the drift of a shared
-  machine);
-- rows entering the EP all-to-all (EP=2): ours never adds any (pads are created after it);
-  router padding sends extra duplicated real tokens;
-- pad rows added, and whether every group ended up aligned (router padding cannot align when a
-  rank has fewer tokens than the multiple: nvfp4 with 48 tokens stays unaligned);
-- minor page faults per round trip: a fresh CPU tensor beyond glibc's mmap threshold faults in
-  every page, which a GPU caching allocator never pays;
-- ATen ops per round trip (:class:`~.op_counter.OpCounter`, one untimed trip after the rounds):
-  on a GPU each launches at least one kernel, and at a few tokens launches are most of a trip's
-  cost there; the CPU times above also pay for the pad rows' data, which a GPU moves far faster.
-
-Every figure is measured twice, under two allocator settings (column ``allocator``), each in
-worker processes of its own:
-
-- ``glibc``: malloc's defaults. Its mmap threshold moves with what the process freed before, so
-  two variants of the same size can fault differently (one run measured 32770 faults per trip
-  for the unaligned path and 41156 for ours, and another 40963 for both): at 8192 tokens that
-  alone moves a ratio by 10 %.
-- ``caching``: malloc told to keep freed memory (no mmap'd chunks, no trimming of the heap:
-  :mod:`megatron_ext.cpu.caching_malloc`), so a freed tensor's pages are reused like a GPU caching allocator's
-  blocks and 'faults/trip' stays near 0. The setting cannot be undone in a process, so those
-  workers are shut down after.
-
-Both run in fresh worker processes, so earlier benchmarks cannot move the figures; under glibc
-the threshold still moves as the variants free tensors within the run ('faults/trip' shows
-it), which the caching rows do not have.
-
-Stand-in experts (a copy of their rows) run outside the timed span, so the times are the
-dispatcher's own work (dispatch + combine); the experts' cost of the pad rows is the GEMMs'.
-
-This module is the registered table: it runs :func:`.alignment_rows.measure_rows` (one rank's
-rows, the variants of :mod:`.dispatcher_variant`) at each EP size under each allocator setting,
-and writes the notes; its second table (:mod:`.alignment_layer`) times the whole MoE layer,
-forward + backward, under both allocator settings paired round by round.
+Megatron's real all-to-all and all-gather dispatchers (8 experts, top-2, fp32 rows, CPU) on the
+routing of a real ``TopKRouter``, at EP=1 and EP=2, for fp8 / mxfp8 / nvfp4: dispatch + combine time
+as paired per-round ratios, rows on the EP all-to-all, pad rows, page faults and ATen ops per trip,
+under glibc's malloc defaults and the caching setting. This module is the registered table: it runs
+:func:`.alignment_rows.measure_rows` at each EP size under each allocator, and the whole-layer table
+of :mod:`.alignment_layer`; how to read them is in their notes (docs/BENCHMARKS.md).
 """
 
 from megatron_ext.bench import alignment_layer
@@ -51,6 +14,11 @@ from megatron_ext.bench.registry import BenchResult, register_benchmark
 from megatron_ext.testing import run_distributed
 from megatron_ext.testing.distributed import shutdown_pools
 
+# Each in worker processes of its own, so earlier benchmarks cannot move the figures. Under glibc
+# the mmap threshold still moves with what the variants freed before in the run, so two variants of
+# one size can fault differently (one run measured 32770 faults per trip for the unaligned path and
+# 41156 for ours, another 40963 for both): at 8192 tokens that alone moves a ratio by 10 %. The
+# caching setting cannot be undone in a process, so its workers are shut down after.
 ALLOCATORS = ("glibc", "caching")
 
 
@@ -70,6 +38,18 @@ def alignment(quick: bool) -> BenchResult:
     token_counts = [48, 1024] if quick else [48, 1024, 8192]
     hidden = 256 if quick else 1024
     rounds = 3 if quick else 15
+    rows = _dispatcher_rows(token_counts, hidden, rounds, quick)
+    return BenchResult(
+        title="MoE grouped-GEMM alignment: megatron_ext dispatcher vs unaligned and router padding",
+        columns=COLUMNS,
+        rows=rows,
+        notes=_notes(hidden, rounds, quick),
+        tables=[_layer_table(hidden, quick)],
+    )
+
+
+def _dispatcher_rows(token_counts: list[int], hidden: int, rounds: int, quick: bool) -> list:
+    """Rank 0's rows at EP=1 and EP=2 under each allocator setting, each in fresh workers."""
     rows = []
     for allocator in ALLOCATORS:
         shutdown_pools()  # fresh workers: nothing run before moves malloc's thresholds
@@ -87,60 +67,63 @@ def alignment(quick: bool) -> BenchResult:
             )
             rows += per_rank[0]  # rank 0's timings; the exchanges keep the ranks in step
     shutdown_pools()  # the 'caching' workers keep their setting: none serves anything else
+    return rows
+
+
+def _layer_table(hidden: int, quick: bool) -> BenchResult:
+    """The second table: the whole MoE layer, forward + backward, under both allocators."""
     layer_tokens = [256] if quick else [1024, 8192]
     layer_rounds = 3 if quick else 9
     whole = run_distributed(
         alignment_layer.measure_layers, 2, layer_tokens, hidden, layer_rounds, ep=1, timeout=1800
     )[0]
     shutdown_pools()
-    layer_table = BenchResult(
+    return BenchResult(
         title="Whole MoE layer forward + backward: glibc's malloc defaults vs the caching setting",
         columns=alignment_layer.COLUMNS,
         rows=whole["rows"],
         notes=alignment_layer.notes(hidden, whole["peak_rss_mib"]),
     )
-    return BenchResult(
-        title="MoE grouped-GEMM alignment: megatron_ext dispatcher vs unaligned and router padding",
-        columns=COLUMNS,
-        rows=rows,
-        notes=(
-            f"Megatron's all-to-all and all-gather dispatchers, 8 experts, top-2, hidden {hidden}, "
-            "fp32 rows on CPU (gloo), no_grad; timed: dispatch + combine, the stand-in experts (a "
-            "copy of their rows, which grows with the pad rows as the GEMMs do) outside it. Variants "
-            "interleaved round by round in one process per EP size (order balanced so each "
-            "follows every other equally often; small inputs repeat the trip within a timing): "
-            + _rounds_note(rounds, not quick)
-            + " (column 'rounds'); "
-            "'ours/unaligned' is the median of the per-round paired ratios, with their min and "
-            "max; rank 0 of EP=2. 'unaligned "
-            "copy/unaligned': a second, identical unaligned layer timed as one more variant, "
-            "checked to compute the same: the ratio identical code gets here (1 up to the "
-            "machine's noise and the effect of the order), to read the others against. The pad is "
-            "folded into Megatron's permute for all-gather and for all-to-all at EP=1, and into "
-            "Megatron's chunk sort after the exchange (host counts it already holds) at EP=2. "
-            "'a2a rows' = hidden rows entering the EP "
-            "all-to-all (EP=2): ours pads after it, so it equals the unaligned count; router "
-            "padding routes duplicated real tokens (prob 0) through it and cannot reach the "
-            "multiple when a rank has too few tokens (nvfp4, 48 tokens). 'unaligned at ours' rows' "
-            "(EP=1): Megatron's unaligned dispatcher given the round's tokens repeated until "
-            "it carries as many rows as our aligned buffer, over unaligned: what that many "
-            "rows cost Megatron's own path, with no planning at all (its per-token work grows "
-            "with them too). 'no pad needed' (EP=1): the round's routing moved so every "
-            "expert's count is already a multiple (whole groups of tokens per expert, each "
-            "token keeping its own top-2 probs), ours over unaligned on that routing, checked "
-            "to add no pad row: ours' own cost beside Megatron's, no pad row's data in it ('-': "
-            "no such routing, nvfp4 at 48 tokens). 'allocator' (each in fresh worker "
-            "processes): glibc = malloc defaults, tensors above its mmap threshold are fresh "
-            "mmaps whose pages fault in on every trip ('faults/trip'), and that threshold moves "
-            "with what the variants freed before in the run, so variants of one size can fault "
-            "differently; caching "
-            "= malloc keeping freed memory (mallopt M_MMAP_MAX 0, M_TRIM_THRESHOLD max), pages "
-            "reused as a GPU caching allocator reuses its blocks. 'ops/trip': ATen calls that "
-            "do work in one dispatch + combine, counted in one untimed trip (views and bare "
-            "allocations left out); on a GPU each launches at least one kernel (a sort, cumsum or "
-            "masked_select several, and masked_select also waits for the device). A copy of a "
-            "CPU tensor to the host is no op here and one copy on a GPU, for both (Megatron's "
-            ".cpu() of the counts, kept by ours)."
-        ),
-        tables=[layer_table],
+
+
+def _notes(hidden: int, rounds: int, quick: bool) -> str:
+    """How the dispatcher table was measured and how to read it."""
+    return (
+        f"Megatron's all-to-all and all-gather dispatchers, 8 experts, top-2, hidden {hidden}, "
+        "fp32 rows on CPU (gloo), no_grad; timed: dispatch + combine, the stand-in experts (a "
+        "copy of their rows, which grows with the pad rows as the GEMMs do) outside it. Variants "
+        "interleaved round by round in one process per EP size (order balanced so each "
+        "follows every other equally often; small inputs repeat the trip within a timing): "
+        + _rounds_note(rounds, not quick)
+        + " (column 'rounds'); "
+        "'ours/unaligned' is the median of the per-round paired ratios, with their min and "
+        "max; rank 0 of EP=2. 'unaligned "
+        "copy/unaligned': a second, identical unaligned layer timed as one more variant, "
+        "checked to compute the same: the ratio identical code gets here (1 up to the "
+        "machine's noise and the effect of the order), to read the others against. The pad is "
+        "folded into Megatron's permute for all-gather and for all-to-all at EP=1, and into "
+        "Megatron's chunk sort after the exchange (host counts it already holds) at EP=2. "
+        "'a2a rows' = hidden rows entering the EP "
+        "all-to-all (EP=2): ours pads after it, so it equals the unaligned count; router "
+        "padding routes duplicated real tokens (prob 0) through it and cannot reach the "
+        "multiple when a rank has too few tokens (nvfp4, 48 tokens). 'unaligned at ours' rows' "
+        "(EP=1): Megatron's unaligned dispatcher given the round's tokens repeated until "
+        "it carries as many rows as our aligned buffer, over unaligned: what that many "
+        "rows cost Megatron's own path, with no planning at all (its per-token work grows "
+        "with them too). 'no pad needed' (EP=1): the round's routing moved so every "
+        "expert's count is already a multiple (whole groups of tokens per expert, each "
+        "token keeping its own top-2 probs), ours over unaligned on that routing, checked "
+        "to add no pad row: ours' own cost beside Megatron's, no pad row's data in it ('-': "
+        "no such routing, nvfp4 at 48 tokens). 'allocator' (each in fresh worker "
+        "processes): glibc = malloc defaults, tensors above its mmap threshold are fresh "
+        "mmaps whose pages fault in on every trip ('faults/trip'), and that threshold moves "
+        "with what the variants freed before in the run, so variants of one size can fault "
+        "differently; caching "
+        "= malloc keeping freed memory (mallopt M_MMAP_MAX 0, M_TRIM_THRESHOLD max), pages "
+        "reused as a GPU caching allocator reuses its blocks. 'ops/trip': ATen calls that "
+        "do work in one dispatch + combine, counted in one untimed trip (views and bare "
+        "allocations left out); on a GPU each launches at least one kernel (a sort, cumsum or "
+        "masked_select several, and masked_select also waits for the device). A copy of a "
+        "CPU tensor to the host is no op here and one copy on a GPU, for both (Megatron's "
+        ".cpu() of the counts, kept by ours)."
     )

@@ -1,10 +1,8 @@
 """The ``alignment`` benchmark's whole-layer table: MoE layer forward + backward under both allocators.
 
-The dispatcher rows of :mod:`.alignment_rows` time dispatch + combine alone; here Megatron's
-unaligned MoE layer (the bf16 path) and megatron_ext's aligned one (fp8, multiple 16) run whole,
-router, dispatcher and experts, forward and backward, at EP=1, under glibc's defaults and under
-the caching malloc setting every ``--cpu`` launch applies, paired round by round
-(:mod:`.allocator_pair`: the two halves of a 2-rank world).
+Megatron's unaligned MoE layer (the bf16 path) and megatron_ext's aligned one (fp8, multiple 16)
+whole (router, dispatcher, experts; forward and backward) at EP=1, under both allocator settings
+paired round by round (:mod:`.allocator_pair`).
 """
 
 import statistics
@@ -35,12 +33,14 @@ LAYERS = {"unaligned": (False, None), "ours fp8": (True, "fp8")}
 def measure_layers(token_counts: list[int], hidden: int, rounds: int) -> dict:
     """Rows of the table and each half's peak RSS (MiB), on every rank of the 2-rank world."""
     enter_half(ep=1)  # before anything is built
+    # Both layers on every rank: each half times both, under its own allocator.
     layers = {}
     for name, (aligned, precision) in LAYERS.items():
         layers[name] = build_layer("alltoall", hidden, aligned)
         set_precision(layers[name].config, precision, layers[name])
     steps = {}
     for num_tokens in token_counts:
+        # Seeded by the token count: both halves feed the same input to the same layer.
         g = torch.Generator().manual_seed(num_tokens)
         x = torch.randn(num_tokens, 1, hidden, generator=g)
         for name, layer in layers.items():

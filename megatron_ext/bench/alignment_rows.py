@@ -1,11 +1,8 @@
 """One rank's rows of the ``alignment`` benchmark (:mod:`megatron_ext.bench.alignment`).
 
 :func:`measure_rows` runs in every rank of an EP group (gloo on CPU; on one GPU at EP=1, for
-tools/gpu/gpu_check.py) and returns the table's rows for that EP size, one per dispatcher,
-token count and precision, in the order of :data:`COLUMNS`. For each token count it times, in
-the same interleaved rounds (:func:`~megatron_ext.bench.rounds.round_order`: each variant
-follows every other equally often, on every rank alike so that the exchanges pair up), each a
-:class:`~megatron_ext.bench.dispatcher_variant.Variant`::
+tools/gpu/gpu_check.py). For each token count it times these variants in the same interleaved
+rounds::
 
     unaligned          Megatron's dispatcher, no alignment (the base of every ratio)
     unaligned copy     a second, identical unaligned layer (checked): the ratio identical code gets
@@ -13,12 +10,10 @@ follows every other equally often, on every rank alike so that the exchanges pai
     router pad         Megatron's router padding, per precision (all-to-all only)
     floor (EP=1)       unaligned, given the round's tokens repeated up to ours' row count
     no pad (EP=1)      unaligned and ours on a routing needing no pad row (:func:`no_pad_inputs`)
-
-and reports each one's median paired ratio to unaligned over the rounds, the rows on the EP
-all-to-all, pad rows, whether every group is aligned, page faults and ATen ops per trip.
 """
 
 import statistics
+from dataclasses import dataclass
 
 import torch
 
@@ -95,9 +90,10 @@ def measure_rows(
     whole_designs: bool,
     device: str = "cpu",
 ) -> list[list]:
-    """The table's rows for this rank's EP size. ``device``: "cpu" (gloo ranks), or "cuda" at
-    EP=1 (tools/gpu/gpu_check.py; ``allocator`` is then only the label, "cuda": PyTorch's
-    caching allocator)."""
+    """The table's rows for this rank's EP size, one per dispatcher, token count and precision,
+    in the order of :data:`COLUMNS`. ``device``: "cpu" (gloo ranks), or "cuda" at EP=1
+    (tools/gpu/gpu_check.py; ``allocator`` is then only the label, "cuda": PyTorch's caching
+    allocator)."""
     from megatron.core import parallel_state
 
     if allocator == "caching":
@@ -114,75 +110,122 @@ def measure_rows(
             x = torch.randn(num_tokens, 1, hidden, generator=g).to(device)
             with torch.no_grad():
                 probs, routing_map = stock.route(x)
-            base, twin = Variant(stock, None), Variant(copy, None)
-            mine = {p: Variant(ours, p) for p in PRECISIONS}
-            # Megatron refuses router padding for the all-gather dispatcher.
-            padded = {p: Variant(stock, p, True) for p in PRECISIONS if dispatcher == "alltoall"}
-            floors = {}
-            if ep == 1:  # Megatron's unaligned path carrying as many rows as ours: the data floor
-                for p, v in mine.items():
-                    v.run(x, probs, routing_map, 1)  # also a warm-up
-                    rows_ours = sum(int(n) for n in v.groups)
-                    floors[p] = Variant(
-                        stock, None, inputs=_inputs_with_rows(x, probs, routing_map, rows_ours)
-                    )
-                    v.seconds.clear()  # the warm-up trip is not a round
-                    v.faults.clear()
-            no_pad_base, no_pad = None, {}
-            if ep == 1:  # ours' own cost on a routing that needs no pad row
-                no_pad_base, no_pad = _no_pad_variants(stock, ours, x, probs, routing_map)
-            variants = [base, twin, *mine.values(), *padded.values(), *floors.values()]
-            variants += [no_pad_base, *no_pad.values()] if no_pad_base else []
-            reps = max(1, 2048 // num_tokens)  # small inputs: several trips per timing
-            _check_same_layer(stock, copy, x, probs, routing_map)  # also a warm-up of both
-            num_rounds = _rounds_for(num_tokens, rounds, len(variants), whole_designs)
-            for r in range(num_rounds):
-                # Same order on every rank (the exchanges pair up), balanced per round.
-                for v in round_order(variants, r):
-                    v.run(x, probs, routing_map, reps)
-            for v in (base, *mine.values()):
-                v.count_ops(x, probs, routing_map)
-            base_rows, base_groups = base.rows_sent, [int(n) for n in base.groups]
-            if ep == 1 and dispatcher == "alltoall":
-                assert sum(base_groups) == base_rows  # no exchange: every row sent is received
-            for precision, v in mine.items():
-                align = _align_of(ours, precision)
-                ratios = _ratios(v, base)
-                groups = [int(n) for n in v.groups]
-                rp = padded.get(precision)
-                rp_groups = [int(n) for n in rp.groups] if rp else None
-                a2a = dispatcher == "alltoall" and ep > 1  # rows on the EP all-to-all wire
-                rows.append(
-                    [
-                        allocator,
-                        ep,
-                        dispatcher,
-                        precision,
-                        num_tokens,
-                        align,
-                        round(1e3 * statistics.median(base.seconds), 3),
-                        round(1e3 * statistics.median(v.seconds), 3),
-                        round(statistics.median(ratios), 3),
-                        round(min(ratios), 3),
-                        round(max(ratios), 3),
-                        num_rounds,
-                        round(statistics.median(_ratios(twin, base)), 3),
-                        round(statistics.median(_ratios(rp, base)), 3) if rp else "-",
-                        _floor_cell(floors.get(precision), base, sum(groups)),
-                        _no_pad_cell(no_pad.get(precision), no_pad_base),
-                        base_rows if a2a else "-",
-                        v.rows_sent if a2a else "-",
-                        rp.rows_sent if (a2a and rp) else "-",
-                        sum(groups) - sum(base_groups),
-                        sum(rp_groups) - sum(base_groups) if rp else "-",
-                        all(n % align == 0 for n in groups),
-                        all(n % align == 0 for n in rp_groups) if rp else "-",
-                        int(statistics.median(base.faults)),
-                        int(statistics.median(v.faults)),
-                        base.ops,
-                        v.ops,
-                    ]
-                )
+            inputs = (x, probs, routing_map)
+            variants = _variants(dispatcher, ep, stock, ours, copy, inputs)
+            _check_same_layer(stock, copy, *inputs)  # also a warm-up of both
+            num_rounds = _rounds_for(num_tokens, rounds, len(variants.timed()), whole_designs)
+            _run_rounds(variants, inputs, num_rounds)
+            head = [allocator, ep, dispatcher]
+            rows += _precision_rows(variants, ours, head, num_tokens, num_rounds)
+    return rows
+
+
+@dataclass
+class _Variants:
+    """The variants timed together at one token count, on one input."""
+
+    base: Variant  # Megatron's unaligned dispatcher: the base of every ratio
+    twin: Variant  # a second, identical unaligned layer: what identical code measures
+    mine: dict[str, Variant]  # ours, per precision
+    padded: dict[str, Variant]  # Megatron's router padding, per precision (all-to-all only)
+    floors: dict[str, Variant]  # EP=1: unaligned carrying as many rows as ours
+    no_pad_base: Variant | None  # EP=1: unaligned on a routing needing no pad row
+    no_pad: dict[str, Variant]  # EP=1: ours on that routing
+
+    def timed(self) -> list[Variant]:
+        """Every variant, in the order the rounds start from."""
+        variants = [
+            self.base, self.twin, *self.mine.values(), *self.padded.values(),
+            *self.floors.values(),
+        ]  # fmt: skip
+        return variants + ([self.no_pad_base, *self.no_pad.values()] if self.no_pad_base else [])
+
+
+def _variants(dispatcher: str, ep: int, stock, ours, copy, inputs: tuple) -> _Variants:
+    """The variants of one token count; at EP=1 ours' trips are warmed up once here."""
+    x, probs, routing_map = inputs
+    mine = {p: Variant(ours, p) for p in PRECISIONS}
+    # Megatron refuses router padding for the all-gather dispatcher.
+    padded = {p: Variant(stock, p, True) for p in PRECISIONS if dispatcher == "alltoall"}
+    floors = {}
+    if ep == 1:  # Megatron's unaligned path carrying as many rows as ours: the data floor
+        for p, v in mine.items():
+            v.run(x, probs, routing_map, 1)  # also a warm-up
+            rows_ours = sum(int(n) for n in v.groups)
+            floors[p] = Variant(
+                stock, None, inputs=_inputs_with_rows(x, probs, routing_map, rows_ours)
+            )
+            v.seconds.clear()  # the warm-up trip is not a round
+            v.faults.clear()
+    no_pad_base, no_pad = None, {}
+    if ep == 1:  # ours' own cost on a routing that needs no pad row
+        no_pad_base, no_pad = _no_pad_variants(stock, ours, x, probs, routing_map)
+    return _Variants(
+        Variant(stock, None), Variant(copy, None), mine, padded, floors, no_pad_base, no_pad
+    )
+
+
+def _run_rounds(variants: _Variants, inputs: tuple, num_rounds: int) -> None:
+    """The timed rounds, then one untimed trip of the unaligned layer and ours counting ATen ops."""
+    timed = variants.timed()
+    reps = max(1, 2048 // inputs[0].shape[0])  # small inputs: several trips per timing
+    for r in range(num_rounds):
+        # Same order on every rank (the exchanges pair up), balanced per round: each variant
+        # follows every other equally often.
+        for v in round_order(timed, r):
+            v.run(*inputs, reps)
+    # On a GPU each op launches at least one kernel, and at a few tokens launches are most of a
+    # trip's cost; the CPU times also pay for the pad rows' data, which a GPU moves far faster.
+    for v in (variants.base, *variants.mine.values()):
+        v.count_ops(*inputs)
+
+
+def _precision_rows(
+    variants: _Variants, ours, head: list, num_tokens: int, num_rounds: int
+) -> list[list]:
+    """One row per precision: ``head`` (allocator, EP, dispatcher), then :data:`COLUMNS`' cells."""
+    _, ep, dispatcher = head
+    base = variants.base
+    base_rows, base_groups = base.rows_sent, [int(n) for n in base.groups]
+    if ep == 1 and dispatcher == "alltoall":
+        assert sum(base_groups) == base_rows  # no exchange: every row sent is received
+    a2a = dispatcher == "alltoall" and ep > 1  # rows on the EP all-to-all wire
+    rows = []
+    for precision, v in variants.mine.items():
+        align = _align_of(ours, precision)
+        ratios = _ratios(v, base)
+        groups = [int(n) for n in v.groups]
+        rp = variants.padded.get(precision)
+        rp_groups = [int(n) for n in rp.groups] if rp else None
+        rows.append(
+            [
+                *head,
+                precision,
+                num_tokens,
+                align,
+                round(1e3 * statistics.median(base.seconds), 3),
+                round(1e3 * statistics.median(v.seconds), 3),
+                round(statistics.median(ratios), 3),
+                round(min(ratios), 3),
+                round(max(ratios), 3),
+                num_rounds,
+                round(statistics.median(_ratios(variants.twin, base)), 3),
+                round(statistics.median(_ratios(rp, base)), 3) if rp else "-",
+                _floor_cell(variants.floors.get(precision), base, sum(groups)),
+                _no_pad_cell(variants.no_pad.get(precision), variants.no_pad_base),
+                base_rows if a2a else "-",
+                v.rows_sent if a2a else "-",
+                rp.rows_sent if (a2a and rp) else "-",
+                sum(groups) - sum(base_groups),
+                sum(rp_groups) - sum(base_groups) if rp else "-",
+                all(n % align == 0 for n in groups),
+                all(n % align == 0 for n in rp_groups) if rp else "-",
+                int(statistics.median(base.faults)),
+                int(statistics.median(v.faults)),
+                base.ops,
+                v.ops,
+            ]
+        )
     return rows
 
 

@@ -1,19 +1,12 @@
 """Timing steps with and without the caching malloc setting, paired round by round.
 
-The setting (:func:`megatron_ext.cpu.caching_malloc.keep_freed_memory`) cannot be undone in a process,
-so the two sides run in two halves of one gloo world of ``2 * EP`` ranks: ranks ``[0, EP)`` keep
-glibc's defaults, ranks ``[EP, 2 * EP)`` apply the setting before building anything, and each half
-is one EP group (Megatron puts EP ranks next to each other). Every round runs every
-``(step, allocator)`` pair once, in :func:`~megatron_ext.bench.rounds.round_order`'s balanced
-order, one half at a time (the other waits at a barrier), so the two sides of a round's ratio
-share the machine's state::
+The two sides run in two halves of one gloo world of ``2 * EP`` ranks: ranks ``[0, EP)`` keep
+glibc's defaults, ranks ``[EP, 2 * EP)`` apply the setting. Every round runs every
+``(step, allocator)`` pair once, in a balanced order, one half at a time::
 
     round 0:  [ours, glibc] [ours, caching] [unaligned, caching] [unaligned, glibc]
     round 1:  ...                                                 each pair once per round
 
-The figures are each step's per-round ``caching / glibc`` ratios (median, min, max), minor page
-faults per step, and each half's peak RSS (``ru_maxrss``, the process's whole life: imports,
-model and steps alike).
 """
 
 import resource
@@ -33,6 +26,8 @@ def enter_half(ep: int) -> str:
     """This rank's allocator (its half of the world), applied now; call before building anything."""
     from megatron.core import parallel_state
 
+    # Two halves of one world, because the setting (cpu/caching_malloc.py) cannot be undone in a
+    # process. Each half is one EP group: Megatron puts EP ranks next to each other.
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     assert world == 2 * ep, f"the halves need a world of 2 x EP ranks, got {world} at EP={ep}"
     half = rank // ep
@@ -72,8 +67,11 @@ def paired_rounds(steps: dict[str, Callable[[], float]], rounds: int, ep: int) -
                 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 ms[name].append(1e3 * steps[name]())
                 faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-            torch.distributed.barrier()  # one half at a time
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+            # One half at a time, the other waiting here: both sides of a round's ratio share the
+            # machine's state.
+            torch.distributed.barrier()
+    # The process's whole life (imports, model and steps alike), in KiB on Linux.
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     gathered: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, (half, ms, faults, peak_kib))
     out: dict = {"ms": {}, "faults": {}, "peak_rss_mib": {}, "ratio": {}}

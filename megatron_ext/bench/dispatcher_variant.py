@@ -1,12 +1,7 @@
 """One dispatcher setting of the ``alignment`` benchmark, timed round by round on its own layer.
 
-A :class:`Variant` is a MoE layer (Megatron's, or megatron_ext's aligned one, :func:`build_layer`)
-and the setting it runs at: a precision (``fp8``, ``mxfp8``, ``nvfp4``, or None for the bf16
-path, which needs no alignment), Megatron's ``--moe-router-padding-for-quantization`` on or off,
-and optionally inputs of its own. Each :meth:`Variant.run` appends one round's time per trip and
-minor page faults per trip; :meth:`Variant.count_ops` counts the ATen ops of one untimed trip
-(:class:`~megatron_ext.bench.op_counter.OpCounter`).
-
+A :class:`Variant` is a MoE layer (Megatron's, or megatron_ext's aligned one) and the setting it
+runs at: a precision (None: the bf16 path, which needs no alignment) and Megatron's router padding.
 A trip (:func:`round_trip`) is the dispatcher's own work, dispatch + combine, around stand-in
 experts that copy their rows outside the timed span::
 
@@ -23,6 +18,7 @@ import torch
 
 from megatron_ext.bench.op_counter import OpCounter
 
+# precision -> (--fp8-format, --fp8-recipe, --fp4-recipe): the fields Megatron's multiple reads.
 PRECISIONS = {"fp8": ("e4m3", "tensorwise", None), "mxfp8": ("e4m3", "mxfp8", None)}
 PRECISIONS["nvfp4"] = (None, None, "nvfp4")
 DISPATCHERS = ("alltoall", "allgather")
@@ -30,11 +26,11 @@ DISPATCHERS = ("alltoall", "allgather")
 
 def set_precision(cfg, precision: str | None, layer=None) -> None:
     """Sets Megatron's fp8 / fp4 fields of ``cfg`` for ``precision`` (None: neither); with
-    ``layer`` (an ``AlignedMoELayer`` built on ``cfg``), passes the new multiple down to it (its
-    multiple is otherwise decided once, at construction)."""
+    ``layer`` (an ``AlignedMoELayer`` built on ``cfg``), passes the new multiple down to it."""
     fp8, recipe, fp4 = PRECISIONS.get(precision, (None, None, None))
     cfg.fp8, cfg.fp8_recipe = fp8, recipe
     cfg.fp4, cfg.fp4_recipe = ("e2m1", "nvfp4") if fp4 else (None, None)
+    # An AlignedMoELayer decides its multiple once, at construction: tell it of the new one.
     if hasattr(layer, "realign"):
         layer.realign()
 
@@ -42,15 +38,14 @@ def set_precision(cfg, precision: str | None, layer=None) -> None:
 def round_trip(layer, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, span=None):
     """Dispatch and combine around stand-in experts.
 
-    Returns (rows into the exchange, groups, seconds in the dispatcher, the layer's output). The
-    stand-in (a copy, as an expert's output is a fresh tensor) is outside the timed span: its cost
-    is the experts' (it grows with the pad rows, as the GEMMs do), not the dispatcher's.
+    Returns (rows into the exchange, groups, seconds in the dispatcher, the layer's output).
     ``span``: a context entered around the two dispatcher spans (an :class:`OpCounter`), outside
-    their timing. On a GPU the device is synchronised at each clock read (kernels run
-    asynchronously), so each span holds its own kernels and nothing queued before it.
+    their timing.
     """
     d = layer.token_dispatcher
     span = span or contextlib.nullcontext()
+    # On a GPU the device is synchronised at each clock read (kernels run asynchronously), so each
+    # span holds its own kernels and nothing queued before it.
     sync = torch.cuda.synchronize if x.is_cuda else _no_sync
     with span:
         sync()
@@ -61,6 +56,8 @@ def round_trip(layer, x: torch.Tensor, probs: torch.Tensor, routing_map: torch.T
         h, tokens_per_expert, p = d.dispatch_postprocess(h, p)
         sync()
         dispatched = time.perf_counter()
+    # The stand-in experts: a copy, as an expert's output is a fresh tensor. Its cost is the
+    # experts' (it grows with the pad rows, as the GEMMs do), not the dispatcher's: not timed.
     h = h * 1.0
     with span:
         sync()
@@ -104,6 +101,7 @@ class Variant:
             cfg.moe_router_padding_for_quantization = False
 
     def run(self, x, probs, routing_map, reps: int) -> None:
+        """One round: appends the time per trip and the minor page faults per trip."""
         with self._setting(x, probs, routing_map) as (x, probs, routing_map):
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             seconds = 0.0

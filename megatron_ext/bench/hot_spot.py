@@ -26,9 +26,8 @@ def _load_worker(seq_len: int, num_packs: int, pad_fraction: float) -> dict:
 
     rank = torch.distributed.get_rank()
     ep = parallel_state.get_expert_model_parallel_world_size()
-    torch.manual_seed(
-        0
-    )  # same weights on every rank except the experts (Megatron seeds those per EP rank)
+    # The same weights on every rank except the experts (Megatron seeds those per EP rank).
+    torch.manual_seed(0)
     model = build_tiny_gpt(tiny_moe_config(), vocab_size=VOCAB_SIZE, max_seq_len=seq_len)
     real_len = int(round(seq_len * (1 - pad_fraction)))
     out = {}
@@ -52,6 +51,7 @@ def _load_worker(seq_len: int, num_packs: int, pad_fraction: float) -> dict:
         metrics = ExpertLoadMetrics(model.config.num_moe_experts, ep)
         with torch.no_grad(), observe_routers(model, metrics):
             model(tokens, positions, attention_mask=None)
+        # Summed over the data-parallel ranks: together they route every token once.
         stats = metrics.device_stats(parallel_state.get_data_parallel_group())
         out[policy] = {
             "ep_rank_peak_over_mean": peak_over_mean(stats, "rank"),

@@ -1,21 +1,9 @@
 """Benchmark: what a ``--cpu`` rehearsal costs beyond importing Megatron, as a user launches it.
 
-Two commands, each a fresh process tree, in interleaved rounds (:mod:`.rounds`), wall time:
-
-- ``launch``: ``python -m torch.distributed.run --nproc-per-node 2 -m megatron_ext.pretrain_gpt``
-  with the tiny MoE GPT of :data:`~megatron_ext.testing.real_loop.TINY_MOE_ARGS` (8 experts, EP=2,
-  local modules, ``--cpu``) for 3 iterations on the embedded corpus: torchrun's agent, two ranks,
-  Megatron's initialization, training, exit.
-- ``import``: ``python -c "import megatron.training.training"``, the floor any launch pays.
-
-The figure is the median over rounds of ``launch / import`` within each round (min, max): a
-launch that imported and did nothing else would be near 1. ``TORCHDYNAMO_DISABLE`` is removed from
-both commands' environment, as a user's shell has it.
-
-A second table pairs the CPU seconds (user + system) of each command's whole process tree the same
-way: other jobs on a shared machine stretch wall times by however long they hold the cores, but
-hardly the CPU seconds a command itself uses. It counts what the launch runs (torchrun's agent and
-both ranks each import torch), not what it overlaps on idle cores.
+A tiny 2-rank ``--cpu`` launch of 3 iterations (torchrun's agent, two ranks, Megatron's
+initialization, training, exit) against ``python -c "import megatron.training.training"``, the floor
+any launch pays: the median over rounds of ``launch / import`` within each round (near 1: a launch
+that imported and did nothing else).
 """
 
 import os
@@ -85,6 +73,7 @@ def launch_overhead(quick: bool) -> BenchResult:
     # Full runs: an even number of rounds, so each command runs first equally often; a quick one
     # (CI) times one pair.
     rounds = 1 if quick else 6
+    # TORCHDYNAMO_DISABLE is removed, as a user's shell has it.
     env = {k: v for k, v in os.environ.items() if k != "TORCHDYNAMO_DISABLE"}
     with tempfile.TemporaryDirectory(prefix="megatron_ext_launch_bench_") as tmp:
         prefix = str(Path(tmp) / "corpus_text_document")
@@ -109,6 +98,9 @@ def launch_overhead(quick: bool) -> BenchResult:
             "Ratio: launch / import within each round; median (min, max) over rounds."
         ),
         extra={"seconds": times, "cpu_seconds": cpu, "rounds": rounds},
+        # Other jobs on a shared machine stretch wall times by however long they hold the cores,
+        # but hardly the CPU seconds a command uses. It counts what the launch runs (the agent
+        # and both ranks each import torch), not what it overlaps on idle cores.
         tables=[
             BenchResult(
                 title="The same launches in CPU seconds",

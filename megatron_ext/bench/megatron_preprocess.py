@@ -1,15 +1,8 @@
 """Megatron-LM's ``tools/preprocess_data.py``, driven with Megatron-Core's installed classes: the
 reference the ``preprocess`` benchmark times and the parity tests compare bytes with.
 
-The script is not in the megatron-core wheel. This follows it as read at NVIDIA/Megatron-LM commit
-00736f4c796c3b9b4bc0609320064a0afdcd8edc: ``get_args`` (``_add_tokenizer_args``, then the dummy
-``rank``/``make_vocab_size_divisible_by``/``tensor_model_parallel_size``/``vocab_extra_ids``),
-``Encoder.encode`` (a text or a list of sentences; a sentence with no ids dropped; ``eod`` after
-a non-empty document) in a ``multiprocessing.Pool(workers)`` fed by ``imap(encode, fin, 32)``, and
-``Partition.process_json_file`` (an ``IndexedDatasetBuilder`` per key at
-``{prefix}_{key}_document.bin`` with ``DType.optimal_dtype(tokenizer.vocab_size)``,
-``add_document(doc, sentence_lens)`` per record). That commit finalizes only the last key's
-builder (the other keys get no ``.idx``); this finalizes each, as its loop intends::
+The script is not in the megatron-core wheel; this follows it as read at NVIDIA/Megatron-LM commit
+00736f4c796c3b9b4bc0609320064a0afdcd8edc::
 
     megatron_preprocess("in.jsonl", "/d/web", ["--tokenizer-type", "HuggingFaceTokenizer",
                         "--tokenizer-model", DIR], keys=["text"], append_eod=True, workers=2)
@@ -26,6 +19,8 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
 def megatron_tokenizer(tokenizer_argv: list[str]) -> Any:
     """``build_tokenizer`` with the arguments Megatron-LM's script parses and sets."""
+    # The script's get_args: _add_tokenizer_args, then the dummy rank,
+    # make_vocab_size_divisible_by, tensor_model_parallel_size and vocab_extra_ids.
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
     from megatron.training.arguments import _add_tokenizer_args
 
@@ -47,6 +42,8 @@ class _Encoder:
         _Encoder.tokenizer = megatron_tokenizer(self.tokenizer_argv)
 
     def encode(self, json_line: str) -> tuple[dict, dict, int]:
+        # A text or a list of sentences; a sentence with no ids dropped; eod after a non-empty
+        # document.
         data = json.loads(json_line)
         ids, lens = {}, {}
         for key in self.keys:
@@ -74,6 +71,8 @@ def megatron_preprocess(
     workers: int = 1,
 ) -> int:
     """Runs the script's pipeline; returns the number of tokens written."""
+    # Partition.process_json_file: an IndexedDatasetBuilder per key, add_document per record, fed
+    # by a Pool(workers) through imap(encode, fin, 32).
     encoder = _Encoder(tokenizer_argv, keys, append_eod)
     tokenizer = megatron_tokenizer(tokenizer_argv)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
@@ -87,6 +86,8 @@ def megatron_preprocess(
             for key in doc:
                 builders[key].add_document(doc[key], sentence_lens[key])
                 tokens += len(doc[key])
+    # That commit finalizes only the last key's builder (the other keys get no .idx); this
+    # finalizes each, as its loop intends.
     for key in keys:
         builders[key].finalize(f"{prefix}_{key}_document.idx")
     return tokens

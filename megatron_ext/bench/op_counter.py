@@ -1,16 +1,12 @@
 """Counting the ATen ops a span of code runs: the kernel launches it would make on a GPU.
 
-On a GPU every ATen call that does work launches at least one kernel, and at a few tokens the
-launches are most of a dispatcher's cost there, which a CPU timing does not show. :class:`OpCounter`
-is a ``TorchDispatchMode`` that counts those calls, leaving out what launches nothing::
+At a few tokens the launches are most of a dispatcher's cost on a GPU, which a CPU timing does not
+show. :class:`OpCounter` counts the calls that do work::
 
     with OpCounter() as c:
         x.view(-1); torch.empty(3)   # a view, a bare allocation: not counted
         y = x + 1; y.mul_(2)         # out of place, in place: counted
     c.count == 2
-
-The ``alignment`` benchmark counts one untimed dispatch + combine per variant this way (its
-'ops/trip' columns).
 """
 
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -19,8 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 class OpCounter(TorchDispatchMode):
     """Counts the ATen calls that do work, each at least one kernel on a GPU (re-enterable).
 
-    Views and aliases are left out (their schema returns an alias that is not written), as are
-    bare allocations (``empty*``: no kernel). In-place ops, copies and scalar reads count.
+    In-place ops, copies and scalar reads count; views and bare allocations do not.
     """
 
     def __init__(self) -> None:
@@ -28,6 +23,7 @@ class OpCounter(TorchDispatchMode):
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # A view's schema returns an alias that is not written; empty* allocates without a kernel.
         alias = func._schema.returns[0].alias_info if func._schema.returns else None
         view = alias is not None and not alias.is_write
         if not view and func.overloadpacket.__name__ not in _ALLOCATIONS:

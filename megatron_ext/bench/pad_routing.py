@@ -1,21 +1,14 @@
 """Benchmark: what pads cost in the MoE layer, constant pads vs self pads vs skipped pads vs no padding.
 
 Megatron's real tiny MoE GPTModel (local spec, 8 experts, top-2, alltoall dispatcher) at EP=2 on 2
-gloo ranks; each rank's packs are half padding. The first MoE layer's input for each variant comes
-from the model's own forward; then the MoE layer alone runs forward + backward, the variants
-interleaved round by round (each following every other equally often: :mod:`.rounds`), and each
-round's time is divided by that round's no-padding time: the reported figure is the median of those
-paired ratios (min, max). Rows are counted where they happen: all-to-all rows from the dispatcher's
-input splits, expert rows from the rows the experts received.
-
-Each variant also runs under the caching malloc setting every ``--cpu`` launch applies
-(:mod:`megatron_ext.cpu.caching_malloc`), paired with glibc's defaults round by round in the two halves
-of a 4-rank world (:mod:`.allocator_pair`): the time it saves is page faults a GPU caching
-allocator never pays, and each half's peak RSS shows what keeping freed memory costs.
+gloo ranks, each rank's packs half padding: the first MoE layer's forward + backward per variant, as
+paired per-round ratios to no padding, under glibc's malloc defaults and the caching setting every
+``--cpu`` launch applies (the two halves of a 4-rank world, :mod:`.allocator_pair`).
 """
 
 import statistics
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,17 +56,40 @@ def _inputs(model, seq_len: int, num_packs: int, real_len: int) -> dict[str, tup
 
 
 def _worker(seq_len: int, num_packs: int, hidden: int, rounds: int) -> dict:
+    """One rank of the 4-rank world: its half's figures per variant (rank 0: glibc's)."""
     from megatron.core import parallel_state
 
+    allocator = enter_half(ep=2)  # before anything is built
+    group = parallel_state.get_expert_model_parallel_group()
+    layers = _models(seq_len, hidden)
+    inputs = _inputs(layers["dispatch"][0], seq_len, num_packs, seq_len // 2)
+    step = _step(layers, inputs, group)
+    counts = {}
+
+    def timed(variant: str):
+        def run() -> float:
+            seconds, counts[variant] = step(variant)
+            return seconds
+
+        return run
+
+    paired = paired_rounds({v: timed(v) for v in VARIANTS}, rounds, ep=2)
+    times = {v: [t / 1e3 for t in paired["ms"]["glibc"][v]] for v in VARIANTS}
+    out = {"allocator": allocator, "peak_rss_mib": paired["peak_rss_mib"]}
+    for variant in VARIANTS:
+        out[variant] = _figures(variant, counts[variant], times, paired, group)
+    return out
+
+
+def _models(seq_len: int, hidden: int) -> dict[str, tuple]:
+    """``{pad routing mode: (model, its first MoE layer, PadRouting)}`` for dispatch and skip."""
     from megatron_ext.moe.layer_specs import with_aligned_moe
-    from megatron_ext.moe.pad_routing import PadRouting, count_router_tokens
+    from megatron_ext.moe.pad_routing import PadRouting
     from megatron_ext.testing import build_tiny_gpt, tiny_moe_config
     from megatron_ext.testing.tiny_model import local_layer_spec
     from megatron_ext.training.corpus import VOCAB_SIZE
     from megatron_ext.training.feature_configs import MoEAlignmentConfig
 
-    allocator = enter_half(ep=2)  # before anything is built
-    group = parallel_state.get_expert_model_parallel_group()
     config = tiny_moe_config(
         hidden_size=hidden, ffn_hidden_size=2 * hidden, moe_ffn_hidden_size=2 * hidden
     )
@@ -86,7 +102,14 @@ def _worker(seq_len: int, num_packs: int, hidden: int, rounds: int) -> dict:
         torch.manual_seed(0)  # the same weights for both modes (experts seeded per EP rank)
         model = build_tiny_gpt(config, vocab_size=VOCAB_SIZE, max_seq_len=seq_len, layer_spec=spec)
         layers[mode] = (model, model.decoder.layers[0].mlp, routing)
-    inputs = _inputs(layers["dispatch"][0], seq_len, num_packs, seq_len // 2)
+    return layers
+
+
+def _step(layers: dict[str, tuple], inputs: dict[str, tuple], group: Any) -> Any:
+    """``step(variant) -> (seconds, rows)``: the MoE layer's forward + backward on the variant's
+    input, timed, with the rows counted where they happen (all-to-all rows from the dispatcher's
+    input splits, expert rows from what the experts received)."""
+    from megatron_ext.moe.pad_routing import count_router_tokens
 
     def step(variant: str) -> tuple[float, dict]:
         _, moe, routing = layers["skip" if variant == "skip" else "dispatch"]
@@ -104,42 +127,33 @@ def _worker(seq_len: int, num_packs: int, hidden: int, rounds: int) -> dict:
         splits = moe.token_dispatcher.input_splits
         return seconds, {"a2a": int(np.sum(splits)), "expert": int(rows[0].sum())}
 
-    counts = {}
+    return step
 
-    def timed(variant: str):
-        def run() -> float:
-            seconds, counts[variant] = step(variant)
-            return seconds
 
-        return run
-
-    paired = paired_rounds({v: timed(v) for v in VARIANTS}, rounds, ep=2)
-    times = {v: [t / 1e3 for t in paired["ms"]["glibc"][v]] for v in VARIANTS}
-    out = {"allocator": allocator, "peak_rss_mib": paired["peak_rss_mib"]}
-    for variant in VARIANTS:
-        per_rank = torch.tensor([counts[variant]["expert"]], dtype=torch.float64)
-        gathered = [
-            torch.zeros_like(per_rank) for _ in range(torch.distributed.get_world_size(group))
-        ]
-        torch.distributed.all_gather(gathered, per_rank, group=group)
-        received = torch.cat(gathered)
-        totals = torch.tensor([counts[variant]["a2a"], counts[variant]["expert"]], dtype=torch.long)
-        torch.distributed.all_reduce(totals, group=group)
-        ratios = [t / b for t, b in zip(times[variant], times["no padding"], strict=True)]
-        out[variant] = {
-            "a2a_rows": int(totals[0]),
-            "expert_rows": int(totals[1]),
-            "rank_peak_over_mean": float(received.max() / received.mean()),
-            "time_ratio": statistics.median(ratios),
-            "time_ratio_min": min(ratios),
-            "time_ratio_max": max(ratios),
-            "ms_median": 1e3 * statistics.median(times[variant]),
-            "caching_ms_median": statistics.median(paired["ms"]["caching"][variant]),
-            "caching_ratio": paired["ratio"][variant],
-            "faults_glibc": int(statistics.median(paired["faults"]["glibc"][variant])),
-            "faults_caching": int(statistics.median(paired["faults"]["caching"][variant])),
-        }
-    return out
+def _figures(variant: str, counts: dict, times: dict, paired: dict, group: Any) -> dict:
+    """One variant's figures: rows summed over the EP group, its time ratios (collective)."""
+    per_rank = torch.tensor([counts["expert"]], dtype=torch.float64)
+    gathered = [torch.zeros_like(per_rank) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(gathered, per_rank, group=group)
+    received = torch.cat(gathered)
+    totals = torch.tensor([counts["a2a"], counts["expert"]], dtype=torch.long)
+    torch.distributed.all_reduce(totals, group=group)
+    # Each round's time over that round's no-padding time: paired ratios cancel a shared
+    # machine's drift.
+    ratios = [t / b for t, b in zip(times[variant], times["no padding"], strict=True)]
+    return {
+        "a2a_rows": int(totals[0]),
+        "expert_rows": int(totals[1]),
+        "rank_peak_over_mean": float(received.max() / received.mean()),
+        "time_ratio": statistics.median(ratios),
+        "time_ratio_min": min(ratios),
+        "time_ratio_max": max(ratios),
+        "ms_median": 1e3 * statistics.median(times[variant]),
+        "caching_ms_median": statistics.median(paired["ms"]["caching"][variant]),
+        "caching_ratio": paired["ratio"][variant],
+        "faults_glibc": int(statistics.median(paired["faults"]["glibc"][variant])),
+        "faults_caching": int(statistics.median(paired["faults"]["caching"][variant])),
+    }
 
 
 @register_benchmark("pad_routing")
@@ -151,27 +165,10 @@ def pad_routing(quick: bool) -> BenchResult:
     result = run_distributed(_worker, 4, *args, ep=2, timeout=1800)[0]
     shutdown_pools()
     assert result["allocator"] == "glibc"  # rank 0: the default half, whose rows the table shows
-    rss = result["peak_rss_mib"]
     skip, nopad = result["skip"], result["no padding"]
     for key in ("a2a_rows", "expert_rows", "rank_peak_over_mean"):  # the claim, checked every run
         assert skip[key] == nopad[key], f"skip {key} {skip[key]} != no padding {nopad[key]}"
     assert result["self"]["expert_rows"] > nopad["expert_rows"]  # pads were routed in dispatch
-    rows = [
-        [
-            variant,
-            result[variant]["a2a_rows"],
-            result[variant]["expert_rows"],
-            f"{result[variant]['time_ratio']:.3f} "
-            f"({result[variant]['time_ratio_min']:.3f}-{result[variant]['time_ratio_max']:.3f})",
-            result[variant]["ms_median"],
-            result[variant]["rank_peak_over_mean"],
-            result[variant]["caching_ms_median"],
-            "{:.3f} ({:.3f}-{:.3f})".format(*result[variant]["caching_ratio"]),
-            result[variant]["faults_glibc"],
-            result[variant]["faults_caching"],
-        ]
-        for variant in VARIANTS
-    ]
     return BenchResult(
         title="Pad routing: MoE-layer rows and time at 50 % padding (skip vs dispatch vs no padding)",
         columns=[
@@ -186,31 +183,53 @@ def pad_routing(quick: bool) -> BenchResult:
             "faults/step glibc",
             "faults/step caching",
         ],
-        rows=rows,
-        notes=(
-            f"Megatron GPTModel (local spec, 8 experts, top-2, hidden {hidden}, alltoall), EP=2 on 2 gloo "
-            f"ranks, {num_packs} packs x {seq_len} tokens per rank from the embedded corpus, the second "
-            "half of each pack padding; 'no padding' is the same packs' real tokens alone. Time: first "
-            f"MoE layer forward + backward, {rounds} interleaved rounds (each variant following "
-            "every other equally often), median of the per-round ratio to no padding (min-max), rank 0, "
-            "CPU with the default allocator (fresh tensors each call). Rows summed over both "
-            "ranks; EP-rank peak/mean of expert rows. constant "
-            "and self route pads (--moe-pad-routing dispatch); skip is --moe-pad-routing skip on self pads. "
-            "The router here is randomly initialised, and with 2 EP ranks whether constant pads, "
-            "which crowd onto few experts, also overload one rank depends on where those experts "
-            "sit: this column is not the pad hot-spot measurement (benchmarks hot_spot and "
-            "router_hot_spot are, per expert and at EP=8/64 with a router fitted to text). "
-            "Allocator columns: every variant also ran under the caching malloc setting every "
-            "--cpu launch applies (glibc malloc keeping freed memory: mallopt M_MMAP_MAX 0, "
-            "M_TRIM_THRESHOLD max; --no-cpu-caching-malloc turns it off), in the other half of a "
-            "4-rank world (ranks 0-1 glibc's defaults, 2-3 caching, each half one EP=2 group), "
-            "each (variant, allocator) pair once per round in a balanced order, one half at a "
-            "time; 'caching/glibc' is the median of the per-round paired ratios of the whole MoE "
-            "layer's forward + backward (min-max). What it saves is CPU page-fault cost (a fresh "
-            "tensor above glibc's mmap threshold faults in every page on every step), which a "
-            "GPU caching allocator never pays: it is no speed-up a GPU run would see. Peak RSS "
-            f"per rank (ru_maxrss, whole process): glibc {rss['glibc']:.0f} MiB, caching "
-            f"{rss['caching']:.0f} MiB."
-        ),
+        rows=[_row(variant, result[variant]) for variant in VARIANTS],
+        notes=_notes(seq_len, num_packs, hidden, rounds, result["peak_rss_mib"]),
         extra=result,
+    )
+
+
+def _row(variant: str, figures: dict) -> list:
+    """One variant's row of the table."""
+    return [
+        variant,
+        figures["a2a_rows"],
+        figures["expert_rows"],
+        f"{figures['time_ratio']:.3f} "
+        f"({figures['time_ratio_min']:.3f}-{figures['time_ratio_max']:.3f})",
+        figures["ms_median"],
+        figures["rank_peak_over_mean"],
+        figures["caching_ms_median"],
+        "{:.3f} ({:.3f}-{:.3f})".format(*figures["caching_ratio"]),
+        figures["faults_glibc"],
+        figures["faults_caching"],
+    ]
+
+
+def _notes(seq_len: int, num_packs: int, hidden: int, rounds: int, rss: dict) -> str:
+    """How the table was measured and how to read it."""
+    return (
+        f"Megatron GPTModel (local spec, 8 experts, top-2, hidden {hidden}, alltoall), EP=2 on 2 gloo "
+        f"ranks, {num_packs} packs x {seq_len} tokens per rank from the embedded corpus, the second "
+        "half of each pack padding; 'no padding' is the same packs' real tokens alone. Time: first "
+        f"MoE layer forward + backward, {rounds} interleaved rounds (each variant following "
+        "every other equally often), median of the per-round ratio to no padding (min-max), rank 0, "
+        "CPU with the default allocator (fresh tensors each call). Rows summed over both "
+        "ranks; EP-rank peak/mean of expert rows. constant "
+        "and self route pads (--moe-pad-routing dispatch); skip is --moe-pad-routing skip on self pads. "
+        "The router here is randomly initialised, and with 2 EP ranks whether constant pads, "
+        "which crowd onto few experts, also overload one rank depends on where those experts "
+        "sit: this column is not the pad hot-spot measurement (benchmarks hot_spot and "
+        "router_hot_spot are, per expert and at EP=8/64 with a router fitted to text). "
+        "Allocator columns: every variant also ran under the caching malloc setting every "
+        "--cpu launch applies (glibc malloc keeping freed memory: mallopt M_MMAP_MAX 0, "
+        "M_TRIM_THRESHOLD max; --no-cpu-caching-malloc turns it off), in the other half of a "
+        "4-rank world (ranks 0-1 glibc's defaults, 2-3 caching, each half one EP=2 group), "
+        "each (variant, allocator) pair once per round in a balanced order, one half at a "
+        "time; 'caching/glibc' is the median of the per-round paired ratios of the whole MoE "
+        "layer's forward + backward (min-max). What it saves is CPU page-fault cost (a fresh "
+        "tensor above glibc's mmap threshold faults in every page on every step), which a "
+        "GPU caching allocator never pays: it is no speed-up a GPU run would see. Peak RSS "
+        f"per rank (ru_maxrss, whole process): glibc {rss['glibc']:.0f} MiB, caching "
+        f"{rss['caching']:.0f} MiB."
     )

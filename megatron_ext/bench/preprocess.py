@@ -1,17 +1,9 @@
 """Benchmark ``preprocess``: tokens per second of ``tools/preprocess_data.py``'s pipeline against
 Megatron-LM's own script's, at 1 and 2 worker processes, on the same JSONL and tokenizer.
 
-Megatron's side is :func:`~megatron_ext.bench.megatron_preprocess.megatron_preprocess` (its
-script's ``Pool.imap(encode, fin, 32)`` of one record at a time into Megatron's
-``IndexedDatasetBuilder``); ours is :func:`~megatron_ext.data.jsonl_indexed.jsonl_to_indexed`
-(chunks of records, one tokenizer call per chunk). Both write the same bytes (checked here each
-run). The tokenizer is a Hugging Face directory trained on the embedded corpus (byte-level BPE,
-600 ids, BOS added by its post-processor); the text is corpus passages joined at random (seeded)
-into records of 1 to 8 passages, >= 50 MiB in the full run, 256 KiB with ``--quick``.
-
-The variants run in interleaved rounds (:func:`~megatron_ext.bench.round_timing.interleaved_rounds`,
-wall clock: the work is in several processes); the ratio is the median over rounds of ours /
-Megatron's time at the same worker count (min, max beside it): above 1 ours is faster.
+Megatron's side is its script's ``Pool.imap(encode, fin, 32)`` of one record at a time
+(:mod:`.megatron_preprocess`); ours is :func:`~megatron_ext.data.jsonl_indexed.jsonl_to_indexed`
+(chunks of records, one tokenizer call per chunk). Both write the same bytes (checked each run).
 """
 
 import json
@@ -58,7 +50,8 @@ def tokenizer_dir(path: Path) -> Path:
 
 
 def write_corpus(path: Path, size: int, seed: int = 0) -> None:
-    """JSONL of ``size`` bytes or a little more: records of 1..8 corpus passages."""
+    """JSONL of ``size`` bytes or a little more: records of 1..8 corpus passages, joined at random
+    (seeded)."""
     texts = [json.loads(line)["text"] for line in CORPUS.read_text("utf-8").splitlines()]
     rng = random.Random(seed)
     written = 0
@@ -73,6 +66,8 @@ def write_corpus(path: Path, size: int, seed: int = 0) -> None:
 @register_benchmark("preprocess")
 def preprocess(quick: bool) -> BenchResult:
     """Tokens/s of our preprocessing vs Megatron's script's, at 1 and 2 workers."""
+    # >= 50 MiB in the full run; the tokenizer is a Hugging Face directory trained on the embedded
+    # corpus (byte-level BPE, 600 ids, BOS added by its post-processor).
     size = (256 << 10) if quick else (50 << 20)
     rounds = 2 if quick else 3
     with tempfile.TemporaryDirectory() as tmp:
@@ -81,47 +76,9 @@ def preprocess(quick: bool) -> BenchResult:
         src, small = base / "in.jsonl", base / "warm_up.jsonl"
         write_corpus(src, size)
         write_corpus(small, 64 << 10, seed=1)  # the warm-up pass: code and caches, not minutes
-        tokenizer_argv = ["--tokenizer-type", "HuggingFaceTokenizer"]
-        tokenizer_argv += ["--tokenizer-model", str(tok_dir)]
-        spec = TokenizerSpec(str(tok_dir))
-        tok = load_tokenizer(spec)
-        dtype = DType.optimal_dtype(tok.vocab_size)
-        fmt = RecordFormat(keys=("text",), eod_id=tok.eos_id, dtype=dtype.__name__)
         counts: dict[str, int] = {}
-
-        def megatron(workers: int):
-            def run() -> None:
-                name = f"megatron{workers}"
-                counts[name] = megatron_preprocess(
-                    str(src if name in counts else small),
-                    str(base / name),
-                    tokenizer_argv,
-                    ["text"],
-                    True,
-                    workers,
-                )
-
-            return run
-
-        def ours(workers: int):
-            def run() -> None:
-                name = f"ours{workers}"
-                _, tokens = jsonl_to_indexed(
-                    str(src if name in counts else small),
-                    spec,
-                    fmt,
-                    [str(base / f"{name}_text_document")],
-                    dtype,
-                    workers=workers,
-                )
-                counts[name] = tokens[0]
-
-            return run
-
-        variants = {}
-        for w in WORKERS:
-            variants[f"megatron{w}"] = megatron(w)
-            variants[f"ours{w}"] = ours(w)
+        variants = _variants(base, src, small, tok_dir, counts)
+        # Wall clock: the work is in several processes.
         times = interleaved_rounds(variants, rounds, clock=time.perf_counter)
         expected = (base / "megatron1_text_document.bin").read_bytes()
         for name in variants:
@@ -129,19 +86,7 @@ def preprocess(quick: bool) -> BenchResult:
             assert got == expected, f"{name} wrote other bytes than Megatron's script"
         assert len(set(counts.values())) == 1
         tokens = counts["megatron1"]
-        rows = []
-        for w in WORKERS:
-            speed = paired_ratio(times, f"megatron{w}", f"ours{w}")  # Megatron's time / ours
-            rows.append(
-                [
-                    w,
-                    tokens / statistics.median(times[f"megatron{w}"]) * 1e3,
-                    tokens / statistics.median(times[f"ours{w}"]) * 1e3,
-                    speed["median"],
-                    speed["min"],
-                    speed["max"],
-                ]
-            )
+        rows = [_row(times, tokens, w) for w in WORKERS]
     return BenchResult(
         title="Preprocessing throughput: tools/preprocess_data.py vs Megatron-LM's script",
         columns=[
@@ -160,3 +105,62 @@ def preprocess(quick: bool) -> BenchResult:
             "pass runs on 64 KiB."
         ),
     )
+
+
+def _variants(base: Path, src: Path, small: Path, tok_dir: Path, counts: dict[str, int]) -> dict:
+    """``{name: run()}``, Megatron's script and ours at each worker count. A variant's first run
+    is the warm-up on ``small``; each run records its token count in ``counts``."""
+    tokenizer_argv = ["--tokenizer-type", "HuggingFaceTokenizer"]
+    tokenizer_argv += ["--tokenizer-model", str(tok_dir)]
+    spec = TokenizerSpec(str(tok_dir))
+    tok = load_tokenizer(spec)
+    dtype = DType.optimal_dtype(tok.vocab_size)
+    fmt = RecordFormat(keys=("text",), eod_id=tok.eos_id, dtype=dtype.__name__)
+
+    def megatron(workers: int):
+        def run() -> None:
+            name = f"megatron{workers}"
+            counts[name] = megatron_preprocess(
+                str(src if name in counts else small),
+                str(base / name),
+                tokenizer_argv,
+                ["text"],
+                True,
+                workers,
+            )
+
+        return run
+
+    def ours(workers: int):
+        def run() -> None:
+            name = f"ours{workers}"
+            _, tokens = jsonl_to_indexed(
+                str(src if name in counts else small),
+                spec,
+                fmt,
+                [str(base / f"{name}_text_document")],
+                dtype,
+                workers=workers,
+            )
+            counts[name] = tokens[0]
+
+        return run
+
+    variants = {}
+    for w in WORKERS:
+        variants[f"megatron{w}"] = megatron(w)
+        variants[f"ours{w}"] = ours(w)
+    return variants
+
+
+def _row(times: dict[str, list[float]], tokens: int, workers: int) -> list:
+    """Tokens/s of both at ``workers``, and the paired speed ratio (above 1: ours is faster)."""
+    speed = paired_ratio(times, f"megatron{workers}", f"ours{workers}")  # Megatron's time / ours
+    return [
+        workers,
+        tokens / statistics.median(times[f"megatron{workers}"]) * 1e3,
+        tokens / statistics.median(times[f"ours{workers}"]) * 1e3,
+        speed["median"],
+        speed["min"],
+        speed["max"],
+    ]

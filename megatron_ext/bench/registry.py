@@ -1,9 +1,7 @@
 """Registry of benchmarks run by ``megatron-ext bench``.
 
-A benchmark measures ours, Megatron's path and a baseline side by side in one run and returns a table; the
-figures that matter are ratios between columns of the same run, never absolute timings from another machine.
-
-Example::
+The figures that matter are ratios between columns of the same run, never absolute timings from
+another machine. Example::
 
     @register_benchmark("hot_spot")
     def hot_spot(quick: bool) -> BenchResult:
@@ -15,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+# fn(quick) -> table: quick is CI's size (seconds per benchmark), the full run docs/BENCHMARKS.md's.
 BenchFn = Callable[[bool], "BenchResult"]
 
 
@@ -52,6 +51,7 @@ def register_benchmark(name: str) -> Callable[[BenchFn], BenchFn]:
     """Registers ``fn(quick: bool) -> BenchResult`` under ``name`` (unique)."""
 
     def register(fn: BenchFn) -> BenchFn:
+        # A name is a --only argument and a section of the report: one function each.
         if name in BENCHMARKS:
             raise ValueError(f"benchmark {name!r} registered twice")
         BENCHMARKS[name] = fn
@@ -67,6 +67,7 @@ def discover() -> dict[str, BenchFn]:
 
     import megatron_ext.bench as package
 
+    # Every module but these two may register; importing is enough (registration is a decorator).
     for info in pkgutil.iter_modules(package.__path__):
         if info.name not in ("registry", "report"):
             importlib.import_module(f"{package.__name__}.{info.name}")

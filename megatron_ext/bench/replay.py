@@ -1,31 +1,9 @@
 """Benchmark: route replay memory and forward time, ours vs Megatron's RouterReplay vs native.
 
-One rank, real tiny MoE ``GPTModel`` (local spec, 8 experts, top-2, CPU, one intra-op thread),
-side by side in one process:
-
-- route bytes per token per MoE layer: our uint8 route buffer (what is stored, read and copied
-  host-to-device), Megatron's ``RouterReplay`` targets as it records them (int64), and Megatron
-  inference's ``RoutingMetadata`` buffer dtype (int32); plus what our binding keeps installed on
-  the device per micro-batch, measured by ``RouteReplayBinding.device_bytes()`` (the uint8 rows
-  and, when the micro-batch may have missing rows, the ``native`` policy's bool mask; the int64
-  copy a pass widens them into is transient and not counted), and its cached row index;
-- forward time of five variants (and ``install()`` alone), **interleaved round by round**
-  (each round runs every variant, in an order where each follows every other equally often
-  (:mod:`.rounds`), so drift of a shared machine hits all of them alike; a round keeps each
-  variant's fastest of a few passes), timed in thread CPU time (the machine's cores are shared;
-  one intra-op thread): native routing, Megatron's ``REPLAY_FORWARD`` with its targets set,
-  megatron_ext's binding with the dataset's host count saying the micro-batch has no missing
-  row (``has_missing=False``: install + gather, the fast path), the binding with
-  ``has_missing`` unknown (missing mask, native top-k and ``where`` in every router), and native
-  routing once more as a control (the same code: its ratio to native is what identical code
-  measures in the run). Reported per variant: the median time, and the median of the per-round
-  paired ratios to native (and to Megatron's replay) with their min and max;
-- the replay step alone (no model): what differs between the variants, per micro-batch (see
-  :func:`.replay_measurements._replay_step_times`), the same way.
-
-This module is the registered table: it runs :func:`.replay_measurements.measure` (the model
-and its routes from :mod:`.replay_model`, the rounds from :mod:`.round_timing`) in one gloo rank
-and writes the rows and notes.
+One rank, real tiny MoE ``GPTModel`` (local spec, 8 experts, top-2, CPU, one intra-op thread): route
+bytes per token per MoE layer, forward time of each variant interleaved round by round, and the
+replay step alone. This module is the registered table: it runs :func:`.replay_measurements.measure`
+in one gloo rank and writes the rows and notes (how to read them: docs/BENCHMARKS.md).
 """
 
 import statistics
@@ -70,10 +48,33 @@ def replay(quick: bool) -> BenchResult:
     """Route bytes per token per layer and replay forward time vs native routing."""
     batch, seq, layers, rounds, inner = (2, 128, 2, 9, 2) if quick else (4, 512, 4, 15, 3)
     (r,) = run_distributed(measure, 1, batch, seq, layers, rounds, inner)
+    vs_glue = paired_ratio(r["step_times"], "ours", "megatron_batch")
+    return BenchResult(
+        title="Route replay: bytes per token per MoE layer and forward time (top-2, 8 experts)",
+        columns=[
+            "path",
+            "route bytes/token/layer",
+            "ms (median)",
+            "time vs native",
+            "vs native min..max",
+            "vs Megatron replay",
+            "vs Megatron min..max",
+        ],
+        rows=_rows(r, layers),
+        notes=_notes(batch, seq, layers, rounds, inner, vs_glue),
+        extra={"times_ms": r["times"]},
+    )
+
+
+def _rows(r: dict, layers: int) -> list[list]:
+    """The table's rows from :func:`.replay_measurements.measure`'s figures."""
     times, dash = r["times"], ["-"] * 5
-    step = r["step_times"]
-    vs_glue = paired_ratio(step, "ours", "megatron_batch")
-    rows = [
+    # Route bytes: our uint8 buffer (what is stored, read and copied host-to-device), Megatron's
+    # RouterReplay targets as it records them (int64), Megatron inference's RoutingMetadata
+    # dtype (int32), and what our binding keeps on the device per micro-batch (the uint8 rows and,
+    # when it may have missing rows, the native policy's bool mask; the int64 copy a pass widens
+    # them into is transient and not counted).
+    return [
         ["native routing (no replay)", "-", *_ratio_cells(times, "native")],
         [
             "native routing again (control: the same code, timed as another variant)",
@@ -111,44 +112,34 @@ def replay(quick: bool) -> BenchResult:
             *dash,
         ],
     ]
-    return BenchResult(
-        title="Route replay: bytes per token per MoE layer and forward time (top-2, 8 experts)",
-        columns=[
-            "path",
-            "route bytes/token/layer",
-            "ms (median)",
-            "time vs native",
-            "vs native min..max",
-            "vs Megatron replay",
-            "vs Megatron min..max",
-        ],
-        rows=rows,
-        notes=(
-            f"Tiny MoE GPTModel on CPU (1 intra-op thread), B={batch}, S={seq}, {layers} MoE "
-            f"layers, hidden 128. {rounds} interleaved rounds: every round runs the variants "
-            f"{inner} times over in an order where each follows every other equally often and "
-            "keeps each one's fastest call, timed in thread CPU time (other jobs on the shared "
-            "cores do not count); "
-            "ratios are the median over rounds of the paired per-round ratio, with its "
-            "min..max. The 'again (control)' rows time native routing a second time as one more "
-            "variant: their ratios are what identical code measures in this run, the scale "
-            "against which to read the others. uint8 costs K = 2 bytes per token per layer; Megatron "
-            "keeps int64 targets (8K) and its inference buffer is int32 (4K). Our forward "
-            "includes install() (CP/SP slicing, one gather) and the int64 widening, once per "
-            "pass for all the stage's layers (routers save their int64 slice for backward, as "
-            "Megatron's targets are int64); with the "
-            "dataset's host count saying a micro-batch has no missing row (has_missing=False) "
-            "no mask, native top-k or where is computed; with the count unknown, the native "
-            "policy adds a 1-byte bool mask per token per layer and the router's own top-k. "
-            "'replay step alone': only what differs between the variants (the rest of a "
-            "forward is the same work), per micro-batch, on fixed scores, interleaved the same "
-            "way: every MoE layer's top-k call plus the per-micro-batch setup. Megatron's "
-            "RouterReplay is given its targets precomputed (int64, sliced per layer), or fed "
-            "from the same [B, S, L, K] batch by the glue its users write (router rows, one "
-            "int64 copy per layer; without CP/SP slicing); ours is install() + the calls: "
-            f"{vs_glue['median']:.3f}x ({vs_glue['min']:.3f}..{vs_glue['max']:.3f}) the fed "
-            "Megatron step. On CPU a gather of 1-byte elements costs about 10 ns each, so the "
-            "install's one gather is most of ours."
-        ),
-        extra={"times_ms": times},
+
+
+def _notes(batch: int, seq: int, layers: int, rounds: int, inner: int, vs_glue: dict) -> str:
+    """How the table was measured and how to read it (docs/BENCHMARKS.md prints it)."""
+    return (
+        f"Tiny MoE GPTModel on CPU (1 intra-op thread), B={batch}, S={seq}, {layers} MoE "
+        f"layers, hidden 128. {rounds} interleaved rounds: every round runs the variants "
+        f"{inner} times over in an order where each follows every other equally often and "
+        "keeps each one's fastest call, timed in thread CPU time (other jobs on the shared "
+        "cores do not count); "
+        "ratios are the median over rounds of the paired per-round ratio, with its "
+        "min..max. The 'again (control)' rows time native routing a second time as one more "
+        "variant: their ratios are what identical code measures in this run, the scale "
+        "against which to read the others. uint8 costs K = 2 bytes per token per layer; Megatron "
+        "keeps int64 targets (8K) and its inference buffer is int32 (4K). Our forward "
+        "includes install() (CP/SP slicing, one gather) and the int64 widening, once per "
+        "pass for all the stage's layers (routers save their int64 slice for backward, as "
+        "Megatron's targets are int64); with the "
+        "dataset's host count saying a micro-batch has no missing row (has_missing=False) "
+        "no mask, native top-k or where is computed; with the count unknown, the native "
+        "policy adds a 1-byte bool mask per token per layer and the router's own top-k. "
+        "'replay step alone': only what differs between the variants (the rest of a "
+        "forward is the same work), per micro-batch, on fixed scores, interleaved the same "
+        "way: every MoE layer's top-k call plus the per-micro-batch setup. Megatron's "
+        "RouterReplay is given its targets precomputed (int64, sliced per layer), or fed "
+        "from the same [B, S, L, K] batch by the glue its users write (router rows, one "
+        "int64 copy per layer; without CP/SP slicing); ours is install() + the calls: "
+        f"{vs_glue['median']:.3f}x ({vs_glue['min']:.3f}..{vs_glue['max']:.3f}) the fed "
+        "Megatron step. On CPU a gather of 1-byte elements costs about 10 ns each, so the "
+        "install's one gather is most of ours."
     )

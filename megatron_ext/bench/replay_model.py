@@ -1,10 +1,7 @@
 """The ``replay`` benchmark's model and its recorded routes, also used by tools/gpu/gpu_check.py.
 
-:func:`replay_model` builds the tiny MoE ``GPTModel`` both run (routing replay enabled);
-:func:`record_routes` records one forward with Megatron's own ``RouterReplay`` (RECORD) and
-returns those routes in both layouts, Megatron's per-layer int64 targets and megatron_ext's uint8
-batch; :func:`routes_match` says whether a forward's routing maps chose exactly the recorded
-experts. Router rows are ``s * B + b`` (the router's ``[S, B, H]`` input), so for B=2, S=2::
+Routes are recorded with Megatron's own ``RouterReplay`` in both layouts. Router rows are
+``s * B + b`` (the router's ``[S, B, H]`` input), so for B=2, S=2::
 
     Megatron, per layer [S*B, K]    rows (s0 b0) (s0 b1) (s1 b0) (s1 b1)
     megatron_ext [B, S, L, K]       [b0: s0 s1] [b1: s0 s1], every layer's K experts per token
@@ -29,6 +26,7 @@ def replay_model(
     config = tiny_moe_config(
         num_layers=layers, hidden_size=128, moe_ffn_hidden_size=128, moe_enable_routing_replay=True
     )
+    # Eval mode: no dropout, so every timed forward computes the same routing.
     model = build_tiny_gpt(config, vocab_size=256, max_seq_len=seq).eval().to(device)
     tokens = torch.randint(0, 256, (batch, seq)).to(device)
     positions = torch.arange(seq, device=device).expand(batch, seq)
@@ -43,6 +41,7 @@ def replay_model(
 def routes_match(maps_NE: list[torch.Tensor], recorded_NK: list[torch.Tensor]) -> bool:
     """Every router's routing map (one per layer, in forward order) chose exactly its recorded
     top-k experts."""
+    # A routing map's nonzero columns come out ascending per row: compare with sorted top-k.
     return len(maps_NE) == len(recorded_NK) and all(
         torch.equal(m.nonzero()[:, 1].view(-1, t.shape[1]), t.sort(-1).values)
         for m, t in zip(maps_NE, recorded_NK, strict=True)
@@ -52,15 +51,14 @@ def routes_match(maps_NE: list[torch.Tensor], recorded_NK: list[torch.Tensor]) -
 def record_routes(
     routers: list, forward: Callable[[], None], batch: int, seq: int
 ) -> tuple[list, torch.Tensor]:
-    """Megatron's RECORD of one ``forward`` by ``routers`` (their own ``RouterReplay`` instances,
-    not Megatron's process-wide list, which also holds any other model's): per layer ``[S*B, K]``
-    int64 in router row order, and the same routes as megatron_ext's uint8 ``[B, S, L, K]`` on
-    the model's device."""
+    """Megatron's RECORD of one ``forward`` by ``routers``: per layer ``[S*B, K]`` int64 in router
+    row order, and the same routes as megatron_ext's uint8 ``[B, S, L, K]`` on the model's device."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     from megatron_ext.common.token_positions import router_row_positions
     from megatron_ext.replay.layout import rows_for_router
 
+    # These routers' own instances: Megatron's process-wide list also holds any other model's.
     instances = [r.router_replay for r in routers]
     for instance in instances:
         instance.set_router_replay_action(RouterReplayAction.RECORD)
@@ -73,5 +71,6 @@ def record_routes(
     routes_BSLK = torch.empty_like(rows_NLK)
     routes_BSLK[order] = rows_NLK
     routes_BSLK = routes_BSLK.reshape(batch, seq, len(recorded), -1)
+    # The binding's own slicing gives the router rows back: the two layouts hold the same routes.
     assert torch.equal(rows_for_router(routes_BSLK, order), rows_NLK)
     return recorded, routes_BSLK

@@ -50,6 +50,7 @@ def run_benchmarks(names: list[str] | None, quick: bool) -> list[tuple[str, Benc
 
 
 def _cell(value: Any) -> str:
+    # Four significant digits: the tables compare ratios of one run, not raw timings.
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
@@ -109,6 +110,8 @@ def merged_report(previous: dict[str, Any], fresh: dict[str, Any]) -> dict[str, 
     entries = {name: {**header, **entry} for name, entry in previous["benchmarks"].items()} | {
         name: {**entry, **stamp} for name, entry in fresh["benchmarks"].items()
     }
+    # Registry order, so an --update leaves the sections where a full run puts them; a benchmark
+    # no longer registered keeps its section, last.
     order = list(discover())
     ordered = sorted(entries, key=lambda n: order.index(n) if n in order else len(order))
     return {**header, "benchmarks": {name: entries[name] for name in ordered}}
@@ -161,6 +164,7 @@ def main(args: Any) -> int:
     if len({os.path.abspath(p) for _, p in outputs}) < len(outputs):
         raise ValueError("--markdown and --json are the same file")
     results = run_benchmarks(args.only, args.quick)
+    # The markdown is always rendered from the JSON report, so an --update's merge is one path.
     report = to_json(results, command)
     if previous is not None:
         report = merged_report(previous, report)

@@ -30,10 +30,8 @@ def interleaved_rounds(
     inner: int = 1,
 ) -> dict[str, list[float]]:
     """Times every variant in every round (in :func:`~megatron_ext.bench.rounds.round_order`'s
-    order) after one warm-up pass.
-
-    A round runs its order ``inner`` times over and keeps each variant's fastest call,
-    so a burst of other work on a shared machine during one call does not decide the round.
+    order) after one warm-up pass; a round runs its order ``inner`` times over and keeps each
+    variant's fastest call.
 
     Args:
         variants: ``{name: fn}``.
@@ -51,6 +49,8 @@ def interleaved_rounds(
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         best = dict.fromkeys(names, float("inf"))
+        # The fastest of `inner` calls: a burst of other work on a shared machine during one call
+        # does not decide the round.
         for _ in range(inner):
             for name in round_order(names, r):
                 start = clock()
@@ -68,7 +68,7 @@ def paired_ratio(times: dict[str, list[float]], name: str, base: str) -> dict[st
 
 
 def synchronized_clock() -> float:
-    """Wall seconds after the GPU has finished its queued work (a GPU runs kernels
-    asynchronously, and the host thread's CPU time does not see them)."""
+    """Wall seconds after the GPU has finished its queued work."""
+    # A GPU runs kernels asynchronously, and the host thread's CPU time does not see them.
     torch.cuda.synchronize()
     return time.perf_counter()

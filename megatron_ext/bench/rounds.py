@@ -1,20 +1,16 @@
 """The order benchmark variants run in, round by round: balanced for what ran just before.
 
-A variant's time depends on the one that ran before it (caches and the allocator's free lists
-hold the previous variant's data). Rotating one order keeps every variant's predecessor fixed:
-in ``[a b c] [b c a] [c a b]`` b always follows a, so b's paired ratio to a carries that effect in
-every round, and two copies of the same code can measure apart by their place in the order alone.
-
-The rounds here follow a Williams design (E. J. Williams, 1949): a Latin square in which every
-variant follows every other one equally often. Its first row is ``0, 1, n-1, 2, n-2, ...``, row
-``i`` adds ``i`` to each entry mod ``n``; for odd ``n`` the mirrored rows are appended (``2n``
-rows). For 4 variants::
+A Williams design (E. J. Williams, 1949): a Latin square in which every variant follows every other
+one equally often. Its first row is ``0, 1, n-1, 2, n-2, ...``, row ``i`` adds ``i`` to each entry
+mod ``n``; for odd ``n`` the mirrored rows are appended (``2n`` rows). For 4 variants::
 
     [0 1 3 2] [1 2 0 3] [2 3 1 0] [3 0 2 1]    each ordered pair adjacent exactly once
-
-The order is a function of the round alone, so ranks that must pair their collectives (EP
-benchmarks) run the same order.
 """
+
+# Why not rotate one order: a variant's time depends on the one before it (caches and the
+# allocator's free lists hold its data). In [a b c] [b c a] [c a b] b always follows a, so b's
+# paired ratio to a carries that effect in every round, and two copies of the same code can
+# measure apart by their place in the order alone.
 
 from collections.abc import Sequence
 
@@ -40,4 +36,6 @@ def williams_row(n: int, row: int) -> list[int]:
 
 def round_order[T](items: Sequence[T], round_index: int) -> list[T]:
     """The items in the order round ``round_index`` runs them (see the module docstring)."""
+    # A function of the round alone: ranks that must pair their collectives (EP benchmarks) run
+    # the same order.
     return [items[k] for k in williams_row(len(items), round_index)]

@@ -18,6 +18,8 @@ POLICIES = ("no padding", "constant id", "self tokens")
 
 
 def _kmeans(x_ND: torch.Tensor, k: int, iters: int = 20) -> torch.Tensor:
+    """``k`` centroids of the rows of ``x_ND`` (Lloyd's iterations from a seeded sample)."""
+    # Legend: N rows, D hidden.
     gen = torch.Generator().manual_seed(0)
     centroids = x_ND[torch.randperm(x_ND.shape[0], generator=gen)[:k]].clone()
     for _ in range(iters):
@@ -74,6 +76,7 @@ def _router_worker(seq_len: int, num_packs: int) -> dict:
     for policy in POLICIES:
         with torch.no_grad():
             _, routing_map_TE = router(hidden(policy, 0))
+        # Experts are laid out contiguously over EP ranks, as Megatron places them.
         counts_E = routing_map_TE.sum(0).double()
         out[policy] = {
             ep: float(counts_E.view(ep, -1).sum(1).max() / counts_E.view(ep, -1).sum(1).mean())

@@ -1,10 +1,9 @@
-"""The ``megatron-ext`` command (:mod:`.command`; :func:`main` is the console script's entry) and
-the tools' plumbing: the tools as subcommands (:mod:`.tool_commands`), their quiet imports
-(:mod:`.quiet_tools`), the flag reference (:mod:`.flag_reference`)."""
+"""The ``megatron-ext`` command and its subcommands (tools, flag reference, bench, demo, rehearse)."""
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``megatron-ext`` console script (``megatron_ext.cli:main``)."""
+    # Imported here, not at the top: ``import megatron_ext.cli`` stays free of the command's imports.
     from megatron_ext.cli.command import main as command
 
     return command(argv)

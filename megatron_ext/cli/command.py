@@ -10,6 +10,7 @@ import megatron_ext.cli.quiet_tools  # noqa: F401  (first: hides inapplicable wa
 
 def build_parser() -> argparse.ArgumentParser:
     """Parser for ``megatron-ext``."""
+    # The module docstring is the command's --help description.
     parser = argparse.ArgumentParser(prog="megatron-ext", description=__doc__)
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     parser.add_argument("--verbose", action="store_true", help="show every warning")
@@ -65,11 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     from megatron_ext.cli.tool_commands import tool_command
 
+    # A tool takes its own arguments, which this parser does not know: tools are dispatched first.
     status = tool_command(sys.argv[1:] if argv is None else argv)
     if status is not None:
         return status
     args = build_parser().parse_args(argv)
 
+    # Subcommands import lazily so that ``megatron-ext flags`` does not import the benchmarks.
     def run(_: list[str] | None) -> int:
         if args.command == "flags":
             from megatron_ext.cli.flag_reference import main as flags_main

@@ -1,9 +1,6 @@
 """The flag reference (``megatron-ext flags [--markdown]``; docs/flags.md is its Markdown output).
 
-It lists exactly what ``--help`` shows for megatron_ext's flags: the argument groups
-:func:`megatron_ext.training.arguments.add_megatron_ext_args` builds from the feature dataclasses (one group per
-feature, its title as the dataclass declares it, the field docstrings as help), so the reference cannot
-drift from the parser. A flag appears as ``--pad-policy {self,constant}`` with its default, e.g.::
+Built from the parser's own argument groups, so it cannot drift from ``--help``::
 
     - `--pad-policy {self,constant}` (default: `self`): Pad content: 'self' repeats ...
 """
@@ -19,6 +16,8 @@ COMMAND = "megatron-ext flags --markdown"
 
 def flag_groups() -> list[tuple[str, str, list[argparse.Action]]]:
     """``(title, description, actions)`` of every megatron_ext argument group, in ``--help`` order."""
+    # The groups add_megatron_ext_args builds, one per feature dataclass (its title, field docstrings
+    # as help); argparse keeps no public list of a group's actions, hence ``_group_actions``.
     parser = add_megatron_ext_args(argparse.ArgumentParser(add_help=False))
     return [
         (group.title.removeprefix(_PREFIX), group.description or "", list(group._group_actions))
@@ -42,6 +41,7 @@ def usage(action: argparse.Action) -> str:
 
 
 def _default(action: argparse.Action) -> str:
+    # A switch (no value) and an unset default print no default.
     if action.nargs == 0 or action.default in (None, [], argparse.SUPPRESS):
         return ""
     return f" (default: `{action.default}`)"
@@ -60,6 +60,7 @@ def markdown() -> str:
         lines += ["", f"## {title}", ""]
         if description:
             lines += [description, ""]
+        # The help is a field docstring: its line breaks are the source's, not the reader's.
         lines += [
             f"- `{usage(a)}`{_default(a)}: {' '.join((a.help or '').split())}" for a in actions
         ]

@@ -1,7 +1,6 @@
 """``megatron-ext preprocess-data|convert-routes|ingest-rollouts|pack-stats|make-corpus|merge-datasets ...``: the tools as subcommands.
 
-Each subcommand runs the tool script's own ``main()`` as ``python tools/<tool>.py ARGS`` would (its
-``--help``, its one-line errors and exit status 2), found by :mod:`megatron_ext.common.shipped_files` in the checkout or the wheel::
+Each runs the tool script's own ``main()`` as ``python tools/<tool>.py ARGS`` would::
 
     megatron-ext preprocess-data --input docs.jsonl --output-prefix data/corpus --append-eod
 """
@@ -31,10 +30,13 @@ def tool_command(argv: list[str]) -> int | None:
         return None
     at = words[0]
     command = argv[at]
+    # The script itself, in the checkout or the wheel: its --help, one-line errors and exit status 2
+    # are then the tool's own, not a copy of them.
     script = shipped_file("tools", TOOL_SCRIPTS[command])
     # Loaded under its own name, not "__main__": the subcommand then does what the script's
     # ``if __name__ == "__main__": sys.exit(run_tool(main))`` does, with this command as its name.
     tool = runpy.run_path(str(script), run_name=f"megatron_ext._tools.{script.stem}")
+    # The tool's argparse reads sys.argv; its prog shows as "megatron-ext <command>".
     saved = sys.argv
     sys.argv = [f"megatron-ext {command}", *argv[:at], *argv[at + 1 :]]
     try:

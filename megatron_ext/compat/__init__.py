@@ -1,11 +1,5 @@
-"""megatron_ext's compatibility layer: every change to Megatron-Core's behaviour in one table.
-
-- :mod:`~megatron_ext.compat.table`: the rows (module, attribute, replacement, reason, the
-  megatron-core versions checked on, a fingerprint of the replaced source).
-- :func:`patched` / :func:`apply`: apply rows of named groups for a block / for the process.
-- :func:`~megatron_ext.compat.check.check_megatron`: the startup check of the version and fingerprints.
-
-Example::
+"""megatron_ext's compatibility layer: every change to Megatron-Core's behaviour in one table
+(docs/compat.md), applied by group for a block or for the process. Example::
 
     from megatron_ext import compat
     with compat.patched("cpu"):       # Megatron's model stack on CPU, undone on exit

@@ -1,15 +1,6 @@
-"""The startup check: refuse a megatron-core version or a Megatron source the table was not checked on.
-
-Every row of :data:`megatron_ext.compat.table.TABLE` carries, for each tested megatron-core version
-it applies on, the fingerprint of the Megatron source it replaces (or copies), or the
-:class:`~megatron_ext.compat.patch.Needs` of a value that is not Megatron-defined code (an optional
-Transformer Engine kernel). A launch checks the rows it will apply on the running version
-(:func:`launch_groups`: a GPU launch never applies the CPU rows) against that version's
-fingerprints, once, in milliseconds, and refuses in one line a megatron-core outside the tested
-versions or a changed source, naming both; ``--allow-untested-megatron`` runs anyway (with the
-rows of the nearest tested version: :func:`~megatron_ext.compat.versions.table_version`).
-
-Example::
+"""The startup check: refuse a megatron-core version or a Megatron source the table was not checked on
+(``--allow-untested-megatron`` runs anyway); ``python -m megatron_ext.compat.check`` on a new
+version (docs/compat.md). Example::
 
     problem = check_megatron(groups=launch_groups(cpu=False, dry_run=False))
     # None, or "megatron-core 0.20.0 is untested (tested: 0.18.2, 0.19.2); changed since tested:
@@ -33,10 +24,16 @@ EVERY_LAUNCH = ("launch", "owned", "copied")
 def launch_groups(
     cpu: bool, dry_run: bool, cuda: bool | None = None, te: bool | None = None
 ) -> tuple[str, ...]:
-    """The table's groups a ``pretrain_gpt`` launch applies: ``--cpu`` the CPU rows and the
-    rehearsal's validation; without a CUDA device, validation against the target
-    (``validate_on_target``); a dry run without Transformer Engine, ``dry_run_target``.
-    ``cuda`` / ``te``: whether there is a device / Transformer Engine (default: asked here)."""
+    """The table's groups a ``pretrain_gpt`` launch applies.
+
+    Args:
+        cpu: A ``--cpu`` launch.
+        dry_run: A ``--dry-run``.
+        cuda: Whether there is a CUDA device (default: asked here).
+        te: Whether Transformer Engine is installed (default: asked here).
+    """
+    # Only the rows a launch applies are checked: a GPU launch never applies the CPU rows, so a
+    # changed CPU-only source does not stop it.
     if cuda is None:
         import torch
 
@@ -46,8 +43,10 @@ def launch_groups(
     groups = list(EVERY_LAUNCH)
     if cpu:
         groups += ["cpu", "cpu_loop", "fp4_rehearsal"]
+    # Validation asks the device's capability: without one, the target's (an H100/H200).
     if (cpu or dry_run) and not cuda:
         groups.append("validate_on_target")
+    # And Transformer Engine's version, which a dry run on a login node may not have.
     if dry_run and not cpu and not te:
         groups.append("dry_run_target")
     return tuple(groups)
@@ -59,12 +58,13 @@ def _in_groups(row: Patch, groups: Iterable[str] | None) -> bool:
 
 def found_fingerprint(row: Patch) -> str:
     """The fingerprint of the installed Megatron source of ``row`` over the span that matters to
-    it (:func:`~megatron_ext.compat.patch.row_fingerprint`; ``gone (why)`` if it is not there);
-    for a row checked by what it needs, that need when met, else the kind found."""
+    it (``gone (why)`` if it is not there); for a row checked by what it needs, that need when
+    met, else the kind found."""
     try:
         value = original(row)
     except (RuntimeError, AttributeError, ImportError, OSError, TypeError) as err:
         return f"gone ({err})"
+    # A value that is not Megatron-defined code (an optional TE kernel) is checked by kind.
     if isinstance(row.fingerprint, Needs):
         return str(row.fingerprint) if row.fingerprint.met_by(value) else type(value).__qualname__
     try:
@@ -82,10 +82,8 @@ def changed_rows(
     groups: Iterable[str] | None = None,
     version: str | None = None,
 ) -> list[str]:
-    """``module.attribute`` of each row (of ``groups``; None: all) applying on ``version`` (the
-    tested version whose rows apply; default: the running Megatron's) whose Megatron source no
-    longer has that version's fingerprint, whose value no longer is what the row needs, or that is
-    gone."""
+    """``module.attribute`` of each row (of ``groups``; None: all) applying on ``version``
+    (default: the running Megatron's) whose source or value no longer matches, or that is gone."""
     groups = None if groups is None else tuple(groups)
     version = table_version(installed_megatron() if version is None else version)
     changed = []
@@ -103,8 +101,8 @@ def check_megatron(
     groups: Iterable[str] | None = None,
 ) -> str | None:
     """One line naming what is untested (the version found vs tested, the changed sources of the
-    rows of ``groups``, every row when None), or None. A tested version's rows are checked
-    against its own fingerprints; an untested one's against the nearest tested version's."""
+    rows of ``groups``, every row when None), or None."""
+    # An untested version's rows are checked against the nearest tested version's fingerprints.
     version = installed_megatron() if version is None else version
     problems = []
     if version not in TESTED_MEGATRON:
@@ -125,11 +123,9 @@ def check_megatron(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m megatron_ext.compat.check``: each row (of those applying on the running
-    version; an untested one: the nearest tested version's) whose Megatron source changed, with the
-    fingerprint it was checked with and the one found, and whether what it replaces is still there
-    (:func:`~megatron_ext.compat.triage.triage`: still needed, moved, gone); ``--fingerprints``
-    lists every row's fingerprint found (to put in the table once a version is checked)."""
+    """``python -m megatron_ext.compat.check``: each row whose Megatron source changed, with the
+    fingerprint checked and found and its triage; ``--fingerprints`` lists every row's found one
+    (to put in the table once a version is checked)."""
     from megatron_ext.compat.triage import triage
 
     parser = argparse.ArgumentParser(prog="python -m megatron_ext.compat.check")

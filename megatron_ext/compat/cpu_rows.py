@@ -2,14 +2,18 @@
 0.19.2 so its real MoE stack (``cpu.*`` groups) and training loop (``cpu_loop.*`` groups) run on CPU
 over gloo. Each :class:`HostTorch` row changes the named ``torch`` calls of one function, nothing else
 in its module; the factories named in ``replacement`` live in :mod:`megatron_ext.cpu.model_stack` and
-:mod:`megatron_ext.cpu.training_loop`, beside their docstrings. None changes numerics.
+:mod:`megatron_ext.cpu.training_loop`, beside their reasons. None changes numerics.
 """
 
 from megatron_ext.compat.host_torch import HostTorch
 from megatron_ext.compat.patch import Needs, Patch
 
+# The torch.cuda names rerouted together: a function ordering work on streams uses several of them,
+# and on the host every one is a no-op (CPU work is already ordered).
 STREAMS = ("Stream", "Event", "current_stream", "stream", "synchronize")
+# What the training loop's bookkeeping (timers, memory reports) asks of the device.
 _LOOP = ("current_device", "synchronize", "empty_cache")
+# The CUDA generator's state, which the CPU generator stands in for (as in model_stack).
 _RNG = ("get_rng_state", "set_rng_state")
 
 
@@ -26,6 +30,7 @@ def _host_rows(
     fingerprint for every version or ``{version: fingerprint}``), the rest of each row shared;
     ``only``: the versions of a function that is not there on every supported one."""
     only = only or {}
+    # One row per function, not per module: the check and the triage read each function alone.
     return [
         Patch(group=group, module=module, attribute=attribute, replacement=replacement,
               reason=reason, fingerprint=fingerprint,

@@ -1,14 +1,7 @@
 """Per-function CPU stand-ins for ``torch.cuda`` calls: the named Megatron function, and only it, sees a
 ``torch`` whose named CUDA calls run on the host.
 
-Megatron-Core hard-codes CUDA in functions that are otherwise device-agnostic
-(``torch.cuda.current_device()``, ``torch.cuda.Stream()``, ``torch.zeros(..., device="cuda")``). A
-:class:`HostTorch` entry of the compatibility table gives one function a ``torch`` of its own: the
-function's code is rebound (in place, so every reference to the function object sees it) to read the
-global ``torch`` under a private name that holds a :class:`TorchProxy` with exactly the entry's
-overrides. Every other function of the module, and every other ``torch`` attribute, is untouched.
-
-Example::
+Every other function of the module, and every other ``torch`` attribute, is untouched. Example::
 
     HostTorch(cuda=("current_device",))   # Router.gating: torch.cuda.current_device() -> "cpu"
     # Router.gating's `torch.cuda.current_device()` returns "cpu"; TopKRouter.routing's torch is torch.
@@ -54,6 +47,7 @@ def _host(device: Any) -> Any:
     """``device`` with CUDA replaced by the CPU (anything else unchanged)."""
     if device is None:
         return None
+    # A bare index is a CUDA device to torch (``torch.zeros(2, device=0)``).
     if isinstance(device, int) or torch.device(device).type == "cuda":
         return "cpu"
     return device
@@ -93,6 +87,7 @@ CUDA_ON_HOST: dict[str, Any] = {
     "get_rng_state": _cpu_rng_state,
     "set_rng_state": _set_cpu_rng_state,
     "manual_seed": torch.manual_seed,
+    # The target's (H100/H200), as validate_on_target answers.
     "get_device_capability": lambda device=None: (9, 0),
 }
 
@@ -103,6 +98,8 @@ FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "rand", "randn")
 class _CudaProxy(types.SimpleNamespace):
     """``torch.cuda`` with selected attributes overridden; everything else falls through."""
 
+    # Only for names not set on the instance: an unnamed CUDA call still goes to CUDA (and fails
+    # on a CPU-only machine).
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)
 
@@ -144,8 +141,8 @@ class HostTorch:
 
 def innermost_function(obj: Any, filename: str) -> types.FunctionType:
     """The plain function behind ``obj`` (a staticmethod, classmethod or decorator chain): the
-    innermost one whose code is in ``filename``, the body a :class:`HostTorch` rebinds (a decorator
-    defined in the same file wraps it in a function of that file too)."""
+    innermost one whose code is in ``filename``, the body a :class:`HostTorch` rebinds."""
+    # Innermost: a decorator defined in the same file wraps the body in a function of that file too.
     found = None
     while obj is not None:
         obj = getattr(obj, "__func__", obj)
@@ -164,13 +161,13 @@ _RENAMED: dict[tuple[types.CodeType, str], types.CodeType] = {}
 
 
 def _renamed(code: types.CodeType, alias: str) -> types.CodeType:
-    """``code`` (and the code nested in it) reading the global ``torch`` as ``alias`` (cached: a
-    pure function of the code object, which compares by its whole content, and the alias).
+    """``code`` (and the code nested in it) reading the global ``torch`` as ``alias``.
 
     Raises:
         RuntimeError: ``torch`` is also used there other than as a global read (an attribute, an
             import, a store), which a rename would change too.
     """
+    # Cached: a pure function of the code object (which compares by its whole content) and alias.
     key = (code, alias)
     done = _RENAMED.get(key)
     if done is None:
@@ -184,6 +181,7 @@ def _rename(code: types.CodeType, alias: str) -> types.CodeType:
     )
     if "torch" not in code.co_names:
         return code.replace(co_consts=consts)
+    # Renaming co_names renames every use of the name: only global reads may be "torch".
     for ins in dis.get_instructions(code):
         if ins.argval == "torch" and ins.opname != "LOAD_GLOBAL" and ins.opcode in dis.hasname:
             raise RuntimeError(f"{code.co_qualname} uses 'torch' in {ins.opname}: cannot rebind")
@@ -198,6 +196,8 @@ def renamed_code(function: types.FunctionType, alias: str) -> types.CodeType:
 
 def rebind(function: types.FunctionType, alias: str) -> types.CodeType:
     """Makes ``function`` read the global ``torch`` as the global ``alias``; returns its old code."""
+    # In place, so every reference to the function object sees it; the alias holds a TorchProxy
+    # with exactly the row's overrides (HostTorch.proxy).
     original = function.__code__
     function.__code__ = _renamed(original, alias)
     return original

@@ -1,13 +1,7 @@
 """One row of the compatibility table (:class:`Patch`), its fingerprint, and applying rows reversibly.
 
-A row names a Megatron attribute (``module`` + dotted ``attribute``), what replaces it and why, the
-megatron-core versions it applies on and, per version, a fingerprint of the narrowest span of source
-that matters to it (:func:`row_fingerprint`): the sha256 of those source lines without indentation,
-blank or comment-only lines, so a change of code (not of layout) there changes the fingerprint.
 :func:`patched_rows` applies rows for the length of a block and puts every original back;
-:func:`apply` keeps them (a launch). Applying is idempotent per row.
-
-Example::
+:func:`apply` keeps them (a launch). Applying is idempotent per row. Example::
 
     with patched_rows(rows("cpu")):   # Megatron's model stack runs on CPU inside the block
         ...
@@ -29,10 +23,11 @@ from megatron_ext.compat.versions import TESTED_MEGATRON
 
 
 @dataclass(frozen=True)
+# An optional kernel is bound to TE's function or to None depending on the machine, not on
+# Megatron's version: its source says nothing of the version, its kind is what the row relies on.
 class Needs:
-    """What a row needs of a value whose source is not Megatron's own to fingerprint: an optional
-    kernel Megatron binds to Transformer Engine's function or to ``None`` (which one depends on the
-    machine, not on Megatron's version), a clock. Such a row is checked by kind, not by source.
+    """What a row needs of a value whose source is not Megatron's own to fingerprint (an optional
+    Transformer Engine kernel, a clock): such a row is checked by kind, not by source.
 
     Attributes:
         kinds: Each acceptable kind: ``"callable"``, ``"None"`` or a type's name (``"float"``).
@@ -116,6 +111,7 @@ class Patch:
 
 def _owner_and_name(row: Patch) -> tuple[Any, str]:
     """The object holding the row's attribute (module or class) and the attribute's name."""
+    # A missing owner raises AttributeError; a missing attribute says which table to revisit.
     owner: Any = importlib.import_module(row.module)
     *path, name = row.attribute.split(".")
     for part in path:
@@ -129,6 +125,8 @@ def _owner_and_name(row: Patch) -> tuple[Any, str]:
 
 
 #: ``id(row)`` -> how to undo it, for every row applied in this process, in order of applying.
+# An undo is ("code", function, old code, new code, module, alias) for a HostTorch row, else
+# ("attr", owner, old value, new value, name).
 _APPLIED: dict[int, tuple[Any, ...]] = {}
 
 
@@ -136,7 +134,9 @@ def original(row: Patch) -> Any:
     """Megatron's own object for ``row``, whether or not the row is applied now."""
     if applied(row) and _APPLIED[id(row)][0] == "attr":
         return _APPLIED[id(row)][2]
+    # A HostTorch row changes the function's code, not the attribute: the attribute is Megatron's.
     owner, name = _owner_and_name(row)
+    # The class's own __dict__ first: a staticmethod or classmethod as defined, not as bound.
     return owner.__dict__.get(name, getattr(owner, name))
 
 
@@ -149,13 +149,11 @@ def _digest(lines: list[str]) -> str:
 def fingerprint(obj: Any) -> str:
     """The digest of all of ``obj``'s source lines, each stripped, blank and comment-only lines
     dropped: a change of code or docstring changes it, a change of indentation or comments does not.
-
-    A function's lines are read off its code object (no tokenizing: a launch hashes ~100 of them in
-    milliseconds); a class's from :func:`inspect.getsource`.
     """
     obj = getattr(obj, "__func__", obj)
     obj = inspect.unwrap(obj) if callable(obj) and not isinstance(obj, type) else obj
     if isinstance(obj, types.FunctionType):
+        # Off the code object, no tokenizing: a launch hashes ~100 functions in milliseconds.
         lines = function_lines(obj)[1]
     elif isinstance(obj, type):
         lines = inspect.getsource(obj).splitlines()
@@ -201,8 +199,9 @@ def _rebound_function(row: Patch) -> tuple[Any, types.FunctionType, str]:
 
 def prepare(rows: Iterable[Patch]) -> None:
     """Computes what applying ``rows`` would compute (their functions' renamed code) and installs
-    nothing: a preloaded launch server calls it once, so each rank forked from it applies the rows
-    without re-reading every instruction."""
+    nothing."""
+    # A preloaded launch server calls it once, so each rank forked from it applies the rows
+    # without re-reading every instruction.
     for row in rows:
         if isinstance(row.replacement, HostTorch) and not applied(row):
             _, function, alias = _rebound_function(row)
@@ -212,6 +211,7 @@ def prepare(rows: Iterable[Patch]) -> None:
 def _apply_one(row: Patch) -> tuple[Any, ...]:
     """Applies ``row``; returns how to undo it."""
     if isinstance(row.replacement, HostTorch):
+        # The proxy goes in the module's globals under the alias the rebound code reads.
         module, function, alias = _rebound_function(row)
         setattr(module, alias, row.replacement.proxy())
         previous = rebind(function, alias)
@@ -235,6 +235,7 @@ def _in_place(undo: tuple[Any, ...]) -> bool:
 
 
 def _undo(undo: tuple[Any, ...]) -> None:
+    # What replaced ours since (a test's own patch) is left alone: it undoes itself.
     if not _in_place(undo):
         return
     if undo[0] == "code":
@@ -256,6 +257,7 @@ def apply(rows: Iterable[Patch]) -> list[Patch]:
     done = []
     for row in rows:
         if not applied(row):
+            # A row undone behind our back (a test replaced it) is applied again, last in order.
             _APPLIED.pop(id(row), None)
             _APPLIED[id(row)] = _apply_one(row)
             done.append(row)
@@ -265,6 +267,7 @@ def apply(rows: Iterable[Patch]) -> list[Patch]:
 def restore(rows: Iterable[Patch]) -> None:
     """Puts Megatron's own attribute back for each applied row (in reverse order of applying)."""
     wanted = {id(row) for row in rows}
+    # Reversed: two rows on one attribute put back the first one's original last.
     for key in reversed([k for k in _APPLIED if k in wanted]):
         _undo(_APPLIED.pop(key))
 

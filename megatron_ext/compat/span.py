@@ -1,22 +1,13 @@
 """Where in a Megatron function a compatibility row's behaviour sits: its CUDA calls, or named lines.
 
-A row fingerprints the narrowest span of Megatron's source that matters to it, not the whole
-function. A :class:`~megatron_ext.compat.host_torch.HostTorch` row takes the statements that touch
-CUDA (``torch.cuda.<name>``, a ``"cuda"`` device string, ``.cuda(``); a row that depends on a few
-lines (``Patch.depends_on``) the statements holding them. An edit elsewhere in a 600-line ``train``
-leaves the fingerprint as it was; a new CUDA call, or an edit of a line the row depends on, changes
-it. The same reading tells the check whether the row is still needed: does the function still
-make a call the row reroutes (:func:`cuda_uses`)?
-
-Example (a row of ``train`` rerouting ``torch.cuda.synchronize``, factories on ``"cuda"``)::
+A row fingerprints the narrowest span of Megatron's source that matters to it (docs/compat.md), so
+an edit elsewhere in a 600-line ``train`` leaves it as it was. Example (a row of ``train`` rerouting ``torch.cuda.synchronize``, factories on ``"cuda"``)::
 
     x = compute(batch)                           # not in the span
     torch.cuda.synchronize()                     # in the span: a rerouted call
     flags = torch.tensor([1],
                          device="cuda")          # in the span, both lines: a "cuda" device
 
-A statement's extent is read off the code object's instruction positions (the widest expression
-over the line), not by parsing: a launch reads the spans of ~100 functions in milliseconds.
 Pure Python (``re``, ``linecache``): nothing here imports Megatron or torch.
 """
 
@@ -76,6 +67,7 @@ def function_lines(function: types.FunctionType) -> Source:
 
 def _code_lines(lines: list[str], first: int) -> Iterator[tuple[int, str]]:
     """``(line number, code)`` of each line, its comment dropped."""
+    # Crude but fast: a "#" inside a string cuts the line there too.
     for number, line in enumerate(lines, start=first):
         yield number, line.split("#")[0]
 
@@ -86,6 +78,7 @@ def cuda_uses(function: types.FunctionType, source: Source | None = None) -> lis
     found = []
     for number, code in _code_lines(lines, first):
         for match in CUDA.finditer(code):
+            # group(1) is the torch.cuda attribute; else a device string or a .cuda( call.
             name = match.group(1) or ('"cuda"' if match.group(0)[0] in "\"'" else ".cuda(")
             found.append(CudaUse(name, number))
     return found
@@ -131,6 +124,7 @@ def _expressions(code: types.CodeType, lines: list[str], first: int) -> Iterator
     """``(first, last)`` line of each call or literal in ``code`` and the code nested in it that
     spans more than one line (``lines``: the function's, from line ``first``), but for those
     starting on a block's opening line (a ``with``'s exit call spans the whole block)."""
+    # One position per 2-byte code unit, as co_code is laid out.
     for op, (start, end, _, _) in zip(code.co_code[::2], code.co_positions(), strict=True):
         if op in _EXPRESSIONS and start is not None and end is not None and end > start:
             if not _BLOCK.match(lines[start - first]):
@@ -145,10 +139,13 @@ def statements_at(
 ) -> list[tuple[int, int]]:
     """The line ranges of ``function``'s code at ``lines``: each line widened to the widest call
     or literal over it (a call whose arguments take several lines)."""
+    # Read off the code object's instruction positions, not by parsing: a launch reads the spans
+    # of ~100 functions in milliseconds.
     first, text = source or function_lines(function)
     multi = list(_expressions(function.__code__, text, first)) if lines else []
     spans = set()
     for line in lines:
+        # The widest expression over the line: a call's arguments may hold nested calls.
         over = [(a, b) for a, b in multi if a <= line <= b]
         spans.add((min(a for a, _ in over), max(b for _, b in over)) if over else (line, line))
     return sorted(spans)

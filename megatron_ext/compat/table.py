@@ -1,24 +1,6 @@
 """The compatibility table: every change megatron_ext makes to Megatron-Core's behaviour, one row each.
 
-Groups (what applies them):
-
-- ``cpu.*``, ``cpu_loop.*`` (:mod:`megatron_ext.compat.cpu_rows`): ``enable_cpu_mode`` /
-  ``enable_cpu_training``: Megatron's model stack and training loop on CPU / gloo.
-- ``launch``: every ``megatron_ext.pretrain_gpt`` training launch, GPU included (the rows that read
-  the run's arguments read them when Megatron calls the function).
-- ``validate_on_target``, ``fp4_rehearsal``, ``dry_run_target``: argument validation of a ``--cpu``
-  or ``--dry-run`` launch on a machine without the target GPU or Transformer Engine, for the length
-  of the check only.
-- ``owned``: applied by the object named in the reason (per model, undone by it); ``copied``: a
-  Megatron body copied and edited in megatron_ext, fingerprinted so an upstream change is noticed.
-
-Each row is keyword data (:class:`~megatron_ext.compat.patch.Patch`); a factory is named as a string
-(``"megatron_ext.training.checkpoint_checks:exiting_nonzero"``) and lives beside the feature it
-belongs to, so this table imports none of them and ``compat/`` imports no feature (docs/compat.md).
-
-:func:`megatron_ext.compat.check.check_megatron` compares, at startup, the fingerprint of every row the
-launch applies (a value that is not Megatron's code, such as an optional Transformer Engine kernel,
-by what the row needs of it: :class:`~megatron_ext.compat.patch.Needs`).
+The groups and what applies each are in docs/compat.md (a test keeps its table equal to this one).
 """
 
 from megatron_ext.compat.cpu_rows import CPU_ROWS, LOOP_ROWS
@@ -29,6 +11,9 @@ from megatron_ext.compat.versions import table_version
 M = "megatron.core."
 T = "megatron.training."
 
+# A factory is named as a string ("megatron_ext.training.checkpoint_checks:exiting_nonzero") and
+# lives beside the feature it belongs to, so this table imports none of them and compat/ imports no
+# feature. The launch rows that read the run's arguments read them when Megatron calls the function.
 OTHER_ROWS: list[Patch] = [
     Patch(
         group="launch", module=M + "datasets.utils", attribute="compile_helpers",
@@ -186,12 +171,12 @@ TABLE: tuple[Patch, ...] = (*CPU_ROWS, *LOOP_ROWS, *OTHER_ROWS)
 
 def rows(*groups: str, version: str | None = None) -> list[Patch]:
     """The rows of ``groups`` (a group ``"cpu"`` names every ``cpu.*`` row) that apply on the
-    running Megatron (``version``: on that one; :func:`~megatron_ext.compat.versions.table_version`
-    says which tested version's rows an untested one takes), in table order."""
+    running Megatron (``version``: on that one), in table order."""
     unknown = [
         g for g in groups if not any(r.group.split(".")[0] == g or r.group == g for r in TABLE)
     ]
     assert not unknown, f"no compatibility rows in group(s) {unknown}"
+    # An untested version takes the nearest tested version's rows.
     version = table_version(version)
     return [
         r

@@ -1,18 +1,7 @@
 """Triage of a changed row on a new megatron-core: is the behaviour the row replaces still there?
 
-A row of the compatibility table replaces something in one Megatron function: the ``torch.cuda``
-calls a :class:`~megatron_ext.compat.host_torch.HostTorch` row reroutes, the lines a row
-``depends_on`` (``sys.exit()``), or the whole function (a factory that replaces the body, a
-copy). When its fingerprint changed, :func:`triage` reads the installed source and answers in one
-line, so a maintainer sees what to do without reading the function:
-
-- ``still needed``: the function is there and still makes the call (holds the line);
-- ``moved``: the function is gone from its module or class but one of the same name is elsewhere
-  in the module, or the call now sits in another function of the module no row covers;
-- ``gone``: neither: the row can go;
-- ``changed``: a row replacing the whole function: the function is there (read the change).
-
-Example (``python -m megatron_ext.compat.check`` on megatron-core 0.18.2)::
+One line per row, so a maintainer sees what to do without reading the function: ``still needed``,
+``moved``, ``gone`` or ``changed`` (each explained in docs/compat.md). Example (``python -m megatron_ext.compat.check`` on megatron-core 0.18.2)::
 
     changed  cpu.current_device  megatron.core.transformer.moe.router.TopKRouter.__init__: ...
              still needed: torch.cuda.current_device (line 212), torch.cuda.current_device (line 221)
@@ -34,7 +23,7 @@ class Triage:
     """What became of a row's behaviour on the installed Megatron.
 
     Attributes:
-        verdict: ``still needed``, ``moved``, ``gone`` or ``changed`` (see the module docstring).
+        verdict: ``still needed``, ``moved``, ``gone`` or ``changed`` (docs/compat.md).
         detail: Where: the calls or lines and their line numbers, the function it moved to.
     """
 
@@ -90,7 +79,9 @@ def _not_rerouted(row: Patch, function: types.FunctionType) -> str:
 
 def module_functions(module: types.ModuleType) -> Iterator[tuple[str, types.FunctionType]]:
     """``(qualified name, function)`` of each function defined in ``module``'s file: its own and
-    its classes' methods (static and class methods, decorated ones by their innermost body)."""
+    its classes' methods."""
+    # Static and class methods by their function, decorated ones by their innermost body in the
+    # file (the one a row's source is read from).
     filename = module.__file__
 
     def body(value: Any) -> types.FunctionType | None:
@@ -140,8 +131,8 @@ def _elsewhere(row: Patch, module: types.ModuleType, covered: set[str]) -> Triag
 
 
 def triage(row: Patch, table: Iterable[Patch] = ()) -> Triage:
-    """What became of ``row``'s behaviour on the installed Megatron (``table``: the rows, so a call
-    moved to a function another row already covers is not reported as moved)."""
+    """What became of ``row``'s behaviour on the installed Megatron (``table``: the other rows)."""
+    # A call moved to a function another row of the same kind already covers is not "moved".
     covered = {r.name for r in table if type(r.replacement) is type(row.replacement)}
     try:
         value = original(row)
@@ -156,6 +147,7 @@ def triage(row: Patch, table: Iterable[Patch] = ()) -> Triage:
         return Triage("changed", f"{type(value).__qualname__} {kind} {row.fingerprint}")
     if isinstance(value, type):
         return Triage("changed", f"the class {value.__qualname__} is there: read the change")
+    # The row replaces the calls of a HostTorch, the lines it depends_on, or else the whole function.
     function = replaced_function(row, value)
     marks = _marks(row, function)
     if marks and not isinstance(row.replacement, HostTorch) and not row.depends_on:
@@ -165,6 +157,7 @@ def triage(row: Patch, table: Iterable[Patch] = ()) -> Triage:
         return Triage("still needed", ", ".join(marks) + _not_rerouted(row, function))
     if marks:
         return Triage("still needed", ", ".join(marks))
+    # The function is there without what the row replaces: perhaps it moved to another function.
     module = importlib.import_module(row.module)
     moved = _elsewhere(row, module, covered)
     if isinstance(row.replacement, HostTorch):

@@ -1,20 +1,7 @@
-"""One typed view of the Megatron arguments megatron_ext reads.
+"""One typed view of the Megatron arguments megatron_ext's checks and callbacks read.
 
-Megatron hands its callbacks (datasets provider, forward step) its parsed ``argparse.Namespace``,
-and megatron_ext's argument checks read the same; megatron_ext's own flags become feature configs
-(``megatron_ext/training/feature_configs.py``), and the Megatron flags megatron_ext's checks and
-callbacks read come through :class:`MegatronView`: one frozen dataclass, each field with one default
-(Megatron-Core 0.19.2's parser default, which a test checks) and a docstring naming the flag (or
-saying it is not one: a value Megatron sets on its arguments itself). A namespace that lacks a field
-(a test's hand-built one) reads as that default, the same everywhere.
-
-The view is a snapshot, not cached: Megatron sets some of these on its arguments after parsing
-(``padded_vocab_size`` when it builds the tokenizer), so each reader builds it where it starts
-(``MegatronView.from_args(args)`` at the top of a callback or check) and passes it down. What
-Megatron's training loop advances (the iteration, the consumed samples) is
-:class:`TrainingProgress`, read per call in the same way.
-
-Example::
+Each field has one default, Megatron-Core 0.19.2's parser default (a test checks), so a namespace
+that lacks a field (a test's hand-built one) reads the same everywhere. Example::
 
     view = MegatronView.from_args(argparse.Namespace(fp8="e4m3"))
     view.fp8, view.fp8_recipe, view.load   # ('e4m3', 'delayed', None): Megatron's defaults
@@ -28,7 +15,13 @@ from typing import Any
 
 @dataclass(frozen=True, kw_only=True)
 class MegatronView:
-    """The Megatron flags megatron_ext reads (argparse dest = field name)."""
+    """The Megatron flags megatron_ext reads (argparse dest = field name).
+
+    A snapshot: build it with :meth:`from_args` where a callback or check starts and pass it down.
+    """
+
+    # Not cached: Megatron sets some fields on its arguments after parsing (``padded_vocab_size``
+    # when it builds the tokenizer). A field that is not a flag says so in its docstring.
 
     # Parallelism
     world_size: int = 1
@@ -266,6 +259,8 @@ class MegatronView:
 class TrainingProgress:
     """What Megatron's training sets on its arguments as it runs (none is a flag; None reads as 0)."""
 
+    # Apart from MegatronView because Megatron's loop advances these: read per call, never kept.
+
     iteration: int = 0
     """The iteration Megatron's checkpoint load resumed from."""
     curr_iteration: int = 0
@@ -276,6 +271,7 @@ class TrainingProgress:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TrainingProgress":
         """The progress recorded on Megatron's ``args`` now."""
+        # Each is set only once Megatron's load or loop reaches it: until then, absent or None is 0.
         return cls(**{name: value or 0 for name, value in _read(cls, args).items()})
 
 

@@ -1,11 +1,7 @@
 """The registry of megatron_ext feature configs and the flag-name rule (no feature imported here).
 
-A feature config is ``@feature_config("title")`` above ``@dataclass(frozen=True, kw_only=True)``; it lives
-beside its feature (``megatron_ext/<feature>/config.py``) and :mod:`megatron_ext.training.feature_configs` imports them all.
-
-A check that reads one of megatron_ext's flags off Megatron's arguments before (or beside) the feature
-configs are built reads it with :func:`flag_value`: the one default is the config field's, as
-:class:`~megatron_ext.config.megatron_view.MegatronView` has one for each Megatron flag.
+A feature config is ``@feature_config("title")`` above ``@dataclass(frozen=True, kw_only=True)`` in
+``megatron_ext/<feature>/config.py``; :mod:`megatron_ext.training.feature_configs` imports them all.
 """
 
 import dataclasses
@@ -31,6 +27,8 @@ def feature_config(title: str) -> Callable[[type[_C]], type[_C]]:
         if not dataclasses.is_dataclass(cls):
             raise TypeError(f"{cls.__name__} must be a dataclass to be a feature config")
         params = cls.__dataclass_params__  # type: ignore[attr-defined]
+        # Frozen: a config is read by many checks and none may change it; keyword-only: its flags
+        # are built from field names, never from positions.
         if not (params.frozen and params.kw_only):
             raise TypeError(f"{cls.__name__} must be @dataclass(frozen=True, kw_only=True)")
         FEATURE_CONFIGS[cls] = title
@@ -47,10 +45,10 @@ def flag(field_name: str) -> str:
 def flag_value(args: Any, name: str) -> Any:
     """megatron_ext's flag ``name`` (a registered config's field) as set on Megatron's ``args``,
     unvalidated; where ``args`` lacks it (a hand-built namespace), the field's default.
-
-    For the checks that run before the feature configs are built (``--cpu``'s) or are handed only
-    Megatron's arguments (Megatron's print hooks, a feature reading another's flag).
     """
+    # For the checks that run before the feature configs are built (``--cpu``'s) or are handed only
+    # Megatron's arguments (Megatron's print hooks, a feature reading another's flag). The one
+    # default is the config field's, as MegatronView has one for each Megatron flag.
     fields = [
         f for cls in FEATURE_CONFIGS for f in dataclasses.fields(cls) if f.name == name and f.init
     ]

@@ -1,29 +1,11 @@
 """A CPU stand-in for context-parallel attention, so Megatron's real loop trains CP > 1 on gloo ranks
-(a rehearsal module: ``--cpu`` only, never built on a GPU launch).
+(``--cpu`` only, never built on a GPU launch; docs/compat.md).
 
 Megatron-Core 0.19.2 runs context parallelism only in Transformer Engine's attention; its local
-``DotProductAttention`` asserts ``context_parallel_size == 1``. :class:`ContextParallelDotProductAttention`
-keeps ``DotProductAttention``'s constructor and forward signature (its softmax scale, head counts
-and dropout) and computes what TE's CP attention computes, plainly: each rank all-gathers K and V
-over the CP group with Megatron's differentiable collective (``gather_from_sequence_parallel_region``
-with the CP group: forward all-gather, backward reduce-scatter), puts them in global order with the
-positions every CP rank holds, and attends its own queries at their global positions
-(:mod:`megatron_ext.cpu.document_attention`):
-
-- packed THD (``packed_seq_params.qkv_format == "thd"``, query ``[t, np, hn]``): positions from
-  Transformer Engine's partition index, the very function Megatron's ``get_batch_on_this_cp_rank``
-  sliced the batch with (``megatron.core.utils.tex``, stood in under ``--cpu``:
-  :mod:`megatron_ext.common.thd_partition`), over the GLOBAL ``cu_seqlens`` of the packed params;
-  causal within each segment.
-- ``sbhd`` (query ``[s, b, np, hn]``): Megatron's per-sequence zigzag; causal, or the batch's own
-  ``attention_mask`` (``get_batch_on_this_cp_rank`` slices its query dimension only, so its keys
-  are already global).
-
-Not modelled (refused at argument time under ``--cpu``, training/cpu_args.py): hybrid CP,
-``--cp-comm-type`` other than Megatron's default ``p2p``, ``--softmax-type`` other than vanilla,
-sliding-window attention. :func:`with_context_parallel_attention` swaps the class into a spec.
-
-Example::
+``DotProductAttention`` asserts ``context_parallel_size == 1``. This one computes what TE's CP
+attention computes, plainly: K and V all-gathered over the CP group, put in global order, and this
+rank's queries attended at their global positions (:mod:`megatron_ext.cpu.document_attention`).
+What it does not model is refused under ``--cpu`` (training/cpu_args.py; docs/limits.md). Example::
 
     spec = with_context_parallel_attention(get_gpt_layer_local_spec(num_experts=8))
 """
@@ -76,11 +58,14 @@ class ContextParallelDotProductAttention(DotProductAttention):
         del attn_mask_type  # causal, as the GPT layer specs build it
         assert attention_bias is None, "Attention bias is not supported for DotProductAttention."
         cp_size = self.cp_group.size()
+        # THD: query [t, np, hn]; sbhd: query [s, b, np, hn].
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if thd:  # [t, np, hn] -> one sample
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
         total = query.shape[0] * cp_size
         if thd:
+            # Positions from TE's partition index, the function get_batch_on_this_cp_rank sliced
+            # the batch with, over the packed params' GLOBAL cu_seqlens; causal per segment.
             cu = packed_seq_params.cu_seqlens_q_padded
             cu = packed_seq_params.cu_seqlens_q if cu is None else cu
             positions_RN = torch.stack([_thd_index(cu, total, cp_size, r) for r in range(cp_size)])
@@ -88,13 +73,18 @@ class ContextParallelDotProductAttention(DotProductAttention):
                 positions_RN[self.cp_group.rank()], segment_ids(cu, total)
             )
         else:
+            # Megatron's per-sequence zigzag.
             positions_RN = torch.stack(
                 [cp_zigzag_positions(total, cp_size, r) for r in range(cp_size)]
             ).to(query.device)
             allowed_QK = causal_allowed(positions_RN[self.cp_group.rank()], total)
         allowed_BQK = allowed_QK.unsqueeze(0)
-        if attention_mask is not None and not thd:  # [b, 1, s_local, S], True = masked
+        # The batch's own mask, [b, 1, s_local, S] (True = masked): get_batch_on_this_cp_rank slices
+        # its query dimension only, so its keys are already global.
+        if attention_mask is not None and not thd:
             allowed_BQK = ~attention_mask[:, 0].to(torch.bool)
+        # Megatron's differentiable collective over the CP group: forward all-gather, backward
+        # reduce-scatter, so each rank's K/V gradients come back to it.
         key, value = (
             global_order(
                 tensor_parallel.gather_from_sequence_parallel_region(t, group=self.cp_group),
@@ -122,8 +112,9 @@ class ContextParallelDotProductAttention(DotProductAttention):
 
 
 def _thd_index(cu_seqlens: torch.Tensor, total: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """The positions CP rank ``cp_rank`` holds: the function Megatron's per-document
-    ``get_batch_on_this_cp_rank`` sliced the batch with."""
+    """The positions CP rank ``cp_rank`` holds, as ``get_batch_on_this_cp_rank`` sliced them."""
+    # Looked up per call: under --cpu, ``utils.tex`` is the compat row cpu.te_partition's stand-in
+    # (megatron_ext.common.thd_partition).
     from megatron.core import utils
 
     return utils.tex.thd_get_partitioned_indices(cu_seqlens, total, cp_size, cp_rank).long()
@@ -131,5 +122,5 @@ def _thd_index(cu_seqlens: torch.Tensor, total: int, cp_size: int, cp_rank: int)
 
 def with_context_parallel_attention(node: Any) -> Any:
     """``node`` (a layer, block or stack spec) with every ``DotProductAttention`` replaced by
-    :class:`ContextParallelDotProductAttention`; parts without one are returned as they are."""
+    :class:`ContextParallelDotProductAttention`."""
     return swap_module(node, DotProductAttention, ContextParallelDotProductAttention)

@@ -1,24 +1,22 @@
 """The math of the CPU context-parallel attention (pure torch, never imports megatron): one rank's
 queries attend to the keys of the whole sequence, causally and within their document.
 
-Under context parallelism a rank holds some positions of a sequence (Megatron's per-sequence
-zigzag, or per document in a packed THD row); the keys and values of every rank, gathered and put
-back in global order, make the whole sequence. A query at global position p may attend to key k
-when ``k <= p`` and, in a packed row, k lies in p's segment of ``cu_seqlens``. This is what
-Megatron's local ``DotProductAttention`` computes on one rank with a causal (per-document) mask;
-scores are scaled, masked with Megatron's fill (``attention_mask_func``: -10000) and soft-maxed in
-fp32.
+A query at global position p may attend to key k when ``k <= p`` and, in a packed row, k lies in
+p's segment of ``cu_seqlens``: what Megatron's local ``DotProductAttention`` computes on one rank
+with a causal (per-document) mask.
 
 Worked example: ``cu_seqlens = [0, 4, 8]``, CP = 2, rank 1 holds positions ``[1 2 5 6]``. Its query
 at position 5 (document 1) may attend to keys ``[4 5]``; at position 2, to ``[0 1 2]``.
-
-Legend: B samples, Q this rank's queries, K keys (the whole sequence), H query heads, G key/value
-groups (GQA: H = G * heads per group), D head dim.
 """
 
 from collections.abc import Callable
 
 import torch
+
+# Shape suffix legend
+#   B = samples, Q = this rank's queries, K = keys (the whole sequence), H = query heads,
+#   G = key/value groups (GQA: H = G * heads per group), D = head dim, R = CP ranks,
+#   N = positions per rank
 
 #: Megatron's ``attention_mask_func`` fill for masked scores (megatron/core/transformer/utils.py).
 MASKED_SCORE = -10000.0
@@ -44,8 +42,8 @@ def causal_allowed(q_pos_Q: torch.Tensor, num_keys: int) -> torch.Tensor:
 
 
 def global_order(rows_RN: torch.Tensor, positions_RN: torch.Tensor) -> torch.Tensor:
-    """Rows gathered rank after rank (``[R * N, ...]``) put in global position order, by a gather
-    (so the gradient flows back to each rank's rows)."""
+    """Rows gathered rank after rank (``[R * N, ...]``) put in global position order."""
+    # By a gather, so the gradient flows back to each rank's rows.
     inverse = torch.argsort(positions_RN.reshape(-1).to(torch.int64))
     return rows_RN.index_select(0, inverse.to(rows_RN.device))
 
@@ -60,9 +58,7 @@ def attend(
 ) -> torch.Tensor:
     """Scaled dot-product attention of the queries over the keys where ``allowed``: ``out_BQHD``.
 
-    GQA as Megatron's local attention: each key/value group repeated for its query heads. The
-    softmax runs in fp32 (Megatron's local softmax does under ``attention_softmax_in_fp32``, and
-    for fp32 inputs); the probabilities are cast back to the values' dtype before ``dropout``.
+    GQA as Megatron's local attention: each key/value group repeated for its query heads.
     """
     heads, groups = q_BQHD.shape[2], k_BKGD.shape[2]
     if heads % groups:
@@ -70,6 +66,8 @@ def attend(
     if heads != groups:
         k_BKGD = k_BKGD.repeat_interleave(heads // groups, dim=2)
         v_BKGD = v_BKGD.repeat_interleave(heads // groups, dim=2)
+    # fp32 softmax, as Megatron's local softmax under ``attention_softmax_in_fp32`` (and for fp32
+    # inputs); the probabilities go back to the values' dtype before dropout, as there.
     scores_BHQK = torch.einsum("bqhd,bkhd->bhqk", q_BQHD, k_BKGD).float() * scale
     scores_BHQK = scores_BHQK.masked_fill(~allowed_BQK.unsqueeze(1), MASKED_SCORE)
     probs_BHQK = torch.softmax(scores_BHQK, dim=-1).to(v_BKGD.dtype)

@@ -1,13 +1,7 @@
 """Megatron's local (torch) norms with sequence parallelism: TP > 1 + ``--sequence-parallel`` without TE.
 
-``WrappedTorchNorm`` (the norm of Megatron's local layer specs) asserts ``not config.sequence_parallel``:
-on GPU the SP path is Transformer Engine's norms. A LayerNorm / RMSNorm is per token, so it is exact on a
-sequence shard; what SP adds is that the norm's parameters see only this rank's tokens, so their
-gradients must be all-reduced over the TP group. Megatron's ``finalize_model_grads`` does that for every
-parameter marked ``sequence_parallel``; :class:`SequenceParallelTorchNorm` builds Megatron's own norm and
-marks its parameters so. :func:`with_sequence_parallel_norms` swaps it into any spec.
-
-Example::
+``WrappedTorchNorm`` (the norm of Megatron's local layer specs) asserts ``not config.sequence_parallel``;
+on GPU the SP path is Transformer Engine's norms. Example::
 
     spec = with_sequence_parallel_norms(spec)    # GPT block spec, hybrid stack spec, layer spec
 """
@@ -27,6 +21,9 @@ class SequenceParallelTorchNorm:
         view = copy.copy(config)  # Megatron's checks, except the SP one this class exists for
         view.sequence_parallel = False
         norm = WrappedTorchNorm(view, hidden_size, eps, **kwargs)
+        # A norm is per token, so exact on a sequence shard; but its parameters see only this
+        # rank's tokens, so their gradients must be all-reduced over the TP group, which Megatron's
+        # finalize_model_grads does for every parameter marked sequence_parallel.
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
         return norm

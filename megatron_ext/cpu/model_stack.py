@@ -1,20 +1,13 @@
 """Makes Megatron-Core's real MoE stack run on CPU over gloo (tests, the demo, CI); a no-op with CUDA.
 
-Megatron-Core 0.19.2 hard-codes a few CUDA calls on paths that are otherwise device-agnostic. The rows
-of the compatibility table in groups ``cpu.*`` (:mod:`megatron_ext.compat.cpu_rows`) each replace the
-named ``torch.cuda`` calls of one Megatron function (CUDA streams, CUDA RNG state,
-``torch.cuda.current_device()``, ``device="cuda"``) with their CPU equivalents, or one function with
-the factory defined here; every other call of those modules still goes to CUDA. They never change
-numerics. A row whose Megatron source changed is refused at startup (:mod:`megatron_ext.compat.check`).
-
-Example::
+Megatron-Core 0.19.2 hard-codes a few CUDA calls on otherwise device-agnostic paths. The ``cpu.*``
+rows of the compatibility table (:mod:`megatron_ext.compat.cpu_rows`) replace the named ``torch.cuda``
+calls of one Megatron function each, or the function with a factory defined here, without changing
+numerics. Example::
 
     from megatron_ext.cpu.model_stack import enable_cpu_mode
     enable_cpu_mode()          # before building any Megatron module
     # MoELayer (alltoall / allgather dispatcher), GPTModel, RouterReplay now run on CPU / gloo.
-
-``tests/cpu/test_model_stack.py`` runs every patched call *unpatched* in a fresh process and asserts it still fails on
-CPU, so a Megatron release that fixes one of them is noticed and its row can go.
 """
 
 import contextlib
@@ -31,6 +24,8 @@ from megatron_ext import compat
 from megatron_ext.compat.host_torch import HostTorch
 
 #: The ``cpu.*`` groups of the compatibility table, in the order applied (the tests remove each).
+# tests/cpu/test_model_stack.py runs every patched call unpatched in a fresh process and asserts it
+# still fails on CPU, so a Megatron release that fixes one is noticed and its row can go.
 PATCHES: tuple[str, ...] = (
     "rng_tracker",
     "null_streams",
@@ -44,10 +39,9 @@ PATCHES: tuple[str, ...] = (
 
 
 def _modules(group: str, cuda_name: str) -> tuple[str, ...]:
-    """The Megatron modules with a row of ``group`` that runs ``torch.cuda.<cuda_name>`` on the host,
-    sorted: ranks that walk them in turn (tests/cpu_patch_probe.py) must walk them in one order, and
-    a set of strings iterates in an order that differs between processes (string hashes are salted
-    per process)."""
+    """The Megatron modules with a row of ``group`` that runs ``torch.cuda.<cuda_name>`` on the host."""
+    # Sorted: ranks that walk them in turn (tests/cpu_patch_probe.py) must walk them in one order,
+    # and a set of strings iterates differently per process (string hashes are salted).
     return tuple(
         sorted(
             {
@@ -66,8 +60,9 @@ _CURRENT_DEVICE_USERS = _modules("cpu.current_device", "current_device")
 
 
 def cpu_rng_state(original: Callable[..., Any]) -> Callable[..., torch.Tensor]:
-    """``random._get_cuda_rng_state`` -> the CPU generator's state (forked dropout streams, per-rank
-    seeding: expert weights differ per EP rank exactly as on GPU)."""
+    """``random._get_cuda_rng_state`` -> the CPU generator's state."""
+    # Megatron's forked dropout streams and per-rank seeding then work as on GPU: expert weights
+    # differ per EP rank exactly as there.
     del original
 
     def get_state(
@@ -91,13 +86,11 @@ def set_cpu_rng_state(original: Callable[..., Any]) -> Callable[..., None]:
 
 
 def split_sizes_as_numpy(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``moe_utils.maybe_move_tensor_to_cpu`` that also turns CPU split tensors into numpy.
-
-    It converts only CUDA tensors, so on CPU the all-to-all split sizes stay tensors and gloo's
-    ``all_to_all_single`` raises ``TypeError`` at EP >= 2.
-    """
+    """``moe_utils.maybe_move_tensor_to_cpu`` that also turns CPU split tensors into numpy."""
 
     def move_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        # Megatron's converts only CUDA tensors: on CPU the all-to-all split sizes would stay
+        # tensors, and gloo's all_to_all_single raises TypeError at EP >= 2.
         if torch.is_tensor(tensor) and tensor.device.type == "cpu":
             return tensor.numpy() if as_numpy else tensor
         return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
@@ -106,8 +99,8 @@ def split_sizes_as_numpy(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def causal_mask_on_host(original: Callable[..., Any]) -> Callable[[int], torch.Tensor]:
-    """``fused_softmax.get_default_causal_mask`` built on CPU (Megatron's hard-codes
-    ``device="cuda"``; the local softmax calls it whenever no mask is passed)."""
+    """``fused_softmax.get_default_causal_mask`` built on CPU."""
+    # Megatron's hard-codes device="cuda", and the local softmax calls it whenever no mask is passed.
     del original
 
     @functools.lru_cache(maxsize=8)
@@ -118,34 +111,31 @@ def causal_mask_on_host(original: Callable[..., Any]) -> Callable[[int], torch.T
 
 
 def checkpoint_without_fp8_state(original: Callable[..., None]) -> Callable[..., None]:
-    """``CheckpointWithoutOutput.__init__`` without fp8 recompute state when TE is absent.
-
-    Its ``__init__(fp8=False)`` sets ``self.fp8 = fp8 is not None``, true for the default ``False``,
-    so every default construction (the selective recompute of ``moe_act`` and ``layernorm``) asks
-    Transformer Engine's ``FP8GlobalStateManager`` for the fp8 state: a ``NameError`` where TE is not
-    installed, as on CPU. The flag is cleared after Megatron's own ``__init__`` (a plain recompute);
-    with TE installed Megatron's own ``__init__`` stays.
-    """
+    """``CheckpointWithoutOutput.__init__`` without fp8 recompute state when TE is absent."""
+    # Its ``__init__(fp8=False)`` sets ``self.fp8 = fp8 is not None``, true for the default False,
+    # so every default construction (the selective recompute of moe_act and layernorm) asks TE's
+    # FP8GlobalStateManager for the fp8 state: a NameError without TE, as on CPU. With TE
+    # installed, Megatron's own __init__ stays.
     if importlib.import_module("megatron.core.tensor_parallel.random").HAVE_TE:
         return original
 
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        self.fp8 = False
+        self.fp8 = False  # cleared after Megatron's own __init__: a plain recompute
 
     return __init__
 
 
 def te_partition_stand_in(original: Any) -> Any:
-    """``megatron.core.utils.tex`` under ``--cpu``: Transformer Engine's torch extension, of which
-    Megatron 0.19.2 calls only ``thd_get_partitioned_indices`` (``get_batch_on_this_cp_rank`` of a
-    packed micro-batch under context parallelism), stood in by the pure-torch
-    :func:`~megatron_ext.common.thd_partition.thd_partitioned_indices` (checked against TE's
-    kernel's definition in tests/common/test_thd_partition.py). Without TE ``tex`` is ``None``;
-    with TE its kernel takes CUDA tensors only: either way the rehearsal's host tensors need this.
+    """``megatron.core.utils.tex`` under ``--cpu``: Transformer Engine's torch extension, stood in
+    by the pure-torch :func:`~megatron_ext.common.thd_partition.thd_partitioned_indices`.
     A rehearsal stand-in, never bound on a GPU launch.
     """
+    # Megatron 0.19.2 calls only tex.thd_get_partitioned_indices (get_batch_on_this_cp_rank of a
+    # packed micro-batch under CP). Without TE ``tex`` is None; with TE its kernel takes CUDA
+    # tensors only: either way the rehearsal's host tensors need this. Checked against the kernel's
+    # definition in tests/common/test_thd_partition.py.
     del original
     from megatron_ext.common.thd_partition import thd_partitioned_indices
 
@@ -174,13 +164,10 @@ def enable_cpu_mode() -> bool:
 
 @contextlib.contextmanager
 def assume_device_capability() -> Iterator[None]:
-    """Within the block, Megatron's argument validation sees an H100/H200 (capability 9.0; no-op with CUDA).
-
-    ``megatron.training.arguments.validate_args`` asks ``torch.cuda.get_device_capability()`` for
-    ``--moe-grouped-gemm`` and ``get_device_arch_version()`` with TP or CP > 1; a dry run of a GPU
-    launch on a CPU-only login node has no device to ask, so it validates against the target's
-    capability instead (the ``validate_on_target`` rows). Restored on exit.
-    """
+    """Within the block, Megatron's argument validation sees an H100/H200 (capability 9.0; no-op with CUDA)."""
+    # validate_args asks torch.cuda.get_device_capability() for --moe-grouped-gemm and
+    # get_device_arch_version() with TP or CP > 1; a dry run of a GPU launch on a CPU-only login
+    # node has no device to ask, so it validates against the target's (the validate_on_target rows).
     if torch.cuda.is_available():
         yield
         return

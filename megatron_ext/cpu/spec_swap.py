@@ -1,11 +1,6 @@
 """One module class swapped for another throughout a Megatron spec (the CPU rehearsal's stand-ins).
 
-A spec is a tree of ``ModuleSpec``s, ``functools.partial``s (a hybrid stack's layer factories),
-spec dataclasses (``TransformerBlockSubmodules``, ``SelfAttentionSubmodules``, ...) and lists:
-:func:`swap_module` rebuilds only the paths that hold ``old``, and returns everything else as it
-is (the same object), so a spec without ``old`` comes back unchanged.
-
-Example::
+A spec without ``old`` comes back as the same object. Example::
 
     spec = swap_module(get_gpt_layer_local_spec(num_experts=8), DotProductAttention, MyAttention)
 """
@@ -19,6 +14,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 def swap_module(node: Any, old: type, new: type) -> Any:
     """``node`` with every reference to the class ``old`` replaced by ``new``."""
+    # A spec is a tree of ModuleSpecs, functools.partials (a hybrid stack's layer factories), spec
+    # dataclasses (TransformerBlockSubmodules, ...) and lists. Only the paths holding ``old`` are
+    # rebuilt; every other node is returned as the same object.
     if node is old:
         return new
     if isinstance(node, ModuleSpec):

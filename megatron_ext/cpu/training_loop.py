@@ -1,15 +1,9 @@
 """Makes Megatron's real training loop (``megatron.training.pretrain``) run on CPU over gloo (``--cpu``).
 
-:mod:`megatron_ext.cpu.model_stack` makes Megatron-Core's model stack run on CPU; the training loop around it
-(``initialize_megatron``, ``get_model``, the optimizer, gradient clipping, timers, the rerun state
-machine, checkpointing) hard-codes CUDA in a few more places. The ``cpu_loop.*`` rows of the
-compatibility table (:mod:`megatron_ext.compat.cpu_rows`) swap exactly the named CUDA calls of the
-named Megatron functions for their CPU equivalents (``device="cuda"`` -> ``"cpu"``,
-``torch.cuda.synchronize`` -> no-op, CUDA RNG state -> the CPU generator) or wrap one function with a
-factory defined here, and never change numerics. ``tests/cpu/test_training_loop.py`` removes each
-group and watches the loop fail.
-
-Example::
+The loop around the model stack (``initialize_megatron``, ``get_model``, the optimizer, clipping,
+timers, the rerun state machine, checkpointing) hard-codes CUDA in a few more places; the
+``cpu_loop.*`` rows (:mod:`megatron_ext.compat.cpu_rows`) swap those calls for their CPU equivalents
+or wrap a function with a factory defined here, without changing numerics. Example::
 
     from megatron_ext.cpu.training_loop import enable_cpu_training
     enable_cpu_training()      # before megatron.training.pretrain; implies enable_cpu_mode()
@@ -25,6 +19,7 @@ from megatron_ext import compat
 from megatron_ext.cpu.model_stack import enable_cpu_mode
 
 #: The ``cpu_loop.*`` groups of the compatibility table, in the order applied.
+# tests/cpu/test_training_loop.py removes each group and watches the loop fail.
 PATCHES: tuple[str, ...] = (
     "initialize",
     "training",
@@ -58,16 +53,14 @@ def model_left_on_host(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def iterators_leaving_the_generator(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``build_train_valid_test_data_iterators`` with the CPU generator's state put back afterwards.
-
-    With the CUDA RNG mapped onto the CPU generator, the iterators (built by ``pretrain`` after
-    ``load_checkpoint`` restored the RNG) would move the generator dropout draws from: each
-    ``DataLoader`` iterator draws its workers' base seed from it. On GPU that draw never reaches the
-    CUDA generator, so a resumed run's dropout masks are those of an uninterrupted run; so here too.
-    """
+    """``build_train_valid_test_data_iterators`` with the CPU generator's state put back afterwards."""
 
     @functools.wraps(original)
     def build_iterators(*args: Any, **kwargs: Any) -> Any:
+        # With the CUDA RNG mapped onto the CPU generator, each DataLoader iterator's draw of its
+        # workers' base seed (after load_checkpoint restored the RNG) would move the generator
+        # dropout draws from. On GPU that draw never reaches the CUDA generator, so a resumed run's
+        # dropout masks are an uninterrupted run's; so here too.
         with torch.random.fork_rng(devices=[]):
             return original(*args, **kwargs)
 
@@ -75,17 +68,13 @@ def iterators_leaving_the_generator(original: Callable[..., Any]) -> Callable[..
 
 
 def warmup_leaving_the_generator(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``initialize._warmup_jit_function`` with the CPU generator's state put back afterwards.
-
-    The JIT warm-up draws random inputs sized ``--seq-length / CP / TP`` from the CUDA generator;
-    here that is the CPU generator, from which Megatron then draws each MoE router's initial
-    weights (``Router.reset_parameters``, outside any RNG fork): the routers would start from other
-    weights at another context- or tensor-parallel size. On GPU the warm-up's draws never reach the
-    CPU generator, so the initial weights do not depend on the layout; so here too.
-    """
+    """``initialize._warmup_jit_function`` with the CPU generator's state put back afterwards."""
 
     @functools.wraps(original)
     def warmup(*args: Any, **kwargs: Any) -> Any:
+        # The warm-up draws inputs sized --seq-length / CP / TP from the "CUDA" (here CPU)
+        # generator, from which Megatron then draws each router's initial weights (outside any RNG
+        # fork): they would differ by CP or TP size. On GPU they do not; so here too.
         with torch.random.fork_rng(devices=[]):
             return original(*args, **kwargs)
 
@@ -93,9 +82,9 @@ def warmup_leaving_the_generator(original: Callable[..., Any]) -> Callable[..., 
 
 
 def clip_by_total_norm(original: Callable[..., Any]) -> Callable[..., None]:
-    """``clip_grads.clip_grad_by_total_norm_fp32``: Megatron's body (copied from megatron-core
-    0.19.2, fingerprinted in the table), with its ``torch.cuda.FloatTensor`` type assertion read as
-    "fp32 grad"."""
+    """``clip_grads.clip_grad_by_total_norm_fp32`` with its ``torch.cuda.FloatTensor`` type
+    assertion read as "fp32 grad"."""
+    # Megatron's body, copied from megatron-core 0.19.2 and fingerprinted in the table.
     from megatron.core.optimizer import clip_grads
 
     @functools.wraps(original)
@@ -109,6 +98,7 @@ def clip_by_total_norm(original: Callable[..., Any]) -> Callable[..., None]:
         for param in parameters:
             grad = getattr(param, attr, None)
             if grad is not None:
+                # The one change: Megatron asserts param.grad.type() == "torch.cuda.FloatTensor".
                 assert grad.dtype == torch.float32, f"{attr} of dtype {grad.dtype}, not fp32"
                 grads.append(clip_grads.to_local_if_dtensor(grad).detach())
         clip_coeff = max_norm / (total_norm + 1.0e-6)

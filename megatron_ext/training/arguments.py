@@ -1,9 +1,5 @@
 """megatron_ext's command-line flags, for Megatron's ``extra_args_provider``.
 
-Flags are derived from the feature dataclasses in :mod:`megatron_ext.training.feature_configs` by Megatron's own
-``ArgumentGroupFactory`` (``--`` + kebab-case field name, help = the field's docstring, one group per
-feature), so they look and parse exactly like Megatron's flags.
-
 Example::
 
     from megatron.training import pretrain
@@ -27,6 +23,8 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     """
     from megatron.training.argument_utils import ArgumentGroupFactory
 
+    # Megatron's own factory (-- + kebab-case field name, help = the field's docstring, one group
+    # per feature), so our flags look and parse exactly like Megatron's.
     for cls, title in _config.FEATURE_CONFIGS.items():
         ArgumentGroupFactory(cls).build_group(parser, title=f"megatron_ext: {title}")
     escape_unexpandable_help(parser)
@@ -34,13 +32,11 @@ def add_megatron_ext_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
 
 
 def escape_unexpandable_help(parser: argparse.ArgumentParser) -> list[str]:
-    """Escapes ``%`` in the help strings argparse cannot expand; returns the flags fixed.
-
-    Megatron derives help from config docstrings, and 0.19.2's text for
-    ``--moe-paged-stash-buffer-size-factor-cuda`` ends in ``10%)``: argparse reads that as a format
-    directive, so ``--help`` raised ``ValueError`` instead of printing. Only strings that fail to
-    expand are touched (their ``%(default)s``-style directives were unusable anyway).
-    """
+    """Escapes ``%`` in the help strings argparse cannot expand; returns the flags fixed."""
+    # Megatron derives help from config docstrings, and 0.19.2's text for
+    # --moe-paged-stash-buffer-size-factor-cuda ends in "10%)": argparse reads that as a format
+    # directive, so --help raised ValueError instead of printing. Only strings that fail to expand
+    # are touched (their %(default)s-style directives were unusable anyway).
     formatter = parser._get_formatter()
     fixed = []
     for action in parser._actions:

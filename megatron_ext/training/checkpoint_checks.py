@@ -1,20 +1,6 @@
-"""Startup checks of ``--load`` / ``--pretrained-checkpoint``, and a non-zero exit for a failed load.
-
-Megatron 0.19.2 finds the checkpoint to load only once the model is built, and several of its outcomes
-look like success: a ``--load`` directory without ``latest_checkpointed_iteration.txt`` (a typo, say)
-trains from random weights with one warning among ~950 lines; a corrupt tracker file,
-``--exit-on-missing-checkpoint`` and a checkpoint file ``torch.load`` cannot read all stop with a bare
-``sys.exit()``, i.e. exit status 0 (``megatron/training/checkpointing.py``: ``read_metadata``,
-``_load_base_checkpoint``, ``load_checkpoint``). :func:`find_load_checkpoint` runs before anything is
-built, as Megatron looks (tracker, ``--ckpt-step``, the iteration directory and its format), and refuses
-in one line what Megatron would not load; :func:`exit_nonzero_on_failed_load` turns any bare
-``sys.exit()`` left inside ``load_checkpoint`` into exit status 1, with Megatron's message above it.
-Before anything is built too: :func:`check_save_directory` (an unwritable ``--save`` trained until
-the first save), :func:`check_checkpoint_files` (a missing ``.metadata``, a truncated ``.distcp``:
-``EOFError`` naming no file) and :func:`check_checkpoint_model` (a checkpoint of another model: a
-``KeyError`` or shape mismatch on every rank after the model is built), each one line.
-
-Example::
+"""Startup checks of ``--load`` / ``--pretrained-checkpoint`` and ``--save``, and a non-zero exit for a
+failed load: what Megatron 0.19.2 would stop on late (or with exit status 0) is refused before
+anything is built, in one line (docs/limits.md, "Checkpoint and resume"). Example::
 
     found = find_load_checkpoint(args)   # ValueError: "--load /ckpt holds no checkpoint (...)"
     found.checkpoint                    # Checkpoint(directory='/ckpt', iteration=2000, ...) or None
@@ -58,7 +44,11 @@ class LoadCheck:
 
 def _tracker_iteration(directory: str, flag: str) -> tuple[int, bool] | None:
     """The tracker's iteration and release flag as Megatron's ``read_metadata`` reads them; None
-    without a tracker file. Raises ``ValueError`` where Megatron would stop (with exit status 0)."""
+    without a tracker file.
+
+    Raises:
+        ValueError: Where Megatron would stop (with a bare ``sys.exit()``: exit status 0).
+    """
     tracker = os.path.join(directory, TRACKER)
     if not os.path.isfile(tracker):
         return None
@@ -111,12 +101,8 @@ def find_checkpoint(
 
 
 def find_load_checkpoint(args: argparse.Namespace) -> LoadCheck:
-    """What ``load_checkpoint`` will load, decided as Megatron decides it, before anything is built.
-
-    ``--load`` holding no checkpoint is refused unless it is also ``--save`` (a job that resumes
-    itself after a restart: the note says it starts from iteration 0) or ``--pretrained-checkpoint``
-    holds one (Megatron then fine-tunes from that). Non-persistent checkpoints
-    (``--non-persistent-ckpt-type``) may live elsewhere and are left to Megatron.
+    """What ``load_checkpoint`` will load, decided as Megatron decides it (tracker, ``--ckpt-step``,
+    the iteration directory and its format), before anything is built.
 
     Raises:
         ValueError: In one line naming the flag and the directory.
@@ -137,6 +123,7 @@ def find_load_checkpoint(args: argparse.Namespace) -> LoadCheck:
     found = find_checkpoint(load, "--load", step, args) if load else None
     if found is not None:
         return LoadCheck(found)
+    # Non-persistent checkpoints may live elsewhere: left to Megatron.
     if not load or view.non_persistent_ckpt_type:
         return LoadCheck(None)
     where = "the directory does not exist" if not os.path.isdir(load) else f"no {TRACKER}"
@@ -144,6 +131,8 @@ def find_load_checkpoint(args: argparse.Namespace) -> LoadCheck:
         raise ValueError(
             f"--exit-on-missing-checkpoint: --load {load} holds no checkpoint ({where})"
         )
+    # Megatron would train from random weights with one warning among ~950 lines (a typo, say);
+    # but a --load that is also --save is a job that resumes itself after a restart.
     save = view.save
     if save and os.path.realpath(save) == os.path.realpath(load):
         return LoadCheck(
@@ -159,9 +148,10 @@ def find_load_checkpoint(args: argparse.Namespace) -> LoadCheck:
 
 def exit_nonzero_on_failed_load() -> None:
     """Makes the training loop's ``load_checkpoint`` exit with status 1 where Megatron's bare
-    ``sys.exit()`` inside it would exit 0 (a checkpoint file it cannot read, a missing RNG state,
-    ...), after Megatron's own message. Idempotent; wraps the name ``megatron.training.training``
-    calls, failing loudly if it has moved."""
+    ``sys.exit()`` inside it would exit 0, after Megatron's own message. Idempotent."""
+    # The bare sys.exit()s: a checkpoint file torch.load cannot read, a missing RNG state, ...
+    # (megatron/training/checkpointing.py: read_metadata, _load_base_checkpoint, load_checkpoint).
+    # The row wraps the name megatron.training.training calls, failing loudly if it has moved.
     from megatron_ext import compat
 
     compat.apply_rows([compat.row("megatron.training.training.load_checkpoint")])
@@ -186,10 +176,10 @@ def exiting_nonzero(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def check_save_directory(args: argparse.Namespace) -> None:
-    """Refuses a ``--save`` Megatron could not write: Megatron creates it at the first save, so an
-    unwritable one trains until then and fails there on every rank (``OSError``). The directory,
-    or where it would be created (its first existing ancestor), must be a writable directory.
-    ``os.access`` asks the kernel, so a read-only mount is refused for root too."""
+    """Refuses a ``--save`` Megatron could not write: the directory, or where it would be created
+    (its first existing ancestor), must be a writable directory."""
+    # Megatron creates it at the first save, so an unwritable one trains until then and fails
+    # there on every rank (OSError).
     save = MegatronView.from_args(args).save
     if not save:
         return
@@ -198,6 +188,7 @@ def check_save_directory(args: argparse.Namespace) -> None:
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
         raise ValueError(f"--save {save}: {probe} is a file, not a directory")
+    # os.access asks the kernel, so a read-only mount is refused for root too.
     if not os.access(probe, os.W_OK | os.X_OK):
         made = "" if probe == os.path.abspath(save) else f" (where {save} would be created)"
         raise ValueError(
@@ -208,10 +199,7 @@ def check_save_directory(args: argparse.Namespace) -> None:
 
 def check_checkpoint_files(checkpoint: Checkpoint) -> None:
     """Refuses a checkpoint whose files Megatron would fail to read, naming the file: without
-    reading a tensor, from the sizes its index promises. ``torch_dist``: the ``.metadata`` index
-    (missing: Megatron's ``metadata is None``) and every ``.distcp`` file it indexes, present and
-    as long as its last item (a truncated one: ``EOFError: Ran out of input``, naming no file);
-    ``torch``: every rank's ``model_optim_rng.pt`` is a whole zip archive (``torch.save``'s).
+    reading a tensor, from the sizes its index promises.
 
     Raises:
         ValueError: In one line naming the file and what is wrong with it.
@@ -222,6 +210,7 @@ def check_checkpoint_files(checkpoint: Checkpoint) -> None:
     elif checkpoint.format == "torch":
         import zipfile
 
+        # torch.save writes a zip archive: one cut short or overwritten does not open as one.
         for path in sorted(glob.glob(os.path.join(checkpoint.path, "mp_rank_*", "*.pt"))):
             try:
                 with zipfile.ZipFile(path):
@@ -234,7 +223,10 @@ def check_checkpoint_files(checkpoint: Checkpoint) -> None:
 
 
 def _check_distcp_files(path: str, where: str) -> None:
-    """``torch_dist``: the ``.metadata`` index and the storage files it names (see above)."""
+    """``torch_dist``: the ``.metadata`` index and every ``.distcp`` file it indexes, present and as
+    long as its last item."""
+    # Megatron reads a missing index as ``metadata is None``, and a truncated .distcp as
+    # "EOFError: Ran out of input", naming no file.
     from torch.distributed.checkpoint import FileSystemReader
 
     index = os.path.join(path, ".metadata")
@@ -280,17 +272,9 @@ def error_cause(err: BaseException, errno_name: bool = False) -> str:
 def check_checkpoint_model(
     args: argparse.Namespace, checkpoint: Checkpoint, padded_vocab: int | None
 ) -> dict[str, Any] | None:
-    """Refuses a checkpoint of another model than the run builds, naming the first difference:
-    its class (GPTModel / HybridModel), layers, hidden size, experts, and for a ``torch``
-    checkpoint the padded vocabulary (``padded_vocab`` None: unknown here, not compared;
-    ``torch_dist`` loads into another padded vocabulary). Read from the arguments the checkpoint
-    was saved with (``torch_dist``'s common state, a ``torch`` rank file memory-mapped), no tensor.
-    Megatron would fail loading it, on every rank, after building the model (``KeyError``, shape
-    mismatches, ``CheckpointException``). A GPTModel checkpoint into a HybridModel is what
-    Megatron 0.19.2's ``_maybe_setup_gpt_to_hybrid_load`` accepts: ``torch_dist``, a
-    ``--hybrid-layer-pattern`` pairing one attention and one MLP position with each GPT layer,
-    and Transformer Engine layers (with local modules, every ``--cpu`` run, the layer norms'
-    keys differ and the load fails with ``KeyError``).
+    """Refuses a checkpoint of another model than the run builds, naming the first difference
+    (class, layers, hidden size, experts, a ``torch`` checkpoint's padded vocabulary), read from the
+    arguments it was saved with, no tensor. ``padded_vocab`` None: unknown here, not compared.
 
     Returns:
         The checkpoint's saved state (:func:`saved_state`), for the resume check to read again.
@@ -310,6 +294,8 @@ def check_checkpoint_model(
     saved = None if state is None else state.get("args")
     if saved is None:
         return state
+    # Megatron would fail loading it on every rank after building the model (KeyError, shape
+    # mismatches, CheckpointException).
     view = MegatronView.from_args(args)
     difference = _model_difference(view, saved, checkpoint.format, padded_vocab)
     if difference is not None:
@@ -352,6 +338,9 @@ def _model_difference(
     if before and not now:
         return f"class HybridModel --hybrid-layer-pattern '{before}' -> GPTModel"
     if now and not before:
+        # What Megatron 0.19.2's _maybe_setup_gpt_to_hybrid_load accepts: torch_dist, a pattern
+        # pairing one attention and one MLP position with each GPT layer, and TE layers (with
+        # local modules, every --cpu run, the layer norms' keys differ: KeyError).
         gpt_layers = getattr(saved, "num_layers", None)
         if not maps_gpt_layers_to_hybrid():
             return (

@@ -1,17 +1,5 @@
-"""A checkpoint save that fails says so in one line per rank, naming the file and the cause.
-
-Megatron 0.19.2's ``torch_dist`` writer (``FileSystemWriterAsync.write_preloaded_data``) catches the
-``OSError`` of a failed write and hands on only its class: a full disk ends the run with
-``CheckpointException ... error: <class 'OSError'>`` and about 160 lines of tracebacks on every
-rank, never saying "No space left on device" nor which file. :func:`recording_write_errors` keeps
-each failed write (the file, the ``OSError``) in this process, and :func:`failing_in_one_line`
-turns a failed ``save_checkpoint`` into ``SystemExit`` (exit status 1) with one line: the file and
-``strerror`` where a write failed here, else the exception itself, with the free space of the
-``--save`` filesystem when it has none left. Megatron writes the tracker
-(``latest_checkpointed_iteration.txt``) only after a whole save, so the last whole checkpoint is
-still the one a restart loads. ``--verbose`` keeps Megatron's traceback.
-
-Example (a full disk)::
+"""A checkpoint save that fails says so in one line per rank, naming the file and the cause (exit 1;
+``--verbose`` keeps Megatron's traceback). Example (a full disk)::
 
     megatron_ext: saving the checkpoint of iteration 2 to /ckpt failed: writing
     /ckpt/iter_0000002/__0_0.distcp: No space left on device (ENOSPC); ...
@@ -34,6 +22,10 @@ WRITE_FAILURES: list[tuple[str, BaseException]] = []
 def recording_write_errors(original: Any) -> Any:
     """``FileSystemWriterAsync.write_preloaded_data`` (a staticmethod) that also records the
     exception Megatron's writer catches, with the file it was writing."""
+    # Megatron 0.19.2's torch_dist writer catches the OSError of a failed write and hands on only
+    # its class: a full disk ended the run with "CheckpointException ... error: <class 'OSError'>"
+    # and ~160 lines of tracebacks on every rank, never saying "No space left on device" nor which
+    # file.
     function = getattr(original, "__func__", original)
 
     @functools.wraps(function)
@@ -48,7 +40,7 @@ def recording_write_errors(original: Any) -> Any:
 
 
 def failing_in_one_line(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``save_checkpoint`` whose failure exits with status 1 and one line (see above)."""
+    """``save_checkpoint`` whose failure exits with status 1 and one line (:func:`failed_save_line`)."""
 
     @functools.wraps(original)
     def save_checkpoint(iteration: int, *args: Any, **kwargs: Any) -> Any:
@@ -119,7 +111,8 @@ def _free_space(save: str, err: BaseException) -> str:
 
 
 def _last_whole(save: str) -> str:
-    """What a restart from ``save`` loads: Megatron's tracker moves only after a whole save."""
+    """What a restart from ``save`` loads."""
+    # Megatron writes its tracker only after a whole save: a failed one leaves the last whole.
     tracker = os.path.join(save, "latest_checkpointed_iteration.txt")
     try:
         with open(tracker) as f:

@@ -1,9 +1,5 @@
 """The embedded demo corpus (generated text shipped in the package), byte-level tokenised.
 
-Tokenised by the same built-in byte-level tokenizer as ``tools/preprocess_data.py`` (UTF-8 bytes, ids
-0..255; its end-of-document id 256 is not used here, so the models need only 256 ids). Id 0 never occurs
-in text, which makes it the natural constant pad id for comparisons.
-
 Example::
 
     docs = corpus_documents()          # list of int64 arrays, one per document
@@ -17,7 +13,10 @@ import numpy as np
 
 from megatron_ext.data.jsonl_documents import byte_tokenizer
 
+# The byte-level tokenizer of tools/preprocess_data.py: UTF-8 bytes, ids 0..255; its
+# end-of-document id 256 is not used here, so the models need only 256 ids.
 VOCAB_SIZE = 256
+# Id 0 never occurs in text: the natural constant pad id for comparisons.
 CONSTANT_PAD_ID = 0
 
 

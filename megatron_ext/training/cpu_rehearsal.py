@@ -1,20 +1,12 @@
 """``--cpu`` with ``--fp8-format`` / ``--fp4-format``: a rehearsal of the quantized run's MoE alignment.
 
-A CPU has no fp8 grouped GEMM and Megatron cannot even build an fp8 ``TransformerConfig`` without
-Transformer Engine. So under ``--cpu`` the model computes in fp32/bf16, while every MoE layer's token
-dispatcher, aligner and grouped-GEMM experts see the quantized precision: expert groups are padded to the
-recipe's multiple (fp8 16, mxfp8 32, nvfp4 128) exactly as in the fp8/fp4 run, and the experts'
-``torch._grouped_mm`` backend (``GroupedMMLinear``) raises on an unaligned group as the real kernels do.
+A CPU has no fp8 grouped GEMM and Megatron cannot build an fp8 ``TransformerConfig`` without
+Transformer Engine: the model computes unquantized while expert groups are aligned to the recipe's
+multiple (fp8 16, mxfp8 32, nvfp4 128) and checked as the real kernels would (docs/limits.md)::
 
     precision = take_quantization(args)      # args.fp8/fp4 cleared; Megatron builds a bf16 model
     model = ...build...
     rehearse_quantized_moe(model, precision) # MoE layers now align as the fp8 run would
-
-Only the token dispatcher and aligner of an ``AlignedMoELayer`` (``--moe-dispatch-align``) and its
-routed experts are given the quantized view of the config; the layer itself (whose precision only
-picks Transformer Engine's ``te_checkpoint`` for ``--recompute-modules moe`` / ``shared_experts``,
-absent on CPU: the rehearsal recomputes with Megatron's own checkpoint), shared experts, attention,
-dense MLPs, norms and the router are untouched.
 """
 
 import argparse
@@ -90,6 +82,10 @@ def rehearse_quantized_moe(
             view = copy.copy(original)  # no __post_init__: fp8 without Transformer Engine is fine
             for name, value in precision.items():
                 setattr(view, name, value)
+            # Only the dispatcher, its aligner and the routed experts (GroupedMMLinear raises on an
+            # unaligned group, as the real kernels do). The layer keeps its config: its precision
+            # only picks TE's te_checkpoint for --recompute-modules moe / shared_experts, absent on
+            # CPU. Shared experts, attention, dense MLPs, norms and the router are untouched.
             dispatcher = layer.token_dispatcher
             owners = [*layer.experts.modules(), dispatcher, getattr(dispatcher, "aligner", None)]
             for owner in owners:

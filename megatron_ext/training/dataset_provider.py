@@ -1,22 +1,6 @@
-"""Datasets provider for ``megatron_ext.pretrain_gpt``: Megatron's data arguments plus ours.
-
-Which dataset, from the flags:
-
-| flags | dataset |
-|---|---|
-| ``--route-replay-mode replay`` (needs ``--pack-documents``) | ``RoutedPackedDataset``: packs + route sidecars |
-| ``--route-replay-mode record --pack-documents`` | ``RoutedPackedDataset`` without routes (pack indices) |
-| ``--sft`` (Megatron's) | ``SelfPaddedSFTDataset``: Megatron's ``SFTDataset`` (JSONL conversations), self-padded, packed by ``--sft-packing`` |
-| ``--pack-documents`` | ``PackedDataset``: whole documents packed, self-padded, boundaries kept |
-| ``--mock-data`` | Megatron's ``MockGPTDataset`` |
-| otherwise | ``SelfPaddedGPTDataset``: Megatron's ``GPTDataset`` with self-token padding |
-
-All are built by Megatron's ``BlendedMegatronDatasetBuilder`` from ``--data-path`` (weights, splits,
-per-split paths) exactly like Megatron's ``pretrain_gpt.py`` does. Every rank of a data-parallel replica
-builds the datasets (they are deterministic and index-cached), so each tensor-parallel rank reads the same
-samples itself instead of relying on Megatron's TP broadcast, which only carries Megatron's own keys.
-
-Example::
+"""Datasets provider for ``megatron_ext.pretrain_gpt``: Megatron's data arguments plus ours, built by
+Megatron's ``BlendedMegatronDatasetBuilder`` from ``--data-path`` (weights, splits, per-split paths)
+exactly as Megatron's ``pretrain_gpt.py`` builds them. Example::
 
     cls, config = dataset_config_from_args(args)
     train, valid, test = BlendedMegatronDatasetBuilder(cls, [100, 10, 10], lambda: True, config).build()
@@ -58,10 +42,17 @@ def num_moe_layers(args: argparse.Namespace) -> int:
     return len(moe_layer_numbers_for_args(args))
 
 
+# Which dataset, from the flags:
+#   --route-replay-mode replay (needs --pack-documents)  RoutedPackedDataset: packs + route sidecars
+#   --route-replay-mode record --pack-documents          RoutedPackedDataset without routes (record
+#                                                        scatters routes back by pack index)
+#   --sft (Megatron's)     SelfPaddedSFTDataset: Megatron's SFTDataset, self-padded, --sft-packing
+#   --pack-documents       PackedDataset: whole documents packed, self-padded, boundaries kept
+#   --mock-data            Megatron's MockGPTDataset
+#   otherwise              SelfPaddedGPTDataset: Megatron's GPTDataset with self-token padding
 def dataset_config_from_args(args: argparse.Namespace, tokenizer: Any = None) -> tuple[type, Any]:
-    """The dataset class and its config for ``args`` (see the module table)."""
+    """The dataset class and its config for ``args``."""
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
-    from megatron.training.utils.common_utils import get_blend_and_blend_per_split
 
     from megatron_ext.data.provider import dataset_class_and_config
 
@@ -72,6 +63,27 @@ def dataset_config_from_args(args: argparse.Namespace, tokenizer: Any = None) ->
     cfgs = run_state.configs(args)
     padding, replay = cfgs[PaddingConfig], cfgs[ReplayConfig]
     view = MegatronView.from_args(args)
+    common = _gpt_config_fields(args, view, tokenizer)
+    if padding.pack_documents and replay.route_replay_mode != "off":
+        return _routed_dataset_config(args, cfgs, common)
+    if view.mock_data and not padding.pack_documents:
+        return MockGPTDataset, GPTDatasetConfig(**common)
+    if view.sft:  # Megatron's SFTDataset reads the CP size: each conversation padded to 2*CP
+        common["context_parallel_size"] = view.context_parallel_size
+    return dataset_class_and_config(
+        padding,
+        pad_multiple=pad_multiple_from_args(args),
+        doc_pad_multiple=doc_pad_multiple_from_args(args),
+        sidecars=policy_sidecars(cfgs[PolicyLossConfig]),
+        sft=view.sft,
+        **common,
+    )
+
+
+def _gpt_config_fields(args: argparse.Namespace, view: MegatronView, tokenizer: Any) -> dict:
+    """The ``GPTDatasetConfig`` fields every dataset class shares, from Megatron's data flags."""
+    from megatron.training.utils.common_utils import get_blend_and_blend_per_split
+
     blend, blend_per_split = get_blend_and_blend_per_split(args)
     common: dict[str, Any] = dict(
         random_seed=args.seed,
@@ -97,39 +109,35 @@ def dataset_config_from_args(args: argparse.Namespace, tokenizer: Any = None) ->
     )
     if view.dataloader_inter_document_masking:  # a flag and a field from megatron-core 0.19 on
         common["inter_document_masking"] = True
-    if padding.pack_documents and replay.route_replay_mode != "off":
-        # Replay reads route sidecars; record needs pack indices to scatter routes back to documents.
-        from megatron_ext.replay.route_dataset import RoutedPackedDataset, RoutedPackedDatasetConfig
+    return common
 
-        _, packed = dataset_class_and_config(
-            padding,
-            pad_multiple=pad_multiple_from_args(args),
-            doc_pad_multiple=doc_pad_multiple_from_args(args),
-            sidecars=policy_sidecars(cfgs[PolicyLossConfig]),  # --rl-loss: advantages, log-probs
-            **common,
-        )
-        fields = {f.name: getattr(packed, f.name) for f in dataclasses.fields(packed) if f.init}
-        replaying = replay.route_replay_mode == "replay"
-        return RoutedPackedDataset, RoutedPackedDatasetConfig(
-            **fields,
-            route_suffix=replay.route_data_suffix if replaying else None,
-            route_num_layers=num_moe_layers(args),
-            route_topk=args.moe_router_topk,
-            route_num_experts=args.num_experts,
-            route_missing_policy=replay.replay_missing_route_policy,
-            route_filled_mask=replay.route_replay_check,
-        )
-    if view.mock_data and not padding.pack_documents:
-        return MockGPTDataset, GPTDatasetConfig(**common)
-    if view.sft:  # Megatron's SFTDataset reads the CP size: each conversation padded to 2*CP
-        common["context_parallel_size"] = view.context_parallel_size
-    return dataset_class_and_config(
-        padding,
+
+def _routed_dataset_config(
+    args: argparse.Namespace, cfgs: dict[type, Any], common: dict[str, Any]
+) -> tuple[type, Any]:
+    """Route replay or record over packs: the packed config with the route sidecar's fields."""
+    from megatron_ext.data.provider import dataset_class_and_config
+    from megatron_ext.replay.route_dataset import RoutedPackedDataset, RoutedPackedDatasetConfig
+
+    replay = cfgs[ReplayConfig]
+    _, packed = dataset_class_and_config(
+        cfgs[PaddingConfig],
         pad_multiple=pad_multiple_from_args(args),
         doc_pad_multiple=doc_pad_multiple_from_args(args),
-        sidecars=policy_sidecars(cfgs[PolicyLossConfig]),
-        sft=view.sft,
+        sidecars=policy_sidecars(cfgs[PolicyLossConfig]),  # --rl-loss: advantages, log-probs
         **common,
+    )
+    fields = {f.name: getattr(packed, f.name) for f in dataclasses.fields(packed) if f.init}
+    # Replay reads route sidecars; record needs only the pack indices (no route suffix).
+    replaying = replay.route_replay_mode == "replay"
+    return RoutedPackedDataset, RoutedPackedDatasetConfig(
+        **fields,
+        route_suffix=replay.route_data_suffix if replaying else None,
+        route_num_layers=num_moe_layers(args),
+        route_topk=args.moe_router_topk,
+        route_num_experts=args.num_experts,
+        route_missing_policy=replay.replay_missing_route_policy,
+        route_filled_mask=replay.route_replay_check,
     )
 
 
@@ -202,5 +210,8 @@ def _build_datasets(train_val_test_num_samples: list[int]) -> tuple[Any, Any, An
     return datasets
 
 
-# Megatron's training loop builds the data loader on every rank that returns True here.
+# Megatron's training loop builds the data loader on every rank that returns True here: every rank
+# of a data-parallel replica builds the datasets (deterministic and index-cached), so each
+# tensor-parallel rank reads the same samples itself instead of relying on Megatron's TP broadcast,
+# which only carries Megatron's own keys.
 train_valid_test_datasets_provider.is_distributed = True

@@ -1,18 +1,8 @@
 """What ``megatron_ext.pretrain_gpt`` builds before data, built at startup so that it fails in one line.
 
 Megatron's ``validate_args`` passes configurations its ``pretrain`` then fails on, on every rank, with a
-traceback: ``TransformerConfig.__post_init__`` (``--moe-router-topk 1`` without
-``--moe-router-pre-softmax``, expert bias under the softmax score function, ...), the
-``OptimizerParamScheduler`` (``--lr-warmup-iters`` not below the decay iterations: a bare ``assert``),
-the checkpoint to load (:mod:`.checkpoint_checks`: ``--save`` writable, the checkpoint's files whole
-and of this model; :mod:`.resume_checks`). :func:`startup_checks`
-builds each of them from the arguments as the launch will, before any process group, and raises
-``ValueError`` with the message the launch would fail with. The dry run (``--dry-run``) also
-builds the layer spec and the model itself on the meta device (:func:`build_on_meta_device`), as
-rank 0 and, under pipeline parallelism, the last rank would, in a process-group world of the run's
-size that runs no collective (PyTorch's ``fake`` backend).
-
-Example::
+traceback (``--moe-router-topk 1`` without ``--moe-router-pre-softmax``, a warmup not below the decay);
+the dry run also builds the model on the meta device. Example::
 
     report = startup_checks(args)           # {"transformer_config": "TransformerConfig", ...}
     report["model"] = build_on_meta_device(args)
@@ -40,10 +30,10 @@ def one_line(err: BaseException) -> str:
 @contextlib.contextmanager
 def target(dry_run: bool) -> Iterator[dict[str, str]]:
     """Within the block, a dry run on a machine without Transformer Engine validates as the GPU
-    target would, with a current Transformer Engine: ``TransformerConfig``'s checks of it pass
-    (``is_te_min_version``, e.g. "Only transformer-engine>=1.7.0 supports MoE FP8 training", and
-    the fused RoPE kernel's presence, "apply_rope_fusion is not available"). Yields what was
-    assumed, for the report; a launch (``dry_run`` False) checks as is. Restored on exit."""
+    target would, with a current Transformer Engine. Yields what was assumed, for the report; a
+    launch (``dry_run`` False) checks as is. Restored on exit."""
+    # TransformerConfig's checks of TE: is_te_min_version ("Only transformer-engine>=1.7.0
+    # supports MoE FP8 training") and the fused RoPE kernel ("apply_rope_fusion is not available").
     if not dry_run or importlib.util.find_spec("transformer_engine"):
         yield {}
         return
@@ -84,7 +74,8 @@ SCHEDULE_HINTS = {
 
 def startup_checks(args: argparse.Namespace) -> dict[str, Any]:
     """Megatron's model config (its ``__post_init__`` checks), the LR schedule and the checkpoint
-    to load, as the launch builds them. Returns what was found, for the dry run's report.
+    to load, as the launch builds them, before any process group. Returns what was found, for the
+    dry run's report.
 
     Raises:
         ValueError: In one line, with Megatron's message where Megatron has one.
@@ -143,8 +134,7 @@ def startup_checks(args: argparse.Namespace) -> dict[str, Any]:
 def build_on_meta_device(args: argparse.Namespace) -> dict[str, Any] | str:
     """The layer spec and the model of rank 0 (and of the last rank under pipeline parallelism),
     built by megatron_ext's model provider on the meta device. Returns each built stage's class
-    and parameter count, or why nothing was built here (Transformer Engine modules need it
-    installed).
+    and parameter count, or why nothing was built here.
 
     Raises:
         ValueError: In one line, with Megatron's message.
@@ -163,6 +153,7 @@ def build_on_meta_device(args: argparse.Namespace) -> dict[str, Any] | str:
     from megatron_ext.cpu.model_stack import enable_cpu_mode
 
     enable_cpu_mode()  # no-op with CUDA; on a CPU-only node the modules' CUDA calls are patched
+    # In a process-group world of the run's size that runs no collective (PyTorch's fake backend).
     ranks = sorted({0, args.world_size - 1}) if args.pipeline_model_parallel_size > 1 else [0]
     stages: dict[str, Any] = {}
     for rank in ranks:

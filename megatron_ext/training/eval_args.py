@@ -1,19 +1,7 @@
 """Argument-time check that Megatron's evaluation has validation data (glue over Megatron's split math).
 
-``megatron.training.pretrain`` (0.19.2) evaluates on the validation split whenever ``--eval-iters > 0``
-or ``--full-validation`` is set: every ``--eval-interval`` iterations and always once after training
-(also under ``--skip-train``). An empty validation split builds no data loader, yet ``do_valid`` is
-still set, so the run trains and then crashes in the first evaluation (``forward_step`` gets no batch;
-``--full-validation`` fails on ``len(None)`` while building the iterators). The validation split is
-empty when (exactly as Megatron's dataset builder decides it):
-
-- ``--data-path`` / ``--data-args-path`` with a ``--split`` whose validation weight is 0
-  (``100,0,0``, ``100``, ``99,0,1``): Megatron's split matrix has no validation range;
-- ``--train-data-path`` (or ``--per-split-data-args-path``) without validation data.
-
-``--mock-data`` or no data path at all builds mock data with an even split: never empty. A non-zero
-weight that rounds to no documents depends on the data; the datasets refuse it when they are built
-(:mod:`megatron_ext.data.empty_split`). Example::
+Megatron 0.19.2 evaluates whenever ``--eval-iters > 0`` or ``--full-validation``, even on an empty
+validation split: the run trains and then crashes in its first evaluation. Example::
 
     --data-path /d/text --split 100,0,0 --eval-iters 10
     -> ValueError: --eval-iters 10 evaluates on the validation split, but --split 100,0,0 gives it
@@ -28,7 +16,10 @@ from megatron_ext.config.megatron_view import MegatronView
 
 
 def empty_validation_source(args: argparse.Namespace) -> str | None:
-    """The flag that leaves Megatron's validation split empty (``"--split 100,0,0"``), else None."""
+    """The flag that leaves Megatron's validation split empty (``"--split 100,0,0"``), else None,
+    exactly as Megatron's dataset builder decides it."""
+    # A non-zero weight that rounds to no documents depends on the data: the datasets refuse it
+    # when they are built (megatron_ext.data.empty_split).
     from megatron.core.datasets.blended_megatron_dataset_config import (
         convert_split_vector_to_split_matrix,
         parse_and_normalize_split,
@@ -39,6 +30,7 @@ def empty_validation_source(args: argparse.Namespace) -> str | None:
         split = view.split
         if split is None:  # validate_args sets Megatron's legacy default "969, 30, 1"
             return None
+        # A validation weight of 0 (100,0,0, 100, 99,0,1): the split matrix has no such range.
         if convert_split_vector_to_split_matrix(parse_and_normalize_split(split))[1] is None:
             return f"--split {split}"
         return None
@@ -53,8 +45,9 @@ def empty_validation_source(args: argparse.Namespace) -> str | None:
 
 
 def split_weights(split: str) -> list[float]:
-    """``--split``'s weights, refusing what Megatron's ``parse_and_normalize_split`` would misread
-    (NaN from ``0,0,0`` or ``abc``, an assertion on four weights, negative weights normalised).
+    """``--split``'s weights, refusing what Megatron's ``parse_and_normalize_split`` would misread:
+    NaN from ``0,0,0`` or ``abc`` (the run fails after the model is built), an assertion on four
+    weights, negative weights normalised into another split.
 
     Raises:
         ValueError: Naming ``--split`` and what is wrong.
@@ -72,12 +65,8 @@ def split_weights(split: str) -> list[float]:
 
 
 def check_split(args: argparse.Namespace) -> None:
-    """Refuses a ``--split`` Megatron would misread or that leaves training nothing.
-
-    Megatron's ``parse_and_normalize_split`` reads ``0,0,0`` or ``abc`` as NaN weights (the run
-    fails after the model is built), asserts on more than three entries, and normalises negative
-    weights into another split; ``0,100,0`` gives the training split no data, and the run then
-    "trains" 0 iterations and exits 0.
+    """Refuses a ``--split`` Megatron would misread (:func:`split_weights`) or that leaves training
+    nothing.
 
     Raises:
         ValueError: Naming ``--split`` and what is wrong.
@@ -87,6 +76,7 @@ def check_split(args: argparse.Namespace) -> None:
     if split is None or not (view.data_path or view.data_args_path):
         return  # Megatron's default, or a per-split data path (--split is not used)
     weights = split_weights(split)
+    # 0,100,0: the run would "train" 0 iterations and exit 0.
     training = (view.train_iters or view.train_samples or 0) > 0
     if weights[0] == 0 and training and not view.skip_train:
         raise ValueError(
@@ -102,12 +92,16 @@ def check_evaluation_data(args: argparse.Namespace) -> None:
         ValueError: Naming the evaluation flag, the data flag that empties the split and the fix.
     """
     view = MegatronView.from_args(args)
+    # RL evaluates without these datasets; mock data (also without any data path) splits evenly.
     if view.perform_rl_step or view.mock_data:
-        return  # RL evaluates without these datasets; mock data splits evenly
+        return
     eval_iters = view.eval_iters or 0
     full_validation = bool(view.full_validation)
     if eval_iters <= 0 and not full_validation:
         return
+    # Every --eval-interval and once after training (under --skip-train too). An empty split
+    # builds no data loader yet do_valid is set: forward_step gets no batch, and
+    # --full-validation fails on len(None) while building the iterators.
     source = empty_validation_source(args)
     if source is None:
         return

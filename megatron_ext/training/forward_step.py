@@ -1,21 +1,6 @@
 """Forward step for ``megatron_ext.pretrain_gpt``: pad mask, document boundaries and replay routes reach
-Megatron's model; expert-load metrics reach Megatron's logger and writers.
-
-Per micro-batch:
-1. ``forward_step`` reads this rank's host sample dict (``tokens``, ``labels``, ``loss_mask``,
-   ``position_ids``, ``padding_mask`` (True = pad), ``cu_seqlens`` and, with replay, ``routes``
-   ``[B, S, L, K]``); ``batch_to_device`` copies it to the device, host counts are read before.
-2. The micro-batch is begun on the run's :class:`~megatron_ext.common.micro_batch.MicroBatchContext` (its key,
-   training or evaluation), which route replay, pad skipping and the load metrics read, in its forward
-   and in its activation recompute. With ``--route-replay-mode replay`` the pack's routes are installed
-   into the MoE routers of this model chunk under that key; with ``record`` a record buffer is opened.
-3. ``padding_mask`` goes to ``GPTModel.forward(padding_mask=...)`` so pads stay out of the router's aux
-   loss, z-loss and expert-bias counts; packed document boundaries become a per-document causal mask
-   (``--transformer-impl local``) or THD ``PackedSeqParams`` (Transformer Engine attention).
-4. The loss is Megatron's: sum of per-token loss times ``loss_mask``, with the token count, validated
-   by Megatron's rerun state machine (NaN, Inf, spiky loss) as Megatron-LM's ``pretrain_gpt.py`` does.
-
-Example::
+Megatron's model; expert-load metrics reach Megatron's logger and writers (docs/architecture.md,
+"The path of a batch", steps 2 to 5). Example::
 
     output, loss_fn = forward_step(iter(loader), model)
     loss, num_tokens, report = loss_fn(output)
@@ -37,8 +22,7 @@ from megatron_ext.training.throughput_log import count_micro_batch, log_token_th
 
 
 def batch_to_device(batch: dict[str, Any]) -> dict[str, Any]:
-    """A host micro-batch's tensors on the current device (non-blocking copies; every rank reads its
-    own copy, see the provider)."""
+    """A host micro-batch's tensors on the current device (non-blocking copies)."""
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     return {
         key: value.to(device, non_blocking=True) if torch.is_tensor(value) else value
@@ -68,12 +52,11 @@ def loss_func(
 
 
 def validate_loss(loss: torch.Tensor, view: MegatronView) -> None:
-    """Megatron's loss guards, before the data-parallel reduction and the backward pass, as
-    Megatron-LM's ``pretrain_gpt.py`` ``loss_func`` calls them (NVIDIA/Megatron-LM d98e8a6):
-    NaN and Inf in the local loss are fatal (``--check-for-nan-in-loss-and-grad``, on by
-    default); a spiky loss is reported (``--check-for-spiky-loss``). Megatron's rerun state
-    machine decides what follows (``--rerun-mode``: by default the iteration is rerun in place,
-    then the job checkpoints and exits non-zero; ``disabled`` raises at once)."""
+    """Megatron's loss guards on the local loss, before the data-parallel reduction and the backward:
+    NaN and Inf are fatal, a spiky loss is reported; ``--rerun-mode`` decides what follows."""
+    # As Megatron-LM's pretrain_gpt.py loss_func calls them (NVIDIA/Megatron-LM d98e8a6). By
+    # default the rerun state machine reruns the iteration in place, then the job checkpoints and
+    # exits non-zero; --rerun-mode disabled raises at once.
     from megatron.core.rerun_state_machine import get_rerun_state_machine
 
     machine = get_rerun_state_machine()
@@ -104,24 +87,22 @@ def begin_micro_batch(args: Any, model: torch.nn.Module | None = None) -> tuple[
     """``(key, first of its step)`` for the micro-batch about to run forward on the chunk ``model``,
     begun on the run's micro-batch context (attached to ``model`` on first sight).
 
-    Training micro-batches are keyed ``(iteration, index in the step)`` from Megatron's
-    ``args.curr_iteration``, so a step boundary is the iteration changing, whatever the number of
-    micro-batches (batch-size ramp-up, evaluation in between). Under virtual pipeline stages the
-    schedule runs the forward step once per micro-batch and model chunk, each chunk with its own data
-    iterator in micro-batch order: the index is counted per chunk, so a micro-batch has one key on
-    every chunk. Evaluation forwards (Megatron's ``evaluate`` runs them under ``torch.no_grad``) get
-    their own keys and never start or end a step. When a new training step starts, the previous one
-    is complete (every forward and backward), so its expert-load metrics are logged then.
+    Training micro-batches are keyed ``(iteration, index in the step)``; evaluation forwards get
+    keys of their own and never start or end a step.
     """
     run = run_state.state(args)
     chunk = model_chunk(model)
     if model is not None:
         run.micro_batches.attach(model)
+    # Megatron's evaluate runs its forwards under torch.no_grad.
     if not torch.is_grad_enabled():
         run.eval_forwards[chunk] = run.eval_forwards.get(chunk, 0) + 1
         key = ("eval", run.eval_forwards[chunk])
         run.micro_batches.begin(key, training=False)
         return key, True
+    # A step boundary is the iteration changing, whatever the number of micro-batches (batch-size
+    # ramp-up, evaluation in between). When a new step starts the previous one is complete (every
+    # forward and backward), so its metrics are logged then.
     iteration = TrainingProgress.from_args(args).curr_iteration
     first = iteration != run.iteration
     if first:
@@ -131,6 +112,9 @@ def begin_micro_batch(args: Any, model: torch.nn.Module | None = None) -> tuple[
             log_token_throughput(args, finished)
             log_expert_load(args, finished)
             log_replay_check(args, finished)
+    # Under virtual pipeline stages the schedule runs the forward step once per micro-batch and
+    # chunk, each chunk with its own data iterator in micro-batch order: counted per chunk, a
+    # micro-batch has one key on every chunk.
     key = (iteration, run.positions.get(chunk, 0))
     run.positions[chunk] = key[1] + 1
     run.micro_batches.begin(key)
@@ -147,12 +131,8 @@ def model_chunk(model: torch.nn.Module | None) -> int:
 def model_inputs(
     batch: dict[str, torch.Tensor], args: Any, model: torch.nn.Module | None = None
 ) -> dict[str, Any]:
-    """``GPTModel.forward`` keyword arguments for a batch of megatron_ext samples.
-
-    ``model``: the chunk the forward runs; under sequence parallelism the routers get their TP
-    slice of the pad mask through it (:func:`~megatron_ext.data.batch.shard_padding_mask`).
-    Under context parallelism the kwargs are this CP rank's share (:func:`split_inputs`).
-    """
+    """``GPTModel.forward`` keyword arguments for a batch of megatron_ext samples (this CP rank's
+    share; ``model``: the chunk the forward runs, whose routers get their SP slice of the pad mask)."""
     return split_inputs(batch, args, model)[0]
 
 
@@ -160,13 +140,7 @@ def split_inputs(
     batch: dict[str, torch.Tensor], args: Any, model: torch.nn.Module | None = None
 ) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor | None]:
     """The model's keyword arguments, the loss mask in the model's token order, and (packed samples
-    under context parallelism) the partition index of this CP rank's tokens, or None.
-
-    Under ``--context-parallel-size > 1`` the micro-batch is split by Megatron's own
-    ``get_batch_on_this_cp_rank`` (:func:`~megatron_ext.data.batch.context_parallel_inputs`):
-    packed samples per document in THD, whatever ``--transformer-impl`` (under ``--cpu`` the
-    context-parallel attention stand-in reads THD), others by the per-sequence zigzag.
-    """
+    under context parallelism) the partition index of this CP rank's tokens, or None."""
     from megatron.core import parallel_state
 
     from megatron_ext.data.batch import (
@@ -176,6 +150,9 @@ def split_inputs(
     )
 
     if parallel_state.get_context_parallel_world_size() > 1:
+        # Split by Megatron's own get_batch_on_this_cp_rank: packed samples per document in THD,
+        # whatever --transformer-impl (under --cpu the CP attention stand-in reads THD), others by
+        # the per-sequence zigzag.
         group = parallel_state.get_context_parallel_group()
         # Under --cpu the device is the host: its empty segments go for free (no device read).
         on_host = bool(flag_value(args, "cpu"))
@@ -189,6 +166,8 @@ def split_inputs(
             "labels": batch["labels"],
         }
         return kwargs, batch["loss_mask"], None
+    # Document boundaries: a per-document causal mask for the local attention, THD
+    # PackedSeqParams for Transformer Engine's.
     layout = "mask" if args.transformer_impl == "local" or "cu_seqlens" not in batch else "thd"
     kwargs = gpt_forward_kwargs(batch, layout=layout)
     loss_mask = batch["loss_mask"].reshape(kwargs["input_ids"].shape)
@@ -197,8 +176,7 @@ def split_inputs(
 
 def layout_shape(batch: dict[str, Any], kwargs: dict[str, Any]) -> tuple[int, int]:
     """The micro-batch's ``[batch, seq]`` in the model's token order before context parallelism
-    splits it: THD's ``[1, B*S]`` for packed samples, else ``[B, S]``. Route replay, record and the
-    pad count slice it for this rank themselves (CP, then SP)."""
+    splits it: THD's ``[1, B*S]`` for packed samples, else ``[B, S]``."""
     if kwargs.get("packed_seq_params") is not None:
         return (1, batch["tokens"].numel())
     return tuple(batch["tokens"].shape)
@@ -206,8 +184,7 @@ def layout_shape(batch: dict[str, Any], kwargs: dict[str, Any]) -> tuple[int, in
 
 def host_cu_seqlens(host_batch: dict[str, Any], thd: bool) -> torch.Tensor | None:
     """Under context parallelism, the packed row's segment boundaries on the host (flattened as
-    the device's, :func:`~megatron_ext.data.batch.flat_cu_seqlens`): the host computes the same
-    per-document split from them, without reading the device. None otherwise."""
+    the device's), from which the host repeats the device's per-document split; None otherwise."""
     from megatron.core import parallel_state
 
     if not thd or parallel_state.get_context_parallel_world_size() == 1:
@@ -298,13 +275,7 @@ def announce_real_tokens(
     starts_step: bool,
     cu_seqlens: torch.Tensor | None = None,
 ) -> None:
-    """``--moe-pad-routing skip``: tells the MoE layers how many of their router rows are real.
-
-    Counted on the host copy of the pad mask, before the batch reaches the device (so the dispatcher
-    sizes its permute without reading the device): the rows this rank's routers see are the micro-batch
-    in the model's layout, sliced for CP (per document with the packed row's host ``cu_seqlens``, as
-    the device split; else the zigzag) and, under sequence parallelism, for this TP rank.
-    """
+    """``--moe-pad-routing skip``: tells the MoE layers how many of their router rows are real."""
     pad_routing = run_state.pad_routing(args)
     if pad_routing is None or not pad_routing.skip:
         return
@@ -320,6 +291,9 @@ def announce_real_tokens(
 
     from megatron_ext.moe.pad_routing import count_router_tokens
 
+    # Counted on the host copy, so the dispatcher sizes its permute without reading the device:
+    # the micro-batch in the model's layout, sliced for CP (per document with the host cu_seqlens,
+    # as the device split; else the zigzag) and, under SP, for this TP rank.
     pad_routing.set_micro_batch(
         *count_router_tokens(
             host_pad_mask,
@@ -337,10 +311,8 @@ def announce_real_tokens(
 def log_expert_load(args: Any, iteration: int) -> dict[str, Any] | None:
     """After a log iteration, reduces the load metrics and writes them to Megatron's writers.
 
-    Counts accumulate over the ``--log-interval`` iterations since the last log (training forwards only;
-    ``AlignedMoELayer`` skips evaluation and recompute) and are summed over the ranks that together
-    route every token once (:func:`_distinct_tokens_group`). Under pipeline parallelism each stage's
-    first rank reports that stage's MoE layers (one line each, marked with the stage).
+    Counts accumulate over the ``--log-interval`` iterations since the last log (training forwards
+    only); under pipeline parallelism each stage's first rank reports that stage's MoE layers.
 
     NOTE: device-to-host sync (inside ``ExpertLoadMetrics.summary``), only every ``--log-interval``.
     """
@@ -350,6 +322,7 @@ def log_expert_load(args: Any, iteration: int) -> dict[str, Any] | None:
     from megatron.core import parallel_state
     from megatron.training import get_tensorboard_writer, get_wandb_writer
 
+    # Summed over the ranks that together route every token once.
     summary = metrics.summary(_distinct_tokens_group(args))
     metrics.reset()
     run_state.state(args).last_load_summary = summary
@@ -383,11 +356,10 @@ def log_expert_load(args: Any, iteration: int) -> dict[str, Any] | None:
 
 
 def _distinct_tokens_group(args: Any) -> Any:
-    """The ranks whose routers together see every token of the global batch once: data- and
-    context-parallel ranks, and under sequence parallelism the tensor-parallel ranks too (each
-    routes its slice of the sequence; without it they route the same tokens)."""
+    """The ranks whose routers together see every token of the global batch once."""
     from megatron.core import parallel_state
 
+    # Under SP each TP rank routes its slice of the sequence; without it they route the same tokens.
     if args.sequence_parallel:
         return parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
     return parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -405,8 +377,8 @@ def _reports_for_stage() -> bool:
 
 
 def _append_line(path: str, line: str) -> None:
-    """Appends one line with a single ``write`` on an ``O_APPEND`` descriptor, so the lines of
-    several pipeline stages never interleave within a line."""
+    """Appends one line with a single ``write`` on an ``O_APPEND`` descriptor."""
+    # One write on O_APPEND: the lines of several pipeline stages never interleave within a line.
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # checked at args time
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     try:

@@ -1,16 +1,8 @@
 """GPT's model config and builder where Megatron has none: megatron-core 0.18.2.
 
-megatron-core 0.19.2 builds a GPT model from ``megatron.training.models.gpt`` (``GPTModelConfig``,
-``gpt_config_from_args``, ``GPTModelBuilder``); 0.18.2 ships only the hybrid ones
-(``megatron.training.models.hybrid``), its GPT model was built by Megatron-LM's own
-``gpt_builders.py``. :func:`gpt_classes` gives Megatron's where they exist and these otherwise,
-with the same interface (``config.transformer``, ``config.transformer_layer_spec``,
-``Builder(config).build_model(pg_collection, pre_process, post_process, vp_stage)``), so the
-model provider is one code path. The layer spec is chosen as 0.19.2's ``default_layer_spec``
-chooses it for what megatron_ext runs (MoE, dense, local or Transformer Engine, MTP); the
-variants it does not build are refused at argument time (:func:`check_gpt_builder`).
-
-Example::
+megatron-core 0.19.2 builds a GPT model from ``megatron.training.models.gpt``; 0.18.2 ships only the
+hybrid ones (its GPT model was built by Megatron-LM's own ``gpt_builders.py``). These have the same
+interface, so the model provider is one code path. Example::
 
     config_from_args, default_spec, Config, Builder = gpt_classes()
     model = Builder(config_from_args(args)).build_model(pg_collection, True, True)
@@ -34,6 +26,8 @@ def has_megatron_gpt_builder() -> bool:
 def gpt_classes() -> tuple[Callable[..., Any], Callable[..., Any], type, type]:
     """``(gpt_config_from_args, default_layer_spec, GPTModelConfig, GPTModelBuilder)``:
     Megatron's where it has them, else this module's."""
+    # One interface: config.transformer, config.transformer_layer_spec and
+    # Builder(config).build_model(pg_collection, pre_process, post_process, vp_stage).
     if not has_megatron_gpt_builder():
         return gpt_config_from_args, default_layer_spec, GPTConfig, GPTBuilder
     from megatron.training import argument_utils

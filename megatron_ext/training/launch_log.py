@@ -1,28 +1,12 @@
 """What a ``megatron_ext.pretrain_gpt`` launch prints: a short configuration, what megatron_ext did, one
-line per log interval and the result; Megatron's lines that do not apply to the run are left out.
+line per log interval and the result; Megatron's lines that do not apply to the run are left out
+(docs/rehearse.md, "What a launch prints"). A tiny launch used to print about 960 lines, 841 of them
+Megatron's argument dump; now the configuration is::
 
-A tiny launch used to print about 960 lines, 841 of them Megatron's argument dump. By default now:
-
-- the argument dump (``validate_args`` -> ``_print_args``) prints only with ``--log-arguments`` (or
-  ``--verbose``); :func:`configuration_lines` gives the few lines that matter instead::
-
-      megatron_ext: model HybridModel '*E*E': 4 layers, hidden 64, 4 heads, 8 experts top-2 (AlignedMoELayer), float32
-      megatron_ext: parallel 2 ranks: data 2, tensor 1, pipeline 1, context 1, expert 2 (gloo)
-      megatron_ext: data PackedDataset, sequence 768, micro-batch 2, global batch 4, 6 iterations
-      megatron_ext: flags --pad-policy self --pad-to-seq-len --pack-documents ... (--cpu)
-
-- Megatron's INFO logs (configs of its DDP and optimizer, index loads, dataset builders) stay at
-  WARNING unless ``--logging-level`` or ``MEGATRON_LOGGING_LEVEL`` chooses a level (Megatron's own
-  knobs) or ``--verbose`` is given; megatron_ext's own loggers are untouched;
-- three ``launch`` rows of the compatibility table (:mod:`megatron_ext.compat`) drop, at Megatron's
-  seams, lines that are never true of the run, reading the run's arguments when Megatron calls
-  them: the memory report on a machine without CUDA (every number 0.00) unless
-  ``--log-memory-interval`` asks for it, "Theoretical memory footprints not yet supported" for a
-  HybridModel (the estimate it does have, for GPTModel, still prints), and the deprecation of MCore's
-  async save on a synchronous save.
-
-A refusal (bad flag, bad combination, bad data) is one line on the first rank (:func:`refuse`); the
-launcher turns torchrun's failure report into that rank's exit status (:mod:`megatron_ext.launcher`).
+    megatron_ext: model HybridModel '*E*E': 4 layers, hidden 64, 4 heads, 8 experts top-2 (AlignedMoELayer), float32
+    megatron_ext: parallel 2 ranks: data 2, tensor 1, pipeline 1, context 1, expert 2 (gloo)
+    megatron_ext: data PackedDataset, sequence 768, micro-batch 2, global batch 4, 6 iterations
+    megatron_ext: flags --pad-policy self --pad-to-seq-len --pack-documents ... (--cpu)
 """
 
 import dataclasses
@@ -54,12 +38,11 @@ def shows_everything(argv: Sequence[str]) -> bool:
 
 
 def quiet_megatron_info(argv: Sequence[str], environ: Mapping[str, str]) -> bool:
-    """Keeps Megatron's loggers at WARNING unless the user chose a level; returns whether it did.
-
-    Megatron's ``setup_logging`` sets the root level from ``--logging-level`` or
-    ``MEGATRON_LOGGING_LEVEL`` and leaves it at INFO otherwise; only that last case changes here, on
-    the ``megatron`` logger (megatron_ext's loggers keep the root's level).
-    """
+    """Keeps Megatron's loggers at WARNING unless the user chose a level; returns whether it did."""
+    # Megatron's setup_logging sets the root level from --logging-level or MEGATRON_LOGGING_LEVEL
+    # and leaves it at INFO otherwise (its DDP and optimizer configs, index loads, dataset
+    # builders); only that last case changes, on the "megatron" logger: megatron_ext's own loggers
+    # keep the root's level.
     chosen = any(a == "--logging-level" or a.startswith("--logging-level=") for a in argv)
     if chosen or "MEGATRON_LOGGING_LEVEL" in environ or shows_everything(argv):
         return False
@@ -99,6 +82,8 @@ def _quiet(args: Any) -> bool:
     return args is not None and not flag_value(args, "verbose")
 
 
+# The launch rows below drop, at Megatron's seams, lines never true of the run, reading the run's
+# arguments when Megatron calls them.
 def memory_report_where_it_applies(original: Any) -> Any:
     """``report_memory`` skipped without CUDA (every number 0.00) unless ``--log-memory-interval``
     asks for it or ``--verbose`` shows everything."""
@@ -207,13 +192,11 @@ def changed_flags(args: Any) -> list[str]:
 
 
 def refuse(line: str) -> int:
-    """Prints ``megatron_ext: LINE`` on stderr once per launch and returns the exit status, 2.
-
-    The first rank (``RANK`` 0, or no ``RANK``: one process) prints at once. Another rank waits
-    :data:`REFUSAL_GRACE_S` first: the first rank refuses the same arguments, and the launcher
-    (torchrun, or :func:`megatron_ext.rehearse.local_launch.launch`) stops the other ranks when it exits;
-    a refusal only some ranks see (a file one node lacks) still prints, from each of them.
-    """
+    """Prints ``megatron_ext: LINE`` on stderr once per launch and returns the exit status, 2."""
+    # The first rank (RANK 0, or no RANK: one process) prints at once. Another waits first: the
+    # first rank refuses the same arguments, and the launcher (torchrun, or rehearse's
+    # local_launch) stops the other ranks when it exits; a refusal only some ranks see (a file one
+    # node lacks) still prints, from each of them.
     rank = int(os.environ.get("RANK", "0"))
     if rank:
         time.sleep(REFUSAL_GRACE_S)

@@ -1,11 +1,7 @@
 """The one validation path of a launch, and the rules that span features (cross-feature checks).
 
-Each feature checks its own config (its dataclass ``__post_init__``, and its ``check_megatron_args``
-for the Megatron flags that feature reads); what combines several features, or megatron_ext with
-Megatron flags the entry point cannot honour, lives here, and :func:`validate` runs every check once,
-in one order: what ``--cpu`` cannot run, then (a launch only) the cheap launch checks, each feature,
-the vocabulary scan, and the combinations.
-
+Each feature checks its own config (``__post_init__``, ``check_megatron_args``); what combines
+several features, or megatron_ext with Megatron flags the entry point cannot honour, lives here.
 Example::
 
     configs = validate(args, launch=True)   # ValueError naming the flag(s) on the first refusal
@@ -40,6 +36,8 @@ def validate(args: argparse.Namespace, *, launch: bool = False) -> dict[type, An
         ValueError: The first refused value or combination; the message names the flag(s).
     """
     global _LAST
+    # One order: what --cpu cannot run, the cheap launch checks, each feature, the vocabulary
+    # scan, the combinations.
     if _LAST is not None and _LAST[0]() is args:
         return _LAST[1]
     if flag_value(args, "cpu"):  # what --cpu cannot run is named first

@@ -1,27 +1,12 @@
 """Each logged ``lm loss`` is its own log interval's loss: the reset Megatron 0.19.2 skips.
 
-Megatron's ``training_log`` sums every iteration's losses into ``total_loss_dict`` and, when it
-prints a line, divides the sums by the iterations summed and zeroes them. It always prints the
-first iteration of a process (startup cost made visible) and, so that this extra line does not cut
-the first regular interval short, never zeroes the sums there (``should_reset = not
-is_first_iteration``). That is right when the first iteration is not on the log schedule and wrong
-when it is: under ``--log-interval 1`` the first iteration *is* its interval, the sums are kept, and
-the second line prints the mean of iterations 1 and 2 (a resumed run's first two lines likewise)::
+Megatron's ``training_log`` never zeroes its loss sums after the first line of a process; under
+``--log-interval 1`` that line *is* its interval, so the second line printed the mean of two::
 
     --log-interval 1, losses 5.50 5.30 5.20    Megatron 0.19.2 logs  5.50 5.40 5.20
                                                  with install()        5.50 5.30 5.20
 
-:func:`install` wraps ``megatron.training.training.training_log`` so that a first iteration on the
-schedule (``iteration % --log-interval == 0``) is logged as the regular line it is
-(``is_first_iteration=False``): its loss sums, iteration counts and interval timer are reset after
-the line, exactly as for every later one; its iteration time then also goes to TensorBoard, as any
-regular line's does. A first iteration off the schedule (``--log-interval 10``: iteration 1, or
-iteration 51 after resuming at 50) is untouched: Megatron prints it and keeps it in its interval,
-whose line then averages the whole interval (1..10, 51..60). This is the rule of the upstream fix
-(NVIDIA/Megatron-LM#7092, "reset log accumulators when the first iteration is on a boundary").
-
-The loop looks ``training_log`` up in its module at each call, so replacing the module attribute
-is enough; nothing of Megatron's body is copied. Example::
+Example::
 
     from megatron_ext.training.loss_log import install
     install()            # before megatron.training.pretrain; idempotent
@@ -40,6 +25,10 @@ _PARAMETERS = ("iteration", "is_first_iteration")
 def first_line_is_regular(iteration: int, log_interval: int) -> bool:
     """Whether the first logged iteration of a process is on the regular log schedule (then its
     line closes an interval and must reset the sums like any other)."""
+    # Off the schedule (--log-interval 10: iteration 1, or 51 after resuming at 50) Megatron is
+    # right: it prints the line and keeps the iteration in its interval, whose line then averages
+    # 1..10 (51..60). The rule of the upstream fix, NVIDIA/Megatron-LM#7092 ("reset log
+    # accumulators when the first iteration is on a boundary").
     return iteration % log_interval == 0
 
 
@@ -55,6 +44,8 @@ def install() -> None:
     """
     from megatron_ext import compat
 
+    # The loop looks training_log up in its module at each call, so replacing the module
+    # attribute is enough; nothing of Megatron's body is copied.
     compat.apply_rows([compat.row(f"{_MODULE}.training_log")])
 
 
@@ -74,6 +65,10 @@ def _wrap(original: Callable[..., Any], signature: inspect.Signature) -> Callabl
     @functools.wraps(original)
     def training_log(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
+        # Megatron always prints a process's first iteration and, so that the extra line does not
+        # cut the first regular interval short, keeps the sums there (should_reset = not
+        # is_first_iteration). A first line on the schedule is regular: reset after it (sums,
+        # counts, interval timer), its time to TensorBoard, as every later line.
         if bound.arguments.get("is_first_iteration", False):
             from megatron.training import get_args
 

@@ -1,19 +1,8 @@
 """Model provider for ``megatron_ext.pretrain_gpt``: Megatron's own model builders plus our MoE layer spec.
 
-The model class is chosen the way Megatron 0.19's entry points choose it: ``--hybrid-layer-pattern`` set
-means ``HybridModel`` (``megatron.training.utils.is_hybrid_model``), else ``GPTModel``. The model config
-comes from Megatron's ``gpt_config_from_args`` / ``hybrid_config_from_args`` and the model from its
-``GPTModelBuilder`` / ``HybridModelBuilder`` (on megatron-core 0.18.2, which has no GPT ones, from
-:mod:`megatron_ext.training.gpt_builder`'s); the only change is the layer spec: Megatron's default spec
-for the run (TE or local, as ``--transformer-impl`` says) with every ``MoELayer`` swapped for
-:class:`~megatron_ext.moe.moe_layer.AlignedMoELayer` when ``--moe-dispatch-align`` or
-``--moe-expert-load-metrics`` is on or pads skip dispatch (``--moe-pad-routing``, skip under ``auto``
-for dropless runs), and every ``TopKRouter`` for :class:`~megatron_ext.moe.router.PaddedTopKRouter`
-when ``--moe-router-enable-expert-bias`` is on (pads out of the expert-bias counts; Megatron 0.19.2's
-own count fails on the pad mask) or ``--moe-expert-capacity-factor`` is set (pads dropped first). Route
-replay binds to the built model (see :mod:`.run_state`).
-
-Example (inside an initialised Megatron run)::
+The model class, config and builder are Megatron's (``GPTModel`` or, with ``--hybrid-layer-pattern``,
+``HybridModel``); the only change is the layer spec, where the run asks for megatron_ext's MoE layer
+or router. Example (inside an initialised Megatron run)::
 
     model = model_provider(pre_process=True, post_process=True)
 """
@@ -28,7 +17,8 @@ from megatron_ext.training.feature_configs import EntryConfig, MoEAlignmentConfi
 
 
 def uses_aligned_moe(alignment: MoEAlignmentConfig, skip_pads: bool = False) -> bool:
-    """Whether the MoE layers must be megatron_ext's (alignment, load metrics or pad skipping)."""
+    """Whether the MoE layers must be megatron_ext's (alignment, load metrics or pad skipping:
+    ``--moe-pad-routing skip``, or ``auto`` for a dropless run)."""
     return alignment.moe_dispatch_align or alignment.moe_expert_load_metrics or skip_pads
 
 
@@ -85,6 +75,7 @@ def model_config_from_args(args: argparse.Namespace, config: Any = None) -> Any:
 
     from megatron_ext.training.gpt_builder import gpt_classes
 
+    # As Megatron 0.19's entry points choose: --hybrid-layer-pattern set means HybridModel.
     if is_hybrid_model(args):
         model_cfg = hybrid_config_from_args(args, config)
         if model_cfg.hybrid_stack_spec is None:
@@ -123,11 +114,7 @@ def model_provider(
     config: Any = None,
     pg_collection: Any = None,
 ) -> Any:
-    """Builds this rank's model stage (Megatron's ``model_provider`` signature).
-
-    Route replay, when ``--route-replay-mode`` is not off, is bound to the model right here so every
-    MoE router on this stage replays (or records) routes keyed per micro-batch.
-    """
+    """Builds this rank's model stage (Megatron's ``model_provider`` signature)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.training import get_args
 
@@ -146,6 +133,8 @@ def model_provider(
         run = run_state.state(args)
         run.rehearsal_log = run.rehearsal_log or GroupLog()
         rehearse_quantized_moe(model, rehearsal, run.rehearsal_log)
+    # Bound right here, so every MoE router on this stage replays (or records) routes keyed per
+    # micro-batch.
     replay = run_state.configs(args)[ReplayConfig]
     if replay.route_replay_mode != "off":
         run_state.bind_replay(model, replay)

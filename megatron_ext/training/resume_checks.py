@@ -1,25 +1,9 @@
 """What a resume changes, read from the checkpoint at startup, and what Megatron 0.19.2 cannot resume.
 
-A checkpoint holds the arguments it was saved with and its LR scheduler's state. Resuming with other
-values fails late in Megatron, on every rank, with a traceback (after the model is built): a changed
-``--train-iters``, ``--lr-decay-iters``, ``--global-batch-size`` or warmup trips
-``OptimizerParamScheduler``'s ``assert cls_value == sd_value``; a changed
-``--expert-model-parallel-size`` with ``torch_dist`` stops in the optimizer's load ("Could not find
-parameter group"); with ``torch`` (one file per TP/PP/EP rank) a changed TP, PP or EP size finds no
-file and stops with exit status 0 ("could not load the checkpoint"). :func:`check_resume` compares
-first, refusing in one line that names the flag which makes the resume work, and returns a line
-for each change Megatron does resume: the schedule and parallel sizes, and every data and model flag
-the checkpoint recorded (:func:`flag_changes`). The scheduler check is Megatron's own: the run's
-``OptimizerParamScheduler`` (built by ``get_optimizer_param_scheduler``) loads the saved state.
-
-A changed ``--lr`` (or ``--min-lr``, ``--decoupled-lr``) also stopped in the optimizer's load:
-Megatron keys each param group by its hyperparameters, ``max_lr``/``min_lr`` (this run's LR)
-included, and finds no saved group with the new LR, whichever scheduler flag is passed.
-:func:`matching_groups_across_lr` (a ``launch`` row of the compatibility table) pairs them by the
-other keys, so the Adam moments load; the groups then carry this run's LR, or with
-``--use-checkpoint-opt_param-scheduler`` the checkpoint's, as the scheduler does.
-
-Example::
+Resuming with other values than the checkpoint's fails late in Megatron, on every rank, with a
+traceback after the model is built (or with exit status 0); this refuses those first, in one line
+naming the flag that makes the resume work, and prints a line for each change Megatron does resume
+(docs/limits.md, "Checkpoint and resume"). Example::
 
     lines = check_resume(args, checkpoint)   # ["--train-iters 2 -> 4 (...)"], or ValueError
 """
@@ -128,7 +112,8 @@ def check_resume(
     args: argparse.Namespace, checkpoint: Checkpoint, state: dict[str, Any] | None = None
 ) -> list[str]:
     """Compares the run with what ``checkpoint`` was saved with (``state``: its saved state as
-    :func:`~megatron_ext.training.checkpoint_checks.saved_state` read it; None: read here).
+    :func:`~megatron_ext.training.checkpoint_checks.saved_state` read it; None: read here): the
+    parallel sizes, the schedule and every data and model flag the checkpoint recorded.
 
     Returns:
         One line per change Megatron resumes (empty when nothing changed, or for a format not read).
@@ -147,7 +132,10 @@ def check_resume(
     loads_optimizer = _loads_optimizer(view, checkpoint, saved_args)
     _check_parallel_change(args, saved_args, checkpoint, where, loads_optimizer)
     check_lr_change(args, saved_args, where, loads_optimizer)
-    # --skip-train builds no optimizer (and may have no --lr): the schedule is not compared.
+    # A changed --train-iters, --lr-decay-iters, --global-batch-size or warmup trips
+    # OptimizerParamScheduler's `assert cls_value == sd_value`: the check is Megatron's own, this
+    # run's scheduler loading the saved state. --skip-train builds no optimizer (and may have no
+    # --lr): the schedule is not compared.
     refusal, effective = (
         _scheduler_refusal(args, state.get("opt_param_scheduler"))
         if builds_optimizer(args)
@@ -190,6 +178,7 @@ def _check_parallel_change(
 ) -> None:
     """Refuses the parallel-size changes Megatron cannot load: a torch-format checkpoint (one
     file per TP/PP/EP rank) under other sizes, and a torch_dist optimizer state under another EP."""
+    # torch: Megatron finds no file and stops with exit status 0 ("could not load the checkpoint").
     files = {"tensor_model_parallel_size", "pipeline_model_parallel_size",
              "expert_model_parallel_size"}  # fmt: skip
     if checkpoint.format == "torch" and _changed(args, saved_args, files):
@@ -328,19 +317,18 @@ def _scheduler_refusal(
 
 def matching_groups_across_lr(original: Any) -> staticmethod:
     """``MegatronOptimizer._filter_and_reorder_param_groups`` that also pairs the saved param groups
-    with this run's after an LR change.
+    with this run's after an LR change (a ``launch`` row of the compatibility table).
 
-    Megatron 0.19.2 keys a group by its hyperparameters (``param_group_identifier_keys``),
-    ``max_lr`` and ``min_lr`` included: this run's ``--lr``/``--min-lr``
-    (``--decoupled-lr``/``--decoupled-min-lr`` for the embedding's group). When some group has no
-    saved match, each is matched by the other keys instead, where that pairing is one to one
-    (otherwise Megatron's own error stands). Megatron 0.18.2 keys them without the LR: it pairs
-    them itself, but the groups keep the checkpoint's ``max_lr``/``min_lr``, so the scheduler
-    (which reads them from the groups) ignored a new ``--lr`` even with
-    --override-opt_param-scheduler. On both, a matched group takes this run's ``max_lr``/``min_lr``
-    unless --use-checkpoint-opt_param-scheduler keeps the checkpoint's. Which saved state goes to
-    which parameter is Megatron's as before.
+    A matched group takes this run's ``max_lr``/``min_lr`` unless
+    --use-checkpoint-opt_param-scheduler keeps the checkpoint's. Which saved state goes to which
+    parameter is Megatron's as before.
     """
+    # Megatron 0.19.2 keys a group by its hyperparameters (param_group_identifier_keys), max_lr
+    # and min_lr included: this run's --lr/--min-lr (--decoupled-lr/--decoupled-min-lr for the
+    # embedding's group), so a new LR found no saved group ("Could not find parameter group"),
+    # whichever scheduler flag. 0.18.2 keys them without the LR and pairs them itself, but the
+    # groups kept the checkpoint's LR, so the scheduler (which reads it from the groups) ignored
+    # a new --lr even with --override-opt_param-scheduler.
     from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
     lr_keys = ("max_lr", "min_lr")
@@ -368,6 +356,7 @@ def matching_groups_across_lr(original: Any) -> staticmethod:
         if all(identifier(g) in saved_keys for g in current_groups):
             # 0.19.2 (LR in the key): the same LR already; 0.18.2: the checkpoint's LR until here.
             return with_run_lr(original(current_groups, state_dict_groups), current_groups)
+        # Matched by the other keys instead, where that pairing is one to one.
         needed = [identifier(g, lr_keys) for g in current_groups]
         saved = {identifier(g, lr_keys): g for g in state_dict_groups}
         if not (len(set(needed)) == len(needed) == len(saved) == len(state_dict_groups)

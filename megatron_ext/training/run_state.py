@@ -1,11 +1,6 @@
 """Per-run state of a ``megatron_ext.pretrain_gpt`` job: validated configs, load metrics, replay bindings.
 
-Megatron's ``pretrain`` takes plain functions (model provider, datasets provider, forward step) and hands
-them ``get_args()``; the state those functions share lives in one :class:`RunState`, created from the parsed
-arguments the first time any of them asks, and dropped with :func:`reset` (tests, a new run). Nothing else in
-megatron_ext keeps run state at module level.
-
-Example::
+Nothing else in megatron_ext keeps run state at module level. Example::
 
     cfgs = configs(args)               # {PaddingConfig: ..., MoEAlignmentConfig: ..., ...}
     metrics = load_metrics(args)       # ExpertLoadMetrics or None
@@ -65,6 +60,8 @@ class RunState:
     last_throughput: dict[str, Any] | None = None
 
 
+# Module level because Megatron's pretrain takes plain functions (model provider, datasets provider,
+# forward step) and hands them only get_args(): the state they share is keyed by that object.
 _STATE: RunState | None = None
 
 
@@ -161,15 +158,17 @@ def record_routes(
 ) -> None:
     """Streams the routes the forward of micro-batch ``key`` chose, per pack, to disk (record mode).
 
-    ``batch_shape`` is the data layout ``[B, S]``; the model may have run it flattened (THD).
-    ``pad_mask_BS`` (optional, True = pad, e.g. the batch's ``padding_mask``): pad rows are written
-    as missing (a "skip pads" MoE layer routes pads nowhere, so what it chose is no route).
-    Routes are complete on every rank of a model-parallel group (``recorded_routes`` gathers over
-    TP/CP/PP, a collective every rank joins), so only the data-parallel group of global rank 0
-    streams: rank r of it to ``<--route-record-path>.dp<r>.pieces/.rows`` (:func:`_record_stream`).
+    Args:
+        batch_shape: The data layout ``[B, S]``; the model may have run it flattened (THD).
+        pad_mask_BS: True = pad (the batch's ``padding_mask``): pad rows are written as missing
+            (a "skip pads" MoE layer routes pads nowhere, so what it chose is no route).
+
     NOTE: device-to-host sync (the recorded routes, pack indices and pad mask go to the host); record
     mode only.
     """
+    # recorded_routes gathers over TP/CP/PP, a collective every rank joins, so routes are complete
+    # on every rank of a model-parallel group: only global rank 0's data-parallel group streams,
+    # rank r of it to <--route-record-path>.dp<r>.pieces/.rows (_record_stream).
     routes = binding.recorded_routes(key)
     recorder = _record_stream(args)
     if recorder is None:
@@ -206,10 +205,9 @@ def _record_stream(args: argparse.Namespace) -> Any:
 
 
 def check_record_directory(args: argparse.Namespace) -> None:
-    """Record mode, at setup: the data-parallel ranks that stream routes (global rank 0's DP group,
-    see :func:`_record_stream`) share ``--route-record-path``'s directory, where rank 0 assembles
-    their streams at the end. Collective over that group; other ranks return at once. A run that
-    resumed from a checkpoint is refused (its streams would hold only the iterations after it).
+    """Record mode, at setup: the data-parallel ranks that stream routes share
+    ``--route-record-path``'s directory, where rank 0 assembles their streams at the end; a run
+    that resumed from a checkpoint is refused. Collective over that group; other ranks return.
 
     Raises:
         ValueError: On every rank of that group, naming ``--route-record-path``.
@@ -252,13 +250,8 @@ def check_record_directory(args: argparse.Namespace) -> None:
 
 
 def finish_recording(args: argparse.Namespace) -> int | None:
-    """Assembles the route sidecar on rank 0 from the streams of its data-parallel group.
-
-    Every rank calls it (it holds a barrier). The streams are closed, rank 0 writes the sidecar by
-    streaming (temporary files renamed into place; an existing output is refused), in DP rank order
-    (a token recorded twice keeps the last, as when the packs were gathered), and removes the
-    streams. The streams sit beside ``--route-record-path``, so that path must be on a filesystem
-    the data-parallel ranks share. Returns the number of documents written on rank 0, else None.
+    """Assembles the route sidecar on rank 0 from the streams of its data-parallel group; every
+    rank calls it (it holds a barrier). Returns the number of documents written on rank 0, else None.
     """
     import torch
 
@@ -277,6 +270,8 @@ def finish_recording(args: argparse.Namespace) -> int | None:
         torch.distributed.barrier()  # every stream is complete on disk
     if not writes:
         return None
+    # By streaming, temporary files renamed into place, in DP rank order: a token recorded twice
+    # keeps the last, as when the packs were gathered.
     written = recorder.write(replay.route_record_path, streams=streams)
     for base in streams:
         remove_stream(base)

@@ -1,20 +1,5 @@
 """Startup of ``megatron_ext.pretrain_gpt``: no ``make`` when the helpers exist; a ``--cpu`` launch that
-imports only what it uses and compiles nothing.
-
-``initialize_megatron`` -> ``_compile_dependencies`` calls ``megatron.core.datasets.utils.compile_helpers``,
-which runs ``make -C .../megatron/core/datasets``. The megatron-core 0.19.2 wheel ships the compiled
-``helpers_cpp`` extension but no Makefile, so ``make`` fails and Megatron exits ("Failed to compile the
-C++ dataset helper functions") on every machine, GPU included. :func:`skip_helpers_build_when_prebuilt`
-replaces that one function: when ``megatron.core.datasets.helpers_cpp`` imports, there is nothing to
-build; otherwise Megatron's own ``compile_helpers`` runs exactly as before (a source checkout).
-
-A ``--cpu`` launch is a rehearsal whose cost is its startup: :func:`prepare_cpu_launch` (before
-Megatron is imported) runs Megatron's ``jit_fuser`` functions eagerly instead of compiling them
-(:func:`run_jit_fuser_eagerly`) and defers the import of each tokenizer library to its first use
-(:func:`defer_tokenizer_libraries`: no ``transformers`` for a ``NullTokenizer`` run), and makes
-malloc keep freed memory (:mod:`megatron_ext.cpu.caching_malloc`) unless ``--no-cpu-caching-malloc``.
-
-Example::
+imports only what it uses and compiles nothing (docs/rehearse.md). Example::
 
     print(prepare_cpu_launch())            # --cpu, before anything imports Megatron
     skip_helpers_build_when_prebuilt()     # before megatron.training.pretrain
@@ -44,6 +29,10 @@ def prebuilt_helpers_available() -> bool:
 
 def compile_only_without_prebuilt(original: Callable[[], Any]) -> Callable[[], Any]:
     """``compile_helpers`` that builds nothing when the prebuilt extension imports."""
+    # initialize_megatron -> _compile_dependencies runs `make -C .../megatron/core/datasets`. The
+    # megatron-core 0.19.2 wheel ships the compiled helpers_cpp but no Makefile, so make fails and
+    # Megatron exits ("Failed to compile the C++ dataset helper functions") on every machine, GPU
+    # included. A source checkout without the extension still builds it as before.
 
     @functools.wraps(original)
     def compile_helpers() -> Any:
@@ -86,20 +75,16 @@ def _library_exports(init: Path) -> dict[str, str]:
 
 
 def defer_tokenizer_libraries() -> bool:
-    """Registers Megatron's tokenizer-library package so each library is imported when first named.
-
-    ``megatron/core/tokenizers/text/libraries/__init__.py`` is nothing but seven
-    ``from .X import Tokenizer`` lines; every launch reaches it (``text_tokenizer`` imports its
-    ``abstract_tokenizer``), so a ``NullTokenizer`` run imports ``transformers`` for the Hugging Face
-    wrapper it never builds. Here the package is put in ``sys.modules`` with its real ``__path__``
-    (its submodules import as before) and a module ``__getattr__`` that imports the submodule a name
-    comes from, so ``MegatronTokenizerText._restore_model``'s ``getattr(libraries, class_name)``
-    imports ``huggingface_tokenizer`` (and ``transformers``) exactly when a Hugging Face tokenizer is
-    asked for. Nothing else changes; a no-op once the package is imported.
+    """Registers Megatron's tokenizer-library package so each library is imported when first named
+    (no ``transformers`` for a ``NullTokenizer`` run). A no-op once the package is imported.
 
     Returns:
         True if the package was registered deferred, False if it was already imported.
     """
+    # megatron/core/tokenizers/text/libraries/__init__.py is nothing but seven
+    # `from .X import Tokenizer` lines, and every launch reaches it (text_tokenizer imports its
+    # abstract_tokenizer), so a NullTokenizer run imported transformers for the Hugging Face
+    # wrapper it never builds.
     if TOKENIZER_LIBRARIES in sys.modules:
         return False
     megatron_spec = importlib.util.find_spec("megatron")
@@ -114,6 +99,9 @@ def defer_tokenizer_libraries() -> bool:
     assert spec is not None
     package = importlib.util.module_from_spec(spec)  # not executed: that is the point
 
+    # Its real __path__, so submodules import as before; MegatronTokenizerText._restore_model's
+    # getattr(libraries, class_name) then imports huggingface_tokenizer (and transformers)
+    # exactly when a Hugging Face tokenizer is asked for.
     def __getattr__(name: str) -> Any:
         if name not in exports:
             raise AttributeError(f"module {TOKENIZER_LIBRARIES!r} has no attribute {name!r}")
@@ -128,16 +116,13 @@ def defer_tokenizer_libraries() -> bool:
 
 
 def run_jit_fuser_eagerly() -> None:
-    """Runs Megatron's ``jit_fuser`` functions as plain Python, as the tests and the demo always have.
-
-    ``megatron.core.jit.jit_fuser`` is ``torch.compile`` on torch >= 2.2, applied when each fusion
-    module is imported; ``torch.compile`` returns the function unchanged when ``TORCHDYNAMO_DISABLE``
-    is ``1`` at that moment, so it is set here, before Megatron is imported. Were a fusion module
-    imported already, Dynamo's ``config.disable`` makes its compiled wrapper run the function eagerly
-    too. Same math, no compile time, and one behaviour (and one set of losses) for every ``--cpu``
-    launch.
-    """
+    """Runs Megatron's ``jit_fuser`` functions as plain Python, as the tests and the demo always have:
+    same math, no compile time, one set of losses for every ``--cpu`` launch."""
+    # jit_fuser is torch.compile (torch >= 2.2), applied when each fusion module is imported, and
+    # torch.compile returns the function unchanged when TORCHDYNAMO_DISABLE is 1 at that moment:
+    # so before Megatron is imported.
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    # A fusion module imported already: Dynamo's config.disable runs its wrapper eagerly too.
     if "torch._dynamo" in sys.modules:
         sys.modules["torch._dynamo"].config.disable = True
 
@@ -145,8 +130,8 @@ def run_jit_fuser_eagerly() -> None:
 def prepare_cpu_launch(caching_malloc: bool = True) -> str:
     """What a ``--cpu`` launch does before Megatron is imported; returns the line that says so.
 
-    ``caching_malloc``: glibc malloc keeps freed memory for reuse
-    (:func:`megatron_ext.cpu.caching_malloc.keep_freed_memory`; ``--no-cpu-caching-malloc`` is False).
+    Args:
+        caching_malloc: glibc malloc keeps freed memory for reuse (``--no-cpu-caching-malloc``: False).
     """
     run_jit_fuser_eagerly()
     defer_tokenizer_libraries()
@@ -164,17 +149,15 @@ def prepare_cpu_launch(caching_malloc: bool = True) -> str:
 def fork_checkpoint_results_queue(args: Any) -> bool:
     """A run that saves ``torch_dist`` checkpoints (a ``--cpu`` one: the entry calls this) gets the
     results queue of Megatron's checkpoint writer from a forked manager process, made before
-    Megatron initializes (no process group, no dataloader workers yet); returns whether it made one.
-
-    Megatron's first ``torch_dist`` save (``FileSystemWriterAsync``, synchronous saves included)
-    creates the queue with ``get_write_results_queue()``: a manager process from the ``spawn``
-    context, a fresh interpreter that imports torch to unpickle the write results, about 3 s of
-    that save on a 2-core machine (the tiny test model's first save: 3.2 s, 0.17 s with the forked
-    queue). The forked manager is killed when the rank dies (:func:`_manager_dies_with_the_rank`).
-    Megatron itself makes the same queue with ``get_write_results_queue(mp_mode="fork")`` for its
-    persistent async-save worker (``megatron.training.async_utils.init_persistent_async_worker``),
-    and the queue is made once per process, so every later save uses this one. Nothing is patched.
+    Megatron initializes; returns whether it made one. Nothing is patched.
     """
+    # Left to Megatron's first torch_dist save (FileSystemWriterAsync, synchronous saves included),
+    # get_write_results_queue() makes a manager from the spawn context: a fresh interpreter that
+    # imports torch to unpickle the write results, 3.2 s of the tiny test model's first save on a
+    # 2-core machine (0.17 s forked). Megatron makes the same queue with mp_mode="fork" for its
+    # persistent async-save worker (megatron.training.async_utils.init_persistent_async_worker),
+    # and once per process, so every later save uses this one. Before Megatron initializes: no
+    # process group and no dataloader workers to fork yet.
     global _FORKING_THE_QUEUE, _FORK_HOOK_REGISTERED
     from megatron_ext.config.megatron_view import MegatronView
 
@@ -201,8 +184,8 @@ _FORK_HOOK_REGISTERED = False
 
 
 def _manager_dies_with_the_rank() -> None:
-    """In the forked manager: killed when the rank that forked it dies (Linux). Made at startup,
-    it would otherwise outlive a rank stopped by a signal (torchrun's SIGTERM after a peer failed)
-    for the whole run, not only after the first save as Megatron's spawned one can."""
+    """In the forked manager: killed when the rank that forked it dies (Linux)."""
+    # Made at startup, it would otherwise outlive a rank stopped by a signal (torchrun's SIGTERM
+    # after a peer failed) for the whole run, not only after the first save as Megatron's can.
     if _FORKING_THE_QUEUE:
         die_with_parent()

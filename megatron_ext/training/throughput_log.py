@@ -1,15 +1,5 @@
 """The per-interval token-throughput line of ``megatron_ext.pretrain_gpt`` (Megatron glue of
-:mod:`megatron_ext.training.token_throughput`).
-
-Every rank counts its own training micro-batches on the host; at each log iteration the counts are
-summed over the data-parallel ranks (each holds other samples; tensor-, context- and pipeline-parallel
-ranks of one data-parallel rank hold the same ones) on Megatron's gloo group, a host-side
-all-reduce of two integers that reads nothing from the device, and the first rank prints one line.
-The interval's wall time runs from one log iteration's end to the next (the first from the first
-training forward, so it includes the first step's warm-up). Without gloo groups
-(``--disable-gloo-process-groups``) the line reports this rank's share times the data-parallel size,
-marked as an estimate.
-"""
+:mod:`megatron_ext.training.token_throughput`; docs/data.md, "Real-token throughput in the log")."""
 
 import time
 from typing import Any
@@ -28,6 +18,7 @@ from megatron_ext.training.token_throughput import (
 def count_micro_batch(args: Any, host_batch: dict[str, torch.Tensor]) -> None:
     """Adds one training micro-batch's host counts to the interval."""
     run = run_state.state(args)
+    # The first interval runs from the first training forward: it includes the warm-up.
     if run.token_counts is None:
         run.token_counts, run.token_clock = TokenCounts(), time.perf_counter()
     counts = micro_batch_counts(host_batch)
@@ -48,6 +39,9 @@ def log_token_throughput(args: Any, iteration: int) -> dict[str, Any] | None:
     counts, run.token_counts = run.token_counts, TokenCounts()
     data_parallel = parallel_state.get_data_parallel_world_size()
     exact = data_parallel == 1 or args.use_gloo_process_groups
+    # Summed over the data-parallel ranks only (TP, CP and PP ranks of one DP rank hold the same
+    # samples), on Megatron's gloo group: a host all-reduce of two ints, nothing read off the device.
+    # Without gloo groups: this rank's share times the DP size, marked as an estimate.
     if data_parallel > 1 and exact:
         summed = torch.tensor([counts.tokens, counts.real_tokens], dtype=torch.int64)
         torch.distributed.all_reduce(summed, group=parallel_state.get_data_parallel_group_gloo())

@@ -1,9 +1,7 @@
 """Tokens per second, real (non-pad) tokens per second and the pad fraction of a log interval.
 
 Megatron's ``--log-throughput`` counts FLOPs of every position, pads included, so a run that pads
-half of each pack looks as fast as one that pads nothing. These counts come from the host copy of
-each training micro-batch (its token count and its pad mask, read before the batch goes to the
-device), so they cost no device-to-host sync. Example, one interval of 2 s::
+half of each pack looks as fast as one that pads nothing (docs/data.md). Example, one interval of 2 s::
 
     counts = TokenCounts()
     counts.add(tokens=8, pads=3)     # a [2, 4] micro-batch with 3 pads
@@ -33,10 +31,9 @@ class TokenCounts:
 
 def micro_batch_counts(host_batch: dict[str, torch.Tensor]) -> tuple[int, int] | None:
     """``(tokens, pads)`` of one host micro-batch; None if it holds no tokens or its pad mask is
-    already on the device (counting it there would be a device-to-host sync).
-
-    A batch without ``padding_mask`` (Megatron's own datasets) has no pads megatron_ext knows of.
-    """
+    already on the device (counting it there would be a device-to-host sync)."""
+    # Read off the host copy before the batch goes to the device: no sync. A batch without
+    # padding_mask (Megatron's own datasets) has no pads megatron_ext knows of.
     tokens = host_batch.get("tokens")
     if tokens is None:
         return None

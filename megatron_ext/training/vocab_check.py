@@ -1,18 +1,8 @@
 """Refuses, at argument time, token data whose ids do not fit the run's vocabulary.
 
 The byte-level tokenizer of ``tools/preprocess_data.py`` ends documents with id 256, so its data needs
-257 ids; with ``--tokenizer-type NullTokenizer --vocab-size 256`` Megatron builds a 256-row embedding
-and the first end-of-document token indexes past it (a crash on GPU, silent garbage nowhere better).
-An id inside Megatron's padded embedding but beyond the tokenizer's own ids (``--vocab-size 200``
-padded to 256 rows) would train silently on one of the dummy rows Megatron adds for GEMM-friendly
-sizes: data written with another tokenizer than the run's. Both are refused.
-:func:`check_vocabulary` first checks that each prefix's ``.bin`` is exactly what its ``.idx``
-indexes (a ``.bin`` read with another dtype than it was written with shows ids it never held), then
-reads its largest token id (a vectorised scan of the memory-mapped ``.bin``, kept in the data cache
-under the file's identity, so an unchanged corpus is read once, not at every launch) and compares
-it with the tokenizer's vocabulary and Megatron's padded size.
-
-Example::
+257 ids; with ``--vocab-size 256`` the first end-of-document token indexes past Megatron's 256-row
+embedding (a crash on GPU, silent garbage elsewhere). Example::
 
     check_vocabulary(args)   # ValueError: --vocab-size 256 (--tokenizer-type NullTokenizer):
                              #   /data/corpus.bin holds token id 256 ...
@@ -43,11 +33,8 @@ def _token_dtype(idx_path: str) -> np.dtype:
 
 
 def max_token_id(prefix: str, what: str = "--data-path", cache_dir: str | None = None) -> int:
-    """The largest token id in ``prefix.bin`` (-1 when it holds no tokens).
-
-    With ``cache_dir``, the result is kept there under the identity of both files (inode, size,
-    modification and status-change times) and the prefix's real path: an unchanged file is read
-    once, whichever launch or rank asks; a rewritten one is read again.
+    """The largest token id in ``prefix.bin`` (-1 when it holds no tokens), kept in ``cache_dir``
+    (if given) under the identity of both files and the prefix's real path.
 
     Raises:
         ValueError: The ``.bin`` is not the size its ``.idx`` indexes (truncated, or written
@@ -57,6 +44,8 @@ def max_token_id(prefix: str, what: str = "--data-path", cache_dir: str | None =
     from megatron_ext.data import pack_index_cache
     from megatron_ext.data.indexed_checks import open_indexed
 
+    # Identity: inode, size, modification and status-change times. An unchanged file is read
+    # once, whichever launch or rank asks; a rewritten one is read again.
     key = (
         f"max-token-id {os.path.realpath(prefix)} {file_identity(prefix + '.idx')} "
         f"{file_identity(prefix + '.bin')}"
@@ -69,6 +58,7 @@ def max_token_id(prefix: str, what: str = "--data-path", cache_dir: str | None =
     size = os.path.getsize(prefix + ".bin") // dtype.itemsize
     largest = -1
     if size:
+        # A vectorised scan of the memory-mapped file, slice by slice.
         tokens = np.memmap(prefix + ".bin", dtype=dtype, mode="r", shape=(size,))
         largest = int(max(tokens[i : i + _CHUNK].max() for i in range(0, size, _CHUNK)))
     pack_index_cache.remember_ints(cache_dir, key, (largest,))
@@ -144,6 +134,9 @@ def _token_prefixes(args: argparse.Namespace) -> dict[str, str]:
 def check_vocabulary(args: argparse.Namespace) -> None:
     """Raises ``ValueError`` naming the vocabulary's flags and the file when a token id does not
     fit the padded embedding, or lies beyond the tokenizer's own ids (a dummy padding row)."""
+    # An id inside the padded embedding but beyond the tokenizer's ids (--vocab-size 200 padded to
+    # 256 rows) would train silently on a dummy row Megatron adds for GEMM-friendly sizes: data
+    # written with another tokenizer than the run's.
     view = MegatronView.from_args(args)
     prefixes = {} if view.mock_data else _token_prefixes(args)
     vocab = _unpadded_vocab_size(view) if prefixes else None  # may load a tokenizer: if needed
@@ -155,6 +148,7 @@ def check_vocabulary(args: argparse.Namespace) -> None:
     for prefix, flag in prefixes.items():
         if not (os.path.exists(prefix + ".idx") and os.path.exists(prefix + ".bin")):
             continue  # a missing file is reported by the data checks, naming it
+        # Kept in the data cache under the file's identity: an unchanged corpus is read once.
         largest = max_token_id(
             prefix,
             f"{flag} prefix {prefix}: data",
