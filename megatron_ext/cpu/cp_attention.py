@@ -18,6 +18,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from megatron_ext.common.spec_tree import swap_module
 from megatron_ext.common.token_positions import cp_zigzag_positions
 from megatron_ext.cpu.document_attention import (
     attend,
@@ -26,7 +27,6 @@ from megatron_ext.cpu.document_attention import (
     global_order,
     segment_ids,
 )
-from megatron_ext.cpu.spec_swap import swap_module
 
 
 class ContextParallelDotProductAttention(DotProductAttention):

@@ -11,7 +11,7 @@ from typing import Any
 
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-from megatron_ext.cpu.spec_swap import swap_module
+from megatron_ext.common.spec_tree import swap_module
 
 
 class SequenceParallelTorchNorm:

@@ -24,6 +24,7 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayerSubmodules,
 )
 
+from megatron_ext.common.spec_tree import map_spec, spec_parts
 from megatron_ext.moe.config import MoEAlignmentConfig
 from megatron_ext.moe.grouped_mm_linear import GroupedMMLinear
 from megatron_ext.moe.load_metrics import ExpertLoadMetrics
@@ -87,9 +88,7 @@ def with_padded_router(spec: Any, *, require: str | None = None) -> Any:
 def has_moe_layer(spec: Any) -> bool:
     """Whether ``spec`` holds an MoE layer (a ``MoELayer`` or any ``MoESubmodules``): False for a
     pipeline stage whose layers are all dense."""
-    found: list[bool] = []
-    _swap(spec, {}, found)
-    return bool(found) or bool(moe_routers(spec))
+    return _contains(spec, MoELayer) or bool(moe_routers(spec))
 
 
 def moe_routers(spec: Any) -> list[type]:
@@ -119,71 +118,33 @@ def _walk_routers(node: Any, routers: list[type], swap: bool) -> Any:
 def map_moe_submodules(node: Any, fn: Any) -> Any:
     """``node`` (a layer, block or stack spec) with every ``MoESubmodules`` replaced by ``fn(it)``;
     parts where nothing changed are returned as they are (same objects)."""
-    if isinstance(node, MoESubmodules):
-        return fn(node)
-    if isinstance(node, functools.partial):
-        args = [map_moe_submodules(a, fn) for a in node.args]
-        keywords = {k: map_moe_submodules(v, fn) for k, v in node.keywords.items()}
-        unchanged = all(a is b for a, b in zip(args, node.args, strict=True)) and all(
-            keywords[k] is v for k, v in node.keywords.items()
-        )
-        return node if unchanged else functools.partial(node.func, *args, **keywords)
-    if dataclasses.is_dataclass(node) and not isinstance(node, type):
-        changes = {}
-        for f in dataclasses.fields(node):
-            if f.init:
-                value = getattr(node, f.name)
-                new = map_moe_submodules(value, fn)
-                if new is not value:
-                    changes[f.name] = new
-        return dataclasses.replace(node, **changes) if changes else node
-    if isinstance(node, (list, tuple)):
-        items = [map_moe_submodules(n, fn) for n in node]
-        if all(a is b for a, b in zip(items, node, strict=True)):
-            return node
-        return type(node)(items)
-    if isinstance(node, dict):
-        values = {k: map_moe_submodules(v, fn) for k, v in node.items()}
-        return node if all(values[k] is v for k, v in node.items()) else values
-    return node
+    return map_spec(node, lambda part: fn(part) if isinstance(part, MoESubmodules) else part)
 
 
 def _swap(node: Any, extra: dict[str, Any], found: list[bool]) -> Any:
-    if isinstance(node, functools.partial) and node.func is MoELayer:
-        found.append(True)
-        return functools.partial(AlignedMoELayer, *node.args, **node.keywords, **extra)
-    if isinstance(node, ModuleSpec):
-        if node.module is MoELayer:
+    """``node`` with every ``MoELayer`` (a partial's func or a ``ModuleSpec``'s module) made an
+    ``AlignedMoELayer`` taking ``extra``; ``found`` gets one entry per swap."""
+
+    def swap(part: Any) -> Any:
+        if isinstance(part, functools.partial) and part.func is MoELayer:
+            found.append(True)
+            return functools.partial(AlignedMoELayer, *part.args, **part.keywords, **extra)
+        if isinstance(part, ModuleSpec) and part.module is MoELayer:
             found.append(True)
             return dataclasses.replace(
-                node, module=AlignedMoELayer, params={**node.params, **extra}
+                part, module=AlignedMoELayer, params={**part.params, **extra}
             )
-        if node.submodules is None:
-            return node
-        return dataclasses.replace(node, submodules=_swap(node.submodules, extra, found))
-    if dataclasses.is_dataclass(node) and not isinstance(node, type):
-        changes = {
-            f.name: _swap(getattr(node, f.name), extra, found)
-            for f in dataclasses.fields(node)
-            if f.init
-        }
-        return dataclasses.replace(node, **changes)
-    if isinstance(node, (list, tuple)):  # a block's layer_specs may be either
-        return type(node)(_swap(n, extra, found) for n in node)
-    return node
+        return part
+
+    return map_spec(node, swap)
 
 
 def _contains(node: Any, module: type) -> bool:
     """Whether a spec tree holds ``module`` (as a ``ModuleSpec``'s module or a partial's func)."""
-    if isinstance(node, functools.partial):
-        return node.func is module
-    if isinstance(node, ModuleSpec):
-        return node.module is module or _contains(node.submodules, module)
-    if dataclasses.is_dataclass(node) and not isinstance(node, type):
-        return any(_contains(getattr(node, f.name), module) for f in dataclasses.fields(node))
-    if isinstance(node, (list, tuple)):
-        return any(_contains(n, module) for n in node)
-    return False
+    return any(
+        part is module or (isinstance(part, functools.partial) and part.func is module)
+        for part in spec_parts(node)
+    )
 
 
 def with_grouped_mm_experts(spec: Any) -> Any:
