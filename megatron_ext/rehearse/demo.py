@@ -126,13 +126,12 @@ def _peak_over_mean(counts_LE: np.ndarray, groups: int) -> float:
 
 def summarize(runs: dict[str, LoopRun], loads: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
     """The JSON summary and its checks, from what the runs logged."""
-    constant, self_pad, replay, skip = runs["constant"], runs["self"], runs["replay"], runs["skip"]
+    constant, self_pad, skip = runs["constant"], runs["self"], runs["skip"]
     iterations = sorted(self_pad.losses)
     losses_c = [constant.losses[i] for i in iterations]
     losses_s = [self_pad.losses[i] for i in iterations]
-    diff = float(np.max(np.abs(np.subtract(losses_c, losses_s))))
-    load_c, load_s, load_k = loads["constant"], loads["self"], loads["skip"]
     losses_k = [skip.losses[i] for i in iterations]
+    diff = float(np.max(np.abs(np.subtract(losses_c, losses_s))))
     step_ms = {  # the first iteration includes warm-up (allocations, gloo buffers)
         name: float(
             np.median(
@@ -141,10 +140,6 @@ def summarize(runs: dict[str, LoopRun], loads: dict[str, dict[str, np.ndarray]])
         )
         for name, run in (("self", self_pad), ("skip", skip))
     }
-    experts = load_s["all"].shape[1]
-    # Per logged iteration: (rows with a recorded route, used exactly, the router would differ).
-    matched = [tuple(map(int, m)) for m in _REPLAY.findall(replay.output)]
-    replayed_rows = sum(rows for rows, _, _ in matched)
     groups = _rehearsal_groups([constant, self_pad])
     summary = {
         "training_loop": TRAINING_LOOP,
@@ -155,37 +150,59 @@ def summarize(runs: dict[str, LoopRun], loads: dict[str, dict[str, np.ndarray]])
         "loss_max_abs_diff": diff,
         "losses_constant": losses_c,
         "losses_self": losses_s,
-        "pad_fraction": float(1 - load_s["real"].sum() / load_s["all"].sum()),
-        "peak_over_mean_constant": _peak_over_mean(load_c["all"], EP),
-        "peak_over_mean_self": _peak_over_mean(load_s["all"], EP),
-        "peak_over_mean_nopad": _peak_over_mean(load_s["real"], EP),
-        "expert_peak_over_mean_constant": _peak_over_mean(load_c["all"], experts),
-        "expert_peak_over_mean_self": _peak_over_mean(load_s["all"], experts),
-        "expert_peak_over_mean_nopad": _peak_over_mean(load_s["real"], experts),
-        "replay_rows": replayed_rows,
-        # As the replay run's Megatron initialised it (its own log line), not as asked.
-        "replay_context_parallel": _context_parallel_size(replay.output),
-        "context_parallel": _context_parallel_size(self_pad.output),
-        "replay_match_rate": sum(m for _, m, _ in matched) / max(replayed_rows, 1),
-        "natural_routing_changed": sum(d for _, _, d in matched) / max(replayed_rows, 1),
+        **_load_figures(loads),
+        **_replay_figures(runs),
         "alignment_ok": bool(groups)
         and all(g["groups"] > 0 and g["unaligned"] == 0 for g in groups.values()),
         "alignment_groups": [groups[r]["last"] for r in sorted(groups)],
         "alignment_multiple": sorted({g["align"] for g in groups.values()}),
-        "skip_expert_rows": int(load_k["all"].sum()),
-        "self_expert_rows": int(load_s["all"].sum()),
         "skip_step_time_vs_self": step_ms["skip"] / step_ms["self"],
         "skip_loss_max_abs_diff": float(np.max(np.abs(np.subtract(losses_k, losses_s)))),
         "throughput": _throughput(loads),
         "rl_step": _rl_step(runs),
-        "tokens_per_expert": {
-            "constant": load_c["all"].tolist(),
-            "self": load_s["all"].tolist(),
-            "nopad": load_s["real"].tolist(),
-        },
     }
     summary["checks"] = _checks(summary, loads, losses_s)
     return summary
+
+
+def _load_figures(loads: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
+    """The pad runs' expert load: pad fraction, peak/mean per EP rank and per expert, rows."""
+    load_c, load_s, load_k = loads["constant"], loads["self"], loads["skip"]
+    experts = load_s["all"].shape[1]
+    figures: dict[str, Any] = {
+        "pad_fraction": float(1 - load_s["real"].sum() / load_s["all"].sum())
+    }
+    for name, counts in (
+        ("constant", load_c["all"]),
+        ("self", load_s["all"]),
+        ("nopad", load_s["real"]),
+    ):
+        figures[f"peak_over_mean_{name}"] = _peak_over_mean(counts, EP)
+        figures[f"expert_peak_over_mean_{name}"] = _peak_over_mean(counts, experts)
+    figures["skip_expert_rows"] = int(load_k["all"].sum())
+    figures["self_expert_rows"] = int(load_s["all"].sum())
+    figures["tokens_per_expert"] = {
+        "constant": load_c["all"].tolist(),
+        "self": load_s["all"].tolist(),
+        "nopad": load_s["real"].tolist(),
+    }
+    return figures
+
+
+def _replay_figures(runs: dict[str, LoopRun]) -> dict[str, Any]:
+    """The replay run's check lines summed, and the CP sizes Megatron initialised (its own log
+    lines, not as asked)."""
+    replay = runs["replay"]
+    # Per logged iteration: (rows with a recorded route, used exactly, the router would differ).
+    matched = [tuple(map(int, m)) for m in _REPLAY.findall(replay.output)]
+    rows = sum(r for r, _, _ in matched)
+    return {
+        "replay_rows": rows,
+        "replay_context_parallel": _context_parallel_size(replay.output),
+        "context_parallel": _context_parallel_size(runs["self"].output),
+        "replay_match_rate": sum(m for _, m, _ in matched) / max(rows, 1),
+        "natural_routing_changed": sum(d for _, _, d in matched) / max(rows, 1),
+    }
 
 
 def _rl_step(runs: dict[str, LoopRun]) -> dict[str, float]:
