@@ -318,6 +318,7 @@ def run_distributed(
             exit code is named) or it did not answer in time.
     """
     sizes = ParallelSizes(tp=tp, ep=ep, pp=pp, cp=cp, sp=sp, seed=seed, etp=etp)
+    exited: dict[int, int | None] = {}
     with _POOLS_LOCK:
         pool = _pool(world_size, sizes)
         if pool.idle_timer is not None:
@@ -332,23 +333,32 @@ def run_distributed(
         else:
             _close_when_idle(world_size, pool)
     if failed or missing:
-        name = getattr(fn, "__qualname__", repr(fn))
-        parts = [
-            f"rank {rank} of {world_size} failed in {name}:\n{tb}" for rank, tb in failed.items()
-        ]
-        parts += [
-            _exit_message(rank, world_size, code, name)
-            for rank, code in exited.items()
-            if code is not None
-        ]
-        hung = [rank for rank, code in exited.items() if code is None]
-        if hung:
-            parts.append(
-                f"ranks {hung} of {world_size} did not finish {name} within {timeout:.0f} s "
-                "(hung, or a peer died inside a collective)"
-            )
-        raise RuntimeError("\n".join(parts))
+        raise RuntimeError(_failure_message(fn, world_size, failed, exited, timeout))
     return [done[rank][1] for rank in range(world_size)]
+
+
+def _failure_message(
+    fn: Callable[..., Any],
+    world_size: int,
+    failed: dict[int, str],
+    exited: dict[int, int | None],
+    timeout: float,
+) -> str:
+    """What went wrong on each rank: its traceback, its worker's exit, or no answer in time."""
+    name = getattr(fn, "__qualname__", repr(fn))
+    parts = [f"rank {rank} of {world_size} failed in {name}:\n{tb}" for rank, tb in failed.items()]
+    parts += [
+        _exit_message(rank, world_size, code, name)
+        for rank, code in exited.items()
+        if code is not None
+    ]
+    hung = [rank for rank, code in exited.items() if code is None]
+    if hung:
+        parts.append(
+            f"ranks {hung} of {world_size} did not finish {name} within {timeout:.0f} s "
+            "(hung, or a peer died inside a collective)"
+        )
+    return "\n".join(parts)
 
 
 def _exit_message(rank: int, world_size: int, code: int, name: str) -> str:
