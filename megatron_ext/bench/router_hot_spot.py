@@ -25,8 +25,9 @@ def _kmeans(x_ND: torch.Tensor, k: int, iters: int = 20) -> torch.Tensor:
     for _ in range(iters):
         assign_N = torch.cdist(x_ND, centroids).argmin(1)
         sums = torch.zeros_like(centroids).index_add_(0, assign_N, x_ND)
-        counts = torch.bincount(assign_N, minlength=k).clamp_min(1).unsqueeze(1)
-        centroids = torch.where(counts > 0, sums / counts, centroids)
+        counts = torch.bincount(assign_N, minlength=k).unsqueeze(1)
+        # An empty cluster keeps its centroid (the clamp only avoids 0/0 in the unused branch).
+        centroids = torch.where(counts > 0, sums / counts.clamp_min(1), centroids)
     return centroids
 
 
