@@ -9,6 +9,7 @@ import argparse
 
 from megatron_ext.config.megatron_view import MegatronView
 from megatron_ext.config.registry import flag_value
+from megatron_ext.training import feature_configs  # noqa: F401  (registers the flags read here)
 
 #: Megatron flags (dest, value that needs a GPU, flag, what to use instead).
 _GPU_ONLY: tuple[tuple[str, object, str, str], ...] = (

@@ -16,6 +16,19 @@ from megatron_ext.replay.config import ReplayConfig
 from megatron_ext.training.config import EntryConfig
 from megatron_ext.training.policy_config import PolicyLossConfig
 
+# Registration follows import order, which a test or a tool may have changed (importing
+# replay.config first): put the groups back in the order above, so --help and docs/flags.md do not
+# depend on what was imported first.
+for _cls in (
+    PaddingConfig,
+    MoEAlignmentConfig,
+    MoEPadRoutingConfig,
+    ReplayConfig,
+    EntryConfig,
+    PolicyLossConfig,
+):
+    FEATURE_CONFIGS[_cls] = FEATURE_CONFIGS.pop(_cls)
+
 __all__ = [
     "FEATURE_CONFIGS",
     "EntryConfig",
