@@ -189,6 +189,15 @@ def run_module(module: str, args: list[str], env: dict[str, str], cwd: str, out:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    run_as_main(module, args, env, cwd, started)
+
+
+def run_as_main(
+    module: str, args: list[str], env: dict[str, str], cwd: str, started: float
+) -> None:
+    """The part of :func:`run_module` after the standard streams are in place (also the forked dry
+    runs of tests/dry_run_server.py): ``python -m module *args`` with ``env``
+    and ``cwd``, Megatron's start clocks at ``started``; exits as a fresh interpreter would."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
