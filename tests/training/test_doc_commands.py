@@ -4,7 +4,8 @@ Every ``bash`` block of README.md and docs/*.md, and the data commands of the ex
 in one working directory, in the order the documents give them (the README's data first, as it says),
 each distinct command once. A block that launches on GPUs (``torchrun``, or ``bash examples/...``
 without ``CPU=1``) runs with ``DRY_RUN=1``: every flag validated for the launch's world size, no GPU;
-those dry runs go in their own order beside the other blocks.
+those dry runs (forked from one server that imported Megatron: tests/dry_run_server.py) and the
+headers' data commands go in their own order beside the other blocks.
 Its ``MEGATRON_ARGS`` (the reader's own flags) are a small MoE model's, and ``DATA`` holds the files
 the blocks name. The header launches themselves are dry-run by tests/training/test_example_dry_runs.py.
 """
@@ -255,12 +256,17 @@ def doc_runs(
         tmp_path_factory.mktemp("doc_dry_run_server"), gpu_env, DRY_RUN_TIME, python=None,
         name="python3", cwd=work,
     )  # fmt: skip
-    # The GPU launches are dry runs of DATA's files, writing nothing the others read: they run one
-    # at a time beside the other blocks (mostly one core each), both in the documents' order.
+    # The GPU launches are dry runs of DATA's files, and the headers' data commands write only
+    # their own DATA: neither writes what another block reads. They run one at a time beside the
+    # other blocks (mostly one core each), both in the documents' order.
     with ThreadPoolExecutor(max_workers=1) as beside:
-        dry = {n: beside.submit(run, n, *wb) for n, wb in blocks if is_gpu_launch(wb[1])}
-        procs = {n: run(n, *wb) for n, wb in blocks if n not in dry}
-        procs.update({n: future.result() for n, future in dry.items()})
+        apart = {
+            n: beside.submit(run, n, *wb)
+            for n, wb in blocks
+            if is_gpu_launch(wb[1]) or "header" in wb[0]
+        }
+        procs = {n: run(n, *wb) for n, wb in blocks if n not in apart}
+        procs.update({n: future.result() for n, future in apart.items()})
     return [("README.md", setup, setup_proc)] + [
         (where, block, procs[n]) for n, (where, block) in blocks
     ]
