@@ -1,20 +1,17 @@
-"""Runs each patched Megatron call with its CPU patch removed, on 2 fresh gloo ranks (used by test_cpu.py).
+"""Runs each patched Megatron call with its CPU patch removed, on 2 gloo ranks of their own (used by tests/cpu/test_model_stack.py).
 
-Rank 0 prints one JSON line: {check: "ok" | "<exception text>"}. Each check is a real training step of the
+:func:`probe` runs on each rank (``run_distributed(probe, 2, ep=2, fresh=True)``: workers started
+for it and stopped after it, since it leaves their patches changed) and returns {check: "ok" |
+"<exception text>"}. Each check is a real training step of the
 tiny MoE GPTModel at EP=2 (alltoall dispatcher), so the all-to-all split sizes and the EP gathers are
 exercised too; DDP's patches are checked on the same step wrapped in Megatron's DistributedDataParallel; the TP linear layers' patch is checked by a TP=2 sequence-parallel step instead.
 ``all_patches`` (and ``all_patches_sequence_parallel``) is the positive control: with every patch the same step must succeed.
 Removing a patch fails symmetrically on both ranks before any collective, so nothing hangs.
 """
 
-import datetime
 import inspect
-import json
-import os
-import sys
 
 import torch
-import torch.multiprocessing as mp
 
 SP_ONLY = "megatron.core.tensor_parallel.layers"
 PP_ONLY = "megatron.core.pipeline_parallel.p2p_communication"
@@ -22,11 +19,8 @@ SHARED_ONLY = "megatron.core.transformer.moe.shared_experts"
 DDP_ONLY = "megatron.core.distributed.param_and_grad_buffer"
 
 
-def _probe(rank: int, port: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, TORCHDYNAMO_DISABLE="1")
-    torch.distributed.init_process_group(
-        "gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30)
-    )
+def probe() -> dict[str, str]:
+    """Every check's outcome on this rank (run under ``run_distributed`` at EP=2, see above)."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.transformer.moe import token_dispatcher
@@ -89,7 +83,7 @@ def _probe(rank: int, port: str) -> None:
         except Exception as exc:  # the probe reports, the test decides
             return f"{type(exc).__name__}: {exc}"[:300]
 
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
+    assert parallel_state.get_expert_model_parallel_world_size() == 2  # run_distributed's ep=2
     results = {}
     apply()
     results["all_patches"] = train_step()
@@ -136,9 +130,4 @@ def _probe(rank: int, port: str) -> None:
     results["all_patches_sequence_parallel"] = train_step(sequence_parallel=True)
     apply(unpatch=(SP_ONLY, "current_device"))
     results[f"current_device:{SP_ONLY}"] = train_step(sequence_parallel=True)
-    if rank == 0:
-        print("PROBE " + json.dumps(results), flush=True)
-
-
-if __name__ == "__main__":
-    mp.spawn(_probe, args=(sys.argv[1],), nprocs=2)
+    return results

@@ -53,8 +53,10 @@ from megatron_ext.common.process_exit import (
 from megatron_ext.rehearse.rank_env import rank_env
 
 #: Modules the server imports: what every launch of ``megatron_ext.pretrain_gpt`` imports (its
-#: tokenizer libraries deferred, as a ``--cpu`` launch has them). Not the entry module itself:
-#: ``runpy`` runs it as ``__main__``.
+#: tokenizer libraries deferred, as a ``--cpu`` launch has them), and megatron_ext's own modules
+#: that every ``--cpu`` launch imports (a dry run's: its checks; a training run's: data, loss,
+#: save; about 0.1 s of CPU a rank, most of it compiling their source). Not the entry module
+#: itself: ``runpy`` runs it as ``__main__``.
 PRELOAD = (
     "megatron.training.training",
     "megatron.training.initialize",
@@ -68,6 +70,33 @@ PRELOAD = (
     "megatron_ext.training.run_state",
     "megatron_ext.moe.layer_specs",
     "megatron_ext.replay.route_recorder",
+    # megatron_ext's, every --cpu launch (a dry run too)
+    "megatron_ext.common.quiet",
+    "megatron_ext.common.thd_partition",
+    "megatron_ext.cpu.caching_malloc",
+    "megatron_ext.cpu.training_loop",
+    "megatron_ext.data.data_args",
+    "megatron_ext.training.checkpoint_checks",
+    "megatron_ext.training.cpu_args",
+    "megatron_ext.training.cpu_rehearsal",
+    "megatron_ext.training.dry_run",
+    "megatron_ext.training.eval_args",
+    "megatron_ext.training.gpt_builder",
+    "megatron_ext.training.launch_log",
+    "megatron_ext.training.launch_rules",
+    "megatron_ext.training.model_provider",
+    "megatron_ext.training.resume_checks",
+    "megatron_ext.training.sft_args",
+    "megatron_ext.training.vocab_check",
+    # megatron_ext's, every --cpu training run
+    "megatron_ext.common.token_positions",
+    "megatron_ext.data.batch",
+    "megatron_ext.data.provider",
+    "megatron_ext.replay.keyed_router_replay",
+    "megatron_ext.replay.layout",
+    "megatron_ext.replay.shared_directory",
+    "megatron_ext.training.checkpoint_save",
+    "megatron_ext.training.loss_log",
 )
 #: Variables that differ between launches and are read only at run time: the per-rank
 #: environment launch gives (torchrun's, with the rendezvous) and pytest's current test.
@@ -146,8 +175,10 @@ def serve(requests_fd: int, replies_fd: int) -> None:
 def compute_once_for_every_rank() -> None:
     """Two pure computations every rank repeats, done once in the server (about 0.7 s of CPU per
     rank of the ~1.7 s a tiny forked launch costs, by ``cProfile`` of one): the renamed code of the
-    CPU group's compatibility rows (:func:`megatron_ext.compat.patch.prepare`: computed, not
-    installed, so ranks still start unpatched), and the field docstrings Megatron's parser reads
+    compatibility rows a ``--cpu`` launch applies (the CPU model stack's, the training loop's and
+    the validation on the target's: :func:`megatron_ext.compat.patch.prepare`, computed, not
+    installed, so ranks still start unpatched; the loop's alone cost each rank about 0.15 s), and
+    the field docstrings Megatron's parser reads
     from each config dataclass for argparse's help on every ``parse_args`` (``inspect.getsource``
     and ``ast.parse`` of the class). The second is a memo on Megatron's
     ``ArgumentGroupFactory._get_field_docstrings`` in this server only: each call gets a copy of
@@ -159,9 +190,10 @@ def compute_once_for_every_rank() -> None:
     from megatron.training import argument_utils, arguments
 
     from megatron_ext import compat
+    from megatron_ext.compat.check import launch_groups
     from megatron_ext.compat.patch import prepare
 
-    prepare(compat.rows("cpu"))
+    prepare(compat.rows(*launch_groups(cpu=True, dry_run=False)))
     factory = argument_utils.ArgumentGroupFactory
     read = factory._get_field_docstrings
     memo: dict[type, dict[str, str]] = {}
@@ -189,6 +221,15 @@ def run_module(module: str, args: list[str], env: dict[str, str], cwd: str, out:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    run_as_main(module, args, env, cwd, started)
+
+
+def run_as_main(
+    module: str, args: list[str], env: dict[str, str], cwd: str, started: float
+) -> None:
+    """The part of :func:`run_module` after the standard streams are in place (also the forked dry
+    runs of tests/dry_run_server.py): ``python -m module *args`` with ``env``
+    and ``cwd``, Megatron's start clocks at ``started``; exits as a fresh interpreter would."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)

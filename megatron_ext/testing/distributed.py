@@ -295,6 +295,7 @@ def run_distributed(
     etp: int | None = None,
     seed: int = 1234,
     timeout: float = 240.0,
+    fresh: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
     """Runs ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks with Megatron parallel state set up.
@@ -308,6 +309,9 @@ def run_distributed(
         etp: Expert tensor-parallel size (None: Megatron's default, ``tp``).
         seed: Seed for torch and Megatron's model-parallel RNG tracker.
         timeout: Seconds before a hung call fails (the pool is then rebuilt).
+        fresh: Run on workers of its own, started for this call and stopped after it (for ``fn``
+            that leaves its process changed, e.g. with Megatron's CPU patches removed); forked
+            from the server after :func:`fork_workers_from_server`, so well under a second.
         **kwargs: Keyword arguments for ``fn``.
 
     Returns:
@@ -320,14 +324,16 @@ def run_distributed(
     sizes = ParallelSizes(tp=tp, ep=ep, pp=pp, cp=cp, sp=sp, seed=seed, etp=etp)
     exited: dict[int, int | None] = {}
     with _POOLS_LOCK:
-        pool = _pool(world_size, sizes)
+        pool = _Pool(world_size) if fresh else _pool(world_size, sizes)
         if pool.idle_timer is not None:
             pool.idle_timer.cancel()
         done = pool.run(fn, args, kwargs, sizes, timeout)
         failed = {rank: value for rank, (ok, value) in done.items() if not ok}
         missing = [rank for rank in range(world_size) if rank not in done]
-        if failed or missing:
-            exited = {rank: pool.procs[rank].exitcode for rank in missing}  # None: still running
+        exited = {rank: pool.procs[rank].exitcode for rank in missing}  # None: still running
+        if fresh:
+            pool.close(force=bool(failed or missing))
+        elif failed or missing:
             pool.close(force=True)
             _POOLS.pop(world_size, None)
         else:

@@ -1,19 +1,16 @@
 """Tier: Megatron on one rank. megatron_ext.cpu.model_stack patches are each still needed, idempotent, and loud.
 
-Every group of ``cpu.*`` rows of the compatibility table is removed in turn on two fresh gloo ranks (tests/cpu_patch_probe.py: a real EP=2 training step
+Every group of ``cpu.*`` rows of the compatibility table is removed in turn on two gloo ranks of their own (tests/cpu_patch_probe.py: a real EP=2 training step
 of the tiny MoE GPTModel) and the step must then fail on CPU, while it passes with all patches: when a megatron-core release
 fixes one of these CUDA assumptions this test fails and names the patch that can go.
 """
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from megatron_ext.rehearse.rank_env import free_port
 from megatron_ext.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,18 +18,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def probe() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "cpu_patch_probe.py"), str(free_port())],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        cwd=ROOT,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
-    assert lines, f"probe crashed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1][len("PROBE ") :])
+    """Rank 0's outcomes, on 2 gloo ranks forked for the probe and stopped after it (it leaves
+    their patches changed): no rank of another test's pool, no interpreter's imports."""
+    from tests.cpu_patch_probe import probe
+
+    return run_distributed(probe, 2, ep=2, fresh=True)[0]
 
 
 def test_all_patches_make_a_moe_training_step_run(probe: dict[str, str]) -> None:

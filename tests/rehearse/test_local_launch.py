@@ -18,13 +18,22 @@ from megatron_ext.rehearse.local_launch import launch
 PROBE = "tests.testing.launch_probe"
 
 
+#: A variable read at import, for all the launch knows: set, it keeps ranks from being forked.
+IMPORT_TIME = "MEGATRON_EXT_LAUNCH_PROBE"
+
+
 @pytest.mark.parametrize("preload", [True, False], ids=["forked", "fresh"])
 def test_ranks_get_torchruns_environment_and_one_output(preload):
-    preloaded.import_environment_differs(dict(os.environ))  # the server is up before the clock
+    """Fresh: started so by an import-time variable the server did not start under (the launch
+    would fork them otherwise; ``preload=False`` is the failing-rank and exit tests' way)."""
+    env = {} if preload else {IMPORT_TIME: "1"}
+    assert IMPORT_TIME not in os.environ
+    differs = preloaded.import_environment_differs({**os.environ, **env})  # the server is up
+    assert differs == sorted(env)  # before the clock
     launched_at = time.time()
-    run = launch(["pass"], nproc=2, module=PROBE, timeout=120, preload=preload)
+    run = launch(["pass"], nproc=2, module=PROBE, timeout=120, env=env)
     assert run.returncode == 0, run.output
-    assert run.preloaded is preload
+    assert run.preloaded is preload and run.not_forked_because == sorted(env)
     for rank in (0, 1):
         assert f"rank {rank} of 2 local {rank}" in run.output
         assert f"rank {rank} passed the barrier" in run.output
@@ -34,7 +43,7 @@ def test_ranks_get_torchruns_environment_and_one_output(preload):
     if preload:  # Megatron was imported before the rank ran; its start clock is the rank's
         assert len(starts) == 2 and all(float(s) >= launched_at for s in starts), run.output
     else:
-        assert starts == []
+        assert starts == [] and "preloaded" not in run.output
 
 
 @pytest.mark.parametrize("preload", [True, False], ids=["forked", "fresh"])
@@ -60,15 +69,6 @@ def test_a_timeout_stops_the_ranks_and_keeps_what_they_printed():
     with pytest.raises(subprocess.TimeoutExpired) as err:
         launch(["pass"], nproc=2, ranks=(0,), module=PROBE, timeout=3)
     assert "rank 0 joining" in err.value.output and "rank 0 of 2" not in err.value.output
-
-
-def test_an_import_time_variable_starts_fresh_interpreters():
-    marker = "MEGATRON_EXT_LAUNCH_PROBE"
-    assert marker not in os.environ
-    assert preloaded.import_environment_differs({**os.environ, marker: "1"}) == [marker]
-    run = launch(["pass"], nproc=2, module=PROBE, timeout=120, env={marker: "1"})
-    assert run.returncode == 0, run.output
-    assert not run.preloaded and "preloaded" not in run.output
 
 
 def test_a_forked_rank_exits_as_a_fresh_interpreter_does():

@@ -106,8 +106,9 @@ def test_a_warm_up_that_fails_leaves_the_error_to_the_launch(monkeypatch):
 
 def test_what_the_server_computes_once_is_what_each_rank_would_compute():
     """The server's memo of Megatron's field docstrings gives each call a copy equal to Megatron's
-    unmemoized method, for every config dataclass its parser reads; the CPU rows' renamed code is
-    computed there and none of the rows is installed (a forked rank starts unpatched)."""
+    unmemoized method, for every config dataclass its parser reads; the renamed code of the rows
+    a --cpu launch applies (model stack, training loop) is computed there and none of the rows is
+    installed (a forked rank starts unpatched)."""
     import json
 
     from megatron_ext.testing.real_loop import launch
@@ -118,4 +119,4 @@ def test_what_the_server_computes_once_is_what_each_rank_would_compute():
     probe = json.loads(line[len("PROBE ") :])
     assert probe["classes"] >= 10 and probe["fields"] >= 500, probe  # the parser read them
     assert probe["same"] and probe["copies"], probe
-    assert probe["renamed"] >= 30 and probe["applied"] == [], probe
+    assert probe["renamed"] >= 120 and probe["applied"] == [], probe  # 73 without the loop rows

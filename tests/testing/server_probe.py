@@ -25,5 +25,6 @@ print("PROBE " + json.dumps({
     "same": all(same),
     "copies": first is None or method(instance, first) == method.__wrapped__(instance, first),
     "renamed": len(host_torch._RENAMED),
-    "applied": [row.name for row in compat.rows("cpu") if compat.applied(row)],
+    "applied": [row.name for row in compat.rows("cpu", "cpu_loop", "validate_on_target")
+                if compat.applied(row)],
 }), flush=True)  # fmt: skip

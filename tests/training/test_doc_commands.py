@@ -4,7 +4,8 @@ Every ``bash`` block of README.md and docs/*.md, and the data commands of the ex
 in one working directory, in the order the documents give them (the README's data first, as it says),
 each distinct command once. A block that launches on GPUs (``torchrun``, or ``bash examples/...``
 without ``CPU=1``) runs with ``DRY_RUN=1``: every flag validated for the launch's world size, no GPU;
-those dry runs go in their own order beside the other blocks.
+those dry runs (forked from one server that imported Megatron: tests/dry_run_server.py) and the
+headers' data commands go in their own order beside the other blocks.
 Its ``MEGATRON_ARGS`` (the reader's own flags) are a small MoE model's, and ``DATA`` holds the files
 the blocks name. The header launches themselves are dry-run by tests/training/test_example_dry_runs.py.
 """
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from megatron_ext.testing.real_loop import LoopRun, free_port
+from tests.dry_run_server import DryRunServer
 from tests.training.doc_blocks import DOCS, EXAMPLES, bash_blocks, header_commands, normalized
 from tests.training.entry_args import ROOT
 from tests.training.loop_checks import (
@@ -148,8 +150,26 @@ def doc_work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("docs")
 
 
+#: What the GPU launches' environments differ in from the one their dry-run server started under:
+#: what the blocks export (``DATA``), what the torchrun and Slurm stand-ins and the examples'
+#: launcher set; each read after the imports, if at all.
+DRY_RUN_TIME = ("DATA", "WORLD_SIZE", "RANK", "CUDA_DEVICE_MAX_CONNECTIONS", "SLURM_NNODES",
+                "SLURM_NODEID", "SLURM_JOB_NODELIST")  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def doc_runs(doc_work: Path) -> list[tuple[str, str, subprocess.CompletedProcess]]:
+def doc_dry_runs() -> dict:
+    """The GPU launches' dry-run server, once ``doc_runs`` has started it."""
+    started: dict = {}
+    yield started
+    if "server" in started:
+        started["server"].close()
+
+
+@pytest.fixture(scope="module")
+def doc_runs(
+    doc_work: Path, doc_dry_runs: dict, tmp_path_factory
+) -> list[tuple[str, str, subprocess.CompletedProcess]]:
     work = doc_work
     for name in ("examples", "tools"):
         os.symlink(ROOT / name, work / name)
@@ -193,7 +213,7 @@ def doc_runs(doc_work: Path) -> list[tuple[str, str, subprocess.CompletedProcess
         block_env = dict(env, PATH=f"{bin_dir}:{env['PATH']}")
         preamble = "set -euo pipefail\n"
         if is_gpu_launch(block):
-            block_env["DRY_RUN"] = "1"
+            block_env = server.wait_ready().env  # python3 forked from the server: see below
             preamble += MEGATRON_ARGS + f"export DATA={data}\n"
         elif "header" in where:
             preamble += f"DATA={header_data}\n"
@@ -226,12 +246,27 @@ def doc_runs(doc_work: Path) -> list[tuple[str, str, subprocess.CompletedProcess
     env = dict(line.split("=", 1) for line in environment.read_text().split("\0") if "=" in line)
     env.pop("PWD", None), env.pop("OLDPWD", None), env.pop("SHLVL", None)
     blocks = [(n, wb) for n, wb in blocks if n != number]
-    # The GPU launches are dry runs of DATA's files, writing nothing the others read: they run one
-    # at a time beside the other blocks (mostly one core each), both in the documents' order.
+    # The GPU launches' ``python3 -m megatron_ext.pretrain_gpt ... --dry-run`` (the activated
+    # python3, through the torchrun stand-in or an example's launcher) is forked from one server
+    # that imported Megatron under their environment, which it starts importing now
+    # (tests/dry_run_server.py: the same command's code path after the imports,
+    # its output, exit status and the rest of the block as written).
+    gpu_env = dict(env, PATH=f"{bin_dir}:{env['PATH']}", DRY_RUN="1")
+    server = doc_dry_runs["server"] = DryRunServer(
+        tmp_path_factory.mktemp("doc_dry_run_server"), gpu_env, DRY_RUN_TIME, python=None,
+        name="python3", cwd=work,
+    )  # fmt: skip
+    # The GPU launches are dry runs of DATA's files, and the headers' data commands write only
+    # their own DATA: neither writes what another block reads. They run one at a time beside the
+    # other blocks (mostly one core each), both in the documents' order.
     with ThreadPoolExecutor(max_workers=1) as beside:
-        dry = {n: beside.submit(run, n, *wb) for n, wb in blocks if is_gpu_launch(wb[1])}
-        procs = {n: run(n, *wb) for n, wb in blocks if n not in dry}
-        procs.update({n: future.result() for n, future in dry.items()})
+        apart = {
+            n: beside.submit(run, n, *wb)
+            for n, wb in blocks
+            if is_gpu_launch(wb[1]) or "header" in wb[0]
+        }
+        procs = {n: run(n, *wb) for n, wb in blocks if n not in apart}
+        procs.update({n: future.result() for n, future in apart.items()})
     return [("README.md", setup, setup_proc)] + [
         (where, block, procs[n]) for n, (where, block) in blocks
     ]
@@ -250,6 +285,13 @@ def test_every_documented_command_runs_as_written(doc_runs) -> None:
     gpu = [proc for _, block, proc in doc_runs if is_gpu_launch(block)]
     assert len(gpu) == 4  # one per feature, and the Slurm launch of docs/examples.md
     assert all("megatron_ext: dry run OK" in proc.stdout for proc in gpu)
+
+
+def test_the_gpu_launches_dry_runs_are_forked_from_the_server(doc_runs, doc_dry_runs) -> None:
+    """Each GPU launch's dry run ran forked (what a fresh python3 would have run: the server's
+    interpreter, environment and entry), not as a fresh interpreter."""
+    records = doc_dry_runs["server"].records()
+    assert len(records) == 4 and all(r["forked"] for r in records), records
 
 
 def test_the_readmes_losses_are_what_the_cpu_demo_prints(doc_runs) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from tests.compat.te_site.sitecustomize import MARKER
+from tests.dry_run_server import DryRunServer
 from tests.training.doc_blocks import header_commands, launch_env
 from tests.training.entry_args import ROOT
 
@@ -51,17 +52,54 @@ def documented_launches(script: Path) -> list[dict[str, str]]:
     return documented
 
 
+def _dry_run_env() -> dict[str, str]:
+    """What every dry run here runs under, before its script's documented variables."""
+    env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, **te_standin_env())
+    for key in ("WORLD_SIZE", "NNODES", "NODE_RANK", "MASTER_ADDR", "CPU"):
+        env.pop(key, None)
+    return env
+
+
+def run_time_variables() -> tuple[str, ...]:
+    """What the dry runs' environments differ in from :func:`_dry_run_env`: the variables of the
+    documented commands (``NNODES=8 ... bash examples/X.sh``; read by the scripts, or by the entry
+    after its imports), those the launcher sets (``WORLD_SIZE``, ``RANK``, ...), ``DATA``, the
+    test's ``MODEL=gpt``, and ``PYTHON``, the forking server's executable (read by bash only)."""
+    documented = {
+        name
+        for script in EXAMPLES
+        for variables in documented_launches(ROOT / "examples" / script)
+        for name in variables
+    }
+    launcher = {"WORLD_SIZE", "RANK", "CUDA_DEVICE_MAX_CONNECTIONS"}
+    return tuple(sorted(documented | launcher | {"DATA", "PYTHON", *RL_GPT_ARGS[0]}))
+
+
+@pytest.fixture(scope="module")
+def dry_run_server(tmp_path_factory):
+    """The server the dry runs' ``python -m megatron_ext.pretrain_gpt ... --dry-run`` is forked
+    from (tests/dry_run_server.py): Megatron imported once under the stand-ins'
+    environment, not once per dry run (about 5 s of CPU each). It imports while the data is made."""
+    folder = tmp_path_factory.mktemp("dry_run_server")
+    server = DryRunServer(folder, _dry_run_env(), run_time_variables())
+    yield server
+    server.close()
+
+
 def _dry_run(
-    script: Path, data_dir: Path, extra: tuple[dict, list] = ({}, []), which: int = 0
+    script: Path,
+    data_dir: Path,
+    extra: tuple[dict, list] = ({}, []),
+    which: int = 0,
+    python: Path | str = sys.executable,
 ) -> subprocess.CompletedProcess:
     """The script's documented command (its header's ``# Command:`` number ``which``, with its
     variables) as a dry run: the world it validates is the one its parallel sizes are written
     for, with Transformer Engine's attributes bound as on the GPU node it is written for
     (:func:`te_standin_env`). These are the header launches of tests/training/test_doc_commands.py,
-    which runs the other documented commands."""
-    env = dict(os.environ, DRY_RUN="1", PYTHON=sys.executable, **te_standin_env())
-    for key in ("WORLD_SIZE", "NNODES", "NODE_RANK", "MASTER_ADDR", "CPU"):
-        env.pop(key, None)
+    which runs the other documented commands. ``python``: the interpreter (``PYTHON``), or the
+    dry-run server's executable standing in for it."""
+    env = dict(_dry_run_env(), PYTHON=str(python))
     env.update(documented_launches(script)[which])
     env.update(extra[0])
     env["DATA"] = str(data_dir)
@@ -156,6 +194,8 @@ BROKEN = [
 ]
 
 
+#: The example also dry-run by a fresh interpreter (key ``"<name>, fresh"``), to compare.
+FRESH = "pretrain_moe_blended.sh"
 #: The key of :func:`_slurm_dry_run`'s result among the dry runs.
 SLURM = "pretrain_moe_blended.sh under Slurm, MODEL=gpt"
 
@@ -177,9 +217,12 @@ def _slurm_dry_run(example_data: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def dry_runs(example_data: Path, tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
-    """Every example's dry run, the broken copies' and the Slurm one, two processes at a time (2
-    cores; each is mostly Megatron's imports)."""
+def dry_runs(
+    dry_run_server: DryRunServer, example_data: Path, tmp_path_factory
+) -> dict[str, subprocess.CompletedProcess]:
+    """Every example's dry run, the broken copies' and the Slurm one, two at a time (2 cores),
+    forked from :func:`dry_run_server` where a fork is what a fresh interpreter would run."""
+    python = dry_run_server.wait_ready().python
     scripts = {name: ROOT / "examples" / name for name in EXAMPLES}
     original = (ROOT / "examples" / "sft_fp8_moe_packed.sh").read_text()
     assert "  --moe-dispatch-align" in original
@@ -193,15 +236,22 @@ def dry_runs(example_data: Path, tmp_path_factory) -> dict[str, subprocess.Compl
         scripts[broken] = copy
     with ThreadPoolExecutor(max_workers=2) as pool:
         slurm = pool.submit(_slurm_dry_run, example_data)
-        rl_gpt = pool.submit(_dry_run, scripts["rl_route_replay.sh"], example_data, RL_GPT_ARGS)
+        rl_gpt = pool.submit(
+            _dry_run, scripts["rl_route_replay.sh"], example_data, RL_GPT_ARGS, 0, python
+        )
         variants = {
-            key: pool.submit(_dry_run, scripts[script], example_data, ({}, []), which)
+            key: pool.submit(_dry_run, scripts[script], example_data, ({}, []), which, python)
             for key, (script, which) in VARIANTS.items()
         }
+        fresh = pool.submit(_dry_run, scripts[FRESH], example_data)
         done = dict(
-            pool.map(lambda item: (item[0], _dry_run(item[1], example_data)), scripts.items())
+            pool.map(
+                lambda item: (item[0], _dry_run(item[1], example_data, python=python)),
+                scripts.items(),
+            )
         )
         more = {key: future.result() for key, future in variants.items()}
+        more[f"{FRESH}, fresh"] = fresh.result()
         return {**done, **more, SLURM: slurm.result(), RL_GPT: rl_gpt.result()}
 
 
@@ -327,3 +377,20 @@ def test_examples_take_the_nodes_from_slurm(dry_runs) -> None:
     assert "launch: nnodes=4 node_rank=2 master_addr=gpu03 nproc_per_node=8" in proc.stderr
     assert '"world_size": 32' in proc.stdout
     assert '"model": "GPTModel"' in proc.stdout
+
+
+def test_the_dry_runs_are_forked_where_a_fork_runs_what_a_fresh_interpreter_would(
+    dry_runs, dry_run_server
+) -> None:
+    """Every dry run above but three ran forked from the server: cpu_demo.sh's (``--cpu`` prepares
+    the process before Megatron's import), the Slurm one (its own environment, no stand-ins) and
+    the fresh one compared below ran as fresh interpreters. A forked dry run prints what the fresh
+    interpreter prints, byte for byte, and exits with its status."""
+    records = dry_run_server.records()
+    assert len(records) == len(dry_runs) - 2  # the Slurm and fresh runs name the interpreter
+    fresh = [record["why"] for record in records if not record["forked"]]
+    assert fresh == ["--cpu: the entry does more before Megatron's import"], fresh
+    forked, fresh_run = dry_runs[FRESH], dry_runs[f"{FRESH}, fresh"]
+    assert forked.returncode == fresh_run.returncode == 0
+    assert MARKER in forked.stderr  # what the server's imports printed, where they would be
+    assert (forked.stdout, forked.stderr) == (fresh_run.stdout, fresh_run.stderr)
