@@ -89,7 +89,8 @@ def serve(config_path: str, socket_path: str, records: str, run_time: list[str],
           configured_python: str | None) -> None:  # fmt: skip
     """Imports what a dry run imports (after what the entry does first for a plain dry run: hide
     the known import warnings, Megatron's INFO logs unless a level is chosen), keeps what the
-    imports printed, writes ``config_path`` once ready, and forks one child per connection."""
+    imports printed, writes ``config_path`` once ready, and forks one child per connection. It
+    dies with the process that started it (pytest), and its children with it."""
     import gc
     import importlib
 
@@ -98,6 +99,7 @@ def serve(config_path: str, socket_path: str, records: str, run_time: list[str],
     from megatron_ext.rehearse.rank_server import run_as_main
     from megatron_ext.training.launch_log import quiet_megatron_info
 
+    die_with_parent()
     start_env = dict(os.environ)
     quiet_warnings()
     quiet_megatron_info(["--dry-run"], os.environ)
