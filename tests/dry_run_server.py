@@ -94,7 +94,7 @@ def serve(config_path: str, socket_path: str, records: str, run_time: list[str],
     import gc
     import importlib
 
-    from megatron_ext.common.process_exit import die_with_parent, flush_c_streams
+    from megatron_ext.common.process_exit import die_with_parent, flush_c_streams, reap_exited
     from megatron_ext.common.quiet import quiet_warnings
     from megatron_ext.rehearse.rank_server import run_as_main
     from megatron_ext.training.launch_log import quiet_megatron_info
@@ -178,16 +178,9 @@ def serve(config_path: str, socket_path: str, records: str, run_time: list[str],
                 pid = next(p for p, c in children.items() if c is sock)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-        while children:
+        for conn, code in reap_exited(children):
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            conn = children.pop(pid)
-            try:
-                conn.sendall(f"exited {os.waitstatus_to_exitcode(status)}\n".encode())
+                conn.sendall(f"exited {code}\n".encode())
             except OSError:
                 pass
             conn.close()

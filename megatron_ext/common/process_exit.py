@@ -13,6 +13,8 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 #: Linux's ``prctl`` option for the signal a process gets when its parent dies.
 _PR_SET_PDEATHSIG = 1
@@ -43,6 +45,19 @@ def die_with_the_agent(environ: dict[str, str] | os._Environ = os.environ) -> bo
     if os.getppid() != agent:
         os.kill(os.getpid(), signal.SIGKILL)
     return True
+
+
+def reap_exited(children: dict[int, Any]) -> Iterator[tuple[Any, int]]:
+    """Pops each child of ``children`` (pid -> what it serves) that has exited, without waiting,
+    and yields what it served with its exit code (a signal's as minus its number)."""
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:  # none has exited yet
+            return
+        yield children.pop(pid), os.waitstatus_to_exitcode(status)
 
 
 def flush_c_streams() -> None:

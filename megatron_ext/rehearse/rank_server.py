@@ -49,6 +49,7 @@ from megatron_ext.common.process_exit import (
     die_with_parent,
     exit_like_the_interpreter,
     flush_c_streams,
+    reap_exited,
 )
 from megatron_ext.rehearse.rank_env import rank_env
 
@@ -160,15 +161,7 @@ def serve(requests_fd: int, replies_fd: int) -> None:
                         os._exit(1)
                 live[pid] = request["id"]
                 os.write(replies_fd, f"started {request['id']} {pid}\n".encode())
-        while live:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            request_id = live.pop(pid)
-            code = os.waitstatus_to_exitcode(status)
+        for request_id, code in reap_exited(live):
             os.write(replies_fd, f"exited {request_id} {code}\n".encode())
 
 

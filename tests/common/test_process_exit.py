@@ -55,3 +55,40 @@ def test_an_interrupt_ends_the_process_by_sigint(tmp_path):
     proc, seen = _run(tmp_path, 1, interrupted=True)
     assert proc.returncode == -signal.SIGINT, proc.stderr
     assert seen.startswith("thread\natexit\n")
+
+
+def test_reap_exited_pops_only_the_children_that_exited_with_their_codes() -> None:
+    """An exit status and a kill are reported as the interpreter reports them; a running child
+    stays in the mapping, and nothing blocks while it runs."""
+    import os
+    import signal
+    import time
+
+    from megatron_ext.common.process_exit import reap_exited
+
+    def child(body) -> int:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                body()
+            finally:
+                os._exit(3)
+        return pid
+
+    exits = child(lambda: None)
+    killed = child(lambda: time.sleep(60))
+    running = child(lambda: time.sleep(60))
+    os.kill(killed, signal.SIGKILL)
+    children = {exits: "exits", killed: "killed", running: "running"}
+    reaped: dict[str, int] = {}
+    deadline = time.monotonic() + 30
+    while len(reaped) < 2 and time.monotonic() < deadline:
+        reaped.update(reap_exited(children))
+        time.sleep(0.01)
+    try:
+        assert reaped == {"exits": 3, "killed": -signal.SIGKILL}
+        assert children == {running: "running"}
+        assert dict(reap_exited(children)) == {}  # still running: returns at once
+    finally:
+        os.kill(running, signal.SIGKILL)
+        os.waitpid(running, 0)
