@@ -59,13 +59,17 @@ def loss_for_batch(
     config = run_state.configs(args)[PolicyLossConfig]
     if config.rl_loss == "off":
         return None
+    # Bound, not computed: only the last pipeline stage calls it (the others may hold no batch).
+    return partial(policy_loss_func, config, batch, loss_mask, cp_index, validate)
+
+
+def _label_aligned_share(
+    batch: dict[str, torch.Tensor], key: str, cp_index: torch.Tensor | None
+) -> torch.Tensor:
+    """Sidecar ``key`` at the positions that predict each token, in the loss mask's layout."""
     # The sidecars hold each token's value at its position; the loss at s predicts token s + 1,
     # so they are shifted in the whole pack, before the CP split moves a label to another rank.
-    sidecars = {
-        key: _rank_share(label_aligned(batch[key].reshape(batch["tokens"].shape).float()), cp_index)
-        for key in (LOGPROBS_KEY, ADVANTAGES_KEY)
-    }
-    return partial(policy_loss_func, config, sidecars, loss_mask, validate)
+    return _rank_share(label_aligned(batch[key].reshape(batch["tokens"].shape).float()), cp_index)
 
 
 def _rank_share(values_BS: torch.Tensor, cp_index: torch.Tensor | None) -> torch.Tensor:
@@ -77,23 +81,24 @@ def _rank_share(values_BS: torch.Tensor, cp_index: torch.Tensor | None) -> torch
 
 def policy_loss_func(
     config: PolicyLossConfig,
-    sidecars: dict[str, torch.Tensor],
+    batch: dict[str, torch.Tensor],
     loss_mask: torch.Tensor,
+    cp_index: torch.Tensor | None,
     validate: Callable,
     output_tensor: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Megatron's loss contract for the policy loss: ``(sum, token count, report)`` of this rank's
     tokens (Megatron sums both over data- and context-parallel ranks), the local sum validated
-    (``validate``) as the language-model loss is. ``sidecars``: label-aligned, in the layout of
-    ``loss_mask`` and of the per-token loss ``output_tensor``."""
+    (``validate``) as the language-model loss is. ``loss_mask`` and the per-token loss
+    ``output_tensor`` are in the model's token order (this CP rank's share: ``cp_index``)."""
     from megatron.training import get_args
 
     logp_N = -output_tensor.reshape(-1).float()
     mask_N = loss_mask.reshape(-1).float()
     result = ppo_clip_loss(
         logp_N,
-        sidecars[LOGPROBS_KEY],
-        sidecars[ADVANTAGES_KEY],
+        _label_aligned_share(batch, LOGPROBS_KEY, cp_index),
+        _label_aligned_share(batch, ADVANTAGES_KEY, cp_index),
         mask_N,
         clip_low=config.rl_clip_low,
         clip_high=config.rl_clip_high,
