@@ -36,6 +36,32 @@ def write_documents(
     return write_prefixes([(path_prefix, documents, dtype, companions)])[0]
 
 
+def write_token_sidecar(
+    path_prefix: str,
+    documents: Iterable[np.ndarray],
+    tokens_prefix: str,
+    lengths_D: np.ndarray,
+    *,
+    name: str,
+    scope: str,
+    dtype: type[np.number] = np.float32,
+) -> int:
+    """Writes ``documents`` (``lengths_D[d]`` values each) as a per-token sidecar of the token
+    dataset at ``tokens_prefix``, with its ``.sidecar.json`` header naming the tokens' digest."""
+    from megatron_ext.common.safe_files import content_digest
+    from megatron_ext.data.sidecar_header import SIDECAR_EXTENSION, sidecar_header_bytes
+
+    header = sidecar_header_bytes(
+        name=name,
+        key=None,
+        scope=scope,
+        dtype=dtype,
+        lengths_D=lengths_D,
+        tokens_digest=content_digest([tokens_prefix + ".idx", tokens_prefix + ".bin"]),
+    )
+    return write_documents(path_prefix, documents, dtype, companions={SIDECAR_EXTENSION: header})
+
+
 def write_prefixes(
     outputs: Sequence[tuple[str, Iterable[np.ndarray], type[np.number], dict[str, bytes] | None]],
     remove: Sequence[str] = (),

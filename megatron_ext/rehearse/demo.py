@@ -432,20 +432,14 @@ def _write_stand_in_advantages(prefix: str) -> None:
     a reward model's group-normalised rewards), with the header naming the tokens' digest."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from megatron_ext.common.safe_files import content_digest
-    from megatron_ext.data.indexed_writer import write_documents
-    from megatron_ext.data.sidecar_header import SIDECAR_EXTENSION, sidecar_header_bytes
+    from megatron_ext.data.indexed_writer import write_token_sidecar
 
     tokens = IndexedDataset(prefix)  # its index is a memory map: copy before it is closed
     lengths = tokens.sequence_lengths.copy()
     del tokens
     values = [np.full(n, 1.0 if d % 2 == 0 else -1.0, np.float32) for d, n in enumerate(lengths)]
-    header = sidecar_header_bytes(
-        name="advantages", key=None, scope="sequence", dtype=np.float32, lengths_D=lengths,
-        tokens_digest=content_digest([prefix + ".idx", prefix + ".bin"]),
-    )  # fmt: skip
-    write_documents(
-        prefix + "_advantages", values, np.float32, companions={SIDECAR_EXTENSION: header}
+    write_token_sidecar(
+        prefix + "_advantages", values, prefix, lengths, name="advantages", scope="sequence"
     )
 
 

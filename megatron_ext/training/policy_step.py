@@ -19,7 +19,6 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-import numpy as np
 import torch
 
 from megatron_ext.data.packed_dataset import Sidecar
@@ -199,19 +198,9 @@ def _records() -> bool:
 
 
 def _write(prefix: str, recorder: Any, tokens: Any) -> int:
-    from megatron_ext.common.safe_files import content_digest
-    from megatron_ext.data.indexed_writer import write_documents
-    from megatron_ext.data.sidecar_header import SIDECAR_EXTENSION, sidecar_header_bytes
+    from megatron_ext.data.indexed_writer import write_token_sidecar
 
-    tokens_prefix = tokens.path_prefix
-    header = sidecar_header_bytes(
-        name="logprobs",
-        key=None,
-        scope="token",
-        dtype=np.float32,
-        lengths_D=tokens.sequence_lengths,
-        tokens_digest=content_digest([tokens_prefix + ".idx", tokens_prefix + ".bin"]),
-    )
-    return write_documents(
-        prefix, recorder.documents(), dtype=np.float32, companions={SIDECAR_EXTENSION: header}
-    )
+    return write_token_sidecar(
+        prefix, recorder.documents(), tokens.path_prefix, tokens.sequence_lengths,
+        name="logprobs", scope="token",
+    )  # fmt: skip

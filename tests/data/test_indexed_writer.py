@@ -130,3 +130,23 @@ def test_streaming_single_documents_equal_write_documents_and_companions_publish
         assert (tmp_path / f"out{ext}").read_bytes() == (tmp_path / f"ref{ext}").read_bytes()
     assert (tmp_path / "out.head.json").read_bytes() == b"{}"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temps
+
+
+def test_a_token_sidecar_carries_the_header_the_launch_checks(tmp_path) -> None:
+    """The header names the token file's digest and the sidecar's shape; the launch's own check
+    accepts it for those tokens and refuses it for others."""
+    from megatron_ext.data.indexed_writer import write_token_sidecar
+    from megatron_ext.data.sidecar_header import check_tokens_digest
+
+    tokens, other = str(tmp_path / "t"), str(tmp_path / "o")
+    write_documents(tokens, [np.array([5, 6, 7]), np.array([8, 9])])
+    write_documents(other, [np.array([1, 2, 3]), np.array([4, 5])])
+    values = [np.array([0.5, 1, 2], np.float32), np.array([-1, 3], np.float32)]
+    write_token_sidecar(tokens + "_v", values, tokens, np.array([3, 2]), name="v", scope="token")
+    header = check_tokens_digest(tokens + "_v", tokens)
+    assert (header["name"], header["scope"], header["dtype"]) == ("v", "token", "float32")
+    assert (header["num_documents"], header["num_tokens"]) == (2, 5)
+    read = IndexedDataset(tokens + "_v")
+    assert [read[d].tolist() for d in range(2)] == [v.tolist() for v in values]
+    with pytest.raises(ValueError):
+        check_tokens_digest(tokens + "_v", other)

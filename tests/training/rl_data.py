@@ -9,22 +9,17 @@ advantage is deterministic: ``+-(1 + (token % 5) / 4)``, the sign alternating pe
 
 import numpy as np
 
-from megatron_ext.common.safe_files import content_digest
-from megatron_ext.data.indexed_writer import write_documents
-from megatron_ext.data.sidecar_header import SIDECAR_EXTENSION, sidecar_header_bytes
+from megatron_ext.data.indexed_writer import write_documents, write_token_sidecar
 
 PROMPT = 16
 
 
 def write_sidecar(prefix: str, suffix: str, values: list, dtype, scope: str, tokens: str) -> None:
     """``prefix + suffix`` with its header naming ``tokens``' digest."""
-    digest = content_digest([tokens + ".idx", tokens + ".bin"])
     lengths = np.array([v.size for v in values], dtype=np.int64)
-    header = sidecar_header_bytes(
-        name=suffix.lstrip("_"), key=None, scope=scope, dtype=dtype, lengths_D=lengths,
-        tokens_digest=digest,
-    )  # fmt: skip
-    write_documents(prefix + suffix, values, dtype=dtype, companions={SIDECAR_EXTENSION: header})
+    write_token_sidecar(
+        prefix + suffix, values, tokens, lengths, name=suffix.lstrip("_"), scope=scope, dtype=dtype
+    )
 
 
 def write_rl_data(
